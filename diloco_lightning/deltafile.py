@@ -1,0 +1,388 @@
+"""The delta file (``diloco-delta/1``): writing, and a reader that validates everything.
+
+A delta is a safetensors file holding the pseudo-gradient ``anchor - local`` of one
+worker's inner phase, one tensor per floating (or complex) key of the global state,
+with a header (safetensors metadata, all strings) that says who made it and from
+which global version (``base_outer_step``). See SPEC.md for the contract.
+
+:func:`read_delta` reports each problem as a :class:`DeltaFileError` subclass whose
+``reason`` is a short code (``"unreadable"``, ``"format"``, ...); the master logs and
+counts rejections by that code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from diloco_lightning.fileio import atomic_write
+from diloco_lightning.names import (
+    InvalidNameError,
+    parse_delta_path,
+    parse_local_step,
+    validate_local_step,
+    validate_node_id,
+)
+from diloco_lightning.signing import RunKey
+
+FORMAT = "diloco-delta/1"
+DELTA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+COMPLEX_DELTA_DTYPES = (torch.complex64,)
+
+__all__ = [
+    "FORMAT",
+    "Delta",
+    "DeltaHeader",
+    "DeltaFileError",
+    "UnreadableDeltaError",
+    "FormatError",
+    "HeaderError",
+    "NodeIdError",
+    "PathMismatchError",
+    "MissingKeyError",
+    "ExtraKeyError",
+    "ShapeMismatchError",
+    "DtypeError",
+    "NonFiniteError",
+    "FingerprintMismatchError",
+    "SignatureError",
+    "is_synced",
+    "synced_keys",
+    "model_fingerprint",
+    "write_delta",
+    "read_delta",
+    "read_delta_header",
+]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class DeltaFileError(ValueError):
+    """A delta file the reader refuses. ``reason`` is a stable short code, ``path`` the file."""
+
+    reason = "invalid"
+
+    def __init__(self, path: str | Path, detail: str) -> None:
+        self.path = str(path)
+        self.detail = detail
+        super().__init__(f"{self.path}: {self.reason}: {detail}")
+
+
+class UnreadableDeltaError(DeltaFileError):
+    reason = "unreadable"
+
+
+class FormatError(DeltaFileError):
+    reason = "format"
+
+
+class HeaderError(DeltaFileError):
+    reason = "header"
+
+
+class NodeIdError(DeltaFileError):
+    reason = "node_id"
+
+
+class PathMismatchError(DeltaFileError):
+    reason = "path_mismatch"
+
+
+class MissingKeyError(DeltaFileError):
+    reason = "missing_key"
+
+
+class ExtraKeyError(DeltaFileError):
+    reason = "extra_key"
+
+
+class ShapeMismatchError(DeltaFileError):
+    reason = "shape"
+
+
+class DtypeError(DeltaFileError):
+    reason = "dtype"
+
+
+class NonFiniteError(DeltaFileError):
+    reason = "non_finite"
+
+
+class FingerprintMismatchError(DeltaFileError):
+    reason = "fingerprint"
+
+
+class SignatureError(DeltaFileError):
+    reason = "signature"
+
+
+# ----------------------------------------------------------------------------- keys and fingerprint
+
+
+def is_synced(t: torch.Tensor) -> bool:
+    """True for tensors that travel in deltas: floating point or complex (never int/bool buffers)."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def synced_keys(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Sorted floating/complex keys of ``state``."""
+    return sorted(k for k, t in state.items() if is_synced(t))
+
+
+def model_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 hex of ``name|d0,d1,...|dtype`` lines (floating/complex keys, sorted, joined by newlines)."""
+    lines = []
+    for name in synced_keys(state):
+        t = state[name]
+        shape = ",".join(str(d) for d in t.shape)
+        lines.append(f"{name}|{shape}|{str(t.dtype).removeprefix('torch.')}")
+    return hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()
+
+
+# ----------------------------------------------------------------------------- header
+
+
+@dataclass(frozen=True)
+class DeltaHeader:
+    """The parsed header of a delta file."""
+
+    node_id: str
+    local_step: int
+    base_outer_step: int
+    num_tokens: int | None = None
+    model_fingerprint: str | None = None
+    signature: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def to_metadata(self) -> dict[str, str]:
+        md = dict(self.extra)
+        md.update(
+            format=FORMAT,
+            node_id=self.node_id,
+            local_step=str(self.local_step),
+            base_outer_step=str(self.base_outer_step),
+        )
+        if self.num_tokens is not None:
+            md["num_tokens"] = str(self.num_tokens)
+        if self.model_fingerprint is not None:
+            md["model_fingerprint"] = self.model_fingerprint
+        if self.signature is not None:
+            md["signature"] = self.signature
+        return md
+
+
+@dataclass
+class Delta:
+    """A validated delta: its header, its tensors (CPU), the file it came from."""
+
+    header: DeltaHeader
+    tensors: dict[str, torch.Tensor]
+    path: str
+    nbytes: int = 0
+
+    @property
+    def node_id(self) -> str:
+        return self.header.node_id
+
+    @property
+    def local_step(self) -> int:
+        return self.header.local_step
+
+    @property
+    def base_outer_step(self) -> int:
+        return self.header.base_outer_step
+
+
+_KNOWN_KEYS = {"format", "node_id", "local_step", "base_outer_step", "num_tokens", "model_fingerprint", "signature"}
+
+
+def _parse_header(path: str | Path, md: Mapping[str, str] | None) -> DeltaHeader:
+    if not md or md.get("format") != FORMAT:
+        got = None if not md else md.get("format")
+        raise FormatError(path, f"header 'format' is {got!r}, expected {FORMAT!r}")
+    for k in ("node_id", "local_step", "base_outer_step"):
+        if k not in md:
+            raise HeaderError(path, f"header has no {k!r}")
+    try:
+        node_id = validate_node_id(md["node_id"])
+    except InvalidNameError as e:
+        raise NodeIdError(path, str(e)) from None
+    try:
+        local_step = parse_local_step(md["local_step"])
+    except InvalidNameError as e:
+        raise HeaderError(path, f"header 'local_step': {e}") from None
+    try:
+        base = parse_local_step(md["base_outer_step"])
+    except InvalidNameError:
+        raise HeaderError(path, f"header 'base_outer_step' is {md['base_outer_step']!r}, expected a non-negative integer") from None
+    num_tokens = None
+    if md.get("num_tokens") not in (None, ""):
+        try:
+            num_tokens = parse_local_step(md["num_tokens"])
+        except InvalidNameError:
+            raise HeaderError(path, f"header 'num_tokens' is {md['num_tokens']!r}, expected a non-negative integer") from None
+    fp = md.get("model_fingerprint") or None
+    if fp is not None and (len(fp) != 64 or any(c not in "0123456789abcdef" for c in fp)):
+        raise HeaderError(path, f"header 'model_fingerprint' is not a SHA-256 hex digest: {fp!r}")
+    extra = {k: v for k, v in md.items() if k not in _KNOWN_KEYS}
+    return DeltaHeader(node_id, local_step, base, num_tokens, fp, md.get("signature") or None, extra)
+
+
+# ----------------------------------------------------------------------------- write
+
+
+def write_delta(
+    path: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    node_id: str,
+    local_step: int,
+    base_outer_step: int,
+    num_tokens: int | None = None,
+    model_fingerprint: str | None = None,
+    signing_key: RunKey | None = None,
+    extra_metadata: Mapping[str, str] | None = None,
+) -> int:
+    """Write a delta file atomically; returns its size in bytes.
+
+    ``tensors`` must be CPU tensors of dtype float32, bfloat16 or float16 (complex64
+    for complex parameters). The file is written to a temporary name beside ``path``,
+    fsynced and renamed, so readers never see a partial file.
+    """
+    validate_node_id(node_id)
+    validate_local_step(local_step)
+    validate_local_step(base_outer_step)
+    if num_tokens is not None:
+        validate_local_step(num_tokens)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if t.dtype not in DELTA_DTYPES + COMPLEX_DELTA_DTYPES:
+            raise ValueError(f"delta tensor {name!r} has dtype {t.dtype}; expected float32, bfloat16 or float16")
+        if t.device.type != "cpu":
+            raise ValueError(f"delta tensor {name!r} is on {t.device}; move it to the CPU first")
+        out[name] = t.detach().contiguous()
+    header = DeltaHeader(
+        node_id=node_id,
+        local_step=local_step,
+        base_outer_step=base_outer_step,
+        num_tokens=num_tokens,
+        model_fingerprint=model_fingerprint,
+        extra={k: str(v) for k, v in (extra_metadata or {}).items() if k not in _KNOWN_KEYS},
+    )
+    md = header.to_metadata()
+    if signing_key is not None:
+        md["signature"] = signing_key.sign(md, out)
+    atomic_write(path, lambda tmp: save_file(out, str(tmp), metadata=md))
+    return Path(path).stat().st_size
+
+
+# ----------------------------------------------------------------------------- read
+
+
+def read_delta_header(path: str | Path) -> DeltaHeader:
+    """Parse and check the header only (no tensor is read)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            md = f.metadata()
+    except Exception as e:  # safetensors raises several types for truncated/garbage files
+        raise UnreadableDeltaError(path, f"cannot open as safetensors ({type(e).__name__}: {e})") from None
+    return _parse_header(path, md)
+
+
+def read_delta(
+    path: str | Path,
+    *,
+    reference: Mapping[str, torch.Tensor] | None = None,
+    hub_path: str | None = None,
+    expected_fingerprint: str | None = None,
+    signing_key: RunKey | None = None,
+    check_finite: bool = True,
+    clone: bool = True,
+) -> Delta:
+    """Read and validate a delta file.
+
+    Args:
+        path: the local file.
+        reference: the global state; when given, the delta must carry exactly its
+            floating/complex keys, with the same shapes (``MissingKeyError``,
+            ``ExtraKeyError``, ``ShapeMismatchError``).
+        hub_path: the file's hub path (``nodes/<node>/delta_<step>.safetensors``);
+            header ``node_id`` / ``local_step`` must match it (``PathMismatchError``).
+            Defaults to ``path`` itself when ``path`` ends like a hub path.
+        expected_fingerprint: when given and the header carries ``model_fingerprint``,
+            they must be equal (``FingerprintMismatchError``).
+        signing_key: when given (a signed run), the header must carry a valid
+            ``signature`` (``SignatureError``).
+        check_finite: reject NaN/inf values (``NonFiniteError``).
+        clone: copy tensors out of the memory-mapped file (needed when they must
+            outlive the file); ``False`` is for a reader that consumes them at once.
+    """
+    path_str = str(path)
+    try:
+        f_ctx = safe_open(path_str, framework="pt")
+    except Exception as e:
+        raise UnreadableDeltaError(path, f"cannot open as safetensors ({type(e).__name__}: {e})") from None
+    with f_ctx as f:
+        header = _parse_header(path, f.metadata())
+        ident = None
+        if hub_path is not None:
+            ident = parse_delta_path(hub_path)
+            if ident is None:
+                raise PathMismatchError(path, f"hub path {hub_path!r} is not nodes/<node_id>/delta_<step>.safetensors")
+        else:
+            parts = Path(path_str).parts
+            if len(parts) >= 3:
+                ident = parse_delta_path("/".join(parts[-3:]))
+        if ident is not None:
+            if header.node_id != ident.node_id:
+                raise PathMismatchError(path, f"header node_id {header.node_id!r} != path node_id {ident.node_id!r}")
+            if header.local_step != ident.local_step:
+                raise PathMismatchError(path, f"header local_step {header.local_step} != path local_step {ident.local_step}")
+        if expected_fingerprint is not None and header.model_fingerprint is not None:
+            if header.model_fingerprint != expected_fingerprint:
+                raise FingerprintMismatchError(
+                    path, f"model_fingerprint {header.model_fingerprint[:12]}... != global {expected_fingerprint[:12]}..."
+                )
+        names = list(f.keys())
+        if reference is not None:
+            want = set(synced_keys(reference))
+            missing = sorted(want.difference(names))
+            if missing:
+                raise MissingKeyError(path, f"missing key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            extra = sorted(set(names).difference(want))
+            if extra:
+                raise ExtraKeyError(path, f"unexpected key(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        tensors: dict[str, torch.Tensor] = {}
+        nbytes = 0
+        for name in sorted(names):
+            sl = f.get_slice(name)
+            shape = tuple(sl.get_shape())
+            if reference is not None and tuple(reference[name].shape) != shape:
+                raise ShapeMismatchError(
+                    path, f"key {name!r} has shape {list(shape)}, global state has {list(reference[name].shape)}"
+                )
+            t = f.get_tensor(name)
+            allowed = COMPLEX_DELTA_DTYPES if (reference is not None and reference[name].is_complex()) else DELTA_DTYPES
+            if reference is None:
+                allowed = DELTA_DTYPES + COMPLEX_DELTA_DTYPES
+            if t.dtype not in allowed:
+                raise DtypeError(path, f"key {name!r} has dtype {t.dtype}, expected one of {[str(d) for d in allowed]}")
+            if check_finite and not bool(torch.isfinite(t).all()):
+                raise NonFiniteError(path, f"key {name!r} contains NaN or inf")
+            if clone:
+                t = t.clone()
+            nbytes += t.numel() * t.element_size()
+            tensors[name] = t
+        if signing_key is not None:
+            if header.signature is None:
+                raise SignatureError(path, "the run is signed but this delta carries no signature")
+            if not signing_key.verify(header.signature, header.to_metadata(), tensors):
+                raise SignatureError(path, "signature does not match (wrong key, or the file was altered)")
+    return Delta(header=header, tensors=tensors, path=path_str, nbytes=nbytes)

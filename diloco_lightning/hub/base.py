@@ -1,0 +1,200 @@
+"""The hub interface: the only channel between workers and the master.
+
+A hub holds (SPEC.md, "Hub layout")::
+
+    nodes/<node_id>/delta_<local_step>.safetensors   one worker writes it once, never rewritten
+    nodes/<node_id>/init.safetensors                 a worker's offered initial weights
+    global/manifest.json                             the published version (see diloco_lightning.manifest)
+    global/weights_<outer_step>_<token>.safetensors  versioned weights, named by the manifest
+    global/outer_state_<outer_step>_<token>.safetensors  the outer optimizer state of that version
+    global/lease.json                                which master may publish (holder, epoch, expiry)
+
+Rules every transport keeps:
+
+* Writers never overwrite a delta (``DeltaExistsError``); global files have a unique
+  token in their names, so nothing a reader may hold open is ever rewritten.
+* ``publish`` is one atomic step guarded by compare-and-swap on the manifest's
+  ``outer_step``: of two masters publishing version N+1 over N, exactly one wins and
+  the other gets ``PublishConflictError``. A crash at any point leaves the old version
+  or the new one visible, never a mix.
+* Downloads land in a cache namespaced by hub path, so ``nodes/a/delta_3`` and
+  ``nodes/b/delta_3`` can never share a cache file (Speedtronic 2.0.0 averages three
+  copies of one file exactly this way).
+* Every path from the hub (listing, manifest) is validated by ``diloco_lightning.names``
+  before use; a bad node id or a path outside ``nodes/`` / ``global/`` raises
+  ``InvalidNameError`` and nothing is written.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from diloco_lightning.manifest import Lease, Manifest
+from diloco_lightning.names import DeltaId
+
+log = logging.getLogger(__name__)
+
+
+class HubError(RuntimeError):
+    """A hub operation failed for a reason that retrying will not fix."""
+
+
+class DeltaExistsError(HubError):
+    """A delta with this (node_id, local_step) is already on the hub; deltas are never rewritten."""
+
+
+class PublishConflictError(HubError):
+    """Compare-and-swap lost: the hub's current version is not the one this publication expected."""
+
+    def __init__(self, expected: int | None, found: int | None, detail: str = "") -> None:
+        self.expected = expected
+        self.found = found
+        msg = (
+            f"publication refused: expected current outer_step {expected}, hub has {found}"
+            f" (another master published first){': ' + detail if detail else ''}"
+        )
+        super().__init__(msg)
+
+
+class LeaseConflictError(HubError):
+    """Compare-and-swap on the lease lost: someone else changed it first."""
+
+
+class HubNotFoundError(HubError):
+    """The hub (folder or repository) or a file on it does not exist."""
+
+
+class HubAuthError(HubError):
+    """401/403 from a remote hub: missing or insufficient token. Never retried."""
+
+
+@dataclass(frozen=True, order=True)
+class DeltaRef:
+    """A delta seen in a listing (nothing downloaded). Sorted by node, local step, path."""
+
+    node_id: str
+    local_step: int
+    path: str
+    size: int | None = None
+
+    @property
+    def identity(self) -> DeltaId:
+        return DeltaId(self.node_id, self.local_step)
+
+
+def default_cache_dir(url: str) -> Path:
+    """``$DILOCO_CACHE`` or ``~/.cache/diloco_lightning``, then one folder per hub URL."""
+    root = os.environ.get("DILOCO_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "diloco_lightning"
+    )
+    if not os.access(os.path.dirname(root) or ".", os.W_OK) and not os.path.isdir(root):
+        root = os.path.join(tempfile.gettempdir(), "diloco_lightning")
+    return Path(root) / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+class Hub(abc.ABC):
+    """A transport. Thread-safe: the worker's uploader thread and the master's download pool share one."""
+
+    #: canonical URL (``file:///abs/path`` or ``hf://org/repo``)
+    url: str
+    #: local folder for downloads; files inside are named by their hub path
+    cache_dir: Path
+
+    # ------------------------------------------------------------------ workers
+
+    @abc.abstractmethod
+    def upload_delta(self, local_file: str | os.PathLike, node_id: str, local_step: int) -> str:
+        """Put a delta file on the hub as ``nodes/<node_id>/delta_<local_step>.safetensors``.
+
+        Returns the hub path. Raises ``DeltaExistsError`` if that path exists (never overwritten).
+        """
+
+    @abc.abstractmethod
+    def upload_init(self, local_file: str | os.PathLike, node_id: str) -> str:
+        """Offer a worker's initial weights as ``nodes/<node_id>/init.safetensors`` (first writer wins)."""
+
+    # ------------------------------------------------------------------ master
+
+    @abc.abstractmethod
+    def list_deltas(self, after: Mapping[str, int] | None = None) -> list[DeltaRef]:
+        """Deltas on the hub, sorted by (node_id, local_step, path), without downloading them.
+
+        ``after`` is a ledger: a delta of node n with ``local_step <= after[n]`` is left out.
+        Files under ``nodes/`` that are not valid delta paths are ignored (and logged once).
+        """
+
+    @abc.abstractmethod
+    def list_inits(self) -> list[str]:
+        """Node ids that offered ``init.safetensors``, sorted."""
+
+    @abc.abstractmethod
+    def list_global(self) -> list[str]:
+        """Every hub path under ``global/`` (for garbage collection of orphans)."""
+
+    @abc.abstractmethod
+    def download(self, hub_path: str) -> Path:
+        """A local path holding the file ``hub_path`` (validated first).
+
+        Remote transports download into ``cache_dir / hub_path`` (atomically, reusing
+        a complete cached copy: every hub file is immutable). The folder transport may
+        return the file in place. Raises ``HubNotFoundError`` if it does not exist.
+        """
+
+    @abc.abstractmethod
+    def read_manifest(self) -> Manifest | None:
+        """The current manifest, or None if nothing was ever published."""
+
+    @abc.abstractmethod
+    def publish(
+        self,
+        manifest: Manifest,
+        files: Mapping[str, str | os.PathLike],
+        *,
+        expected_outer_step: int | None,
+        delete: Iterable[str] = (),
+    ) -> None:
+        """Publish ``manifest`` and upload ``files`` (``hub path -> local file``, all under
+        ``global/``) as one atomic step, if and only if the hub's current manifest has
+        ``outer_step == expected_outer_step`` (None: no manifest yet). Otherwise raise
+        ``PublishConflictError`` and publish nothing.
+
+        ``delete`` (hub paths) are removed in the same publication where the transport
+        can (Hugging Face: the same commit), else right after the manifest swap.
+        """
+
+    @abc.abstractmethod
+    def delete(self, paths: Iterable[str]) -> None:
+        """Remove hub files (garbage collection outside a publication). Missing files are ignored."""
+
+    @abc.abstractmethod
+    def read_lease(self) -> Lease | None:
+        """The current master lease, or None."""
+
+    @abc.abstractmethod
+    def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
+        """Replace the lease by ``lease`` (None: remove it) iff the current one equals ``expected``;
+        else raise ``LeaseConflictError``."""
+
+    # ------------------------------------------------------------------ common
+
+    def download_delta(self, ref: DeltaRef) -> Path:
+        return self.download(ref.path)
+
+    def close(self) -> None:
+        """Release resources (HTTP sessions, thread pools)."""
+
+    def __enter__(self) -> "Hub":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,193 @@
+"""The global manifest (``global/manifest.json``) and the master lease (``global/lease.json``).
+
+The manifest is the single source of truth for what the master has published:
+
+```json
+{
+  "format": "diloco-manifest/1",
+  "outer_step": 12,
+  "weights": "global/weights_000000012_1a2b3c4d.safetensors",
+  "weights_sha256": "<hex>",
+  "model_fingerprint": "<hex>",
+  "outer_state": "global/outer_state_000000012_1a2b3c4d.safetensors",
+  "outer_state_sha256": "<hex>",
+  "optimizer": {"name": "cgad", "options": {"lr": 0.7, "alpha": 0.2, "tau_cut": 32}},
+  "ledger": {"worker-0": 37, "worker-1": 35},
+  "history": [{"outer_step": 11, "weights": "...", "outer_state": "..."}],
+  "master": {"holder": "host:pid:uuid", "epoch": 3},
+  "published_at": 1764430000.0
+}
+```
+
+``ledger`` is the per-node high-water mark: every delta ``nodes/<n>/delta_<s>`` with
+``s <= ledger[n]`` has been processed (applied or rejected) and never will be again.
+``history`` lists the older versions still kept on the hub (``keep_globals``).
+Every path a manifest names is checked to be a file directly under ``global/``:
+nothing read from the hub is followed blindly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from diloco_lightning.names import InvalidNameError, validate_global_path, validate_node_id
+
+MANIFEST_FORMAT = "diloco-manifest/1"
+LEASE_FORMAT = "diloco-lease/1"
+
+
+class ManifestError(ValueError):
+    """A manifest or lease document that is malformed or names a forbidden path."""
+
+
+def _int(doc: dict, key: str, where: str) -> int:
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ManifestError(f"{where}: {key!r} must be a non-negative integer, got {v!r}")
+    return v
+
+
+def _sha(doc: dict, key: str, where: str, optional: bool = False) -> str | None:
+    v = doc.get(key)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+        raise ManifestError(f"{where}: {key!r} must be a SHA-256 hex digest, got {v!r}")
+    return v
+
+
+def _gpath(doc: dict, key: str, where: str, optional: bool = False) -> str | None:
+    v = doc.get(key)
+    if v is None and optional:
+        return None
+    try:
+        return validate_global_path(v)
+    except InvalidNameError as e:
+        raise ManifestError(f"{where}: {key!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class GlobalVersion:
+    """An older published version still kept on the hub."""
+
+    outer_step: int
+    weights: str
+    outer_state: str | None = None
+
+
+@dataclass
+class Manifest:
+    """One published global version. See the module docstring for the JSON form."""
+
+    outer_step: int
+    weights: str
+    weights_sha256: str
+    model_fingerprint: str
+    ledger: dict[str, int] = field(default_factory=dict)
+    outer_state: str | None = None
+    outer_state_sha256: str | None = None
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    history: list[GlobalVersion] = field(default_factory=list)
+    master: dict[str, Any] = field(default_factory=dict)
+    published_at: float = 0.0
+
+    def files(self) -> list[str]:
+        """Every hub path this manifest keeps alive (current and history)."""
+        out = [self.weights] + ([self.outer_state] if self.outer_state else [])
+        for v in self.history:
+            out.append(v.weights)
+            if v.outer_state:
+                out.append(v.outer_state)
+        return out
+
+    def to_json(self) -> str:
+        doc = asdict(self)
+        doc["format"] = MANIFEST_FORMAT
+        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str = "manifest") -> "Manifest":
+        try:
+            doc = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{source}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+            got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise ManifestError(f"{source}: format is {got!r}, expected {MANIFEST_FORMAT!r}")
+        ledger_doc = doc.get("ledger") or {}
+        if not isinstance(ledger_doc, dict):
+            raise ManifestError(f"{source}: 'ledger' must be an object")
+        ledger = {}
+        for node, step in ledger_doc.items():
+            try:
+                validate_node_id(node)
+            except InvalidNameError as e:
+                raise ManifestError(f"{source}: ledger: {e}") from None
+            ledger[node] = _int(ledger_doc, node, f"{source}: ledger")
+        history = []
+        for i, h in enumerate(doc.get("history") or []):
+            if not isinstance(h, dict):
+                raise ManifestError(f"{source}: history[{i}] must be an object")
+            where = f"{source}: history[{i}]"
+            history.append(
+                GlobalVersion(_int(h, "outer_step", where), _gpath(h, "weights", where), _gpath(h, "outer_state", where, True))
+            )
+        optimizer = doc.get("optimizer") or {}
+        master = doc.get("master") or {}
+        if not isinstance(optimizer, dict) or not isinstance(master, dict):
+            raise ManifestError(f"{source}: 'optimizer' and 'master' must be objects")
+        published_at = doc.get("published_at", 0.0)
+        if not isinstance(published_at, (int, float)) or not math.isfinite(published_at):
+            raise ManifestError(f"{source}: 'published_at' must be a number")
+        fp = _sha(doc, "model_fingerprint", source)
+        return cls(
+            outer_step=_int(doc, "outer_step", source),
+            weights=_gpath(doc, "weights", source),
+            weights_sha256=_sha(doc, "weights_sha256", source),
+            model_fingerprint=fp,
+            ledger=ledger,
+            outer_state=_gpath(doc, "outer_state", source, True),
+            outer_state_sha256=_sha(doc, "outer_state_sha256", source, True),
+            optimizer=optimizer,
+            history=history,
+            master=master,
+            published_at=float(published_at),
+        )
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Who may publish: ``holder`` until ``expires_at`` (unix seconds). ``epoch`` grows at each takeover."""
+
+    holder: str
+    epoch: int
+    expires_at: float
+    renewed_at: float = 0.0
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) >= self.expires_at
+
+    def to_json(self) -> str:
+        doc = asdict(self)
+        doc["format"] = LEASE_FORMAT
+        return json.dumps(doc, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str = "lease") -> "Lease":
+        try:
+            doc = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{source}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != LEASE_FORMAT:
+            raise ManifestError(f"{source}: not a {LEASE_FORMAT} document")
+        holder = doc.get("holder")
+        if not isinstance(holder, str) or not holder:
+            raise ManifestError(f"{source}: 'holder' must be a non-empty string")
+        exp, ren = doc.get("expires_at"), doc.get("renewed_at", 0.0)
+        if not isinstance(exp, (int, float)) or not isinstance(ren, (int, float)):
+            raise ManifestError(f"{source}: 'expires_at'/'renewed_at' must be numbers")
+        return cls(holder, _int(doc, "epoch", source), float(exp), float(ren))
