@@ -30,6 +30,7 @@ from diloco_lightning.names import (
     validate_node_id,
 )
 from diloco_lightning.signing import RunKey
+from diloco_lightning.statefile import tensors_for_save
 
 FORMAT = "diloco-delta/1"
 DELTA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -267,7 +268,8 @@ def write_delta(
             raise ValueError(f"delta tensor {name!r} has dtype {t.dtype}; expected float32, bfloat16 or float16")
         if t.device.type != "cpu":
             raise ValueError(f"delta tensor {name!r} is on {t.device}; move it to the CPU first")
-        out[name] = t.detach().contiguous()
+        out[name] = t
+    out = tensors_for_save(out)
     header = DeltaHeader(
         node_id=node_id,
         local_step=local_step,
@@ -296,6 +298,28 @@ def read_delta_header(path: str | Path) -> DeltaHeader:
     return _parse_header(path, md)
 
 
+_ST_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "C64": torch.complex64,
+}
+
+
+_ST_NAMES = {"F64": "float64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C128": "complex128"}
+
+
+def _stored_dtype(code: str) -> str:
+    """A readable dtype name for a safetensors dtype code (``"I64"`` -> ``"int64"`` ...)."""
+    if code in _ST_DTYPES:
+        return str(_ST_DTYPES[code]).removeprefix("torch.")
+    if code in _ST_NAMES:
+        return _ST_NAMES[code]
+    if code[:1] in ("I", "U") and code[1:].isdigit():
+        return f"{'int' if code[0] == 'I' else 'uint'}{code[1:]}"
+    return code
+
+
 def read_delta(
     path: str | Path,
     *,
@@ -308,29 +332,42 @@ def read_delta(
 ) -> Delta:
     """Read and validate a delta file.
 
+    Checks, in this order (the first failing one is raised):
+
+    1. the file opens as safetensors (``UnreadableDeltaError``: missing, truncated, garbage);
+    2. the header (``FormatError``, ``HeaderError``, ``NodeIdError``);
+    3. header ``node_id``/``local_step`` against the hub path (``PathMismatchError``);
+    4. in a signed run, the signature over the file's metadata and tensors
+       (``SignatureError``: missing, malformed, wrong key, altered file);
+    5. the fingerprint (``FingerprintMismatchError``);
+    6. the tensor names against ``reference`` (``MissingKeyError``, ``ExtraKeyError``);
+    7. per tensor: shape (``ShapeMismatchError``), dtype (``DtypeError``),
+       NaN/inf (``NonFiniteError``).
+
     Args:
         path: the local file.
         reference: the global state; when given, the delta must carry exactly its
-            floating/complex keys, with the same shapes (``MissingKeyError``,
-            ``ExtraKeyError``, ``ShapeMismatchError``).
+            floating/complex keys, with the same shapes, real keys as float32/bfloat16/
+            float16 and complex keys as complex64.
         hub_path: the file's hub path (``nodes/<node>/delta_<step>.safetensors``);
             header ``node_id`` / ``local_step`` must match it (``PathMismatchError``).
             Defaults to ``path`` itself when ``path`` ends like a hub path.
         expected_fingerprint: when given and the header carries ``model_fingerprint``,
             they must be equal (``FingerprintMismatchError``).
         signing_key: when given (a signed run), the header must carry a valid
-            ``signature`` (``SignatureError``).
+            ``signature`` (``SignatureError``); see :mod:`diloco_lightning.signing`.
         check_finite: reject NaN/inf values (``NonFiniteError``).
-        clone: copy tensors out of the memory-mapped file (needed when they must
-            outlive the file); ``False`` is for a reader that consumes them at once.
+        clone: copy tensors out of the file (needed when they must outlive it);
+            ``False`` is for a reader that consumes them at once.
     """
     path_str = str(path)
     try:
         f_ctx = safe_open(path_str, framework="pt")
-    except Exception as e:
+    except Exception as e:  # safetensors raises several types for missing/truncated/garbage files
         raise UnreadableDeltaError(path, f"cannot open as safetensors ({type(e).__name__}: {e})") from None
     with f_ctx as f:
-        header = _parse_header(path, f.metadata())
+        raw_md = dict(f.metadata() or {})
+        header = _parse_header(path, raw_md)
         ident = None
         if hub_path is not None:
             ident = parse_delta_path(hub_path)
@@ -345,12 +382,27 @@ def read_delta(
                 raise PathMismatchError(path, f"header node_id {header.node_id!r} != path node_id {ident.node_id!r}")
             if header.local_step != ident.local_step:
                 raise PathMismatchError(path, f"header local_step {header.local_step} != path local_step {ident.local_step}")
+
+        def load(name: str) -> torch.Tensor:
+            try:
+                return f.get_tensor(name)
+            except Exception as e:
+                raise UnreadableDeltaError(path, f"cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
+
+        names = sorted(f.keys())
+        loaded: dict[str, torch.Tensor] = {}
+        if signing_key is not None:
+            # authenticity first: an unsigned or altered file is rejected as such, whatever it holds
+            if "signature" not in raw_md:
+                raise SignatureError(path, "the run is signed but this delta carries no signature")
+            loaded = {name: load(name) for name in names}
+            if not signing_key.verify(raw_md["signature"], raw_md, loaded):
+                raise SignatureError(path, "signature does not match (wrong run key, or the file was altered)")
         if expected_fingerprint is not None and header.model_fingerprint is not None:
             if header.model_fingerprint != expected_fingerprint:
                 raise FingerprintMismatchError(
                     path, f"model_fingerprint {header.model_fingerprint[:12]}... != global {expected_fingerprint[:12]}..."
                 )
-        names = list(f.keys())
         if reference is not None:
             want = set(synced_keys(reference))
             missing = sorted(want.difference(names))
@@ -361,28 +413,29 @@ def read_delta(
                 raise ExtraKeyError(path, f"unexpected key(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
         tensors: dict[str, torch.Tensor] = {}
         nbytes = 0
-        for name in sorted(names):
+        for name in names:
             sl = f.get_slice(name)
             shape = tuple(sl.get_shape())
             if reference is not None and tuple(reference[name].shape) != shape:
                 raise ShapeMismatchError(
                     path, f"key {name!r} has shape {list(shape)}, global state has {list(reference[name].shape)}"
                 )
-            t = f.get_tensor(name)
-            allowed = COMPLEX_DELTA_DTYPES if (reference is not None and reference[name].is_complex()) else DELTA_DTYPES
             if reference is None:
                 allowed = DELTA_DTYPES + COMPLEX_DELTA_DTYPES
-            if t.dtype not in allowed:
-                raise DtypeError(path, f"key {name!r} has dtype {t.dtype}, expected one of {[str(d) for d in allowed]}")
+            else:
+                allowed = COMPLEX_DELTA_DTYPES if reference[name].is_complex() else DELTA_DTYPES
+            dtype = _ST_DTYPES.get(sl.get_dtype())
+            if dtype not in allowed:  # checked before the tensor is materialised
+                raise DtypeError(
+                    path,
+                    f"key {name!r} has dtype {_stored_dtype(sl.get_dtype())}, "
+                    f"expected one of {[str(d).removeprefix('torch.') for d in allowed]}",
+                )
+            t = loaded.pop(name) if name in loaded else load(name)
             if check_finite and not bool(torch.isfinite(t).all()):
                 raise NonFiniteError(path, f"key {name!r} contains NaN or inf")
             if clone:
                 t = t.clone()
             nbytes += t.numel() * t.element_size()
             tensors[name] = t
-        if signing_key is not None:
-            if header.signature is None:
-                raise SignatureError(path, "the run is signed but this delta carries no signature")
-            if not signing_key.verify(header.signature, header.to_metadata(), tensors):
-                raise SignatureError(path, "signature does not match (wrong key, or the file was altered)")
     return Delta(header=header, tensors=tensors, path=path_str, nbytes=nbytes)

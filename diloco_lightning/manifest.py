@@ -13,7 +13,8 @@ The manifest is the single source of truth for what the master has published:
   "outer_state_sha256": "<hex>",
   "optimizer": {"name": "cgad", "options": {"lr": 0.7, "alpha": 0.2, "tau_cut": 32}},
   "ledger": {"worker-0": 37, "worker-1": 35},
-  "history": [{"outer_step": 11, "weights": "...", "outer_state": "..."}],
+  "history": [{"outer_step": 11, "weights": "...", "outer_state": "...",
+               "weights_sha256": "<hex or null>", "outer_state_sha256": "<hex or null>"}],
   "master": {"holder": "host:pid:uuid", "epoch": 3},
   "published_at": 1764430000.0
 }
@@ -22,8 +23,11 @@ The manifest is the single source of truth for what the master has published:
 ``ledger`` is the per-node high-water mark: every delta ``nodes/<n>/delta_<s>`` with
 ``s <= ledger[n]`` has been processed (applied or rejected) and never will be again.
 ``history`` lists the older versions still kept on the hub (``keep_globals``).
-Every path a manifest names is checked to be a file directly under ``global/``:
-nothing read from the hub is followed blindly.
+Every path a manifest names is checked to be a file directly under ``global/`` (and
+not ``global/manifest.json`` or ``global/lease.json``): nothing read from the hub is
+followed blindly. ``Manifest.from_json`` is the only way a manifest is read, and
+``Manifest.validate()`` applies the same checks to one built in code before it is
+published.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from diloco_lightning.names import InvalidNameError, validate_global_path, validate_node_id
+from diloco_lightning.names import InvalidNameError, validate_global_data_path, validate_node_id
 
 MANIFEST_FORMAT = "diloco-manifest/1"
 LEASE_FORMAT = "diloco-lease/1"
@@ -65,7 +69,7 @@ def _gpath(doc: dict, key: str, where: str, optional: bool = False) -> str | Non
     if v is None and optional:
         return None
     try:
-        return validate_global_path(v)
+        return validate_global_data_path(v)
     except InvalidNameError as e:
         raise ManifestError(f"{where}: {key!r}: {e}") from None
 
@@ -77,6 +81,9 @@ class GlobalVersion:
     outer_step: int
     weights: str
     outer_state: str | None = None
+    #: optional digests (a master that records them lets readers verify old versions too)
+    weights_sha256: str | None = None
+    outer_state_sha256: str | None = None
 
 
 @dataclass
@@ -107,7 +114,16 @@ class Manifest:
     def to_json(self) -> str:
         doc = asdict(self)
         doc["format"] = MANIFEST_FORMAT
-        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+        try:
+            return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
+        except (TypeError, ValueError) as e:
+            raise ManifestError(f"manifest of outer_step {self.outer_step!r} is not JSON-serialisable: {e}") from None
+
+    def validate(self, source: str = "manifest") -> "Manifest":
+        """Raise ``ManifestError`` unless this manifest passes the checks of :meth:`from_json`
+        (paths under ``global/``, hex digests, valid ledger ...); returns ``self``."""
+        Manifest.from_json(self.to_json(), source=source)
+        return self
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest") -> "Manifest":
@@ -133,8 +149,16 @@ class Manifest:
             if not isinstance(h, dict):
                 raise ManifestError(f"{source}: history[{i}] must be an object")
             where = f"{source}: history[{i}]"
+            if h.get("outer_state") is None and h.get("outer_state_sha256") is not None:
+                raise ManifestError(f"{where}: 'outer_state_sha256' given without 'outer_state'")
             history.append(
-                GlobalVersion(_int(h, "outer_step", where), _gpath(h, "weights", where), _gpath(h, "outer_state", where, True))
+                GlobalVersion(
+                    _int(h, "outer_step", where),
+                    _gpath(h, "weights", where),
+                    _gpath(h, "outer_state", where, True),
+                    _sha(h, "weights_sha256", where, True),
+                    _sha(h, "outer_state_sha256", where, True),
+                )
             )
         optimizer = doc.get("optimizer") or {}
         master = doc.get("master") or {}
@@ -144,6 +168,8 @@ class Manifest:
         if not isinstance(published_at, (int, float)) or not math.isfinite(published_at):
             raise ManifestError(f"{source}: 'published_at' must be a number")
         fp = _sha(doc, "model_fingerprint", source)
+        if doc.get("outer_state") is None and doc.get("outer_state_sha256") is not None:
+            raise ManifestError(f"{source}: 'outer_state_sha256' given without 'outer_state'")
         return cls(
             outer_step=_int(doc, "outer_step", source),
             weights=_gpath(doc, "weights", source),
@@ -188,6 +214,6 @@ class Lease:
         if not isinstance(holder, str) or not holder:
             raise ManifestError(f"{source}: 'holder' must be a non-empty string")
         exp, ren = doc.get("expires_at"), doc.get("renewed_at", 0.0)
-        if not isinstance(exp, (int, float)) or not isinstance(ren, (int, float)):
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (exp, ren)):
             raise ManifestError(f"{source}: 'expires_at'/'renewed_at' must be numbers")
         return cls(holder, _int(doc, "epoch", source), float(exp), float(ren))

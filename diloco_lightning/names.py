@@ -89,6 +89,18 @@ def validate_global_path(path: object) -> str:
     return path
 
 
+RESERVED_GLOBAL_PATHS = frozenset({MANIFEST_PATH, LEASE_PATH})
+
+
+def validate_global_data_path(path: object) -> str:
+    """Return ``path`` if it may name a published data file (weights, optimizer state): a file
+    directly under ``global/`` that is not the manifest or the lease."""
+    path = validate_global_path(path)
+    if path in RESERVED_GLOBAL_PATHS:
+        raise InvalidNameError(f"refusing hub path {path!r}: reserved for the hub itself, not a data file")
+    return path
+
+
 def validate_hub_path(path: object) -> str:
     """Return ``path`` if it is a delta, an init file, or a file under ``global/``; else raise."""
     if isinstance(path, str) and (parse_delta_path(path) or parse_init_path(path)):

@@ -7,13 +7,19 @@ bytes, minus one trailing newline, are the key).
 What is signed (``diloco-sig/1``), byte for byte::
 
     b"diloco-sig/1\\n"
-    + canonical JSON of the header without "signature"  (sorted keys, separators ",", ":", UTF-8)
+    + canonical JSON of the header without "signature": every other metadata entry of the
+      file, exactly as stored (all strings), as Python's
+      json.dumps(header, sort_keys=True, separators=(",", ":")) writes it (ASCII, non-ASCII
+      characters escaped as \\uXXXX)
     + b"\\n"
     + for each tensor in sorted name order:
         name (UTF-8) + b"\\0" + dtype (e.g. "float32") + b"\\0" + shape ("4,3"; "" for 0-d) + b"\\0"
         + the tensor's raw little-endian bytes in C order
 
-The ``signature`` header value is the lowercase hex HMAC-SHA256 of that message.
+The ``signature`` header value is the lowercase hex HMAC-SHA256 of that message. The
+byte lengths follow from dtype and shape, so the message is unambiguous. A verifier
+recomputes it from the file's own metadata and tensors (not from a re-serialised header),
+so any added, removed or changed header entry or tensor byte breaks the signature.
 Because the header (node_id, local_step, base_outer_step, num_tokens, fingerprint)
 is inside the message, a signed delta cannot be replayed under another identity.
 """
@@ -24,6 +30,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 from pathlib import Path
 from typing import Mapping
 
@@ -32,6 +39,7 @@ import torch
 SIGNATURE_SCHEME = "diloco-sig/1"
 ENV_KEY = "DILOCO_RUN_KEY"
 ENV_KEY_FILE = "DILOCO_RUN_KEY_FILE"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class RunKey:
@@ -53,14 +61,22 @@ class RunKey:
     def __repr__(self) -> str:
         return "RunKey(<hidden>)"
 
+    __str__ = __repr__
+
     def sign(self, metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> str:
         """Hex HMAC-SHA256 of ``metadata`` (without ``signature``) and ``tensors``."""
         mac = hmac.new(self._key, digestmod=hashlib.sha256)
         _update_message(mac, metadata, tensors)
         return mac.hexdigest()
 
-    def verify(self, signature: str, metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> bool:
-        return hmac.compare_digest(self.sign(metadata, tensors), signature)
+    def verify(self, signature: object, metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> bool:
+        """True iff ``signature`` is the HMAC of ``metadata`` (its ``signature`` entry ignored) and ``tensors``.
+
+        A malformed signature (not 64 lowercase hex digits) is simply ``False``.
+        """
+        if not isinstance(signature, str) or _HEX64.fullmatch(signature) is None:
+            return False
+        return hmac.compare_digest(self.sign(metadata, tensors).encode("ascii"), signature.encode("ascii"))
 
 
 def _update_message(mac, metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> None:
@@ -93,7 +109,10 @@ def load_run_key(key: bytes | str | RunKey | None = None, key_file: str | os.Pat
         key_file = os.environ.get(ENV_KEY_FILE) or None
     if key_file is None:
         return None
-    data = Path(key_file).read_bytes()
+    try:
+        data = Path(key_file).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read the run key file {key_file}: {e.strerror or e}") from None
     if data.endswith(b"\n"):
         data = data[:-1]
     if not data:

@@ -22,6 +22,7 @@ from diloco_lightning.fileio import atomic_write
 STATE_FORMAT = "diloco-state/1"
 _TENSOR = "__tensor__"
 _FLOAT = "__float__"
+_DICT = "__dict__"
 
 
 class StateFileError(ValueError):
@@ -32,15 +33,46 @@ class StateFileError(ValueError):
         super().__init__(f"{self.path}: {detail}")
 
 
+def tensors_for_save(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors that ``safetensors.torch.save_file`` accepts.
+
+    safetensors refuses tensors that share memory (tied weights such as an embedding
+    and an output head, or one tensor stored under two names); those are cloned.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[str, int]] = set()
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name!r} is a {type(t).__name__}, expected a tensor")
+        t = t.detach().cpu().contiguous()
+        if t.numel():
+            key = (t.device.type, t.untyped_storage().data_ptr())
+            if key in seen:
+                t = t.clone()
+            else:
+                seen.add(key)
+        out[name] = t
+    return out
+
+
+def _is_marker(obj: dict) -> bool:
+    return len(obj) == 1 and next(iter(obj)) in (_TENSOR, _FLOAT, _DICT)
+
+
 def pack_state_dict(sd: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], str]:
-    """Split a nested state dict into flat CPU tensors and a JSON skeleton."""
+    """Split a nested state dict into flat CPU tensors and a JSON skeleton.
+
+    Supported leaves: tensors, None, bools, ints, floats (inf/nan included), strings;
+    containers: mappings with string keys, lists and tuples (read back as lists).
+    """
     tensors: dict[str, torch.Tensor] = {}
 
     def enc(obj: Any, prefix: str) -> Any:
         if isinstance(obj, torch.Tensor):
             name = prefix or "_"
-            assert name not in tensors, name
-            tensors[name] = obj.detach().cpu().contiguous()
+            if name in tensors:
+                raise ValueError(f"two tensors of the state dict flatten to the same name {name!r}")
+            tensors[name] = obj
             return {_TENSOR: name}
         if isinstance(obj, Mapping):
             out = {}
@@ -48,7 +80,8 @@ def pack_state_dict(sd: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], str
                 if not isinstance(k, str):
                     raise TypeError(f"state dict keys must be strings, got {k!r} at {prefix!r}")
                 out[k] = enc(v, f"{prefix}/{k}" if prefix else k)
-            return out
+            # a user dict that looks like one of our markers is wrapped, so it reads back as itself
+            return {_DICT: out} if _is_marker(out) else out
         if isinstance(obj, (list, tuple)):
             return [enc(v, f"{prefix}/{i}") for i, v in enumerate(obj)]
         if isinstance(obj, float) and not math.isfinite(obj):
@@ -58,16 +91,28 @@ def pack_state_dict(sd: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], str
         raise TypeError(f"cannot store {type(obj).__name__} at {prefix!r} in a state file")
 
     skeleton = enc(sd, "")
-    return tensors, json.dumps(skeleton, sort_keys=True, separators=(",", ":"))
+    return tensors_for_save(tensors), json.dumps(skeleton, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 def unpack_state_dict(tensors: Mapping[str, torch.Tensor], skeleton: str) -> Any:
+    """Inverse of :func:`pack_state_dict`. Raises ``KeyError``/``ValueError`` on a corrupt skeleton."""
+
     def dec(obj: Any) -> Any:
         if isinstance(obj, dict):
-            if set(obj) == {_TENSOR}:
-                return tensors[obj[_TENSOR]]
-            if set(obj) == {_FLOAT}:
+            if len(obj) == 1 and _TENSOR in obj:
+                name = obj[_TENSOR]
+                if not isinstance(name, str) or name not in tensors:
+                    raise KeyError(f"skeleton names tensor {name!r}, which the file does not hold")
+                return tensors[name]
+            if len(obj) == 1 and _FLOAT in obj:
+                if obj[_FLOAT] not in ("inf", "-inf", "nan"):
+                    raise ValueError(f"bad non-finite float {obj[_FLOAT]!r}")
                 return float(obj[_FLOAT])
+            if len(obj) == 1 and _DICT in obj:
+                inner = obj[_DICT]
+                if not isinstance(inner, dict):
+                    raise ValueError(f"{_DICT} must hold an object")
+                return {k: dec(v) for k, v in inner.items()}
             return {k: dec(v) for k, v in obj.items()}
         if isinstance(obj, list):
             return [dec(v) for v in obj]
@@ -100,13 +145,13 @@ def load_state_file(path: str | Path) -> tuple[Any, dict[str, str]]:
     skeleton = md.pop("state")
     try:
         return unpack_state_dict(tensors, skeleton), md
-    except (KeyError, ValueError) as e:
-        raise StateFileError(path, f"corrupt state skeleton ({e})") from None
+    except (KeyError, ValueError, TypeError, RecursionError) as e:
+        raise StateFileError(path, f"corrupt state skeleton ({type(e).__name__}: {e})") from None
 
 
 def save_weights_file(path: str | Path, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> int:
     """Write a flat ``name -> tensor`` state (global weights) atomically; returns the file size."""
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    tensors = tensors_for_save(state)
     md = {str(k): str(v) for k, v in (metadata or {}).items()}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=md))
     return Path(path).stat().st_size

@@ -47,20 +47,37 @@ def open_hub(url: str | os.PathLike | Hub, **options) -> Hub:
             raise ValueError(f"open_hub: options {sorted(options)} given with an already open hub")
         return url
     text = os.fspath(url)
+    if not isinstance(text, str):
+        raise TypeError(f"open_hub: expected a URL or path string, got {text!r}")
     if text.startswith("hf://"):
         from diloco_lightning.hub.hf import HFHub
 
         repo_id = text[len("hf://") :].strip("/")
         return HFHub(repo_id, **options)
-    if text.startswith("file://"):
+    if text.lower().startswith("file:"):
         parsed = urlparse(text)
+        if not text.lower().startswith("file://"):
+            raise ValueError(f"open_hub: malformed file URL {text!r}; use file:///abs/path")
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"open_hub: file URL {text!r} names host {parsed.netloc!r}; use file:///abs/path")
+        if parsed.query or parsed.fragment:
+            raise ValueError(f"open_hub: file URL {text!r} has a query or fragment; use file:///abs/path")
         path = Path(unquote(parsed.path))
+        if not path.is_absolute():
+            raise ValueError(f"open_hub: file URL {text!r} has no absolute path; use file:///abs/path")
     elif "://" in text:
         raise ValueError(f"open_hub: unsupported URL scheme in {text!r}; use file:///abs/path, a plain path or hf://org/repo")
+    elif not text:
+        raise ValueError("open_hub: empty hub URL")
     else:
         path = Path(text)
     from diloco_lightning.hub.local import FileHub
 
-    return FileHub(path, **options)
+    # options meant for remote transports are accepted when unset (None), so one config serves both
+    unknown = sorted(k for k, v in options.items() if k not in _FILE_OPTIONS and v is not None)
+    if unknown:
+        raise ValueError(f"open_hub: option(s) {unknown} do not apply to the folder hub {text!r} (it takes {sorted(_FILE_OPTIONS)})")
+    return FileHub(path, **{k: v for k, v in options.items() if k in _FILE_OPTIONS})
+
+
+_FILE_OPTIONS = frozenset({"cache_dir", "create"})

@@ -37,7 +37,13 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from diloco_lightning.manifest import Lease, Manifest
-from diloco_lightning.names import DeltaId
+from diloco_lightning.names import (
+    RESERVED_GLOBAL_PATHS,
+    DeltaId,
+    InvalidNameError,
+    validate_global_data_path,
+    validate_hub_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +103,46 @@ def default_cache_dir(url: str) -> Path:
     if not os.access(os.path.dirname(root) or ".", os.W_OK) and not os.path.isdir(root):
         root = os.path.join(tempfile.gettempdir(), "diloco_lightning")
     return Path(root) / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def check_publication(
+    manifest: Manifest,
+    files: Mapping[str, str | os.PathLike],
+    *,
+    expected_outer_step: int | None,
+    delete: Iterable[str] = (),
+    source: str = "hub",
+) -> tuple[dict[str, str | os.PathLike], list[str]]:
+    """The transport-independent checks of ``Hub.publish``, done before anything is written.
+
+    Raises ``ManifestError`` (a manifest naming a path outside ``global/``, a bad ledger
+    node id ...), ``ValueError`` (the new ``outer_step`` does not exceed
+    ``expected_outer_step``), ``InvalidNameError`` (an uploaded file outside ``global/``
+    or named like the manifest/lease; a deletion outside ``nodes/``/``global/``, of the
+    manifest or lease, or of a file the new manifest names or this publication uploads)
+    and ``FileNotFoundError`` (a local file that does not exist). Returns ``files`` as a
+    dict and ``delete`` as a validated list. Whether the manifest's files exist on the hub
+    is left to the transport.
+    """
+    manifest.validate(source=f"manifest of outer_step {manifest.outer_step} for {source}")
+    if expected_outer_step is not None and manifest.outer_step <= expected_outer_step:
+        raise ValueError(
+            f"publish: the new manifest's outer_step {manifest.outer_step} must exceed the expected "
+            f"current one {expected_outer_step}"
+        )
+    files = dict(files)
+    for hub_path, src in files.items():
+        validate_global_data_path(hub_path)
+        if not os.path.isfile(src):
+            raise FileNotFoundError(f"publish: local file {os.fspath(src)!r} for {hub_path} does not exist")
+    delete = [validate_hub_path(p) for p in delete]
+    live = set(manifest.files())
+    for p in delete:
+        if p in RESERVED_GLOBAL_PATHS:
+            raise InvalidNameError(f"refusing to delete {p!r}")
+        if p in live or p in files:
+            raise InvalidNameError(f"refusing to delete {p!r}: the new manifest names it or this publication uploads it")
+    return files, delete
 
 
 class Hub(abc.ABC):
@@ -167,6 +213,9 @@ class Hub(abc.ABC):
 
         ``delete`` (hub paths) are removed in the same publication where the transport
         can (Hugging Face: the same commit), else right after the manifest swap.
+
+        ``manifest.outer_step`` must exceed ``expected_outer_step``. Every check of
+        :func:`check_publication` runs first: a refused publication writes nothing.
         """
 
     @abc.abstractmethod

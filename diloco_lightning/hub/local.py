@@ -8,10 +8,16 @@ honours ``flock`` (NFSv4, Lustre, local disks).
 * ``publish`` writes the new global files under unique names, then, holding an
   exclusive ``flock`` on ``global/.lock``, compares the current manifest's
   ``outer_step`` with the expected one and swaps ``global/manifest.json`` with one
-  ``os.replace``. A crash before the swap leaves the old version (plus orphan files
-  the next publication collects); after it, the new one. The lock dies with its
-  process, so a killed master never leaves the hub locked.
-* ``download`` returns files in place: every file is immutable once visible.
+  ``os.replace``. A crash before the swap leaves the old version (plus, after a
+  ``kill -9``, orphan files: ``list_global()`` minus the manifest's files, which a
+  later publication can pass in ``delete``); after it, the new one. The lock dies with
+  its process, so a killed master never leaves the hub locked. Deleting global files
+  takes the same lock, and the manifest's files are checked under it just before the
+  swap, so a concurrent garbage collection can never leave a manifest naming a
+  missing file.
+* ``download`` returns files in place (every file is immutable once visible) and
+  refuses symbolic links and anything resolving outside the hub folder.
+* ``FileHub.fault`` is a test hook called between the writes of a publication.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from diloco_lightning.hub.base import (
     HubNotFoundError,
     LeaseConflictError,
     PublishConflictError,
+    check_publication,
     default_cache_dir,
 )
 from diloco_lightning.manifest import Lease, Manifest
@@ -45,6 +52,7 @@ from diloco_lightning.names import (
     MANIFEST_PATH,
     NODE_ID_RE,
     NODES_DIR,
+    RESERVED_GLOBAL_PATHS,
     InvalidNameError,
     delta_path,
     init_path,
@@ -75,8 +83,11 @@ class FileHub(Hub):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(self.url)
         self._warned: set[str] = set()
         self._warned_lock = threading.Lock()
-        #: test hook: called with a label between the writes of a publication ("files", "locked",
-        #: "manifest", "deleted"); raising from it simulates a crash at that point.
+        #: test hook: called with a label between the writes of a publication, in this order:
+        #: "file:<hub path>" after each uploaded file, "files" after all of them, "locked" once the
+        #: lock is held (before the compare), "manifest" after the manifest swap (lock still held),
+        #: "delete:<hub path>" after each deletion, "deleted" at the end. Raising from it (or
+        #: killing the process) simulates a crash at that point.
         self.fault: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ helpers
@@ -167,7 +178,11 @@ class FileHub(Hub):
         out: list[DeltaRef] = []
         for nd in self._node_dirs():
             floor = after.get(nd.name, -1)
-            for f in os.scandir(nd.path):
+            try:
+                entries = list(os.scandir(nd.path))
+            except FileNotFoundError:  # removed while listing
+                continue
+            for f in entries:
                 if f.name.startswith(".") or f.name == "init.safetensors":
                     continue
                 hub_path = f"{NODES_DIR}/{nd.name}/{f.name}"
@@ -204,9 +219,15 @@ class FileHub(Hub):
     # ------------------------------------------------------------------ reading
 
     def download(self, hub_path: str) -> Path:
+        """The file itself (no copy): hub files are immutable once visible. Refuses a symlink
+        or anything that resolves outside the hub folder."""
         p = self._abs(hub_path)
+        if p.is_symlink() or p.parent.is_symlink():
+            raise HubError(f"refusing {hub_path} on {self.url}: it is a symbolic link")
         if not p.is_file():
             raise HubNotFoundError(f"{hub_path} not found on {self.url}")
+        if not p.resolve().is_relative_to(self.root.resolve()):
+            raise HubError(f"refusing {hub_path} on {self.url}: it resolves outside the hub folder")
         return p
 
     def read_manifest(self) -> Manifest | None:
@@ -226,11 +247,10 @@ class FileHub(Hub):
         expected_outer_step: int | None,
         delete: Iterable[str] = (),
     ) -> None:
-        for hub_path in files:
-            validate_global_path(hub_path)
-            if hub_path in (MANIFEST_PATH, LEASE_PATH):
-                raise InvalidNameError(f"refusing to upload {hub_path!r} as a publication file")
-        delete = [validate_hub_path(p) for p in delete]
+        # every check first: a bad publication writes nothing
+        files, delete = check_publication(
+            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url
+        )
         for p in manifest.files():
             if p not in files and not (self.root / p).is_file():
                 raise HubError(f"manifest names {p} but it is neither uploaded now nor on {self.url}")
@@ -242,6 +262,7 @@ class FileHub(Hub):
                 if not self._place_new(src, dest):
                     raise HubError(f"{hub_path} already exists on {self.url}; global file names must be unique")
                 written.append(dest)
+                self._fault(f"file:{hub_path}")
             self._fault("files")
             with self._locked():
                 self._fault("locked")
@@ -249,6 +270,10 @@ class FileHub(Hub):
                 found = None if current is None else current.outer_step
                 if found != expected_outer_step:
                     raise PublishConflictError(expected_outer_step, found)
+                # deletions of global files take the lock too, so this check cannot go stale
+                gone = [p for p in manifest.files() if not (self.root / p).is_file()]
+                if gone:
+                    raise HubError(f"manifest names {gone} but they vanished from {self.url} before the swap")
                 atomic_write_bytes(self.root / MANIFEST_PATH, manifest.to_json().encode())
                 ok = True
                 self._fault("manifest")
@@ -257,15 +282,24 @@ class FileHub(Hub):
                 for p in written:
                     with contextlib.suppress(FileNotFoundError):
                         p.unlink()
-        self.delete(delete)
+        log.info("published outer_step %d on %s (%d file(s), %d deletion(s))", manifest.outer_step, self.url, len(files), len(delete))
+        for hub_path in delete:
+            self.delete([hub_path])
+            self._fault(f"delete:{hub_path}")
         self._fault("deleted")
 
     def delete(self, paths: Iterable[str]) -> None:
+        paths = [validate_hub_path(p) for p in paths]
         for hub_path in paths:
-            if hub_path in (MANIFEST_PATH, LEASE_PATH):
+            if hub_path in RESERVED_GLOBAL_PATHS:
                 raise InvalidNameError(f"refusing to delete {hub_path!r}")
-            with contextlib.suppress(FileNotFoundError):
-                self._abs(hub_path).unlink()
+        # global files are removed under the publication lock: a publication never swaps in
+        # a manifest naming a file that a concurrent garbage collection just removed
+        in_global = any(p.startswith(GLOBAL_DIR + "/") for p in paths)
+        with self._locked() if in_global else contextlib.nullcontext():
+            for hub_path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.root / hub_path).unlink()
 
     # ------------------------------------------------------------------ lease
 

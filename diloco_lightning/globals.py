@@ -1,0 +1,204 @@
+"""Published global versions: staging the files of a new version, and loading one back.
+
+The master stages a version with :func:`stage_global` (the weights and the outer
+optimizer state, written atomically under fresh unique names, with their SHA-256 and the
+model fingerprint), builds its :class:`~diloco_lightning.manifest.Manifest` and hands both
+to ``Hub.publish``. Workers and a restarting master read it back with
+:func:`load_global` / :func:`load_outer_state`, which follow only the paths the manifest
+names (already checked to lie directly under ``global/``) and, by default, verify each
+file's SHA-256 against the manifest before loading it; a mismatch raises
+:class:`GlobalIntegrityError` naming the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from diloco_lightning.deltafile import model_fingerprint
+from diloco_lightning.fileio import sha256_file
+from diloco_lightning.hub.base import Hub, HubError, HubNotFoundError
+from diloco_lightning.manifest import Manifest
+from diloco_lightning.names import global_outer_state_path, global_weights_path
+from diloco_lightning.statefile import (
+    StateFileError,
+    load_state_file,
+    load_weights_file,
+    save_state_file,
+    save_weights_file,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "GlobalIntegrityError",
+    "NothingPublishedError",
+    "StagedGlobal",
+    "stage_global",
+    "load_global",
+    "load_outer_state",
+]
+
+
+class GlobalIntegrityError(HubError):
+    """A published global file that is not what the manifest promises (SHA-256, fingerprint,
+    unreadable). ``hub_path`` names it on the hub, ``local_path`` where it was read."""
+
+    def __init__(self, hub_path: str, local_path: str | os.PathLike, detail: str) -> None:
+        self.hub_path = hub_path
+        self.local_path = str(local_path)
+        self.detail = detail
+        super().__init__(f"{hub_path} (read from {self.local_path}): {detail}")
+
+
+class NothingPublishedError(HubNotFoundError):
+    """The hub has no manifest yet: no global version was ever published."""
+
+
+@dataclass
+class StagedGlobal:
+    """The local files of a version about to be published, and what its manifest must say."""
+
+    outer_step: int
+    token: str
+    weights: str
+    weights_sha256: str
+    model_fingerprint: str
+    outer_state: str | None = None
+    outer_state_sha256: str | None = None
+    #: ``hub path -> local file``, as ``Hub.publish(files=...)`` takes it
+    files: dict[str, Path] = field(default_factory=dict)
+
+    def manifest(self, **fields: Any) -> Manifest:
+        """A manifest naming these files; ``fields`` sets the rest (``ledger``, ``history`` ...)."""
+        kw: dict[str, Any] = dict(
+            outer_step=self.outer_step,
+            weights=self.weights,
+            weights_sha256=self.weights_sha256,
+            model_fingerprint=self.model_fingerprint,
+            outer_state=self.outer_state,
+            outer_state_sha256=self.outer_state_sha256,
+        )
+        kw.update(fields)
+        return Manifest(**kw)
+
+
+def stage_global(
+    workdir: str | os.PathLike,
+    outer_step: int,
+    state: Mapping[str, torch.Tensor],
+    outer_state: Mapping[str, Any] | None = None,
+    *,
+    token: str | None = None,
+) -> StagedGlobal:
+    """Write ``state`` (and the outer optimizer's ``state_dict()``) into ``workdir`` under the
+    names they will have on the hub, with a fresh token unless one is given."""
+    token = token or secrets.token_hex(8)
+    workdir = Path(workdir)
+    weights = global_weights_path(outer_step, token)
+    local_weights = workdir / Path(weights).name
+    save_weights_file(local_weights, state, metadata={"outer_step": str(outer_step)})
+    staged = StagedGlobal(
+        outer_step=outer_step,
+        token=token,
+        weights=weights,
+        weights_sha256=sha256_file(local_weights),
+        model_fingerprint=model_fingerprint(state),
+        files={weights: local_weights},
+    )
+    if outer_state is not None:
+        staged.outer_state = global_outer_state_path(outer_step, token)
+        local_state = workdir / Path(staged.outer_state).name
+        save_state_file(local_state, outer_state, metadata={"outer_step": str(outer_step)})
+        staged.outer_state_sha256 = sha256_file(local_state)
+        staged.files[staged.outer_state] = local_state
+    return staged
+
+
+class _Vanished(Exception):
+    """A file the manifest named disappeared while it was read (garbage-collected)."""
+
+    def __init__(self, error: HubNotFoundError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _fetch_verified(hub: Hub, hub_path: str, sha256: str | None, verify: bool) -> Path:
+    try:
+        local = hub.download(hub_path)
+    except HubNotFoundError as e:
+        raise _Vanished(e) from None
+    if verify and sha256 is not None:
+        try:
+            got = sha256_file(local)
+        except FileNotFoundError:
+            raise _Vanished(HubNotFoundError(f"{hub_path} vanished from {hub.url} while it was read")) from None
+        if got != sha256:
+            raise GlobalIntegrityError(hub_path, local, f"SHA-256 is {got}, the manifest says {sha256}")
+    return local
+
+
+def _read(hub: Hub, hub_path: str, local: Path, reader):
+    try:
+        return reader(local)
+    except StateFileError as e:
+        if not local.exists():
+            raise _Vanished(HubNotFoundError(f"{hub_path} vanished from {hub.url} while it was read")) from None
+        raise GlobalIntegrityError(hub_path, local, str(e)) from None
+
+
+def load_global(
+    hub: Hub, manifest: Manifest | None = None, *, verify: bool = True, attempts: int = 3
+) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """The manifest and the global weights it names (CPU tensors that own their memory).
+
+    Without ``manifest`` the hub's current one is read, and if its weights are
+    garbage-collected while being read (a newer version was published meanwhile) the
+    manifest is read again, up to ``attempts`` times. With ``verify`` the file's SHA-256
+    and the state's fingerprint must equal the manifest's (``GlobalIntegrityError``).
+    Raises ``NothingPublishedError`` when nothing was ever published and
+    ``HubNotFoundError`` when a given manifest's weights are gone.
+    """
+    follow = manifest is None
+    for attempt in range(1, max(1, attempts) + 1):
+        if follow:
+            manifest = hub.read_manifest()
+            if manifest is None:
+                raise NothingPublishedError(f"nothing published on {hub.url} yet (no global/manifest.json)")
+        try:
+            local = _fetch_verified(hub, manifest.weights, manifest.weights_sha256, verify)
+            state, _ = _read(hub, manifest.weights, local, load_weights_file)
+        except _Vanished as v:
+            if not follow or attempt >= attempts:
+                raise v.error from None
+            log.info("%s; re-reading the manifest (attempt %d of %d)", v.error, attempt + 1, attempts)
+            continue
+        if verify:
+            fp = model_fingerprint(state)
+            if fp != manifest.model_fingerprint:
+                raise GlobalIntegrityError(
+                    manifest.weights, local, f"model fingerprint is {fp}, the manifest says {manifest.model_fingerprint}"
+                )
+        return manifest, state
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def load_outer_state(hub: Hub, manifest: Manifest, *, verify: bool = True) -> Any | None:
+    """The outer optimizer's state dict published with ``manifest``, or None if it names none.
+
+    With ``verify`` (and a ``outer_state_sha256`` in the manifest) the file's SHA-256 must match.
+    """
+    if manifest.outer_state is None:
+        return None
+    try:
+        local = _fetch_verified(hub, manifest.outer_state, manifest.outer_state_sha256, verify)
+        state, _ = _read(hub, manifest.outer_state, local, load_state_file)
+    except _Vanished as v:
+        raise v.error from None
+    return state
