@@ -240,7 +240,7 @@ def run_master(cfg: DictConfig) -> None:
     from diloco_lightning.hub import open_hub
 
     hub = open_hub(hub_url(cfg), **hub_options(cfg))
-    master = build_master(cfg, hub, on_round=_print_round)
+    master = build_master(cfg, hub, on_round=lambda m: _print_round(m) if _is_round(m) else None)
     master.start()
     try:
         while True:
@@ -250,6 +250,11 @@ def run_master(cfg: DictConfig) -> None:
     finally:
         master.stop(drain=True)
         hub.close()
+
+
+def _is_round(metrics: dict) -> bool:
+    """A poll that published or rejected something (idle polls are not printed)."""
+    return bool(metrics.get("published") or metrics.get("accepted") or metrics.get("rejected_by_reason"))
 
 
 def _print_round(metrics: dict) -> None:
@@ -340,7 +345,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
 
     hub = open_hub(hub_url(cfg), **hub_options(cfg))
     rounds: list[dict] = []
-    master = build_master(cfg, hub, on_round=lambda m: (rounds.append(m), _print_round(m)))
+    master = build_master(cfg, hub, on_round=lambda m: (rounds.append(m), _print_round(m)) if _is_round(m) else None)
     master.start()
 
     devices = _device_list(cfg)
