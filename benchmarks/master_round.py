@@ -1,0 +1,204 @@
+"""Round time and peak memory of the master for N deltas of a 25M-parameter FP32 state.
+
+    python benchmarks/master_round.py                 # N = 1 4 8 16 32, Nesterov, folder hub in a temp dir
+    python benchmarks/master_round.py --n 8 --repeat 3 --optimizer cgad
+
+The state has Llama tensor shapes (d_model 320, 6 layers, 5 heads, FFN 864, tied embeddings,
+vocabulary 55,424: 25.2M FP32 parameters, 101 MB). The parent writes 32 deltas once (FP32,
+``base_outer_step`` 0, with the model fingerprint); each measurement runs in a fresh
+subprocess (so peaks do not carry over) on a folder hub of its own whose ``nodes/`` hold
+hard links to the first N of them. The child builds the master, lets it publish outer step 0
+and apply one warm-up delta (so its reusable buffers exist, as in every later round), resets
+its peak-RSS counter (``/proc/self/clear_refs``), then times one ``sync_once()``:
+list, read and check N deltas, one outer step, publication (weights + optimizer state,
+SHA-256, compare-and-swap), local save. It reports the round's wall time and the process's
+peak RSS (``VmHWM``) during the round.
+
+Reference (REFERENCES.md, same machine): Speedtronic 2.0.0's master takes ~2.7 s and peaks at
+~1.8 GB over 8 such deltas read from local disk. Target at N = 8: <= 0.3x its time, <= 0.5x
+its memory, and memory flat in N.
+
+Measured here (2 shared cores, load average ~1.8, ``--repeat 5``, Nesterov, torch_threads 1),
+best / median seconds and peak RSS: N=1 0.34/0.35 s 715 MB; N=4 0.40/0.62 s 717 MB; N=8
+0.46/0.51 s 715 MB (0.17x the time, 0.40x the memory); N=16 0.57/0.64 s 715 MB; N=32
+0.80/0.83 s 716 MB. With ``--optimizer cgad`` (two Adam buffers) N=8: 0.62 s, 895 MB.
+With torch's default 2 threads on the busy machine, N=8 took 2.7-3.9 s: OpenMP barriers
+stall when the cores are shared, hence ``torch_threads=1`` for a dedicated master.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SPEEDTRONIC_SECONDS = 2.7
+SPEEDTRONIC_RSS_MB = 1800.0
+
+D_MODEL, LAYERS, FFN, VOCAB = 320, 6, 864, 55_424
+
+
+def llama_shapes() -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, D_MODEL)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes[p + f"self_attn.{n}.weight"] = (D_MODEL, D_MODEL)
+        shapes[p + "mlp.gate_proj.weight"] = (FFN, D_MODEL)
+        shapes[p + "mlp.up_proj.weight"] = (FFN, D_MODEL)
+        shapes[p + "mlp.down_proj.weight"] = (D_MODEL, FFN)
+        shapes[p + "input_layernorm.weight"] = (D_MODEL,)
+        shapes[p + "post_attention_layernorm.weight"] = (D_MODEL,)
+    shapes["model.norm.weight"] = (D_MODEL,)
+    return shapes
+
+
+def make_state(seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.empty(s).normal_(0.0, 0.02, generator=g) for k, s in llama_shapes().items()}
+
+
+def _status(field: str) -> float:
+    """A ``/proc/self/status`` memory field in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def write_pool(pool: Path, n: int) -> None:
+    import torch
+
+    from diloco_lightning.deltafile import model_fingerprint, write_delta
+
+    state = make_state()
+    fp = model_fingerprint(state)
+    pool.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    for i in ["warmup"] + list(range(n)):
+        dest = pool / f"delta_{i}.safetensors"
+        if dest.exists():
+            continue
+        delta = {k: torch.empty(v.shape).normal_(0.0, 1e-3, generator=g) for k, v in state.items()}
+        node = "warmup" if i == "warmup" else f"w{i:02d}"
+        write_delta(dest, delta, node_id=node, local_step=0, base_outer_step=0, num_tokens=4096, model_fingerprint=fp)
+        del delta
+
+
+def child(args: argparse.Namespace) -> None:
+    from diloco_lightning.hub.local import FileHub
+    from diloco_lightning.master import MasterOuterLoop
+
+    work = Path(args.workdir)
+    hub = FileHub(work / "hub", cache_dir=work / "cache")
+    state = make_state()
+    master = MasterOuterLoop(
+        hub, state, node_state_dir=work / "state", outer_optimizer=args.optimizer,
+        outer_lr=0.7, outer_momentum=0.9, lease_ttl=600.0, norm_ratio=None,
+        torch_threads=args.threads or None,
+    )
+    del state
+
+    def arrive(name: str, node_id: str) -> None:
+        node = hub.root / "nodes" / node_id
+        node.mkdir(parents=True, exist_ok=True)
+        os.link(Path(args.pool) / f"delta_{name}.safetensors", node / "delta_0.safetensors")
+
+    master.sync_once()  # publishes outer step 0
+    arrive("warmup", "warmup")
+    assert master.sync_once()  # a first round: the master's buffers exist from now on (steady state)
+    for i in range(args.n):  # the N workers' deltas appear
+        arrive(str(i), f"w{i:02d}")
+    gc.collect()
+    base_rss = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
+        f.write("5")
+    prof = None
+    if os.environ.get("MASTER_ROUND_PROFILE"):  # print where the round's time goes (stderr)
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    t0 = time.perf_counter()
+    published = master.sync_once()
+    seconds = time.perf_counter() - t0
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(12)
+    peak = _status("VmHWM")
+    m = master.last_metrics or {}
+    assert published and m.get("accepted") == args.n, m
+    print(json.dumps({"n": args.n, "seconds": seconds, "peak_rss_mb": peak, "base_rss_mb": base_rss}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 4, 8, 16, 32], help="numbers of deltas per round")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per N (best and median time, highest peak reported)")
+    ap.add_argument("--optimizer", default="nesterov", help="outer optimizer name")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="the master's torch_threads (1, as diloco-master runs; 0: torch's default)")
+    ap.add_argument("--workdir", default=None, help="where the hubs and the delta pool go (default: a temp dir)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pool", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        args.n = args.n[0]
+        child(args)
+        return
+
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="master_round_"))
+    pool = root / "pool"
+    t = time.perf_counter()
+    write_pool(pool, max(args.n))
+    print(f"# {sum(1 for _ in pool.iterdir()) - 1} deltas of 25.2M FP32 parameters in {pool} ({time.perf_counter() - t:.1f}s)")
+    print(f"# optimizer {args.optimizer}; torch_threads {args.threads or 'default'}; folder hub; one fresh process per measurement")
+    print(f"# load average before: {os.getloadavg()[0]:.2f} (a shared machine: the best of --repeat runs is the round's cost)")
+    print(f"{'N':>4} {'best s':>9} {'median s':>9} {'peak RSS MB':>12} {'RSS before MB':>14} {'x Speedtronic time':>19} {'x Speedtronic RSS':>18}")
+    os.sync()  # the pool's dirty pages would otherwise be flushed during the first measurements
+    results: dict[int, list[dict]] = {n: [] for n in args.n}
+    try:
+        for r in range(args.repeat):  # interleaved, so a burst of load elsewhere hits every N alike
+            for n in args.n:
+                work = root / f"n{n}_r{r}"
+                shutil.rmtree(work, ignore_errors=True)
+                cmd = [sys.executable, __file__, "--child", "--n", str(n), "--pool", str(pool), "--workdir", str(work),
+                       "--optimizer", args.optimizer, "--threads", str(args.threads)]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                results[n].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                shutil.rmtree(work, ignore_errors=True)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    for n in args.n:
+        runs = sorted(results[n], key=lambda x: x["seconds"])
+        best, median = runs[0], runs[len(runs) // 2]
+        print(
+            f"{n:>4} {best['seconds']:>9.3f} {median['seconds']:>9.3f} {max(x['peak_rss_mb'] for x in runs):>12.0f}"
+            f" {best['base_rss_mb']:>14.0f} {best['seconds'] / SPEEDTRONIC_SECONDS:>19.2f}"
+            f" {max(x['peak_rss_mb'] for x in runs) / SPEEDTRONIC_RSS_MB:>18.2f}",
+            flush=True,
+        )
+    peaks = [max(x["peak_rss_mb"] for x in results[n]) for n in args.n]
+    if len(peaks) > 1:
+        print(f"# peak RSS spread over N: {max(peaks) - min(peaks):.0f} MB (flat in N)")
+    print(f"# load average after: {os.getloadavg()[0]:.2f}")
+    print(f"# reference at N = 8: Speedtronic 2.0.0 {SPEEDTRONIC_SECONDS} s, {SPEEDTRONIC_RSS_MB:.0f} MB; "
+          f"targets <= {0.3 * SPEEDTRONIC_SECONDS:.2f} s, <= {0.5 * SPEEDTRONIC_RSS_MB:.0f} MB")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()

@@ -1,0 +1,176 @@
+"""What the master checks before a delta may touch the global state.
+
+Every rejection has a stable short ``reason`` code; the master logs it with the delta's
+hub path, counts it in the round's metrics (``rejected_by_reason``) and records the delta
+in the ledger, so a rejected delta is never downloaded or retried again.
+
+Reasons, in the order the checks run:
+
+=====================  ===================================================================
+``replay``             the identity (node, local_step) is at or below the node's ledger mark,
+                       or listed twice: it was already processed (never downloaded)
+``download``           the download failed ``max_download_attempts`` times in a row
+``unreadable``         not a safetensors file (truncated, garbage)
+``format``             header ``format`` is not ``diloco-delta/1``
+``header``             a header field missing or malformed
+``node_id``            header ``node_id`` is not a valid node id
+``path_mismatch``      header ``node_id`` / ``local_step`` differ from the file's hub path
+``negative_staleness`` ``base_outer_step`` is ahead of the master (a version it never published)
+``max_staleness``      staleness above the master's ``max_staleness``
+``too_stale``          the outer optimizer's gate is 0 at this staleness (e.g. CGAD beyond tau_cut)
+``num_tokens``         ``weighting="tokens"`` and the header carries no positive ``num_tokens``
+``missing_key``        a floating key of the global state is absent
+``extra_key``          a key the global state has not (or not as a floating tensor)
+``shape``              a tensor's shape differs from the global state's
+``dtype``              a tensor dtype other than float32/bfloat16/float16 (complex64 for complex)
+``fingerprint``        header ``model_fingerprint`` differs from the global state's
+``signature``          the run is signed and the signature is missing or wrong
+``non_finite``         a NaN or an infinity in a tensor
+``norm``               L2 norm above the absolute bound ``max_delta_norm``
+``norm_relative``      L2 norm above ``norm_ratio`` x the median norm of recently accepted deltas
+=====================  ===================================================================
+
+The relative bound is the robust outlier test of Byzantine-tolerant aggregation (a median
+is not moved by a few bad values; cf. Yin et al. 2018, arXiv 1803.01498): it only engages
+once ``norm_min_history`` accepted norms are known, and the window of accepted norms is
+published with the optimizer state so a master that takes over decides exactly as the
+previous one would have.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Iterable, Mapping
+
+import torch
+
+__all__ = [
+    "REASONS",
+    "DeltaRejected",
+    "NormGuard",
+    "delta_norm",
+    "check_staleness",
+]
+
+REASONS = (
+    "replay",
+    "download",
+    "unreadable",
+    "format",
+    "header",
+    "node_id",
+    "path_mismatch",
+    "negative_staleness",
+    "max_staleness",
+    "too_stale",
+    "num_tokens",
+    "missing_key",
+    "extra_key",
+    "shape",
+    "dtype",
+    "fingerprint",
+    "signature",
+    "non_finite",
+    "norm",
+    "norm_relative",
+)
+
+
+class DeltaRejected(Exception):
+    """A delta the master refuses; ``reason`` is one of :data:`REASONS`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}")
+
+
+def delta_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm of all tensors together, accumulated in float64 (NaN/inf propagate).
+
+    Half-precision tensors are reduced in FP32 without materialising a converted copy.
+    """
+    total = 0.0
+    for t in tensors.values():
+        if t.numel() == 0:
+            continue
+        if t.dtype in (torch.bfloat16, torch.float16):
+            n = float(torch.linalg.vector_norm(t, dtype=torch.float32))
+        else:
+            n = float(torch.linalg.vector_norm(t))
+        total += n * n
+    return math.sqrt(total) if math.isfinite(total) else total
+
+
+def has_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The first key holding a NaN or an infinity, else None."""
+    for name in sorted(tensors):
+        if not bool(torch.isfinite(tensors[name]).all()):
+            return name
+    return None
+
+
+def check_staleness(tau: int, *, max_staleness: int | None, gate: float) -> None:
+    """Raise :class:`DeltaRejected` for a negative staleness, one above ``max_staleness``, or a zero gate."""
+    if tau < 0:
+        raise DeltaRejected(
+            "negative_staleness", f"base_outer_step is {-tau} version(s) ahead of the master (staleness {tau})"
+        )
+    if max_staleness is not None and tau > max_staleness:
+        raise DeltaRejected("max_staleness", f"staleness {tau} > max_staleness {max_staleness}")
+    if not gate > 0.0:
+        raise DeltaRejected("too_stale", f"the outer optimizer's gate is 0 at staleness {tau}")
+
+
+class NormGuard:
+    """Absolute and median-relative bounds on a delta's L2 norm.
+
+    Args:
+        max_norm: reject norms above this (None: no absolute bound).
+        ratio: reject norms above ``ratio * median(window)`` (None: no relative bound).
+        window: how many recently accepted norms the median is taken over.
+        min_history: the relative bound engages once this many norms are known.
+    """
+
+    def __init__(self, max_norm: float | None, ratio: float | None, window: int = 32, min_history: int = 4) -> None:
+        self.max_norm = max_norm
+        self.ratio = ratio
+        self.min_history = min_history
+        self._norms: deque[float] = deque(maxlen=window)
+
+    @property
+    def norms(self) -> list[float]:
+        return list(self._norms)
+
+    def median(self) -> float | None:
+        if len(self._norms) < max(1, self.min_history):
+            return None
+        return statistics.median(self._norms)
+
+    def check(self, norm: float, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Raise :class:`DeltaRejected` (``non_finite``, ``norm``, ``norm_relative``) or return."""
+        if not math.isfinite(norm):
+            bad = has_non_finite(tensors) if tensors is not None else None
+            if bad is not None or tensors is None or math.isnan(norm):
+                raise DeltaRejected("non_finite", f"key {bad!r} contains NaN or inf" if bad else "the norm is not finite")
+            raise DeltaRejected("norm", "the L2 norm overflows")
+        if self.max_norm is not None and norm > self.max_norm:
+            raise DeltaRejected("norm", f"L2 norm {norm:.6g} > max_delta_norm {self.max_norm:.6g}")
+        if self.ratio is not None:
+            med = self.median()
+            if med is not None and norm > self.ratio * med:
+                raise DeltaRejected(
+                    "norm_relative",
+                    f"L2 norm {norm:.6g} > {self.ratio:g} x median {med:.6g} of the last {len(self._norms)} accepted",
+                )
+
+    def extend(self, norms: Iterable[float]) -> None:
+        for n in norms:
+            if math.isfinite(n):
+                self._norms.append(float(n))
+
+    def load(self, norms: Iterable[float]) -> None:
+        self._norms.clear()
+        self.extend(norms)
