@@ -145,6 +145,7 @@ class TrainConf:
     role: str = "all"
     run_id: Optional[str] = None
     run_root: str = "runs"
+    run_dir: Optional[str] = None  # set by train.py: the Hydra job's output dir (<run_root>/<run_id>, or the sweep's)
     seed: int = 0
     workers: int = 2
     node_index: int = 0

@@ -42,7 +42,30 @@ RESULTS_FILE = "results.json"
 
 
 def run_dir(cfg: DictConfig) -> Path:
+    """``cfg.run_dir`` (the Hydra job's output dir, set by :func:`run`), else ``<run_root>/<run_id>``."""
+    if OmegaConf.select(cfg, "run_dir"):
+        return Path(cfg.run_dir).resolve()
     return (Path(cfg.run_root) / cfg.run_id).resolve()
+
+
+def _resolve_run_dir(cfg: DictConfig) -> None:
+    """Pin ``cfg.run_dir`` once, so every process of the run (workers read the saved config) agrees."""
+    if OmegaConf.select(cfg, "run_dir"):
+        return
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        out = HydraConfig.get().runtime.output_dir
+    except (ValueError, ImportError):
+        out = None
+    with open_dict_safe(cfg):
+        cfg.run_dir = str(Path(out).resolve()) if out else str((Path(cfg.run_root) / cfg.run_id).resolve())
+
+
+def open_dict_safe(cfg: DictConfig):
+    from omegaconf import open_dict
+
+    return open_dict(cfg)
 
 
 def hub_url(cfg: DictConfig) -> str:
@@ -231,7 +254,7 @@ def build_master(cfg: DictConfig, hub, *, on_round=None):
         outer_optimizer=cfg.outer.name, outer_options=outer_options(cfg), aggregation=m.aggregation,
         weighting=m.weighting, min_deltas=min_deltas, max_wait=m.max_wait, max_staleness=m.max_staleness,
         max_delta_norm=m.max_delta_norm, keep_globals=m.keep_globals, lease_ttl=m.lease_ttl,
-        metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"), logger=on_round,
+        metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"), logger=on_round, torch_threads=1,
     )
 
 
@@ -355,6 +378,9 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     for i in range(cfg.workers):
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = str(threads)
+        # the package is importable in workers even when train.py runs from a checkout without install
+        pkg_root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices[i % len(devices)]
         log_path = rdir / "nodes" / node_id(i) / "worker.log"
@@ -490,6 +516,7 @@ def _device_list(cfg: DictConfig) -> list[str]:
 def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Dispatch on ``cfg.role``."""
     validate(cfg)
+    _resolve_run_dir(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.launch.kind == "submitit" and cfg.role == "all":
         from diloco_lightning.slurm import run_submitit
