@@ -1,0 +1,100 @@
+"""Outer optimizers: how a master turns pseudo-gradients into global updates.
+
+=====================  ==============================  ============================================
+name                   class                           reference
+=====================  ==============================  ============================================
+``nesterov``           :class:`NesterovOuterOptimizer`  DiLoCo, arXiv 2311.08105 (Speedtronic's step)
+``poly_nesterov``      :class:`PolyNesterov`           "Poly", Liu et al. 2024, arXiv 2401.09135
+``delayed_nesterov``   :class:`DelayedNesterov`        Liu et al. 2024, arXiv 2401.09135, Alg. 3
+``cgad``               :class:`CGAD`                   Shah & Sun 2026, arXiv 2605.09126
+``adam_decay``         :class:`AdamDecay`              CGAD without the cosine cut
+``adam``               :class:`OuterAdam`              plain Adam (``torch.optim.Adam``)
+``pa_cgad``            :class:`PACGAD`                 CGAD gated per fragment
+=====================  ==============================  ============================================
+
+Every optimizer takes the global state (``dict[str, Tensor]``) and offers ``gate(tau)``,
+``step(state, delta, staleness=0, *, gated=False, fragment=None) -> bool``, ``state_dict()``,
+``load_state_dict()``, ``name`` and ``options`` (see :class:`OuterOptimizer`).
+:func:`build_outer_optimizer` builds one by name, so configs can pick it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from torch import Tensor
+
+from diloco_lightning.outer.adam import CGAD, AdamDecay, OuterAdam
+from diloco_lightning.outer.base import OuterOptimizer
+from diloco_lightning.outer.delayed_nesterov import DelayedNesterov
+from diloco_lightning.outer.gates import cgad_gate, check_staleness, exp_gate, poly_gate
+from diloco_lightning.outer.nesterov import NesterovOuterOptimizer, PolyNesterov
+from diloco_lightning.outer.pacgad import PACGAD
+
+__all__ = [
+    "CGAD",
+    "OUTER_OPTIMIZERS",
+    "PACGAD",
+    "AdamDecay",
+    "DelayedNesterov",
+    "NesterovOuterOptimizer",
+    "OuterAdam",
+    "OuterOptimizer",
+    "PolyNesterov",
+    "build_outer_optimizer",
+    "cgad_gate",
+    "check_staleness",
+    "exp_gate",
+    "outer_optimizer_options",
+    "poly_gate",
+]
+
+#: Registry name -> class (read-only).
+OUTER_OPTIMIZERS: Mapping[str, type[OuterOptimizer]] = MappingProxyType(
+    {
+        cls.name: cls
+        for cls in (NesterovOuterOptimizer, CGAD, AdamDecay, OuterAdam, DelayedNesterov, PACGAD, PolyNesterov)
+    }
+)
+
+
+def outer_optimizer_options(name: str) -> dict[str, Any]:
+    """The options ``name`` accepts, each mapped to its default (``inspect.Parameter.empty`` if required).
+
+    Raises:
+        ValueError: on an unknown name, listing the valid ones.
+    """
+    cls = _lookup(name)
+    params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # self, state
+    return {p.name: p.default for p in params}
+
+
+def _lookup(name: str) -> type[OuterOptimizer]:
+    cls = OUTER_OPTIMIZERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown outer optimizer {name!r}; valid names: {', '.join(sorted(OUTER_OPTIMIZERS))}")
+    return cls
+
+
+def build_outer_optimizer(name: str, state: Mapping[str, Tensor], **options: Any) -> OuterOptimizer:
+    """Build the outer optimizer registered as ``name`` over ``state`` with ``options``.
+
+    ``build_outer_optimizer(opt.name, state, **opt.options)`` rebuilds an equivalent optimizer.
+
+    Raises:
+        ValueError: on an unknown name (listing the valid names), an unknown option or a missing
+            required one (listing the valid options), or a bad option value (naming it).
+    """
+    cls = _lookup(name)
+    accepted = outer_optimizer_options(name)
+    described = ", ".join(k if v is inspect.Parameter.empty else f"{k}={v!r}" for k, v in accepted.items())
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for outer optimizer {name!r}; valid options: {described}")
+    missing = [k for k, v in accepted.items() if v is inspect.Parameter.empty and k not in options]
+    if missing:
+        raise ValueError(f"outer optimizer {name!r} requires option(s) {missing}; valid options: {described}")
+    return cls(state, **options)

@@ -1,0 +1,151 @@
+"""Nesterov outer optimizers: DiLoCo's outer SGD with Nesterov momentum, and its Poly-gated variant.
+
+DiLoCo (Douillard et al. 2023, arXiv 2311.08105) applies the averaged pseudo-gradient ``g`` with
+SGD + Nesterov momentum (lr 0.7, momentum 0.9)::
+
+    buf = momentum * buf + g
+    state -= lr * (g + momentum * buf)
+
+which is ``torch.optim.SGD(lr=lr, momentum=momentum, nesterov=True)`` fed ``grad = g``, and the
+behaviour of Speedtronic's DumbDiLoCo master (CPU FP32 buffers, state updated in its own dtype).
+
+:class:`PolyNesterov` is the "Poly" baseline of Liu et al. 2024 (arXiv 2401.09135): the same step
+fed ``g * (1 + tau) ** -0.5``.
+
+Both run as one ``torch._fused_sgd_`` call per batch of tensors (memory-bandwidth speed). The gate
+is folded into the kernel's scalars rather than applied to the delta: the momentum buffer is kept
+as ``buf = momentum_scale * B`` with a per-key scalar ``momentum_scale`` (always 1 for plain Nesterov), and
+a step with gate ``s`` on scale ``c`` runs the kernel with ``c' = sqrt(s*c)``,
+``momentum' = momentum*sqrt(c/s)``, ``dampening' = 1 - sqrt(s/c)``, ``lr' = lr*s``, which gives
+(up to rounding) ``buf' = momentum*buf + s*g`` and ``state -= lr*(s*g + momentum*buf')`` without reading or
+writing the delta more than once (the fused kernel's own ``grad_scale`` writes the scaled gradient
+back into the caller's delta, so it is not used).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from diloco_lightning.outer.base import OuterOptimizer, Work, _Item, check_real
+from diloco_lightning.outer.gates import check_staleness, poly_gate
+
+__all__ = ["NesterovOuterOptimizer", "PolyNesterov"]
+
+logger = logging.getLogger(__name__)
+
+
+def sgd_kernel_constants(momentum: float, lr: float, gate: float, scale: float) -> tuple[float, float, float, float]:
+    """Scalars for ``torch._fused_sgd_`` applying a Nesterov step to ``gate * g``.
+
+    The momentum buffer is stored as ``buf = scale * B``. Returns ``(momentum', dampening', lr',
+    new_scale)`` such that the kernel's ``B' = momentum'*B + (1 - dampening')*g`` and
+    ``state -= lr'*(g + momentum'*B')`` equal ``buf' = momentum*buf + gate*g`` (with
+    ``buf' = new_scale * B'``) and ``state -= lr*(gate*g + momentum*buf')``.
+    """
+    if momentum == 0.0 or gate == scale:
+        return momentum, 0.0, lr * gate, scale
+    new_scale = math.sqrt(gate * scale)
+    return momentum * math.sqrt(scale / gate), 1.0 - math.sqrt(gate / scale), lr * gate, new_scale
+
+
+class _NesterovBase(OuterOptimizer):
+    BUFFERS: ClassVar[dict[str, bool]] = {"momentum": True}
+
+    def __init__(self, state: Mapping[str, Tensor], lr: float, momentum: float = 0.9) -> None:
+        lr = check_real("lr", lr, low=0.0, low_open=True)
+        momentum = check_real("momentum", momentum, low=0.0, high=1.0, high_open=True)
+        super().__init__(state, {"lr": lr, "momentum": momentum})
+        self.lr = lr
+        self.momentum = momentum
+
+    def _apply(self, items: list[_Item], tau: float, gated: bool, fragment: str | None) -> bool:
+        gate = self.gate(tau)
+        if gate == 0.0:
+            return False
+        gate = 1.0 if gated else gate
+        scaled = "momentum_scales" in self._scalar_kinds
+        new_scales: dict[str, float] = {}
+
+        def fn(batch: list[Work]) -> None:
+            groups = self._group(batch, ("momentum_scales",)) if scaled else {(1.0,): batch}
+            for (scale,), works in groups.items():
+                momentum, dampening, lr, new_scale = sgd_kernel_constants(self.momentum, self.lr, gate, scale)
+                torch._fused_sgd_(
+                    [w.p for w in works],
+                    [w.g for w in works],
+                    [w.bufs["momentum"] for w in works] if momentum != 0.0 else [],
+                    weight_decay=0.0,
+                    momentum=momentum,
+                    lr=lr,
+                    dampening=dampening,
+                    nesterov=True,
+                    maximize=False,
+                    is_first_step=False,
+                )
+                new_scales.update((w.key, new_scale) for w in works)
+
+        self._run(items, fn)
+        if scaled:
+            self._key_scalars["momentum_scales"].update(new_scales)
+        return True
+
+
+class NesterovOuterOptimizer(_NesterovBase):
+    """DiLoCo's outer Nesterov SGD, exactly as Speedtronic's DumbDiLoCo master applies it.
+
+    ``buf = momentum*buf + g``; ``state -= lr*(g + momentum*buf)`` for every floating/complex delta
+    key (Douillard et al. 2023, arXiv 2311.08105; equal to ``torch.optim.SGD(nesterov=True)`` fed
+    ``grad = g``). Staleness is validated but ignored (``gate`` is 1). Keys a delta does not carry
+    are left untouched. With ``momentum=0`` the buffer is not kept (it would only hold the last ``g``).
+
+    ``state_dict()`` is Speedtronic's: ``{key: momentum buffer}`` (cloned CPU tensors) only;
+    ``load_state_dict()`` replaces the buffers with CPU FP32 (complex64) copies.
+
+    Args:
+        state: the global state (its floating keys get a zero momentum buffer).
+        lr: outer learning rate (DiLoCo: 0.7).
+        momentum: Nesterov momentum in ``[0, 1)`` (DiLoCo: 0.9).
+    """
+
+    name = "nesterov"
+    STATE_KINDS = ("nesterov",)
+
+    def gate(self, staleness: float) -> float:
+        check_staleness(staleness)
+        return 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: buf.clone() for key, buf in self._buffers["momentum"].items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        tensors = {}
+        for key, value in state_dict.items():
+            if key == "optimizer" and value == self.name:
+                continue
+            if not isinstance(value, Tensor):
+                raise ValueError(f"nesterov state_dict entry {key!r} is not a tensor: {type(value).__name__}")  # noqa: TRY004
+            tensors[f"momentum/{key}"] = value
+        self._set_buffers(self._parse_buffers(tensors))
+
+
+class PolyNesterov(_NesterovBase):
+    """Nesterov fed ``g * (1 + tau) ** -0.5``: the "Poly" baseline of Liu et al. 2024 (arXiv 2401.09135).
+
+    ``state_dict()``: ``momentum/<key>`` tensors, ``keys`` and ``momentum_scales`` (per key; the
+    true momentum buffer is ``momentum_scale * momentum/<key>``, see the module docstring).
+    """
+
+    name = "poly_nesterov"
+    STATE_KINDS = ("poly_nesterov",)
+    KEY_SCALARS: ClassVar[dict[str, tuple[str, Any]]] = {"momentum_scales": ("positive", 1.0)}
+
+    def gate(self, staleness: float) -> float:
+        return poly_gate(staleness, 0.5)
