@@ -1,0 +1,308 @@
+"""DiLoCo for a plain Accelerate training loop, shaped like ``accelerate.local_sgd.LocalSGD``::
+
+    from diloco_lightning.accelerate import DiLoCo
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    diloco = DiLoCo(accelerator, model, hub="file:///shared/run", node_id="w0", inner_steps=500)
+    accelerator.load_state("ckpt")            # optional resume: after DiLoCo(...), which registers itself
+    with diloco:                              # connects; installs the global weights on a fresh start
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                diloco.step()                 # after each optimizer.step(); exports every inner_steps steps
+            if want_checkpoint:
+                accelerator.save_state("ckpt")  # includes the anchor (registered for checkpointing)
+
+Unlike ``LocalSGD`` there is no ``no_sync()``: DDP inside one worker stays synchronous, and
+the worker is the whole DDP group (rank 0 exports, uploads and decides installs; the decision
+and the installed weights are broadcast; an error on rank 0 is raised on every rank).
+``step()`` counts only real optimizer steps (``accelerator.sync_gradients``), so gradient
+accumulation gives one export per ``inner_steps`` optimizer steps. The work is done by
+:class:`~diloco_lightning.worker.DiLoCoWorker`; see it for the options.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from diloco_lightning.hub.base import Hub
+from diloco_lightning.names import InvalidNameError, validate_node_id
+from diloco_lightning.signing import RunKey
+from diloco_lightning.worker.core import (
+    SYNC_MODES,
+    BoundaryResult,
+    DiLoCoWorker,
+    module_state,
+    parse_delta_dtype,
+)
+from diloco_lightning.worker.sync import resolve_delay
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DiLoCo", "AccelerateDiLoCo"]
+
+_STATE_VERSION = 1
+
+
+class DiLoCo:
+    """DiLoCo worker for an Accelerate loop (see the module docstring).
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``.
+        model: the prepared model (it is unwrapped to find the tensors).
+        hub, node_id, inner_steps, sync, delay, node_index, delta_dtype, hub_options, signing_key,
+            wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
+        optimizer: the optimizer(s) whose state ``reset_inner_optimizer`` clears after an install.
+        reset_inner_optimizer: clear the inner optimizer state after each install (default False).
+        enabled: False makes every call a no-op (like ``LocalSGD(enabled=False)``).
+        log_fn: called on the main process with each boundary's metrics dict (e.g. ``accelerator.log``).
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        model: torch.nn.Module,
+        hub: str | os.PathLike | Hub,
+        node_id: str,
+        inner_steps: int,
+        *,
+        sync: str = "async",
+        delay: Any = 0,
+        node_index: int | None = None,
+        delta_dtype: str | torch.dtype = "float32",
+        optimizer: Any = None,
+        reset_inner_optimizer: bool = False,
+        hub_options: Mapping[str, Any] | None = None,
+        signing_key: RunKey | str | bytes | None = None,
+        wait_timeout: float = 1200.0,
+        poll_interval: float = 1.0,
+        enabled: bool = True,
+        log_fn: Callable[[dict[str, float]], Any] | None = None,
+    ) -> None:
+        try:
+            self.node_id = validate_node_id(node_id)
+        except InvalidNameError as e:
+            raise ValueError(f"DiLoCo: node_id: {e}") from None
+        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
+            raise ValueError(f"DiLoCo: inner_steps must be a positive integer, got {inner_steps!r}")
+        if sync not in SYNC_MODES:
+            raise ValueError(f"DiLoCo: sync must be one of {SYNC_MODES}, got {sync!r}")
+        try:
+            self.delay = resolve_delay(delay, node_id, node_index)
+            self.delta_dtype = parse_delta_dtype(delta_dtype)
+        except ValueError as e:
+            raise ValueError(f"DiLoCo: {e}") from None
+        if not isinstance(hub, (str, os.PathLike, Hub)) or (isinstance(hub, str) and not hub):
+            raise ValueError(f"DiLoCo: hub must be a URL, a path or a Hub, got {hub!r}")
+        if not isinstance(reset_inner_optimizer, bool):
+            raise ValueError(f"DiLoCo: reset_inner_optimizer must be True or False, got {reset_inner_optimizer!r}")
+        if reset_inner_optimizer and optimizer is None:
+            raise ValueError("DiLoCo: reset_inner_optimizer=True needs optimizer= (the optimizer(s) to reset)")
+        if log_fn is not None and not callable(log_fn):
+            raise ValueError("DiLoCo: log_fn must be callable or None")
+        dist_type = str(getattr(accelerator, "distributed_type", "NO"))
+        if any(s in dist_type.upper() for s in ("DEEPSPEED", "FSDP", "MEGATRON", "XLA")):
+            raise ValueError(
+                f"DiLoCo: distributed type {dist_type} shards or hides the parameters; use plain DDP (MULTI_GPU/"
+                "MULTI_CPU) or a single process inside each DiLoCo worker"
+            )
+        self.accelerator = accelerator
+        self.model = model
+        self.hub = hub
+        self.inner_steps = inner_steps
+        self.sync = sync
+        self.enabled = bool(enabled)
+        self.optimizers = [] if optimizer is None else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+        self.reset_inner_optimizer = reset_inner_optimizer
+        self.hub_options = dict(hub_options or {})
+        self.signing_key = signing_key
+        self.wait_timeout = wait_timeout
+        self.poll_interval = poll_interval
+        self.log_fn = log_fn
+        self.num_steps = 0
+        self.worker: DiLoCoWorker | None = None
+        self._running = False
+        self.metrics: dict[str, float] = {}
+        self._restored: Mapping[str, Any] | None = None
+        self._tokens: int | None = 0
+        self._params = module_state(accelerator.unwrap_model(model))
+        if self.enabled:
+            accelerator.register_for_checkpointing(self)
+
+    # ------------------------------------------------------------------ process group
+
+    @property
+    def _main(self) -> bool:
+        return bool(self.accelerator.is_main_process)
+
+    @property
+    def _world(self) -> int:
+        return int(self.accelerator.num_processes)
+
+    def _rank0(self, fn: Callable[[], Any]) -> Any:
+        result: Any = None
+        error: BaseException | None = None
+        if self._main:
+            try:
+                result = ("ok", fn())
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
+                error = e
+                result = ("error", f"{type(e).__name__}: {e}")
+        if self._world > 1:
+            from accelerate.utils import broadcast_object_list
+
+            box = [result]
+            broadcast_object_list(box, from_process=0)
+            result = box[0]
+        if result[0] == "error":
+            if error is not None:
+                raise error
+            raise RuntimeError(f"DiLoCo worker on the main process failed: {result[1]}")
+        return result[1]
+
+    def _after_install(self, installed: bool) -> None:
+        if not installed:
+            return
+        if self._world > 1:
+            import torch.distributed as dist
+
+            with torch.no_grad():
+                for t in self._params.values():
+                    dist.broadcast(t.data, src=0)
+        if self.reset_inner_optimizer:
+            for opt in self.optimizers:
+                inner = getattr(opt, "optimizer", opt)
+                inner.state.clear()
+
+    # ------------------------------------------------------------------ context manager
+
+    def start(self) -> None:
+        """Connect (and install the global weights on a fresh start); ``__enter__`` calls it."""
+        if not self.enabled or self._running:
+            return
+
+        def start() -> bool:
+            self.worker = DiLoCoWorker(
+                self.hub,
+                self.node_id,
+                self._params,
+                sync=self.sync,
+                delay=self.delay,
+                delta_dtype=self.delta_dtype,
+                signing_key=self.signing_key,
+                hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
+                wait_timeout=self.wait_timeout,
+                poll_interval=self.poll_interval,
+            )
+            if self._restored is not None:
+                if self._restored.get("worker") is not None:
+                    self.worker.load_state_dict(self._restored["worker"])
+                if self._restored.get("anchor") is not None:
+                    self.worker.load_anchor_state(self._restored["anchor"])
+            return self.worker.start() is not None
+
+        installed = self._rank0(start)
+        self._running = True
+        self._restored = None
+        self._after_install(installed)
+
+    def __enter__(self) -> "DiLoCo":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(flush=exc_type is None)
+
+    def close(self, flush: bool = True, timeout: float | None = None) -> bool:
+        """Upload what is pending (``flush``) and stop the worker's threads."""
+        self._running = False
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return True
+        try:
+            return worker.close(flush=flush, timeout=timeout)
+        finally:
+            self.metrics.update(worker.totals)
+            if worker.anchor is not None:  # a later save_state (or a new `with`) continues from here
+                self._restored = {"worker": worker.state_dict(), "anchor": worker.anchor_state(timeout=0)}
+
+    # ------------------------------------------------------------------ training
+
+    def step(self, num_tokens: int | None = None) -> BoundaryResult | None:
+        """Call after each ``optimizer.step()``; every ``inner_steps`` real optimizer steps, a
+        boundary (export, upload in the background, install a newer global). ``num_tokens``:
+        tokens of this step on this process (summed over processes and steps into the header)."""
+        if not self.enabled:
+            return None
+        if not getattr(self.accelerator, "sync_gradients", True):
+            return None  # an accumulation micro-step: the optimizer did not step
+        if not self._running:  # used without `with`: start at the first step (on every process)
+            self.start()
+        self.num_steps += 1
+        if num_tokens is None:
+            self._tokens = None
+        elif self._tokens is not None:
+            self._tokens += int(num_tokens)
+        if self.num_steps % self.inner_steps:
+            return None
+        tokens, self._tokens = self._tokens, 0
+        if self._world > 1:
+            t = torch.tensor([float(tokens or 0), 0.0 if tokens is not None else 1.0], dtype=torch.float64,
+                             device=self.accelerator.device)
+            t = self.accelerator.reduce(t, reduction="sum")
+            tokens = None if float(t[1]) > 0 else int(round(float(t[0])))
+
+        result: list[BoundaryResult] = []
+
+        def boundary() -> bool:
+            result.append(self.worker.boundary(num_tokens=tokens))
+            return result[0].installed is not None
+
+        installed = self._rank0(boundary)
+        self._after_install(installed)
+        if not result:
+            return None
+        metrics = result[0].metrics()
+        self.metrics.update(metrics)
+        self.metrics.update(self.worker.totals)
+        if self.log_fn is not None:
+            self.log_fn(metrics)
+        return result[0]
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and (main process) the anchor and anything undelivered; saved by
+        ``accelerator.save_state`` (this object is registered for checkpointing)."""
+        out: dict[str, Any] = {"version": _STATE_VERSION, "num_steps": self.num_steps, "worker": None, "anchor": None}
+        if self.worker is not None:
+            out["worker"] = self.worker.state_dict()
+            if self.worker.anchor is not None:
+                out["anchor"] = self.worker.anchor_state()
+        elif self._restored is not None:
+            out["worker"] = self._restored.get("worker")
+            out["anchor"] = self._restored.get("anchor")
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (``accelerator.load_state``); must happen before ``with``/``start()``."""
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            raise ValueError("not a diloco_lightning.accelerate.DiLoCo state")
+        if self.worker is not None:
+            raise RuntimeError(
+                "DiLoCo.load_state_dict: the worker is already running; call accelerator.load_state() before "
+                "entering the `with DiLoCo(...)` block"
+            )
+        self.num_steps = int(state.get("num_steps", 0))
+        self._restored = {"worker": state.get("worker"), "anchor": state.get("anchor")}
+
+
+AccelerateDiLoCo = DiLoCo

@@ -1,0 +1,385 @@
+"""``diloco_lightning.DiLoCo``: asynchronous DiLoCo as one Lightning callback.
+
+Add it to an unmodified ``Trainer``; nothing else changes::
+
+    trainer = L.Trainer(max_steps=10_000, callbacks=[DiLoCo(hub="file:///shared/run", node_id="w0", inner_steps=500)])
+
+What it does (the work itself is :class:`~diloco_lightning.worker.DiLoCoWorker`'s):
+
+* ``on_train_start``: connects to the hub. A fresh run installs the newest global version
+  (offering this model's weights as ``nodes/<node_id>/init.safetensors`` first when nothing
+  is published yet, and waiting for outer step 0); a resumed run keeps its checkpoint weights
+  and restores the anchor from the checkpoint.
+* Boundaries are keyed on ``trainer.global_step`` (optimizer steps) with a last-synced guard:
+  a boundary fires once when ``global_step // inner_steps`` grows, so gradient accumulation
+  (several batches per step) and resume never fire it twice.
+* Checkpoints: counters in ``state_dict()``, the anchor and any undelivered delta under
+  ``checkpoint["diloco_worker"]`` (``on_save_checkpoint``), so the first delta after a resume is
+  the true pseudo-gradient of the interrupted phase.
+* DDP inside one worker: rank 0 owns the worker (exports, uploads, decides installs); the
+  decision is broadcast and the installed weights are broadcast from rank 0, so every rank
+  installs the same version at the same step; an error on rank 0 is broadcast and raised on
+  every rank instead of leaving them waiting. FSDP, DeepSpeed and model-parallel strategies
+  are refused in ``setup`` (their parameters are sharded: the anchor would be a shard).
+* Logs, at every boundary, through the trainer's loggers (``diloco/`` prefix): ``outer_step``,
+  ``installed_outer_step`` and ``install_staleness`` (versions between the one installed and the
+  newest seen), ``delta_norm``, ``upload_bytes``, ``upload_seconds``, ``wait_seconds``
+  (lockstep), ``upload_failures``, ``boundary_seconds`` (time the training thread spent).
+  ``callback.metrics`` holds the last values and running totals.
+
+The trailing partial phase after the last boundary stays local (choose ``max_steps`` a
+multiple of ``inner_steps``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from diloco_lightning.hub.base import Hub
+from diloco_lightning.names import InvalidNameError, validate_node_id
+from diloco_lightning.signing import RunKey
+from diloco_lightning.worker.core import (
+    SYNC_MODES,
+    DiLoCoWorker,
+    module_state,
+    parse_delta_dtype,
+)
+from diloco_lightning.worker.sync import resolve_delay
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DiLoCo", "count_tokens"]
+
+CHECKPOINT_KEY = "diloco_worker"
+_SHARDED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
+
+
+def count_tokens(batch: Any) -> int | torch.Tensor | None:
+    """Tokens in a batch, guessed: ``attention_mask`` summed, else ``input_ids`` (a mapping key,
+    or the first element of a tuple/list) counted; an integer tensor counts its elements.
+    None when the batch holds no token ids (the delta header then has no ``num_tokens``)."""
+    if isinstance(batch, Mapping):
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            return mask.sum()
+        ids = batch.get("input_ids")
+        return ids.numel() if isinstance(ids, torch.Tensor) else None
+    if isinstance(batch, (tuple, list)) and batch:
+        return count_tokens(batch[0])
+    if isinstance(batch, torch.Tensor) and not batch.is_floating_point() and not batch.is_complex():
+        return batch.numel()
+    return None
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"DiLoCo: {name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+class DiLoCo(Callback):
+    """Asynchronous DiLoCo worker as a Lightning callback (see the module docstring).
+
+    Args:
+        hub: ``"file:///abs/path"``, a plain path, ``"hf://org/repo"``, or an open
+            :class:`~diloco_lightning.hub.Hub`.
+        node_id: this worker's name on the hub (1-64 characters of ``[A-Za-z0-9._-]``).
+        inner_steps: H, optimizer steps between two exports.
+        sync: ``"async"`` (default: install the newest version at each boundary, never wait)
+            or ``"lockstep"`` (at boundary r install exactly version ``r - delay``, waiting for it).
+        delay: lockstep delay: an int, a per-node list (indexed by ``node_index``), or a seeded
+            distribution ``{"distribution": "uniform", "low": 0, "high": 8, "seed": 0}`` /
+            ``{"distribution": "choice", "values": [...], "weights": [...], "seed": 0}``.
+        node_index: this worker's index for a list/distribution ``delay`` (default: the
+            number ending ``node_id``).
+        delta_dtype: ``"float32"`` (default) or ``"bfloat16"`` (``"float16"`` too) on the wire.
+        reset_inner_optimizer: clear the inner optimizers' state after each install (default
+            False: keep it, as DiLoCo does).
+        hub_options: options for ``open_hub`` (``token=``, ``endpoint=``, ``cache_dir=`` ...).
+        signing_key: run key for signed deltas; None takes ``DILOCO_RUN_KEY`` /
+            ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned when neither is set).
+        wait_timeout: seconds a blocking wait (bootstrap, lockstep, final flush) may last.
+        poll_interval: seconds between manifest reads (waits, async prefetch).
+        token_counter: ``None`` (guess with :func:`count_tokens`), ``False`` (no
+            ``num_tokens`` in headers) or ``callable(batch) -> int | Tensor``.
+        log_prefix: prefix of the logged metric names.
+    """
+
+    def __init__(
+        self,
+        hub: str | os.PathLike | Hub,
+        node_id: str,
+        inner_steps: int,
+        *,
+        sync: str = "async",
+        delay: Any = 0,
+        node_index: int | None = None,
+        delta_dtype: str | torch.dtype = "float32",
+        reset_inner_optimizer: bool = False,
+        hub_options: Mapping[str, Any] | None = None,
+        signing_key: RunKey | str | bytes | None = None,
+        wait_timeout: float = 1200.0,
+        poll_interval: float = 1.0,
+        token_counter: Callable[[Any], Any] | bool | None = None,
+        log_prefix: str = "diloco/",
+    ) -> None:
+        super().__init__()
+        if not isinstance(hub, (str, os.PathLike, Hub)) or (isinstance(hub, str) and not hub):
+            raise ValueError(f"DiLoCo: hub must be a URL, a path or a Hub, got {hub!r}")
+        try:
+            self.node_id = validate_node_id(node_id)
+        except InvalidNameError as e:
+            raise ValueError(f"DiLoCo: node_id: {e}") from None
+        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
+            raise ValueError(f"DiLoCo: inner_steps must be a positive integer, got {inner_steps!r}")
+        if sync not in SYNC_MODES:
+            raise ValueError(f"DiLoCo: sync must be one of {SYNC_MODES}, got {sync!r}")
+        try:
+            self.delay = resolve_delay(delay, node_id, node_index)
+        except ValueError as e:
+            raise ValueError(f"DiLoCo: {e}") from None
+        try:
+            self.delta_dtype = parse_delta_dtype(delta_dtype)
+        except ValueError as e:
+            raise ValueError(f"DiLoCo: {e}") from None
+        if not isinstance(reset_inner_optimizer, bool):
+            raise ValueError(f"DiLoCo: reset_inner_optimizer must be True or False, got {reset_inner_optimizer!r}")
+        if hub_options is not None and not isinstance(hub_options, Mapping):
+            raise ValueError(f"DiLoCo: hub_options must be a mapping or None, got {type(hub_options).__name__}")
+        if isinstance(hub, Hub) and hub_options:
+            raise ValueError("DiLoCo: hub_options cannot be given with an already open Hub")
+        if signing_key is not None and not isinstance(signing_key, (RunKey, str, bytes)):
+            raise ValueError(f"DiLoCo: signing_key must be a RunKey, text, bytes or None, got {type(signing_key).__name__}")
+        if isinstance(signing_key, (str, bytes)) and not signing_key:
+            raise ValueError("DiLoCo: signing_key is empty")
+        if not (token_counter is None or token_counter is False or callable(token_counter)):
+            raise ValueError(f"DiLoCo: token_counter must be None, False or a callable, got {token_counter!r}")
+        if not isinstance(log_prefix, str):
+            raise ValueError(f"DiLoCo: log_prefix must be a string, got {log_prefix!r}")
+        self.hub = hub
+        self.inner_steps = inner_steps
+        self.sync = sync
+        self.node_index = node_index
+        self._delay_arg = delay
+        self.reset_inner_optimizer = reset_inner_optimizer
+        self.hub_options = dict(hub_options or {})
+        self.signing_key = signing_key
+        self.wait_timeout = _positive("wait_timeout", wait_timeout)
+        self.poll_interval = _positive("poll_interval", poll_interval)
+        self.token_counter = token_counter
+        self.log_prefix = log_prefix
+
+        self.worker: DiLoCoWorker | None = None
+        self.metrics: dict[str, float] = {}
+        self._last_synced_step: int | None = None
+        self._restored_sync_step: int | None = None
+        self._restored_counters: dict[str, Any] | None = None
+        self._restored_anchor: dict[str, Any] | None = None
+        self._tokens: int | torch.Tensor | None = 0
+        self._params: dict[str, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ identity and state
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(node_id=self.node_id)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"last_synced_step": self._last_synced_step}
+        if self.worker is not None:
+            out["worker"] = self.worker.state_dict()
+        elif self._restored_counters is not None and "worker" in self._restored_counters:
+            out["worker"] = self._restored_counters["worker"]
+        return out
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored_counters = dict(state_dict)
+        self._restored_sync_step = state_dict.get("last_synced_step")
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.worker is not None and self.worker.anchor is not None:
+            checkpoint[CHECKPOINT_KEY] = self.worker.anchor_state()
+        elif self._restored_anchor is not None:  # saved again before training started
+            checkpoint[CHECKPOINT_KEY] = self._restored_anchor
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._restored_anchor = checkpoint.get(CHECKPOINT_KEY)
+        if self._restored_anchor is None and trainer.is_global_zero:
+            log.warning(
+                "DiLoCo: this checkpoint has no DiLoCo anchor (it was saved without the callback); the worker "
+                "installs the hub's global weights instead of resuming its inner phase"
+            )
+
+    # ------------------------------------------------------------------ setup / start
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        names = {cls.__name__ for cls in type(trainer.strategy).__mro__}
+        sharded = sorted(names.intersection(_SHARDED))
+        if sharded:
+            raise ValueError(
+                f"DiLoCo does not support the sharded strategy {type(trainer.strategy).__name__} (each rank holds only "
+                "a shard of the parameters, so no rank can export the pseudo-gradient or install a global version). "
+                "Use strategy='ddp' (or a single device) inside each DiLoCo worker."
+            )
+
+    def _rank0(self, trainer: Trainer, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0; every rank gets its (picklable) result or raises its error."""
+        result: Any = None
+        error: BaseException | None = None
+        if trainer.is_global_zero:
+            try:
+                result = ("ok", fn())
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
+                error = e
+                result = ("error", f"{type(e).__name__}: {e}")
+        if trainer.world_size > 1:
+            result = trainer.strategy.broadcast(result, src=0)
+        if result[0] == "error":
+            if error is not None:
+                raise error
+            raise RuntimeError(f"DiLoCo worker on rank 0 failed: {result[1]}")
+        return result[1]
+
+    def _broadcast_params(self, trainer: Trainer) -> None:
+        if trainer.world_size > 1:
+            import torch.distributed as dist
+
+            with torch.no_grad():
+                for t in self._params.values():
+                    dist.broadcast(t.data, src=0)
+
+    def _after_install(self, trainer: Trainer, installed: bool) -> None:
+        if not installed:
+            return
+        self._broadcast_params(trainer)
+        if self.reset_inner_optimizer:
+            for opt in trainer.optimizers:
+                opt.state.clear()
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._params = module_state(pl_module)
+        # a resumed fit continues the checkpoint's boundary count; any other fit counts from its first step
+        restored, self._restored_sync_step = self._restored_sync_step, None
+        self._last_synced_step = trainer.global_step if restored is None else restored
+        self._tokens = 0
+
+        def start() -> bool:
+            if self.worker is not None:
+                self.worker.close(flush=True)
+            self.worker = DiLoCoWorker(
+                self.hub,
+                self.node_id,
+                self._params,
+                sync=self.sync,
+                delay=self.delay,
+                delta_dtype=self.delta_dtype,
+                signing_key=self.signing_key,
+                hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
+                wait_timeout=self.wait_timeout,
+                poll_interval=self.poll_interval,
+            )
+            counters = (self._restored_counters or {}).get("worker")
+            if counters is not None:
+                self.worker.load_state_dict(counters)
+            if self._restored_anchor is not None:
+                self.worker.load_anchor_state(self._restored_anchor)
+            installed = self.worker.start()
+            if installed is not None:
+                self.metrics[self.log_prefix + "installed_outer_step"] = float(installed.outer_step)
+            return installed is not None
+
+        installed = self._rank0(trainer, start)
+        self._restored_anchor = None
+        self._after_install(trainer, installed)
+
+    # ------------------------------------------------------------------ boundaries
+
+    def _count(self, batch: Any) -> None:
+        if self.token_counter is False or self._tokens is None:
+            return
+        n = self.token_counter(batch) if callable(self.token_counter) else count_tokens(batch)
+        if n is None:
+            self._tokens = None
+        else:
+            self._tokens = self._tokens + (n.detach() if isinstance(n, torch.Tensor) else int(n))
+
+    def _take_tokens(self, trainer: Trainer) -> int | None:
+        tokens, self._tokens = self._tokens, 0
+        if self.token_counter is False:
+            return None
+        if trainer.world_size > 1:
+            known = tokens is not None
+            t = torch.tensor(
+                [float(tokens) if known else 0.0, 0.0 if known else 1.0], device=trainer.strategy.root_device,
+                dtype=torch.float64,
+            )
+            t = trainer.strategy.reduce(t, reduce_op="sum")
+            return None if float(t[1]) > 0 else int(round(float(t[0])))
+        return None if tokens is None else int(tokens)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._count(batch)
+        step = trainer.global_step
+        last = self._last_synced_step if self._last_synced_step is not None else 0
+        if step // self.inner_steps <= last // self.inner_steps:
+            return
+        self._last_synced_step = step
+        tokens = self._take_tokens(trainer)
+
+        def boundary() -> tuple[bool, dict[str, float]]:
+            result = self.worker.boundary(num_tokens=tokens)
+            metrics = result.metrics(self.log_prefix)
+            return result.installed is not None, metrics
+
+        installed, metrics = self._rank0(trainer, boundary)
+        self._after_install(trainer, installed)
+        if trainer.is_global_zero:
+            self.metrics.update(metrics)
+            self.metrics.update(self.worker.totals)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    # ------------------------------------------------------------------ end
+
+    def _close(self, flush: bool, timeout: float | None = None) -> None:
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return
+        try:
+            worker.close(flush=flush, timeout=timeout)
+        finally:
+            self.metrics.update(worker.totals)
+            # a checkpoint saved after training (or the next fit() with this callback) continues from here
+            if worker.anchor is not None:
+                self._restored_anchor = worker.anchor_state(timeout=0)
+                self._restored_counters = {"last_synced_step": self._last_synced_step, "worker": worker.state_dict()}
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close(flush=True)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._close(flush=True, timeout=min(self.wait_timeout, 30.0))
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._close(flush=False)

@@ -1,0 +1,29 @@
+"""The framework-free DiLoCo worker: :class:`DiLoCoWorker` (see ``core.py``)."""
+
+from diloco_lightning.worker.core import (
+    DELTA_DTYPES,
+    SYNC_MODES,
+    BoundaryResult,
+    DiLoCoWorker,
+    InstallResult,
+    UploadReport,
+    WaitTimeoutError,
+    WorkerError,
+    module_state,
+    parse_delta_dtype,
+)
+from diloco_lightning.worker.sync import resolve_delay
+
+__all__ = [
+    "DiLoCoWorker",
+    "BoundaryResult",
+    "InstallResult",
+    "UploadReport",
+    "WorkerError",
+    "WaitTimeoutError",
+    "SYNC_MODES",
+    "DELTA_DTYPES",
+    "module_state",
+    "parse_delta_dtype",
+    "resolve_delay",
+]

@@ -1,0 +1,761 @@
+"""The framework-free DiLoCo worker (the Lightning and Accelerate adapters are thin shells).
+
+:class:`DiLoCoWorker` is given the tensors of a model (named parameters and persistent
+buffers, the ones to install into) and, at every boundary (every ``inner_steps`` optimizer
+steps, decided by the adapter), does:
+
+1. **export**: a CPU FP32 copy of every floating parameter (``snapshot``; pinned and
+   non-blocking when the model is on CUDA). The pseudo-gradient ``anchor - snapshot`` is
+   computed, cast, written and uploaded by the background uploader, so the training thread
+   pays for one copy of the weights and nothing else.
+2. **anchor moves** to the snapshot (the next delta covers only the next inner phase), or to
+   the global version installed at this boundary.
+3. **install** a newer global version, in place (``param.data.copy_``: optimizer and DDP
+   references stay valid). ``async``: the newest one, prefetched by a background thread;
+   ``lockstep``: exactly version ``r - delay`` at the r-th boundary, waiting for it.
+
+Nothing is lost: a delta that cannot be uploaded (hub down, upload still running) is merged
+into the next one (cumulative, with the older ``base_outer_step``), and the worker's
+checkpoint state (:meth:`anchor_state`) carries the anchor and anything not yet delivered.
+See ``diloco_lightning/worker/uploader.py`` for the delivery rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco_lightning.deltafile import model_fingerprint, synced_keys
+from diloco_lightning.hub import Hub, HubNotFoundError, open_hub
+from diloco_lightning.manifest import Manifest
+from diloco_lightning.names import validate_node_id
+from diloco_lightning.signing import RunKey, load_run_key
+from diloco_lightning.statefile import save_weights_file
+from diloco_lightning.worker.sync import (
+    GlobalFetcher,
+    WaitTimeoutError,
+    WorkerError,
+    load_version,
+    resolve_delay,
+)
+from diloco_lightning.worker.uploader import (
+    Job,
+    Part,
+    Uploader,
+    UploadReport,
+    merge_jobs,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DiLoCoWorker",
+    "BoundaryResult",
+    "InstallResult",
+    "UploadReport",
+    "WorkerError",
+    "WaitTimeoutError",
+    "SYNC_MODES",
+    "DELTA_DTYPES",
+    "parse_delta_dtype",
+    "module_state",
+]
+
+SYNC_MODES = ("async", "lockstep")
+DELTA_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+STATE_VERSION = 1
+
+
+def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` (or the torch dtype) -> torch dtype."""
+    if isinstance(value, torch.dtype) and value in DELTA_DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in DELTA_DTYPES:
+        return DELTA_DTYPES[value.lower().removeprefix("torch.")]
+    raise ValueError(f"{argname} must be one of 'float32', 'bfloat16', 'float16', got {value!r}")
+
+
+def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a worker syncs and installs into: ``named_parameters()`` (tied weights once,
+    under their first name) and the persistent buffers (``state_dict`` ones). These keys are the
+    global state's keys."""
+    out: dict[str, torch.Tensor] = dict(module.named_parameters())
+    persistent = set(module.state_dict(keep_vars=True))
+    for name, buf in module.named_buffers():
+        if name in persistent and name not in out:
+            out[name] = buf
+    return out
+
+
+@dataclass
+class InstallResult:
+    """A global version copied into the model."""
+
+    outer_step: int
+    #: how many versions behind the newest one the worker had seen it was (0: the newest)
+    staleness: int
+    previous_outer_step: int | None
+    seconds: float
+
+
+@dataclass
+class BoundaryResult:
+    """What one boundary did (``metrics()`` flattens it for a logger)."""
+
+    boundary: int
+    base_outer_step: int
+    outer_step: int
+    installed: InstallResult | None = None
+    uploads: list[UploadReport] = field(default_factory=list)
+    pending_phases: int = 0
+    wait_seconds: float = 0.0
+    seconds: float = 0.0
+
+    def metrics(self, prefix: str = "diloco/") -> dict[str, float]:
+        m = {
+            "outer_step": float(self.outer_step),
+            "boundary": float(self.boundary),
+            "boundary_seconds": self.seconds,
+            "pending_phases": float(self.pending_phases),
+        }
+        if self.wait_seconds:
+            m["wait_seconds"] = self.wait_seconds
+        if self.installed is not None:
+            m["installed_outer_step"] = float(self.installed.outer_step)
+            m["install_staleness"] = float(self.installed.staleness)
+            m["install_seconds"] = self.installed.seconds
+        done = [u for u in self.uploads if u.ok and u.local_step is not None]
+        if done:
+            m["delta_norm"] = float(done[-1].delta_norm or 0.0)
+            m["upload_bytes"] = float(sum(u.nbytes for u in done))
+            m["upload_seconds"] = float(sum(u.seconds for u in done))
+        failed = [u for u in self.uploads if not u.ok]
+        if failed:
+            m["upload_failures"] = float(len(failed))
+        return {prefix + k: v for k, v in m.items()}
+
+
+class DiLoCoWorker:
+    """One DiLoCo worker (see the module docstring).
+
+    Args:
+        hub: a :class:`~diloco_lightning.hub.Hub` or a URL for ``open_hub`` (with ``hub_options``).
+        node_id: this worker's name on the hub (``[A-Za-z0-9._-]``, 1-64 characters).
+        params: ``name -> tensor`` to sync and install into (use :func:`module_state`); the
+            floating ones travel in deltas, integer buffers are only installed.
+        sync: ``"async"`` (install the newest version at each boundary, never wait) or
+            ``"lockstep"`` (at boundary r, wait for version ``r - delay`` and install exactly it;
+            the first ``delay`` boundaries install version 0).
+        delay: lockstep delay: an int, a per-node list, or a seeded distribution
+            (:func:`~diloco_lightning.worker.sync.resolve_delay`).
+        node_index: this worker's index for a list/distribution ``delay`` (default: the number
+            ending ``node_id``).
+        delta_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` on the wire
+            (the worker computes in FP32 and casts once).
+        signing_key: a :class:`~diloco_lightning.signing.RunKey`, key text/bytes, or None to
+            take ``DILOCO_RUN_KEY`` / ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned
+            when neither is set).
+        wait_timeout: seconds a blocking wait may last (bootstrap, lockstep, the final flush)
+            before ``WaitTimeoutError``; keep it below a DDP process-group timeout.
+        poll_interval: seconds between manifest reads while waiting, and of the async prefetcher.
+        spool_dir: where delta files are written before upload (default: a temporary folder).
+    """
+
+    def __init__(
+        self,
+        hub: Hub | str | os.PathLike,
+        node_id: str,
+        params: Mapping[str, torch.Tensor],
+        *,
+        sync: str = "async",
+        delay: Any = 0,
+        node_index: int | None = None,
+        delta_dtype: Any = "float32",
+        signing_key: RunKey | str | bytes | None = None,
+        hub_options: Mapping[str, Any] | None = None,
+        wait_timeout: float = 1200.0,
+        poll_interval: float = 1.0,
+        spool_dir: str | os.PathLike | None = None,
+    ) -> None:
+        self.node_id = validate_node_id(node_id)
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+        self.sync = sync
+        self.delay = resolve_delay(delay, node_id, node_index)
+        self.delta_dtype = parse_delta_dtype(delta_dtype)
+        for name, value in (("wait_timeout", wait_timeout), ("poll_interval", poll_interval)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.wait_timeout = float(wait_timeout)
+        self.poll_interval = float(poll_interval)
+        if not isinstance(params, Mapping) or not params:
+            raise ValueError("params must be a non-empty mapping name -> tensor (e.g. module_state(model))")
+        for k, t in params.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"params[{k!r}] is a {type(t).__name__}, not a tensor")
+        self.params: dict[str, torch.Tensor] = dict(params)
+        self.synced = synced_keys(self.params)
+        if not self.synced:
+            raise ValueError("params has no floating-point tensor to sync")
+        self.fingerprint = model_fingerprint(self.params)
+        self._pin = any(t.device.type == "cuda" for t in self.params.values()) and torch.cuda.is_available()
+        self.signing_key = load_run_key(signing_key)
+        self.hub = open_hub(hub, **dict(hub_options or {}))
+        self._spool_parent = spool_dir
+
+        # progress (checkpointed)
+        self.boundaries = 0
+        self.outer_step: int | None = None  # outer_step of the anchor's base
+        self._anchor: dict[str, torch.Tensor] | None = None
+        self._next_local_step = 1  # delta_<r> is the r-th boundary's in a clean run
+        self._unsent: Job | None = None
+        self._restored = False
+        self._restored_next: int | None = None
+        # totals (not part of the model's state, but kept across resume)
+        self.totals = {
+            "deltas_uploaded_total": 0,
+            "bytes_uploaded_total": 0,
+            "phases_delivered_total": 0,
+            "upload_failures_total": 0,
+            "installs_total": 0,
+            "wait_seconds_total": 0.0,
+            "boundaries_total": 0,
+            "boundary_seconds_total": 0.0,  # training-thread time spent in boundary() (waits included)
+        }
+        self._uploader: Uploader | None = None
+        self._fetcher: GlobalFetcher | None = None
+        self._spool: str | None = None
+        self._started = False
+        self._closed = False
+        self._newest_seen = -1
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def next_local_step(self) -> int:
+        if self._uploader is not None:
+            return self._uploader.next_local_step
+        return self._next_local_step
+
+    @property
+    def pending_phases(self) -> int:
+        """Inner phases exported but not yet known to be on the hub (queued, in flight, or held)."""
+        held = 0 if self._unsent is None else self._unsent.phases
+        return held + (self._uploader.queued_phases if self._uploader is not None else 0)
+
+    @property
+    def anchor(self) -> dict[str, torch.Tensor] | None:
+        return self._anchor
+
+    # ------------------------------------------------------------------ start
+
+    def _deadline(self, timeout: float | None = None) -> float:
+        return time.monotonic() + (self.wait_timeout if timeout is None else timeout)
+
+    def _retry(self, what: str, fn, deadline: float):
+        """``fn()``, retried every ``poll_interval`` on hub errors until ``deadline``."""
+        first = True
+        while True:
+            try:
+                return fn()
+            except (WorkerError, ValueError):
+                raise
+            except Exception as e:
+                if time.monotonic() >= deadline:
+                    raise WaitTimeoutError(
+                        f"node {self.node_id}: could not {what} on {self.hub.url} within {self.wait_timeout:g} s "
+                        f"(last error: {type(e).__name__}: {e})"
+                    ) from e
+                if first:
+                    log.warning("node %s: cannot %s on %s (%s: %s); retrying", self.node_id, what, self.hub.url,
+                                type(e).__name__, e)
+                    first = False
+                time.sleep(self.poll_interval)
+
+    def _hub_high_step(self) -> int:
+        refs = self.hub.list_deltas(after={self.node_id: -1})
+        return max((r.local_step for r in refs if r.node_id == self.node_id), default=-1)
+
+    def start(self) -> InstallResult | None:
+        """Connect to the hub and get the starting weights (idempotent; ``boundary`` calls it).
+
+        Fresh start: with no global on the hub, offer this model's weights as
+        ``nodes/<node_id>/init.safetensors`` and wait for outer step 0; then install the newest
+        version (async) or version 0 (lockstep). After :meth:`load_anchor_state` (a resume) the
+        model keeps its restored weights and nothing is installed.
+        """
+        if self._closed:
+            raise WorkerError("this worker is closed")
+        if self._started:
+            return None
+        deadline = self._deadline()
+        manifest = self._retry("read the manifest", self.hub.read_manifest, deadline)
+        if manifest is not None:
+            self._check_fingerprint(manifest)
+        hub_high = self._retry("list this node's deltas", self._hub_high_step, deadline)
+        ledger = manifest.ledger.get(self.node_id, -1) if manifest is not None else -1
+        installed = None
+        if self._restored:
+            # the master deletes the deltas it processed: its ledger remembers them
+            seen_high = max(hub_high, ledger)
+            if self._restored_next is not None and seen_high >= self._restored_next:
+                log.warning(
+                    "node %s: the hub already has (or processed) delta_%d, made after this checkpoint was taken (its "
+                    "next delta was delta_%d): the inner steps replayed since the checkpoint will be sent again%s",
+                    self.node_id, seen_high, self._restored_next,
+                    "; the checkpoint's undelivered delta went out with them and is dropped" if self._unsent else "",
+                )
+                self._unsent = None
+        else:
+            if manifest is None:
+                manifest = self._bootstrap(deadline)
+            target = manifest.outer_step if self.sync == "async" else max(0, self.boundaries - self.delay)
+            installed = self._install_exact(target, manifest, deadline)
+        self._spool = tempfile.mkdtemp(prefix=f"diloco-{self.node_id}-", dir=self._spool_parent)
+        self._uploader = Uploader(
+            self.hub,
+            self.node_id,
+            first_local_step=max(self._next_local_step, hub_high + 1, ledger + 1),
+            spool_dir=self._spool,
+            delta_dtype=self.delta_dtype,
+            model_fingerprint=self.fingerprint,
+            signing_key=self.signing_key,
+            hub_high_step=self._hub_high_step,
+            persistent=self.sync == "lockstep",
+            retry_interval=self.poll_interval,
+        )
+        if self.sync == "async":
+            self._fetcher = GlobalFetcher(
+                self.hub, self.node_id, self.fingerprint, poll_interval=self.poll_interval, floor=self.outer_step
+            )
+        self._started = True
+        if self._unsent is not None:
+            self._pump()
+        log.info("node %s: started at outer_step %s (next local_step %d, sync=%s%s)", self.node_id, self.outer_step,
+                 self._uploader.next_local_step, self.sync, f", delay={self.delay}" if self.sync == "lockstep" else "")
+        return installed
+
+    def _check_fingerprint(self, manifest: Manifest) -> None:
+        if manifest.model_fingerprint != self.fingerprint:
+            raise WorkerError(
+                f"the global on {self.hub.url} (outer_step {manifest.outer_step}) has model fingerprint "
+                f"{manifest.model_fingerprint}, this model has {self.fingerprint}: the hub holds another model "
+                f"(different parameter names, shapes or dtypes)"
+            )
+
+    def _bootstrap(self, deadline: float) -> Manifest:
+        with tempfile.TemporaryDirectory(prefix=f"diloco-init-{self.node_id}-") as tmp:
+            path = os.path.join(tmp, "init.safetensors")
+            save_weights_file(
+                path,
+                {k: t.detach().cpu() for k, t in self.params.items()},
+                metadata={"format": "diloco-init/1", "node_id": self.node_id, "model_fingerprint": self.fingerprint},
+            )
+            hub_path = self._retry("offer the initial weights", lambda: self.hub.upload_init(path, self.node_id), deadline)
+        log.info("node %s: no global version on %s yet; offered %s, waiting for outer step 0", self.node_id,
+                 self.hub.url, hub_path)
+        while True:
+            m = self._retry("read the manifest", self.hub.read_manifest, deadline)
+            if m is not None:
+                self._check_fingerprint(m)
+                return m
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"node {self.node_id}: no master published outer step 0 on {self.hub.url} within "
+                    f"{self.wait_timeout:g} s (is a master running on this hub?)"
+                )
+            time.sleep(self.poll_interval)
+
+    # ------------------------------------------------------------------ install
+
+    def _anchor_copy(self, t: torch.Tensor) -> torch.Tensor:
+        target = torch.complex64 if t.is_complex() else torch.float32
+        out = t.detach()
+        if out.device.type != "cpu" or out.dtype != target:
+            out = out.to("cpu", target)
+        if self._pin:
+            out = out.pin_memory()
+        return out
+
+    def install_state(self, outer_step: int, state: Mapping[str, torch.Tensor], *, newest: int | None = None) -> InstallResult:
+        """Copy a global state into the params in place; the anchor becomes its FP32 copy."""
+        t0 = time.perf_counter()
+        missing = [k for k in self.synced if k not in state]
+        if missing:
+            raise WorkerError(f"global version {outer_step} lacks key(s) {missing[:5]} of this model")
+        for k, t in self.params.items():
+            src = state.get(k)
+            if src is not None and tuple(src.shape) != tuple(t.shape):
+                raise WorkerError(
+                    f"global version {outer_step}: key {k!r} has shape {list(src.shape)}, the model's is {list(t.shape)}"
+                )
+        with torch.no_grad():
+            for k, t in self.params.items():
+                src = state.get(k)
+                if src is None:
+                    log.warning("node %s: global version %d has no %r (an integer buffer); keeping the local one",
+                                self.node_id, outer_step, k)
+                    continue
+                t.data.copy_(src, non_blocking=src.is_pinned())
+        self._anchor = {k: self._anchor_copy(state[k]) for k in self.synced}
+        previous, self.outer_step = self.outer_step, outer_step
+        self._newest_seen = max(self._newest_seen, outer_step, -1 if newest is None else newest)
+        self.totals["installs_total"] += 1
+        if self._fetcher is not None:
+            self._fetcher.set_floor(outer_step)
+        return InstallResult(outer_step, self._newest_seen - outer_step, previous, time.perf_counter() - t0)
+
+    def _install_exact(self, target: int, manifest: Manifest, deadline: float) -> InstallResult:
+        """Install version ``target`` (``manifest`` is current and at least ``target``)."""
+        while True:
+            try:
+                m, state = load_version(self.hub, manifest, target)
+                return self.install_state(target, state, newest=manifest.outer_step)
+            except HubNotFoundError:  # collected while being read: re-read the manifest
+                if time.monotonic() >= deadline:
+                    raise
+                manifest = self._retry("read the manifest", self.hub.read_manifest, deadline)
+
+    # ------------------------------------------------------------------ boundary
+
+    def _export(self, num_tokens: int | None) -> Part:
+        """Snapshot the local weights (CPU FP32) and move the anchor onto them."""
+        snap: dict[str, torch.Tensor] = {}
+        event = None
+        with torch.no_grad():
+            for k in self.synced:
+                t = self.params[k].detach()
+                target = torch.complex64 if t.is_complex() else torch.float32
+                if t.device.type == "cuda":
+                    buf = torch.empty(t.shape, dtype=target, pin_memory=self._pin)
+                    buf.copy_(t, non_blocking=True)
+                elif t.dtype == target:
+                    buf = t.clone(memory_format=torch.contiguous_format)
+                else:
+                    buf = t.to(dtype=target, memory_format=torch.contiguous_format)
+                snap[k] = buf
+            if self._pin:
+                event = torch.cuda.Event()
+                event.record()
+        part = Part(self.outer_step, num_tokens, 1, anchor=self._anchor, snapshot=snap, event=event)
+        self._anchor = snap
+        return part
+
+    def _collect(self) -> list[UploadReport]:
+        reports = self._uploader.collect() if self._uploader is not None else []
+        for rep in reports:
+            self.totals["phases_delivered_total"] += rep.recovered_phases
+            if rep.ok:
+                if rep.local_step is not None:
+                    self.totals["deltas_uploaded_total"] += 1
+                    self.totals["bytes_uploaded_total"] += rep.nbytes
+                    self.totals["phases_delivered_total"] += rep.phases
+            else:
+                self.totals["upload_failures_total"] += 1
+                if rep.remaining is not None:
+                    log.warning(
+                        "node %s: delta upload failed (%s); %d inner phase(s) kept and merged into the next delta "
+                        "(%d failure(s) so far)",
+                        self.node_id, rep.error, rep.remaining.phases, self.totals["upload_failures_total"],
+                    )
+                    self._unsent = merge_jobs(rep.remaining, self._unsent)
+                else:
+                    log.warning("node %s: delta upload failed (%s); retrying it (%d failure(s) so far)",
+                                self.node_id, rep.error, self.totals["upload_failures_total"])
+        return reports
+
+    def _pump(self) -> None:
+        if self._unsent is not None and not self._unsent.empty and not self._uploader.busy:
+            job, self._unsent = self._unsent, None
+            self._uploader.submit(job)
+        elif self._unsent is not None and self._unsent.empty:
+            self._unsent = None
+
+    def boundary(self, num_tokens: int | None = None) -> BoundaryResult:
+        """End an inner phase: export ``anchor - local``, hand it to the uploader, install a
+        newer global (see the module docstring). ``num_tokens``: tokens trained on since the last
+        boundary (optional; goes in the delta header)."""
+        if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0):
+            raise ValueError(f"num_tokens must be a non-negative integer or None, got {num_tokens!r}")
+        self.start()
+        t0 = time.perf_counter()
+        r = self.boundaries + 1
+        reports = self._collect()
+        base = self.outer_step
+        part = self._export(num_tokens)
+        self.boundaries = r
+        wait = 0.0
+        if self.sync == "async":
+            self._unsent = merge_jobs(self._unsent, Job(fresh=part))
+            self._pump()
+            installed = None
+            got = self._fetcher.take()
+            if got is not None:
+                m, state, newest = got
+                installed = self.install_state(m.outer_step, state, newest=newest)
+            else:
+                self._newest_seen = max(self._newest_seen, self._fetcher.newest_seen)
+            self._fetcher.trigger()
+        else:
+            installed, wait, more = self._lockstep(part, r)
+            reports += more
+        seconds = time.perf_counter() - t0
+        self.totals["wait_seconds_total"] += wait
+        self.totals["boundaries_total"] += 1
+        self.totals["boundary_seconds_total"] += seconds
+        return BoundaryResult(
+            boundary=r,
+            base_outer_step=base,
+            outer_step=self.outer_step,
+            installed=installed,
+            uploads=reports,
+            pending_phases=self.pending_phases,
+            wait_seconds=wait,
+            seconds=seconds,
+        )
+
+    def _deliver_pending(self, deadline: float, reports: list[UploadReport], what: str) -> None:
+        """Block until everything handed over so far is on the hub (retrying failures)."""
+        while True:
+            failed = any(not rep.ok for rep in self._collect_into(reports))
+            if self._unsent is None and not self._uploader.busy:
+                return
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"node {self.node_id}: could not upload its pending delta(s) to {self.hub.url} within "
+                    f"{self.wait_timeout:g} s ({what})"
+                )
+            if failed:
+                time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+            self._pump()
+            self._uploader.wait_idle(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+
+    def _collect_into(self, reports: list[UploadReport]) -> list[UploadReport]:
+        got = self._collect()
+        reports.extend(got)
+        return got
+
+    def _lockstep(self, part: Part, r: int) -> tuple[InstallResult, float, list[UploadReport]]:
+        """Boundary r in lockstep: queue delta r (uploaded once version r-1 exists, so a master
+        with a quorum of all workers applies exactly one delta per worker per round), then wait
+        for version ``r - delay`` and install exactly it. Every delta r then has base
+        ``r - 1 - delay`` and is applied at outer step ``r - 1``: staleness exactly ``delay``
+        (``r - 1`` for the first ``delay`` boundaries, which start from version 0)."""
+        t0 = time.perf_counter()
+        deadline = self._deadline()
+        reports: list[UploadReport] = []
+        self._uploader.submit(Job(fresh=part), not_before=r - 1)
+        target = max(0, r - self.delay)
+        first = True
+        while True:
+            self._collect_into(reports)
+            m = None
+            try:
+                m = self.hub.read_manifest()
+            except Exception as e:
+                if first:
+                    log.warning("node %s: cannot read the manifest (%s: %s); retrying", self.node_id, type(e).__name__, e)
+                    first = False
+            if m is not None and m.outer_step >= target:
+                self._check_fingerprint(m)
+                wait = time.perf_counter() - t0
+                return self._install_exact(target, m, deadline), wait, reports
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"node {self.node_id}: lockstep boundary {r} waited {self.wait_timeout:g} s for global version "
+                    f"{target} (delay {self.delay}); the hub has {m.outer_step if m is not None else 'none'}"
+                    f"{' and this node could not upload its deltas' if self.totals['upload_failures_total'] else ''}. "
+                    f"Is the master running, with min_deltas equal to the number of workers?"
+                )
+            time.sleep(self.poll_interval)
+
+    # ------------------------------------------------------------------ flush / close
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Upload everything exported so far, retrying failures; True when nothing is left."""
+        if not self._started:
+            return self._unsent is None
+        deadline = self._deadline(timeout)
+        self._collect()
+        if self.pending_phases:
+            log.info("node %s: waiting (up to %g s) for %d inner phase(s) to reach %s", self.node_id,
+                     self.wait_timeout if timeout is None else timeout, self.pending_phases, self.hub.url)
+        try:
+            self._deliver_pending(deadline, [], "flush")
+        except WaitTimeoutError:
+            return False
+        return True
+
+    def close(self, flush: bool = True, timeout: float | None = None) -> bool:
+        """Stop the background threads (after a :meth:`flush` when ``flush``); True when every
+        exported phase reached the hub."""
+        if self._closed:
+            return True
+        ok = True
+        if self._started:
+            if flush:
+                ok = self.flush(timeout)
+            else:
+                self._collect()
+                ok = self._unsent is None and not self._uploader.busy
+            if not ok:
+                log.error(
+                    "node %s: closing with %d inner phase(s) not uploaded to %s (they are in the last checkpoint's "
+                    "DiLoCo state if one was saved after they were exported)",
+                    self.node_id, self.pending_phases, self.hub.url,
+                )
+            self._uploader.close(timeout=5.0)
+            self._next_local_step = self._uploader.next_local_step
+            if self._fetcher is not None:
+                self._fetcher.close(timeout=5.0)
+            if self._spool is not None:
+                shutil.rmtree(self._spool, ignore_errors=True)
+        self._closed = True
+        return ok
+
+    def __enter__(self) -> "DiLoCoWorker":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(flush=exc[0] is None)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Small counters (no tensors)."""
+        return {
+            "version": STATE_VERSION,
+            "node_id": self.node_id,
+            "boundaries": self.boundaries,
+            "outer_step": self.outer_step,
+            "next_local_step": self.next_local_step,
+            "totals": dict(self.totals),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._started:
+            raise WorkerError("load_state_dict must be called before the worker starts")
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a DiLoCo worker state (version {STATE_VERSION}): {state!r:.200}")
+        same_node = state.get("node_id") == self.node_id
+        if not same_node:
+            log.warning("node %s: ignoring the delivery counters of node %s's checkpoint", self.node_id, state.get("node_id"))
+        self.boundaries = int(state["boundaries"])
+        if state.get("outer_step") is not None:
+            self.outer_step = int(state["outer_step"])
+        if same_node:
+            self._next_local_step = max(self._next_local_step, int(state.get("next_local_step", 0)))
+            for k, v in (state.get("totals") or {}).items():
+                if k in self.totals:
+                    self.totals[k] = type(self.totals[k])(v)
+
+    def anchor_state(self, timeout: float | None = None) -> dict[str, Any]:
+        """The anchor (CPU FP32) and whatever is not yet on the hub, for a checkpoint.
+
+        Waits (up to ``timeout``, default ``wait_timeout``) for an upload in flight to finish, so
+        the checkpoint records exactly what is still undelivered; failed uploads are not retried
+        here (a hub outage never blocks checkpointing beyond one attempt).
+        """
+        if self._anchor is None:
+            raise WorkerError("the worker has no anchor yet (call start() first)")
+        busy = False
+        if self._started:
+            busy = not self._uploader.wait_idle(self.wait_timeout if timeout is None else timeout)
+            self._collect()
+            if busy:
+                log.warning("node %s: an upload is still running at checkpoint time; if this process dies now, "
+                            "the phases it carries are not in the checkpoint", self.node_id)
+        if self._pin:
+            torch.cuda.synchronize()
+        unsent = None
+        if self._unsent is not None and not self._unsent.empty:
+            unsent = {}
+            if self._unsent.fresh is not None:
+                f = self._unsent.fresh
+                unsent["fresh"] = {
+                    "base_outer_step": f.base_outer_step,
+                    "num_tokens": f.num_tokens,
+                    "phases": f.phases,
+                    "tensors": f.materialize(),
+                }
+            if self._unsent.doubt is not None:
+                step, d = self._unsent.doubt
+                unsent["doubt"] = {
+                    "local_step": step,
+                    "base_outer_step": d.base_outer_step,
+                    "num_tokens": d.num_tokens,
+                    "phases": d.phases,
+                    "tensors": d.materialize(),
+                }
+        return {
+            "version": STATE_VERSION,
+            "node_id": self.node_id,
+            "outer_step": self.outer_step,
+            "boundaries": self.boundaries,
+            "next_local_step": self.next_local_step + (1 if busy else 0),
+            "anchor": dict(self._anchor),
+            "unsent": unsent,
+        }
+
+    def load_anchor_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`anchor_state` (before :meth:`start`): the first delta after resume is
+        then the true pseudo-gradient of the interrupted inner phase."""
+        if self._started:
+            raise WorkerError("load_anchor_state must be called before the worker starts")
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION or "anchor" not in state:
+            raise ValueError("not a DiLoCo anchor state")
+        anchor = state["anchor"]
+        missing = [k for k in self.synced if k not in anchor]
+        extra = [k for k in anchor if k not in self.synced]
+        if missing or extra:
+            raise WorkerError(
+                f"the checkpoint's DiLoCo anchor does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
+        for k in self.synced:
+            if tuple(anchor[k].shape) != tuple(self.params[k].shape):
+                raise WorkerError(
+                    f"the checkpoint's DiLoCo anchor has shape {list(anchor[k].shape)} for {k!r}, "
+                    f"the model has {list(self.params[k].shape)}"
+                )
+        self._anchor = {k: self._anchor_copy(anchor[k]) for k in self.synced}
+        self.outer_step = int(state["outer_step"])
+        self.boundaries = int(state.get("boundaries", self.boundaries))
+        self._restored = True
+        if state.get("node_id") != self.node_id:
+            log.warning("node %s: restoring the anchor of node %s's checkpoint (its undelivered deltas stay with it)",
+                        self.node_id, state.get("node_id"))
+            return
+        self._restored_next = int(state["next_local_step"])
+        self._next_local_step = max(self._next_local_step, self._restored_next)
+        unsent = state.get("unsent")
+        if unsent:
+            job = Job()
+            if unsent.get("fresh"):
+                f = unsent["fresh"]
+                job.fresh = Part(int(f["base_outer_step"]), f["num_tokens"], int(f["phases"]),
+                                 residual={k: v.float() if not v.is_complex() else v for k, v in f["tensors"].items()})
+            if unsent.get("doubt"):
+                d = unsent["doubt"]
+                job.doubt = (int(d["local_step"]), Part(int(d["base_outer_step"]), d["num_tokens"], int(d["phases"]),
+                                                         residual=dict(d["tensors"])))
+            self._unsent = job

@@ -1,0 +1,466 @@
+"""The worker's background uploader: one thread, one delta in flight, nothing ever lost.
+
+The training thread hands the uploader a :class:`Job`: the pseudo-gradient of one or more
+inner phases, usually still *lazy* (``anchor - snapshot``, two CPU FP32 copies that the
+training thread made at the boundary), so the subtraction, the dtype cast, the norm, the
+file write and the upload all happen off the training thread.
+
+Exactly-once delivery
+---------------------
+Every delta a node writes has a fresh ``local_step`` (strictly increasing, so a node's deltas
+appear in order and the master's per-node high-water mark works). When an upload fails the
+uploader asks the hub whether the file landed anyway (a remote commit can time out after it
+succeeded):
+
+* it landed: success;
+* it did not: the job comes back to the worker as *failed* with its content materialized, and
+  the worker merges it into the next delta (the sum of two pseudo-gradients is the cumulative
+  one, with the older ``base_outer_step``), which is uploaded under a new ``local_step``;
+* the hub cannot say (it is down): the content is kept as a *doubt* with its ``local_step``.
+  Before anything else is uploaded, the doubt is resolved by asking again: landed -> dropped,
+  absent -> merged into what is sent next. While it cannot be resolved nothing new is
+  attempted, so at most one doubtful delta and one merged pending delta are ever held.
+
+A ``DeltaExistsError`` on a fresh ``local_step`` means another writer uses this node id (or
+the worker restarted without its checkpoint): the uploader skips past the hub's highest step,
+warns, and retries at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from diloco_lightning.deltafile import write_delta
+from diloco_lightning.hub.base import DeltaExistsError, Hub
+from diloco_lightning.signing import RunKey
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Part", "Job", "UploadReport", "Uploader", "merge_parts", "merge_jobs"]
+
+Tensors = dict[str, torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- parts and jobs
+
+
+@dataclass
+class Part:
+    """A pseudo-gradient covering ``phases`` inner phases: ``residual + (anchor - snapshot)``.
+
+    ``residual`` is materialized FP32 (complex64 for complex keys); ``anchor``/``snapshot`` is
+    the lazy part. Neither dict is ever modified in place once built (the worker's anchor may be
+    the very same dict), so a part can be read by the uploader while training goes on.
+    ``event``: a CUDA event that completes when ``snapshot``'s non-blocking copies are done.
+    """
+
+    base_outer_step: int
+    num_tokens: int | None
+    phases: int
+    residual: Tensors | None = None
+    anchor: Tensors | None = None
+    snapshot: Tensors | None = None
+    event: object | None = None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def materialize(self) -> Tensors:
+        """The FP32 pseudo-gradient (fresh tensors, never aliases of the anchor or snapshot)."""
+        self.wait()
+        out: Tensors = {}
+        if self.anchor is not None:
+            for k, a in self.anchor.items():
+                d = a - self.snapshot[k]
+                if self.residual is not None:
+                    d.add_(self.residual[k])
+                out[k] = d
+        elif self.residual is not None:
+            out = {k: v.clone() for k, v in self.residual.items()}
+        return out
+
+    def materialized(self) -> "Part":
+        return Part(self.base_outer_step, self.num_tokens, self.phases, residual=self.materialize())
+
+
+def _sum_tokens(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a + b
+
+
+def merge_parts(old: Part | None, new: Part | None) -> Part | None:
+    """One part covering both (``old`` first): the cumulative pseudo-gradient, the older base.
+
+    When ``new`` starts where ``old`` ended (``new.anchor is old.snapshot``: no install in
+    between) the lazy parts telescope and nothing is computed; otherwise ``old`` is
+    materialized into the residual.
+    """
+    if old is None:
+        return new
+    if new is None:
+        return old
+    base = min(old.base_outer_step, new.base_outer_step)
+    tokens = _sum_tokens(old.num_tokens, new.num_tokens)
+    phases = old.phases + new.phases
+    if old.anchor is not None and new.anchor is not None and new.anchor is old.snapshot:
+        residual = _add(old.residual, new.residual)
+        return Part(base, tokens, phases, residual, old.anchor, new.snapshot, new.event)
+    # ``old`` is owned by the merge (never read again), so its residual is reused, not copied
+    residual = old.materialize() if old.anchor is not None else old.residual
+    residual = _add(residual, new.residual)
+    return Part(base, tokens, phases, residual, new.anchor, new.snapshot, new.event)
+
+
+def _add(a: Tensors | None, b: Tensors | None) -> Tensors | None:
+    if a is None:
+        return None if b is None else {k: v.clone() for k, v in b.items()}
+    if b is None:
+        return a
+    out = {}
+    for k, v in a.items():
+        out[k] = v + b[k]
+    return out
+
+
+@dataclass
+class Job:
+    """What the uploader works on: a doubtful earlier attempt (``local_step``, content) and/or fresh content."""
+
+    fresh: Part | None = None
+    doubt: tuple[int, Part] | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.fresh is None and self.doubt is None
+
+    @property
+    def phases(self) -> int:
+        return (self.fresh.phases if self.fresh else 0) + (self.doubt[1].phases if self.doubt else 0)
+
+
+def merge_jobs(old: Job | None, new: Job | None) -> Job | None:
+    """``old`` (e.g. a failed job that came back) followed by ``new`` (never attempted)."""
+    if old is None or old.empty:
+        return new
+    if new is None or new.empty:
+        return old
+    if old.doubt is not None and new.doubt is not None:  # pragma: no cover - one job in flight at a time
+        raise AssertionError("two doubtful deltas at once")
+    return Job(fresh=merge_parts(old.fresh, new.fresh), doubt=old.doubt or new.doubt)
+
+
+@dataclass
+class UploadReport:
+    """The outcome of one uploader run (one delta written, or one failed attempt)."""
+
+    ok: bool
+    local_step: int | None = None
+    hub_path: str | None = None
+    base_outer_step: int | None = None
+    num_tokens: int | None = None
+    phases: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    delta_norm: float | None = None
+    error: str | None = None
+    #: a doubtful earlier attempt that turned out to have landed (its phases were delivered)
+    recovered_steps: list[int] = field(default_factory=list)
+    recovered_phases: int = 0
+    #: what must be merged into the next delta after a failure (None on success)
+    remaining: Job | None = None
+
+
+# ----------------------------------------------------------------------------- the thread
+
+
+class Uploader:
+    """Writes and uploads delta files on one background thread, in submission order.
+
+    ``async`` use (``persistent=False``): the worker submits one job at a time (only when not
+    :attr:`busy`); a failed job comes back in its report (``remaining``) to be merged.
+
+    ``lockstep`` use (``persistent=True``): every boundary's job is queued with a gate
+    (``not_before``: upload only once the hub's outer_step reaches it) and never merged; a
+    failed job stays at the head of the queue and is retried every ``retry_interval`` seconds.
+    Jobs waiting for their gate are materialized meanwhile (one FP32 copy each instead of two).
+
+    ``next_local_step`` is the step the next delta gets; only the uploader thread advances it
+    (read it when :attr:`busy` is False).
+    """
+
+    def __init__(
+        self,
+        hub: Hub,
+        node_id: str,
+        *,
+        first_local_step: int,
+        spool_dir: str | os.PathLike,
+        delta_dtype: torch.dtype = torch.float32,
+        model_fingerprint: str | None = None,
+        signing_key: RunKey | None = None,
+        hub_high_step: Callable[[], int] | None = None,
+        persistent: bool = False,
+        retry_interval: float = 1.0,
+    ) -> None:
+        self.hub = hub
+        self.node_id = node_id
+        self.next_local_step = int(first_local_step)
+        self.spool_dir = Path(spool_dir)
+        self.delta_dtype = delta_dtype
+        self.model_fingerprint = model_fingerprint
+        self.signing_key = signing_key
+        self.persistent = persistent
+        self.retry_interval = retry_interval
+        self._hub_high_step = hub_high_step
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[Job, int | None]] = deque()
+        self._active = False
+        self._active_phases = 0
+        self._closed = False
+        self._results: list[UploadReport] = []
+        self._thread = threading.Thread(target=self._run, name=f"diloco-upload-{node_id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ training-thread side
+
+    @property
+    def busy(self) -> bool:
+        with self._cond:
+            return self._active or bool(self._queue)
+
+    @property
+    def queued_phases(self) -> int:
+        """Phases handed over and not yet reported (in flight or queued)."""
+        with self._cond:
+            return sum(j.phases for j, _ in self._queue) + (self._active_phases if self._active else 0)
+
+    def submit(self, job: Job, not_before: int | None = None) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the uploader is closed")
+            if not self.persistent and (self._active or self._queue):
+                raise RuntimeError("an upload is already in flight")
+            self._queue.append((job, not_before))
+            self._cond.notify_all()
+
+    def collect(self) -> list[UploadReport]:
+        """Reports of the jobs finished (or attempts failed) since the last call."""
+        with self._cond:
+            out, self._results = self._results, []
+        return out
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or in flight (True) or ``timeout`` seconds pass (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._active or self._queue:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the thread (a job in flight finishes; queued ones are dropped: flush first)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ uploader thread
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep unless closed; False when closed."""
+        with self._cond:
+            if not self._closed:
+                self._cond.wait(seconds)
+            return not self._closed
+
+    def _gate_open(self, not_before: int) -> bool:
+        try:
+            m = self.hub.read_manifest()
+        except Exception as e:
+            log.debug("cannot read the manifest on %s: %s", self.hub.url, e)
+            return False
+        return m is not None and m.outer_step >= not_before
+
+    def _materialize_queued(self) -> None:
+        with self._cond:
+            lazy = [i for i, (j, _) in enumerate(self._queue) if j.fresh is not None and j.fresh.anchor is not None]
+        for i in lazy:
+            with self._cond:
+                if i >= len(self._queue):
+                    return
+                job, gate = self._queue[i]
+            if job.fresh is None or job.fresh.anchor is None:
+                continue
+            done = Job(fresh=job.fresh.materialized(), doubt=job.doubt)
+            with self._cond:
+                if i < len(self._queue) and self._queue[i][0] is job:
+                    self._queue[i] = (done, gate)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job, gate = self._queue[0]
+                self._active = True
+                self._active_phases = job.phases
+            if gate is not None and not self._gate_open(gate):
+                self._materialize_queued()
+                with self._cond:
+                    self._active = False
+                if not self._sleep(self.retry_interval):
+                    return
+                continue
+            with self._cond:
+                job, gate = self._queue.popleft()
+            try:
+                report = self._process(job)
+            except BaseException as e:  # never let the thread die with a job: hand it back
+                log.exception("delta uploader crashed on node %s", self.node_id)
+                report = UploadReport(ok=False, error=f"{type(e).__name__}: {e}", remaining=job)
+            retry = False
+            with self._cond:
+                if self.persistent and not report.ok and report.remaining is not None:
+                    self._queue.appendleft((report.remaining, None))  # its gate was open: retry as is
+                    report.remaining = None
+                    retry = True
+                self._results.append(report)
+                self._active = False
+                self._cond.notify_all()
+            if retry and not self._sleep(self.retry_interval):
+                return
+
+    def _landed(self, local_step: int) -> bool | None:
+        """Whether ``nodes/<node>/delta_<local_step>`` is on the hub; None when the hub cannot say."""
+        try:
+            refs = self.hub.list_deltas(after={self.node_id: local_step - 1})
+        except Exception as e:
+            log.debug("cannot list deltas on %s: %s", self.hub.url, e)
+            return None
+        return any(r.node_id == self.node_id and r.local_step == local_step for r in refs)
+
+    def _process(self, job: Job) -> UploadReport:
+        t0 = time.perf_counter()
+        recovered: list[int] = []
+        recovered_phases = 0
+        fresh = job.fresh
+        if job.doubt is not None:
+            step, part = job.doubt
+            landed = self._landed(step)
+            if landed is None:
+                return UploadReport(
+                    ok=False,
+                    error=f"hub {self.hub.url} unreachable (cannot tell whether delta_{step} landed)",
+                    seconds=time.perf_counter() - t0,
+                    remaining=job,
+                )
+            if landed:
+                log.info("node %s: delta_%d did land after all; not sending it again", self.node_id, step)
+                recovered.append(step)
+                recovered_phases += part.phases
+            else:
+                fresh = merge_parts(part, fresh)
+        if fresh is None:
+            return UploadReport(
+                ok=True, recovered_steps=recovered,
+                        recovered_phases=recovered_phases, seconds=time.perf_counter() - t0
+            )
+
+        delta = fresh.materialize()
+        sq = 0.0
+        for d in delta.values():
+            if d.numel():
+                sq += float(torch.linalg.vector_norm(d).double()) ** 2
+        norm = math.sqrt(sq)
+        content = Part(fresh.base_outer_step, fresh.num_tokens, fresh.phases, residual=delta)
+        tensors = {
+            k: (d if d.is_complex() or d.dtype == self.delta_dtype else d.to(self.delta_dtype)) for k, d in delta.items()
+        }
+        for attempt in range(3):
+            step = self.next_local_step
+            local = self.spool_dir / f"delta_{step}.safetensors"
+            nbytes = 0
+            try:
+                nbytes = write_delta(
+                    local,
+                    tensors,
+                    node_id=self.node_id,
+                    local_step=step,
+                    base_outer_step=fresh.base_outer_step,
+                    num_tokens=fresh.num_tokens,
+                    model_fingerprint=self.model_fingerprint,
+                    signing_key=self.signing_key,
+                    extra_metadata={"phases": str(fresh.phases)},
+                )
+                hub_path = self.hub.upload_delta(local, self.node_id, step)
+            except DeltaExistsError:
+                high = self._hub_high_step() if self._hub_high_step is not None else step
+                self.next_local_step = max(step, high) + 1
+                log.warning(
+                    "node %s: delta_%d already exists on %s (another process with this node_id?); "
+                    "sending as delta_%d instead",
+                    self.node_id, step, self.hub.url, self.next_local_step,
+                )
+                continue
+            except Exception as e:
+                self.next_local_step = step + 1  # a step that may exist on the hub is never reused
+                error = f"{type(e).__name__}: {e}"
+                landed = self._landed(step)
+                if landed:
+                    log.info("node %s: upload of delta_%d reported %s but the file landed", self.node_id, step, error)
+                    hub_path = None
+                else:
+                    remaining = Job(fresh=content) if landed is False else Job(doubt=(step, content))
+                    return UploadReport(
+                        ok=False,
+                        local_step=step,
+                        base_outer_step=fresh.base_outer_step,
+                        num_tokens=fresh.num_tokens,
+                        phases=fresh.phases,
+                        seconds=time.perf_counter() - t0,
+                        delta_norm=norm,
+                        error=error,
+                        recovered_steps=recovered,
+                        recovered_phases=recovered_phases,
+                        remaining=remaining,
+                    )
+            finally:
+                try:
+                    local.unlink()
+                except FileNotFoundError:
+                    pass
+            self.next_local_step = step + 1
+            return UploadReport(
+                ok=True,
+                local_step=step,
+                hub_path=hub_path,
+                base_outer_step=fresh.base_outer_step,
+                num_tokens=fresh.num_tokens,
+                phases=fresh.phases,
+                nbytes=nbytes,
+                seconds=time.perf_counter() - t0,
+                delta_norm=norm,
+                recovered_steps=recovered,
+                recovered_phases=recovered_phases,
+            )
+        return UploadReport(
+            ok=False,
+            error=f"delta_{self.next_local_step - 1} kept colliding with existing deltas on {self.hub.url}",
+            seconds=time.perf_counter() - t0,
+            remaining=Job(fresh=content),
+        )
