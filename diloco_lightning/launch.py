@@ -316,11 +316,13 @@ def evaluate_global(cfg: DictConfig, hub, dm) -> tuple[int, float]:
 
 
 def install_state(module, state: dict) -> None:
-    """Copy a global state into ``module`` by the callback's key names (tied weights appear once)."""
+    """Copy a global state into ``module`` under the callback's key names (tied weights once,
+    persistent buffers only: :func:`diloco_lightning.worker.module_state`)."""
     import torch
 
-    own = dict(module.named_parameters())
-    own.update(dict(module.named_buffers()))
+    from diloco_lightning.worker import module_state
+
+    own = module_state(module)
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
