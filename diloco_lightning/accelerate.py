@@ -34,16 +34,15 @@ from typing import Any
 import torch
 
 from diloco_lightning.hub.base import Hub
-from diloco_lightning.names import InvalidNameError, validate_node_id
 from diloco_lightning.signing import RunKey
-from diloco_lightning.worker.core import (
-    SYNC_MODES,
-    BoundaryResult,
-    DiLoCoWorker,
-    module_state,
-    parse_delta_dtype,
+from diloco_lightning.worker.adapter import (
+    broadcast_params,
+    check_hub_arg,
+    check_worker_args,
+    run_on_rank0,
+    sum_tokens_over_ranks,
 )
-from diloco_lightning.worker.sync import resolve_delay
+from diloco_lightning.worker.core import BoundaryResult, DiLoCoWorker, module_state
 
 log = logging.getLogger(__name__)
 
@@ -87,21 +86,10 @@ class DiLoCo:
         enabled: bool = True,
         log_fn: Callable[[dict[str, float]], Any] | None = None,
     ) -> None:
-        try:
-            self.node_id = validate_node_id(node_id)
-        except InvalidNameError as e:
-            raise ValueError(f"DiLoCo: node_id: {e}") from None
-        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
-            raise ValueError(f"DiLoCo: inner_steps must be a positive integer, got {inner_steps!r}")
-        if sync not in SYNC_MODES:
-            raise ValueError(f"DiLoCo: sync must be one of {SYNC_MODES}, got {sync!r}")
-        try:
-            self.delay = resolve_delay(delay, node_id, node_index)
-            self.delta_dtype = parse_delta_dtype(delta_dtype)
-        except ValueError as e:
-            raise ValueError(f"DiLoCo: {e}") from None
-        if not isinstance(hub, (str, os.PathLike, Hub)) or (isinstance(hub, str) and not hub):
-            raise ValueError(f"DiLoCo: hub must be a URL, a path or a Hub, got {hub!r}")
+        self.node_id, self.delay, self.delta_dtype = check_worker_args(
+            node_id, inner_steps, sync, delay, node_index, delta_dtype
+        )
+        check_hub_arg(hub)
         if not isinstance(reset_inner_optimizer, bool):
             raise ValueError(f"DiLoCo: reset_inner_optimizer must be True or False, got {reset_inner_optimizer!r}")
         if reset_inner_optimizer and optimizer is None:
@@ -147,36 +135,24 @@ class DiLoCo:
     def _world(self) -> int:
         return int(self.accelerator.num_processes)
 
-    def _rank0(self, fn: Callable[[], Any]) -> Any:
-        result: Any = None
-        error: BaseException | None = None
-        if self._main:
-            try:
-                result = ("ok", fn())
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
-                error = e
-                result = ("error", f"{type(e).__name__}: {e}")
-        if self._world > 1:
-            from accelerate.utils import broadcast_object_list
+    @staticmethod
+    def _broadcast(obj: Any) -> Any:
+        from accelerate.utils import broadcast_object_list
 
-            box = [result]
-            broadcast_object_list(box, from_process=0)
-            result = box[0]
-        if result[0] == "error":
-            if error is not None:
-                raise error
-            raise RuntimeError(f"DiLoCo worker on the main process failed: {result[1]}")
-        return result[1]
+        box = [obj]
+        broadcast_object_list(box, from_process=0)
+        return box[0]
+
+    def _rank0(self, fn: Callable[[], Any]) -> Any:
+        return run_on_rank0(
+            fn, is_main=self._main, world_size=self._world, broadcast=self._broadcast, where="the main process"
+        )
 
     def _after_install(self, installed: bool) -> None:
         if not installed:
             return
         if self._world > 1:
-            import torch.distributed as dist
-
-            with torch.no_grad():
-                for t in self._params.values():
-                    dist.broadcast(t.data, src=0)
+            broadcast_params(self._params)
         if self.reset_inner_optimizer:
             for opt in self.optimizers:
                 inner = getattr(opt, "optimizer", opt)
@@ -255,10 +231,9 @@ class DiLoCo:
             return None
         tokens, self._tokens = self._tokens, 0
         if self._world > 1:
-            t = torch.tensor([float(tokens or 0), 0.0 if tokens is not None else 1.0], dtype=torch.float64,
-                             device=self.accelerator.device)
-            t = self.accelerator.reduce(t, reduction="sum")
-            tokens = None if float(t[1]) > 0 else int(round(float(t[0])))
+            tokens = sum_tokens_over_ranks(
+                tokens, self.accelerator.device, lambda t: self.accelerator.reduce(t, reduction="sum")
+            )
 
         result: list[BoundaryResult] = []
 

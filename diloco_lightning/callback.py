@@ -44,15 +44,15 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from diloco_lightning.hub.base import Hub
-from diloco_lightning.names import InvalidNameError, validate_node_id
 from diloco_lightning.signing import RunKey
-from diloco_lightning.worker.core import (
-    SYNC_MODES,
-    DiLoCoWorker,
-    module_state,
-    parse_delta_dtype,
+from diloco_lightning.worker.adapter import (
+    broadcast_params,
+    check_hub_arg,
+    check_worker_args,
+    run_on_rank0,
+    sum_tokens_over_ranks,
 )
-from diloco_lightning.worker.sync import resolve_delay
+from diloco_lightning.worker.core import DiLoCoWorker, module_state
 
 log = logging.getLogger(__name__)
 
@@ -132,24 +132,10 @@ class DiLoCo(Callback):
         log_prefix: str = "diloco/",
     ) -> None:
         super().__init__()
-        if not isinstance(hub, (str, os.PathLike, Hub)) or (isinstance(hub, str) and not hub):
-            raise ValueError(f"DiLoCo: hub must be a URL, a path or a Hub, got {hub!r}")
-        try:
-            self.node_id = validate_node_id(node_id)
-        except InvalidNameError as e:
-            raise ValueError(f"DiLoCo: node_id: {e}") from None
-        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
-            raise ValueError(f"DiLoCo: inner_steps must be a positive integer, got {inner_steps!r}")
-        if sync not in SYNC_MODES:
-            raise ValueError(f"DiLoCo: sync must be one of {SYNC_MODES}, got {sync!r}")
-        try:
-            self.delay = resolve_delay(delay, node_id, node_index)
-        except ValueError as e:
-            raise ValueError(f"DiLoCo: {e}") from None
-        try:
-            self.delta_dtype = parse_delta_dtype(delta_dtype)
-        except ValueError as e:
-            raise ValueError(f"DiLoCo: {e}") from None
+        check_hub_arg(hub)
+        self.node_id, self.delay, self.delta_dtype = check_worker_args(
+            node_id, inner_steps, sync, delay, node_index, delta_dtype
+        )
         if not isinstance(reset_inner_optimizer, bool):
             raise ValueError(f"DiLoCo: reset_inner_optimizer must be True or False, got {reset_inner_optimizer!r}")
         if hub_options is not None and not isinstance(hub_options, Mapping):
@@ -238,29 +224,17 @@ class DiLoCo(Callback):
 
     def _rank0(self, trainer: Trainer, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0; every rank gets its (picklable) result or raises its error."""
-        result: Any = None
-        error: BaseException | None = None
-        if trainer.is_global_zero:
-            try:
-                result = ("ok", fn())
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
-                error = e
-                result = ("error", f"{type(e).__name__}: {e}")
-        if trainer.world_size > 1:
-            result = trainer.strategy.broadcast(result, src=0)
-        if result[0] == "error":
-            if error is not None:
-                raise error
-            raise RuntimeError(f"DiLoCo worker on rank 0 failed: {result[1]}")
-        return result[1]
+        return run_on_rank0(
+            fn,
+            is_main=trainer.is_global_zero,
+            world_size=trainer.world_size,
+            broadcast=lambda result: trainer.strategy.broadcast(result, src=0),
+            where="rank 0",
+        )
 
     def _broadcast_params(self, trainer: Trainer) -> None:
         if trainer.world_size > 1:
-            import torch.distributed as dist
-
-            with torch.no_grad():
-                for t in self._params.values():
-                    dist.broadcast(t.data, src=0)
+            broadcast_params(self._params)
 
     def _after_install(self, trainer: Trainer, installed: bool) -> None:
         if not installed:
@@ -323,13 +297,9 @@ class DiLoCo(Callback):
         if self.token_counter is False:
             return None
         if trainer.world_size > 1:
-            known = tokens is not None
-            t = torch.tensor(
-                [float(tokens) if known else 0.0, 0.0 if known else 1.0], device=trainer.strategy.root_device,
-                dtype=torch.float64,
+            return sum_tokens_over_ranks(
+                tokens, trainer.strategy.root_device, lambda t: trainer.strategy.reduce(t, reduce_op="sum")
             )
-            t = trainer.strategy.reduce(t, reduce_op="sum")
-            return None if float(t[1]) > 0 else int(round(float(t[0])))
         return None if tokens is None else int(tokens)
 
     @override

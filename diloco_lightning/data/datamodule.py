@@ -13,7 +13,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from diloco_lightning.data.corpus import DEFAULT_STDLIB_BYTES, CorpusFile, stdlib_corpus, text_corpus
-from diloco_lightning.data.dataset import HeldOutDataset, ShardedTokenDataset, _check_int, held_out_start
+from diloco_lightning.data.dataset import (
+    _STREAM_KEYS,
+    HeldOutDataset,
+    ShardedTokenDataset,
+    _check_int,
+    _stream_state,
+    held_out_start,
+)
 from diloco_lightning.data.tokenizer import DEFAULT_VOCAB_SIZE, ByteTokenizer, load_tokenizer
 from diloco_lightning.data.tokens import build_token_file, check_token_dtype, dtype_for_vocab, open_tokens
 
@@ -257,19 +264,13 @@ class TextDataModule(L.LightningDataModule):
         return self._position
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "position": self.position,
-            "seed": self.seed,
-            "node_rank": self.node_rank,
-            "num_nodes": self.num_nodes,
-            "seq_len": self.seq_len,
-        }
+        return _stream_state(self, self.position)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         position = state_dict["position"]
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             raise ValueError(f"position must be an int >= 0, got {position!r}")
-        for key in ("seed", "node_rank", "num_nodes", "seq_len"):
+        for key in _STREAM_KEYS:
             if key in state_dict and state_dict[key] != getattr(self, key):
                 log.warning("data state saved with %s=%r, this run uses %r", key, state_dict[key], getattr(self, key))
         self._position = position

@@ -158,13 +158,7 @@ class ShardedTokenDataset(_TokenFileMixin, IterableDataset):
             b += info.num_workers
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "position": self.position,
-            "seed": self.seed,
-            "node_rank": self.node_rank,
-            "num_nodes": self.num_nodes,
-            "seq_len": self.seq_len,
-        }
+        return _stream_state(self, self.position)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _warn_mismatch(self, state)
@@ -203,8 +197,17 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+#: what fixes a node's sample stream besides its position (a data state saved with others warns on load)
+_STREAM_KEYS = ("seed", "node_rank", "num_nodes", "seq_len")
+
+
+def _stream_state(src: Any, position: int) -> dict[str, Any]:
+    """A data ``state_dict`` (the dataset's and the datamodule's): ``position``, then ``src``'s stream keys."""
+    return {"position": position, **{key: getattr(src, key) for key in _STREAM_KEYS}}
+
+
 def _warn_mismatch(ds: ShardedTokenDataset, state: dict[str, Any]) -> None:
-    for key in ("seed", "node_rank", "num_nodes", "seq_len"):
+    for key in _STREAM_KEYS:
         if key in state and state[key] != getattr(ds, key):
             log.warning(
                 "data state was saved with %s=%r but this run uses %r; continuing at position %d of the new stream",

@@ -153,6 +153,23 @@ def _retry_after(headers: Any) -> float | None:
     return None
 
 
+def _guarded_send(request: Any, send: Callable[[], Any], transient_exc: tuple[type[BaseException], ...]) -> Any:
+    """``send()`` the request under the guard (httpx and requests alike): a network error in
+    ``transient_exc`` or a 429/5xx answer (closed) raises ``_TransientError``."""
+    try:
+        response = send()
+    except transient_exc as e:
+        raise _TransientError(f"{type(e).__name__} on {request.method} {request.url}: {e}") from e
+    if response.status_code in _RETRY_STATUS:
+        retry_after = _retry_after(response.headers)
+        with contextlib.suppress(Exception):
+            response.close()
+        raise _TransientError(
+            f"HTTP {response.status_code} on {request.method} {request.url}", response.status_code, retry_after
+        )
+    return response
+
+
 def _make_guard_transport(httpx_mod: Any, inner: Any) -> Any:
     base = httpx_mod.BaseTransport
     transient_exc = (httpx_mod.TimeoutException, httpx_mod.NetworkError, httpx_mod.RemoteProtocolError)
@@ -173,18 +190,7 @@ def _make_guard_transport(httpx_mod: Any, inner: Any) -> Any:
             t = request.extensions.get("timeout")
             if opts.timeout is not None and (not t or all(v is None for v in t.values())):
                 request.extensions["timeout"] = {k: opts.timeout for k in ("connect", "read", "write", "pool")}
-            try:
-                response = self._inner.handle_request(request)
-            except transient_exc as e:
-                raise _TransientError(f"{type(e).__name__} on {request.method} {request.url}: {e}") from e
-            if response.status_code in _RETRY_STATUS:
-                retry_after = _retry_after(response.headers)
-                with contextlib.suppress(Exception):
-                    response.close()
-                raise _TransientError(
-                    f"HTTP {response.status_code} on {request.method} {request.url}", response.status_code, retry_after
-                )
-            return response
+            return _guarded_send(request, lambda: self._inner.handle_request(request), transient_exc)
 
         def close(self) -> None:
             self._inner.close()
@@ -209,18 +215,9 @@ def _make_requests_guard_adapter(requests_mod: Any, inner: Any) -> Any:
                 return self._inner.send(request, stream=stream, timeout=timeout, **kwargs)
             if timeout is None:
                 timeout = opts.timeout
-            try:
-                response = self._inner.send(request, stream=stream, timeout=timeout, **kwargs)
-            except transient_exc as e:
-                raise _TransientError(f"{type(e).__name__} on {request.method} {request.url}: {e}") from e
-            if response.status_code in _RETRY_STATUS:
-                retry_after = _retry_after(response.headers)
-                with contextlib.suppress(Exception):
-                    response.close()
-                raise _TransientError(
-                    f"HTTP {response.status_code} on {request.method} {request.url}", response.status_code, retry_after
-                )
-            return response
+            return _guarded_send(
+                request, lambda: self._inner.send(request, stream=stream, timeout=timeout, **kwargs), transient_exc
+            )
 
         def close(self) -> None:
             self._inner.close()

@@ -862,6 +862,18 @@ class MasterOuterLoop:
                 fut.cancel()
             ex.shutdown(wait=True, cancel_futures=True)
 
+    def _downloaded(self, refs: list[DeltaRef], blocked: set[str], m: RoundMetrics) -> Iterator[tuple[DeltaRef, Path]]:
+        """``_fetch`` with each failed download classified (``_download_error``) and the deltas of a
+        node blocked meanwhile dropped: ``(ref, local path)`` of the deltas to process, in order."""
+        for ref, path, err in self._fetch(refs, blocked, m):
+            if err is not None:
+                self._download_error(ref, err, blocked, m)
+                continue
+            if ref.node_id in blocked:
+                self._drop_cached(path)
+                continue
+            yield ref, path
+
     def _download_error(self, ref: DeltaRef, err: BaseException, blocked: set[str], m: RoundMetrics) -> None:
         """Classify a failed download: auth errors abort the round; others block the node, then reject."""
         if isinstance(err, HubAuthError):
@@ -942,13 +954,7 @@ class MasterOuterLoop:
         self._fault("listed")
         blocked: set[str] = set()
         pa = self.config.outer_optimizer == "pa_cgad"
-        for ref, path, err in self._fetch(refs, blocked, m):
-            if err is not None:
-                self._download_error(ref, err, blocked, m)
-                continue
-            if ref.node_id in blocked:
-                self._drop_cached(path)
-                continue
+        for ref, path in self._downloaded(refs, blocked, m):
             try:
                 try:
                     delta, acc = self._check(ref, path, rnd.outer_step)
@@ -1041,13 +1047,7 @@ class MasterOuterLoop:
         blocked: set[str] = set()
         fetched: list[tuple[DeltaRef, Path, int]] = []
         try:
-            for ref, path, err in self._fetch(refs, blocked, m):
-                if err is not None:
-                    self._download_error(ref, err, blocked, m)
-                    continue
-                if ref.node_id in blocked:
-                    self._drop_cached(path)
-                    continue
+            for ref, path in self._downloaded(refs, blocked, m):
                 try:
                     base = read_delta_header(path).base_outer_step
                 except DeltaFileError:
@@ -1139,6 +1139,13 @@ class MasterOuterLoop:
             log.error("could not restore the optimizer state (%s); re-reading the hub's version", e)
             self._manifest = None  # forces an adoption at the next round
 
+    def _roll_back(self, buf: dict[str, torch.Tensor], backup: dict[str, Any] | None) -> None:
+        """Undo a failed ``_apply_and_publish``: ``buf`` is the spare again, the optimizer state
+        is restored and what was processed but not published is forgotten."""
+        self._spare = buf
+        self._restore_optimizer(backup)
+        self._discard()
+
     def _apply_and_publish(
         self,
         step: Callable[[dict[str, torch.Tensor]], bool],
@@ -1164,20 +1171,14 @@ class MasterOuterLoop:
         except PublishConflictError as e:
             log.warning("%s; discarding this round and re-reading the hub", e)
             m.conflict = True
-            self._spare = buf
-            self._restore_optimizer(backup)
-            self._discard()
+            self._roll_back(buf, backup)
             return False
         except _LeaseLost:
             m.standby = True
-            self._spare = buf
-            self._restore_optimizer(backup)
-            self._discard()
+            self._roll_back(buf, backup)
             return False
         except BaseException:
-            self._spare = buf
-            self._restore_optimizer(backup)
-            self._discard()
+            self._roll_back(buf, backup)
             raise
         m.published += 1
         self._notify()

@@ -81,6 +81,14 @@ def adam_kernel_constants(
     return kernel_beta1, kernel_beta2, kernel_lr, kernel_eps, a_new, b_new
 
 
+def check_cgad_gate_args(alpha: Any, tau_cut: Any) -> tuple[float, float]:
+    """The CGAD gate's ``alpha >= 0`` and ``tau_cut > 0``, checked; an integral ``tau_cut`` comes
+    back as an int (as the options record it). Shared by :class:`CGAD` and PA-CGAD."""
+    alpha = check_real("alpha", alpha, low=0.0)
+    tau_cut_f = check_real("tau_cut", tau_cut, low=0.0, low_open=True)
+    return alpha, (int(tau_cut) if float(tau_cut).is_integer() else tau_cut_f)
+
+
 class _AdamBase(OuterOptimizer):
     """Bias-corrected Adam on gated pseudo-gradients; subclasses choose the gate.
 
@@ -210,9 +218,7 @@ class CGAD(_AdamBase):
         alpha: float = 0.2,
         tau_cut: float = 32,
     ) -> None:
-        alpha = check_real("alpha", alpha, low=0.0)
-        tau_cut_f = check_real("tau_cut", tau_cut, low=0.0, low_open=True)
-        tau_cut = int(tau_cut) if float(tau_cut).is_integer() else tau_cut_f
+        alpha, tau_cut = check_cgad_gate_args(alpha, tau_cut)
         super().__init__(state, lr, betas, eps, {"alpha": alpha, "tau_cut": tau_cut})
         self.alpha = alpha
         self.tau_cut = tau_cut

@@ -26,8 +26,8 @@ from typing import Any
 
 from torch import Tensor
 
-from diloco_lightning.outer.adam import _AdamBase
-from diloco_lightning.outer.base import _Item, check_int, check_real
+from diloco_lightning.outer.adam import _AdamBase, check_cgad_gate_args
+from diloco_lightning.outer.base import _Item, check_int
 from diloco_lightning.outer.gates import cgad_gate, check_staleness
 
 __all__ = ["PACGAD"]
@@ -95,9 +95,7 @@ class PACGAD(_AdamBase):
         tau_cut: float = 32,
         fragments: Mapping[str, Sequence[str]] | Sequence[Sequence[str]] | None = None,
     ) -> None:
-        alpha = check_real("alpha", alpha, low=0.0)
-        tau_cut_f = check_real("tau_cut", tau_cut, low=0.0, low_open=True)
-        tau_cut = int(tau_cut) if float(tau_cut).is_integer() else tau_cut_f
+        alpha, tau_cut = check_cgad_gate_args(alpha, tau_cut)
         spec = _normalise_fragments(fragments)
         self._fragment_entries = spec
         self._names = list(spec) if spec else [_ALL]

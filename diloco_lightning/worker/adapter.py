@@ -1,0 +1,88 @@
+"""What the Lightning callback and the Accelerate adapter both do around a :class:`DiLoCoWorker`:
+check their common arguments, run the worker on rank 0 only (its result or error reaching every
+rank), broadcast installed weights from rank 0, and sum the token count over the ranks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from diloco_lightning.hub.base import Hub
+from diloco_lightning.names import InvalidNameError, validate_node_id
+from diloco_lightning.worker.core import SYNC_MODES, parse_delta_dtype
+from diloco_lightning.worker.sync import resolve_delay
+
+__all__ = ["broadcast_params", "check_hub_arg", "check_worker_args", "run_on_rank0", "sum_tokens_over_ranks"]
+
+
+def check_hub_arg(hub: Any) -> None:
+    """Refuse a ``hub`` that is not a URL, a path or a :class:`Hub`."""
+    if not isinstance(hub, (str, os.PathLike, Hub)) or (isinstance(hub, str) and not hub):
+        raise ValueError(f"DiLoCo: hub must be a URL, a path or a Hub, got {hub!r}")
+
+
+def check_worker_args(
+    node_id: Any, inner_steps: Any, sync: Any, delay: Any, node_index: int | None, delta_dtype: Any
+) -> tuple[str, int, torch.dtype]:
+    """Check an adapter's ``node_id``, ``inner_steps`` and ``sync`` (in that order); return
+    ``(node_id, resolved delay, delta dtype)``. Errors are ``ValueError("DiLoCo: ...")``."""
+    try:
+        checked_id = validate_node_id(node_id)
+    except InvalidNameError as e:
+        raise ValueError(f"DiLoCo: node_id: {e}") from None
+    if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
+        raise ValueError(f"DiLoCo: inner_steps must be a positive integer, got {inner_steps!r}")
+    if sync not in SYNC_MODES:
+        raise ValueError(f"DiLoCo: sync must be one of {SYNC_MODES}, got {sync!r}")
+    try:
+        resolved_delay = resolve_delay(delay, node_id, node_index)
+        dtype = parse_delta_dtype(delta_dtype)
+    except ValueError as e:
+        raise ValueError(f"DiLoCo: {e}") from None
+    return checked_id, resolved_delay, dtype
+
+
+def run_on_rank0(
+    fn: Callable[[], Any], *, is_main: bool, world_size: int, broadcast: Callable[[Any], Any], where: str
+) -> Any:
+    """Run ``fn`` on rank 0 (``is_main``); every rank gets its (picklable) result or raises its
+    error. ``broadcast(obj)`` returns rank 0's ``obj`` on every rank (called when ``world_size > 1``);
+    ``where`` names rank 0 in the error the other ranks raise."""
+    result: Any = None
+    error: BaseException | None = None
+    if is_main:
+        try:
+            result = ("ok", fn())
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
+            error = e
+            result = ("error", f"{type(e).__name__}: {e}")
+    if world_size > 1:
+        result = broadcast(result)
+    if result[0] == "error":
+        if error is not None:
+            raise error
+        raise RuntimeError(f"DiLoCo worker on {where} failed: {result[1]}")
+    return result[1]
+
+
+def broadcast_params(params: dict[str, torch.Tensor]) -> None:
+    """Copy rank 0's tensors into every rank's (``torch.distributed`` must be initialised)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in params.values():
+            dist.broadcast(t.data, src=0)
+
+
+def sum_tokens_over_ranks(
+    tokens: int | torch.Tensor | None, device: Any, reduce_sum: Callable[[torch.Tensor], torch.Tensor]
+) -> int | None:
+    """The ranks' token counts summed with ``reduce_sum`` (a sum all-reduce); None when any rank's
+    count is unknown (None)."""
+    known = tokens is not None
+    t = torch.tensor([float(tokens) if known else 0.0, 0.0 if known else 1.0], device=device, dtype=torch.float64)
+    t = reduce_sum(t)
+    return None if float(t[1]) > 0 else int(round(float(t[0])))
