@@ -70,10 +70,11 @@ from diloco_lightning.hub.base import (
     HubError,
     HubNotFoundError,
     LeaseConflictError,
+    check_publication,
     PublishConflictError,
     default_cache_dir,
 )
-from diloco_lightning.manifest import Lease, Manifest, ManifestError
+from diloco_lightning.manifest import Lease, Manifest
 from diloco_lightning.names import (
     GLOBAL_DIR,
     LEASE_PATH,
@@ -730,28 +731,13 @@ class HFHub(Hub):
     ) -> None:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-        for hub_path in files:
-            validate_global_path(hub_path)
-            if hub_path in (MANIFEST_PATH, LEASE_PATH):
-                raise InvalidNameError(f"refusing to upload {hub_path!r} as a publication file")
-        delete = sorted({validate_hub_path(p) for p in delete})
-        for p in delete:
-            if p in (MANIFEST_PATH, LEASE_PATH):
-                raise InvalidNameError(f"refusing to delete {p!r}")
+        # the same transport-independent checks as every hub (nothing written on failure)
+        files, delete = check_publication(
+            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url
+        )
+        delete = sorted(set(delete))
         text = manifest.to_json()
-        try:
-            checked = Manifest.from_json(text, source=f"manifest of outer_step {manifest.outer_step}")
-        except ManifestError as e:
-            raise ManifestError(f"refusing to publish on {self.url}: {e}") from None
-        named = checked.files()
-        if any(p in (MANIFEST_PATH, LEASE_PATH) for p in named):
-            raise InvalidNameError(f"refusing to publish a manifest naming {MANIFEST_PATH} or {LEASE_PATH} as data")
-        clash = sorted(set(delete) & (set(named) | set(files)))
-        if clash:
-            raise HubError(f"refusing to publish on {self.url}: {clash} both kept (manifest/files) and deleted")
-        for hub_path, src in files.items():
-            if not Path(src).is_file():
-                raise FileNotFoundError(f"publish: local file {src} for {hub_path} does not exist")
+        named = manifest.files()
         data = text.encode()
         big = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(src)) for p, src in sorted(files.items())]
         need = [p for p in named if p not in files]
