@@ -37,10 +37,18 @@ __all__ = [
 def open_hub(url: str | os.PathLike | Hub, **options) -> Hub:
     """Open the hub at ``url``.
 
-    Options (all transports): ``cache_dir=`` (downloads). ``hf://`` also takes
-    ``endpoint=``, ``token=``, ``revision=`` (default ``main``), ``create=`` (create
-    the repo if missing, default True), ``private=``, ``max_retries=``.
-    ``file://`` also takes ``create=`` (default True).
+    Options (all transports): ``cache_dir=`` (downloads; default ``$DILOCO_CACHE`` or
+    ``~/.cache/diloco_lightning``, one folder per hub URL).
+
+    ``file://`` / a plain path: ``create=`` (create the folder, default True).
+
+    ``hf://org/repo``: ``endpoint=`` (default the Hub's), ``token=`` (default ``HF_TOKEN``
+    / the cached login; never logged), ``revision=`` (an existing branch, default
+    ``main``), ``create=`` (create the repo if missing, default True), ``private=``,
+    ``max_retries=``, ``retry_base_delay=``, ``retry_max_delay=`` (jittered exponential
+    backoff on 5xx, 429, timeouts and connection errors only), ``timeout=`` (seconds per
+    HTTP call, default 120), ``max_cas_attempts=`` (re-reads when only ``nodes/`` moved
+    under a publication).
     """
     if isinstance(url, Hub):
         if options:
