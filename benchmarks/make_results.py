@@ -71,6 +71,7 @@ def _failure_run(f: dict) -> dict:
 
 
 def stats(rs: list[dict]) -> dict:
+    rs = sorted(rs, key=lambda r: r.get("seed", 0))
     losses = [r["eval_loss"] if r.get("eval_loss") is not None and math.isfinite(r["eval_loss"]) else math.inf for r in rs]
     finite = all(math.isfinite(x) for x in losses)
     mean = statistics.fmean(losses) if finite else math.inf
@@ -146,7 +147,7 @@ def study_time(study: Path) -> tuple[float, float, int, str]:
 # ----------------------------------------------------------------------------- plots
 
 
-def plot_curves(groups: dict, taus: list[str], chance: float, out: Path) -> list[Path]:
+def plot_curves(groups: dict, taus: list[str], chance: float, out: Path, uni: float | None = None) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,7 +155,7 @@ def plot_curves(groups: dict, taus: list[str], chance: float, out: Path) -> list
 
     paths = []
     for tau in taus:
-        fig, ax = plt.subplots(figsize=(7.5, 4.6))
+        fig, ax = plt.subplots(figsize=(10, 4.6))
         top = chance + 0.6
         lows = []
         for (prec, regime, t, outer), rs in sorted(groups.items(), key=lambda kv: (METHOD_ORDER.index(kv[0][3]) if kv[0][3] in METHOD_ORDER else 99, kv[0])):
@@ -179,12 +180,15 @@ def plot_curves(groups: dict, taus: list[str], chance: float, out: Path) -> list
         ax.axhline(chance, color="gray", lw=0.8, ls="-.")
         ax.text(0.01, chance + 0.03, f"chance ln|V| = {chance:.2f}", fontsize=7, color="gray",
                 transform=ax.get_yaxis_transform())
+        if uni:
+            ax.axhline(uni, color="gray", lw=0.8, ls=":")
+            ax.text(0.01, uni + 0.03, f"unigram {uni:.2f}", fontsize=7, color="gray", transform=ax.get_yaxis_transform())
         ax.set_ylim(min(lows + [chance]) - 0.15, top)
         ax.set_xlabel("inner step (per worker); H = 8, one outer round every 8 steps")
         ax.set_ylabel("train loss (mean over workers and seeds)")
         ax.set_title(f"tau = {tau}: solid = fixed delay, dashed = heterogeneous (0..tau), dotted = bf16 + 8-bit AdamW", fontsize=8.5)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6.5, loc="best", ncol=1)
+        ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1)
         fig.tight_layout()
         p = out / f"loss_tau{tau}.png"
         fig.savefig(p, dpi=90)
@@ -193,7 +197,7 @@ def plot_curves(groups: dict, taus: list[str], chance: float, out: Path) -> list
     return paths
 
 
-def plot_eval_vs_tau(groups: dict, chance: float, out: Path) -> Path:
+def plot_eval_vs_tau(groups: dict, chance: float, out: Path, uni: float | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,22 +213,34 @@ def plot_eval_vs_tau(groups: dict, chance: float, out: Path) -> Path:
                                     if p == prec and rg == "fixed" and o == outer and t == "0"])
             if not pts:
                 continue
+            cap = chance + 0.5
             xs = [t for t, _ in pts]
-            ys = [min(s["mean"], chance + 0.5) for _, s in pts]
-            es = [s["std"] if math.isfinite(s["std"]) else 0 for _, s in pts]
-            ax.errorbar(xs, ys, yerr=es, marker="o", ms=4, capsize=3, color=COLORS[outer], label=outer, lw=1.2)
-            for (t, s), y in zip(pts, ys):
+            ys = [min(s["mean"], cap) for _, s in pts]
+            # no error bar where the mean is off the plot (a diverged group: its std is in the table)
+            es = [s["std"] if math.isfinite(s["std"]) and s["mean"] < cap else 0 for _, s in pts]
+            jitter = {"nesterov": -0.3, "poly_nesterov": -0.15, "delayed_nesterov": 0.0, "adam_decay": 0.15, "cgad": 0.3}
+            xj = [x + jitter.get(outer, 0) for x in xs]
+            ax.errorbar(xj, ys, yerr=es, marker="o", ms=4, capsize=3, color=COLORS[outer], label=outer, lw=1.2)
+            for (t, s), x, y in zip(pts, xj, ys):
+                if s["mean"] >= cap:
+                    ax.plot([x], [y], marker="^", ms=8, color=COLORS[outer])
                 if s["diverged"]:
-                    ax.annotate(f"{s['diverged']}/{s['n']} div", (t, y), fontsize=6.5, color=COLORS[outer],
-                                xytext=(3, -9), textcoords="offset points")
+                    ax.annotate(f"{s['diverged']}/{s['n']}", (x, y), fontsize=6.5, color=COLORS[outer],
+                                xytext=(-4, 6 + 7 * list(jitter).index(outer) if outer in jitter else 6),
+                                textcoords="offset points")
         ax.axhline(chance, color="gray", lw=0.8, ls="-.")
+        if uni:
+            ax.axhline(uni, color="gray", lw=0.8, ls=":")
+        ax.set_ylim(5.0, chance + 1.3)
         ax.set_title(f"{prec}, {regime} delays", fontsize=9)
         ax.set_xlabel("tau (max delay)")
         ax.set_xticks([0, 4, 8, 16])
         ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("final eval loss, mean ± std over seeds\n(clipped at chance + 0.5)")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    axes[0].set_ylabel("final eval loss, mean ± std over seeds")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.text(0.5, 0.005, "triangles: mean off the scale (chance + 0.5 or more; see the table), with the number of diverged "
+             "seeds; dash-dot: chance ln|V|; dotted: unigram model", ha="center", fontsize=7)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     p = out / "eval_vs_tau.png"
     fig.savefig(p, dpi=90)
     plt.close(fig)
@@ -261,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     figdir = out / "figures"
     figdir.mkdir(parents=True, exist_ok=True)
     taus = sorted({k[2] for k in groups}, key=int)
-    pngs = plot_curves(groups, taus, chance, figdir)
-    overview = plot_eval_vs_tau(groups, chance, figdir)
     uni = unigram_loss(cfg0["data"])
+    pngs = plot_curves(groups, taus, chance, figdir, uni)
+    overview = plot_eval_vs_tau(groups, chance, figdir, uni)
     run_min, span_min, jobs, first = study_time(study)
 
     L: list[str] = []
@@ -275,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
       "How to run it, and what it means: [study.md](study.md).")
     w("")
     w(f"* Machine: {machine()}; the study ran {first} UTC, {span_min:.0f} min wall clock from its first to its last run "
-      f"({run_min:.0f} min inside `train.py` calls, {jobs} jobs), sequentially; the machine was shared with other jobs.")
+      f"({len(runs)} jobs, one at a time; {run_min:.0f} min inside the `train.py` calls the driver logged), on a machine "
+      "shared with other jobs.")
     m, d, o = cfg0["model"], cfg0["data"], cfg0["optim"]
     nparams = runs[0].get("_nparams")
     w(f"* Model: Llama, d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads ({m['n_kv_heads']} KV), "
@@ -400,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{f3(s['mean'])} ± {f3(s['std'])} | {f3(s['risk'])} | {dtxt} | {s['diverged']} | {f3(s['train'])} | "
           f"{s['accepted']} / {s['rejected']} | {s['wall']:.0f} | {chance:.3f} |")
     w("")
-    w("Per-seed final eval losses: " + "; ".join(
+    w("Per-seed final eval losses (seeds 0, 1, 2): " + "; ".join(
         f"{k[3]} {k[0]} {k[1][:6]} tau {k[2]}: " + ", ".join(f3(x) for x in stats(v)["losses"])
         for k, v in sorted(groups.items(), key=lambda kv: (kv[0][0] != "fp32", kv[0][1] != "fixed", int(kv[0][2]),
                                                             METHOD_ORDER.index(kv[0][3]) if kv[0][3] in METHOD_ORDER else 99))) + ".")
