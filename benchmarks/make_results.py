@@ -26,7 +26,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -76,13 +75,16 @@ def stats(rs: list[dict]) -> dict:
     finite = all(math.isfinite(x) for x in losses)
     mean = statistics.fmean(losses) if finite else math.inf
     std = statistics.pstdev(losses) if finite and len(losses) > 1 else (0.0 if finite else math.inf)
-    return dict(n=len(rs), mean=mean, std=std, risk=mean + std, diverged=sum(bool(r.get("diverged")) for r in rs),
-                failed=sum(bool(r.get("failed")) for r in rs), losses=losses,
-                train=statistics.fmean([r["final_train_loss"] for r in rs if math.isfinite(r.get("final_train_loss", math.inf))] or [math.nan]),
-                accepted=sum(int(r.get("deltas_accepted", 0)) for r in rs),
-                rejected=sum(int(r.get("deltas_rejected", 0)) for r in rs),
-                wall=statistics.fmean([r.get("wall_seconds", math.nan) for r in rs if "wall_seconds" in r] or [math.nan]),
-                delays=rs[0].get("delays"))
+    trains = [r["final_train_loss"] for r in rs if math.isfinite(r.get("final_train_loss", math.inf))]
+    return {
+        "n": len(rs), "mean": mean, "std": std, "risk": mean + std, "diverged": sum(bool(r.get("diverged")) for r in rs),
+        "failed": sum(bool(r.get("failed")) for r in rs), "losses": losses,
+        "train": statistics.fmean(trains) if trains else math.nan,
+        "accepted": sum(int(r.get("deltas_accepted", 0)) for r in rs),
+        "rejected": sum(int(r.get("deltas_rejected", 0)) for r in rs),
+        "wall": statistics.fmean([r["wall_seconds"] for r in rs if "wall_seconds" in r] or [math.nan]),
+        "delays": rs[0].get("delays"),
+    }
 
 
 def f3(x: float) -> str:
@@ -267,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     # the study's runs: the kept lr of each method (the others are tuning-only)
     main_runs = [r for r in runs if chosen.get(r["outer"]) is None or math.isclose(r["outer_lr"], chosen[r["outer"]])]
     have = {(r["outer"], r["outer_lr"], str(r["tau"]), r["regime"], r["seed"], _prec(r)) for r in runs}
-    failures = [f for f in failures
-                if (lambda x: (x["outer"], x["outer_lr"], x["tau"], x["regime"], x["seed"], _prec(x)))(_failure_run(f)) not in have]
+    def _fkey(x: dict) -> tuple:
+        return (x["outer"], x["outer_lr"], x["tau"], x["regime"], x["seed"], _prec(x))
+
+    failures = [f for f in failures if _fkey(_failure_run(f)) not in have]
     main_runs += [_failure_run(f) for f in failures if f.get("phase") != "tuning"]
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in main_runs:
@@ -280,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     uni = unigram_loss(cfg0["data"])
     pngs = plot_curves(groups, taus, chance, figdir, uni)
     overview = plot_eval_vs_tau(groups, chance, figdir, uni)
-    run_min, span_min, jobs, first = study_time(study)
+    run_min, span_min, _jobs, first = study_time(study)
 
     L: list[str] = []
     w = L.append
@@ -294,7 +298,6 @@ def main(argv: list[str] | None = None) -> int:
       f"({len(runs)} jobs, one at a time; {run_min:.0f} min inside the `train.py` calls the driver logged), on a machine "
       "shared with other jobs.")
     m, d, o = cfg0["model"], cfg0["data"], cfg0["optim"]
-    nparams = runs[0].get("_nparams")
     w(f"* Model: Llama, d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads ({m['n_kv_heads']} KV), "
       f"FFN {m['ffn_hidden']}, tied embeddings, vocabulary {d['vocab_size']} (byte-level BPE trained on the corpus): "
       f"{_count_params(cfg0):,} parameters.")

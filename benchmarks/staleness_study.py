@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -83,11 +82,11 @@ COMMON = [
 ]
 BF16 = ["trainer.precision=bf16-true", "optim=adamw8bit", "optim.lr=0.003", "optim.warmup_steps=20"]
 
-QUICK = dict(
-    methods=("nesterov", "cgad"), lr_grid={"nesterov": (0.3, 0.7), "cgad": (0.01, 0.03)}, taus=(0, 4),
-    hetero_taus=(4,), bf16_taus=(0,), bf16_methods=("nesterov", "cgad"), seeds=(0,),
-    common_extra=["trainer.max_steps=32", "workers=2"],
-)
+QUICK = {
+    "methods": ("nesterov", "cgad"), "lr_grid": {"nesterov": (0.3, 0.7), "cgad": (0.01, 0.03)}, "taus": (0, 4),
+    "hetero_taus": (4,), "bf16_taus": (0,), "bf16_methods": ("nesterov", "cgad"), "seeds": (0,),
+    "common_extra": ["trainer.max_steps=32", "workers=2"],
+}
 
 
 def hetero_delays(tau: int, workers: int = 4) -> list[int]:
@@ -158,6 +157,8 @@ class Study:
         return frozenset(out)
 
     def _log(self, **rec) -> None:
+        if self.args.dry_run:
+            return
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as f:
             f.write(json.dumps({"time": time.time(), **rec}) + "\n")
@@ -251,7 +252,7 @@ class Study:
             log_file = self.root / "logs" / f"{phase}-{len(list((self.root / 'logs').glob('*.log'))) if (self.root / 'logs').is_dir() else 0:04d}.log"
             log_file.parent.mkdir(parents=True, exist_ok=True)
             with open(log_file, "w") as fh:
-                proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+                proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, check=False)
             wall = time.time() - t0
             now_done = self._done()
             ok = [j for j in js if self._key(j) in now_done]
@@ -327,11 +328,12 @@ class Study:
         print(f"jobs: {len(seen)} planned, {n_done} done; in-run wall {total_wall / 60:.1f} min, "
               f"driver wall (train.py calls incl. start-up) {call_wall / 60:.1f} min, {per_job:.0f} s/job; "
               f"estimated remaining {n_todo * per_job / 60:.1f} min")
-        if calls:
-            starts = [c["time"] for c in calls]
-            print(f"first record {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(min(starts)))}, last "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(max(starts)))}: span "
-                  f"{(max(starts) - min(starts)) / 60:.1f} min")
+        runs = [c for c in calls if "phase" in c]
+        if runs:
+            first = min(c["time"] - c["wall"] for c in runs)
+            last = max(c["time"] for c in runs)
+            print(f"first train.py call started {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(first))} UTC, the last ended "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(last))} UTC: span {(last - first) / 60:.1f} min")
         print("tuned lr:", best)
         return 0
 
