@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from diloco_lightning.hub.base import (
+    ClaimConflictError,
     DeltaExistsError,
     DeltaRef,
     Hub,
@@ -31,6 +32,7 @@ __all__ = [
     "DeltaExistsError",
     "PublishConflictError",
     "LeaseConflictError",
+    "ClaimConflictError",
 ]
 
 
