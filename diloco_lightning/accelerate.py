@@ -185,8 +185,8 @@ class DiLoCo:
             self.worker.request_stop()
 
     def _exit_on_sigterm(self, why: str) -> None:
-        log.warning("DiLoCo %s: %s (SIGTERM); uploading what is pending, then exiting with status %d",
-                    self.node_id, why, SIGTERM_EXIT)
+        log.warning("DiLoCo %s: %s (SIGTERM); uploading what is pending (at most %g s), then exiting with status %d",
+                    self.node_id, why.removeprefix(f"node {self.node_id}: "), SIGTERM_FLUSH_SECONDS, SIGTERM_EXIT)
         self.close(flush=True, timeout=min(float(self.wait_timeout), SIGTERM_FLUSH_SECONDS))
         raise SystemExit(SIGTERM_EXIT)
 

@@ -278,8 +278,7 @@ class DiLoCo(Callback):
             worker.request_stop()
 
     def _stopped(self, e: WorkerStopped) -> SIGTERMException:
-        log.warning("DiLoCo %s: %s (SIGTERM); uploading what is pending, then exiting with status %d",
-                    self.node_id, e, SIGTERM_EXIT)
+        log.warning("%s (SIGTERM)", e)
         return SIGTERMException(SIGTERM_EXIT)
 
     def _show(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
@@ -429,7 +428,15 @@ class DiLoCo(Callback):
         sigterm = isinstance(exception, SIGTERMException)
         if sigterm and not exception.code:
             exception.code = SIGTERM_EXIT  # Lightning exits 0 on SIGTERM; the training is not done
+        pending = self.worker.pending_phases if self.worker is not None else 0
+        worker = self.worker
         self._close(flush=True, timeout=min(self.wait_timeout, SIGTERM_FLUSH_SECONDS if sigterm else 30.0))
+        if sigterm and trainer.is_global_zero:
+            left = worker.pending_phases if worker is not None else 0
+            done = (f"{pending - left} pending inner phase(s) uploaded" + (f", {left} not" if left else "")
+                    if pending else "nothing was pending")
+            log.warning("DiLoCo %s: SIGTERM at step %d: %s; exiting with status %s", self.node_id, trainer.global_step,
+                        done, exception.code)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -178,6 +178,8 @@ def serve(
                     what = f"deltas from the workers (outer_step {master.outer_step} is published)"
                 if waiting is None or waiting[0] != what:
                     waiting = (what, patience(what))
+                    if not master.has_state:  # the start of a run: say it at once, not only after 10 s
+                        say(f"[master] waiting for {what} on {where}")
                 waiting[1].tick()
             if max_rounds is not None and rounds >= int(max_rounds):
                 reached = True
