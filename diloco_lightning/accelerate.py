@@ -48,6 +48,7 @@ from diloco_lightning.worker.adapter import (
     check_hub_arg,
     check_worker_args,
     ensure_console_logging,
+    format_bytes,
     run_on_rank0,
     sum_tokens_over_ranks,
 )
@@ -303,8 +304,8 @@ class DiLoCo:
             line = f"DiLoCo {self.node_id} | step {self.num_steps} | sync {r.boundary} | outer_step {r.outer_step}"
             if r.installed is not None:
                 line += f" | installed {r.installed.outer_step} (staleness {r.installed.staleness})"
-            sent = float(self.worker.totals.get("bytes_uploaded_total", 0)) / 1e6
-            line += f" | sent {metrics.get('diloco/upload_bytes', 0.0) / 1e6:.1f} MB ({sent:.1f} MB in all)"
+            sent = float(self.worker.totals.get("bytes_uploaded_total", 0))
+            line += f" | sent {format_bytes(metrics.get('diloco/upload_bytes', 0.0))} ({format_bytes(sent)} in all)"
             if r.wait_seconds:
                 line += f" | waited {r.wait_seconds:.2f} s"
             log.info("%s", line)

@@ -63,6 +63,7 @@ from diloco_lightning.worker.adapter import (
     check_hub_arg,
     check_worker_args,
     ensure_console_logging,
+    format_bytes,
     run_on_rank0,
     sum_tokens_over_ranks,
 )
@@ -295,7 +296,7 @@ class DiLoCo(Callback):
                      f"outer_step {worker.outer_step}"]
             if p + "installed_outer_step" in metrics:
                 parts.append(f"installed {int(metrics[p + 'installed_outer_step'])} (staleness {int(staleness)})")
-            parts.append(f"sent {metrics.get(p + 'upload_bytes', 0.0) / 1e6:.1f} MB ({sent:.1f} MB in all)")
+            parts.append(f"sent {format_bytes(metrics.get(p + 'upload_bytes', 0.0))} ({format_bytes(sent * 1e6)} in all)")
             if metrics.get(p + "wait_seconds"):
                 parts.append(f"waited {metrics[p + 'wait_seconds']:.2f} s")
             if metrics.get(p + "upload_failures"):

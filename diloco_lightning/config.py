@@ -423,6 +423,8 @@ def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool |
         raise ConfigError(f"{prefix}url", f"{e}; check the spelling, or pass {prefix}create=true to create it") from None
     except ValueError as e:
         raise ConfigError(f"{prefix}url", str(e)) from None
+    except OSError as e:  # a folder hub that cannot be created or read (permissions, a file in the way)
+        raise ConfigError(f"{prefix}url", f"cannot open the hub folder {url}: {e.strerror or e}") from None
 
 
 # ----------------------------------------------------------------------------- help and docs

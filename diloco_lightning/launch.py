@@ -230,10 +230,11 @@ def outer_options(cfg: DictConfig) -> dict[str, Any]:
 class _ProgressFile:
     """Appends ``{"step", "loss", "time"}`` lines to ``progress.jsonl`` (read by the role=all parent):
     at step 1 (so the first progress shows early, even when a step takes a minute), then every
-    ``every`` steps and at the last one."""
+    ``every`` steps, at least every ``seconds`` when steps are slow, and at the last one."""
 
-    def __init__(self, path: Path, every: int) -> None:
-        self.path, self.every = path, max(1, every)
+    def __init__(self, path: Path, every: int, seconds: float = 30.0) -> None:
+        self.path, self.every, self.seconds = path, max(1, every), seconds
+        self.last = 0.0
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def callback(self):
@@ -244,12 +245,14 @@ class _ProgressFile:
         class ProgressCallback(L.Callback):
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 step = trainer.global_step
-                if step == 1 or step % outer.every == 0 or step == trainer.max_steps:
+                now = time.time()
+                if step == 1 or step % outer.every == 0 or step == trainer.max_steps or now - outer.last >= outer.seconds:
                     loss = outputs["loss"] if isinstance(outputs, dict) else outputs
                     if loss is None:
                         return
+                    outer.last = now
                     with open(outer.path, "a") as f:
-                        f.write(json.dumps({"step": step, "loss": float(loss), "time": time.time()}) + "\n")
+                        f.write(json.dumps({"step": step, "loss": float(loss), "time": now}) + "\n")
 
         return ProgressCallback()
 

@@ -121,18 +121,8 @@ def _curve_of(r: dict) -> tuple[list, str]:
     return r.get("train_curve") or [], "train"
 
 
-def plot_curves(results: list[dict], out_dir: Path) -> list[Path]:
-    """One PNG per tau: the global model's eval loss per (outer, regime, precision) against the outer
-    step, mean over seeds with a ± std band, linear axis. Needs matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        log.warning("matplotlib is not installed: no loss-curve plots (pip install matplotlib)")
-        return []
+def _series(results: list[dict]) -> tuple[dict[str, dict[tuple, list[list]]], dict[str, set[str]]]:
+    """Curves grouped by tau, then by (outer, regime, precision); and which kind of curve each tau has."""
     by_tau: dict[str, dict[tuple, list[list]]] = defaultdict(lambda: defaultdict(list))
     kinds: dict[str, set[str]] = defaultdict(set)
     for r in results:
@@ -141,28 +131,51 @@ def plot_curves(results: list[dict], out_dir: Path) -> list[Path]:
             tau = str(r.get("tau", "?"))
             by_tau[tau][(r.get("outer", "?"), r.get("regime", "fixed"), r.get("precision", "?"))].append(curve)
             kinds[tau].add(kind)
+    return by_tau, kinds
+
+
+def loss_figure(tau: str, series: dict[tuple, list[list]], kinds: set[str]):
+    """The figure of one tau: per (outer, regime, precision), the mean curve over seeds with a ± std band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (outer, regime, prec), curves in sorted(series.items()):
+        steps = sorted({int(s) for c in curves for s, _ in c})
+        mean, std = [], []
+        for s in steps:
+            vals = _finite(v for c in curves for st, v in c if int(st) == s)
+            mean.append(statistics.fmean(vals) if vals else math.nan)
+            std.append(statistics.pstdev(vals) if len(vals) > 1 else 0.0)
+        line = ax.plot(steps, mean, marker="o", markersize=3, label=f"{outer} ({regime}, {prec}, n={len(curves)})")[0]
+        ax.fill_between(steps, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
+                        color=line.get_color(), alpha=0.2, linewidth=0)
+    eval_only = kinds == {"eval"}
+    ax.set_xlabel("outer step" if eval_only else "outer step (eval) / inner step (train)")
+    ax.set_ylabel("eval loss of the global model" if eval_only else "loss")
+    ax.set_title(f"tau = {tau}: mean ± std over seeds")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_curves(results: list[dict], out_dir: Path) -> list[Path]:
+    """One PNG per tau (:func:`loss_figure`): the global model's eval loss against the outer step,
+    mean over seeds with a ± std band, linear axis. Needs matplotlib."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no loss-curve plots (pip install matplotlib)")
+        return []
+    by_tau, kinds = _series(results)
     paths = []
     for tau, series in sorted(by_tau.items()):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for (outer, regime, prec), curves in sorted(series.items()):
-            steps = sorted({int(s) for c in curves for s, _ in c})
-            mean, std = [], []
-            for s in steps:
-                vals = _finite(v for c in curves for st, v in c if int(st) == s)
-                mean.append(statistics.fmean(vals) if vals else math.nan)
-                std.append(statistics.pstdev(vals) if len(vals) > 1 else 0.0)
-            line = ax.plot(steps, mean, marker="o", markersize=3, label=f"{outer} ({regime}, {prec}, n={len(curves)})")[0]
-            lo = [m - d for m, d in zip(mean, std)]
-            hi = [m + d for m, d in zip(mean, std)]
-            ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
-        eval_only = kinds[tau] == {"eval"}
-        ax.set_xlabel("outer step" if eval_only else "outer step (eval) / inner step (train)")
-        ax.set_ylabel("eval loss of the global model" if eval_only else "loss")
-        ax.set_title(f"tau = {tau}: mean ± std over seeds")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
+        fig = loss_figure(tau, series, kinds[tau])
         p = out_dir / f"loss_tau{tau}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)

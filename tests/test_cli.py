@@ -104,6 +104,7 @@ def test_a_missing_hub_folder_is_an_error_unless_asked_to_create_it(tmp_path):
         (["hub.url=ftp://host/x"], "hub.url"),
         (["hub.url=/tmp", "hub.revision=dev"], "hub.revision"),
         (["init=/no/such/weights.safetensors"], "init"),
+        (["hub.url=/proc/no/such/hub", "hub.create=true"], "hub.url"),  # cannot be created: no traceback
     ],
 )
 def test_master_checks_what_train_checks(tmp_path, args, key):

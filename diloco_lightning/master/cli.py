@@ -228,6 +228,9 @@ def _hydra_entry(cfg) -> None:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpx2").setLevel(logging.WARNING)
+    if str(cfg.get("log_level", "INFO")).upper() != "DEBUG":
+        # the progress line on stdout says each round once; the hub's own INFO line would repeat it
+        logging.getLogger("diloco_lightning.hub").setLevel(logging.WARNING)
     code = run(cfg)
     if code:
         sys.exit(code)

@@ -25,6 +25,7 @@ __all__ = [
     "check_hub_arg",
     "check_worker_args",
     "ensure_console_logging",
+    "format_bytes",
     "run_on_rank0",
     "sum_tokens_over_ranks",
 ]
@@ -33,6 +34,14 @@ __all__ = [
 SIGTERM_EXIT = 128 + int(signal.SIGTERM)
 #: seconds a worker stopped by SIGTERM spends uploading what is pending (schedulers wait ~30 s before SIGKILL)
 SIGTERM_FLUSH_SECONDS = 20.0
+
+
+def format_bytes(n: float) -> str:
+    """``5.2 kB``, ``12.4 MB``, ``1.3 GB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale * 0.95:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def ensure_console_logging() -> None:
