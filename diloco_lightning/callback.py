@@ -282,7 +282,7 @@ class DiLoCo(Callback):
         log.warning("%s (SIGTERM)", e)
         return SIGTERMException(SIGTERM_EXIT)
 
-    def _show(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+    def _show(self, step: int, metrics: dict[str, float]) -> None:
         """The progress-bar values, and (verbose) one line for this sync."""
         p = self.log_prefix
         worker = self.worker
@@ -347,7 +347,7 @@ class DiLoCo(Callback):
         self._restored_anchor = None
         self._after_install(trainer, installed)
         if trainer.is_global_zero:
-            self._show(trainer, trainer.global_step, {})
+            self._show(trainer.global_step, {})
 
     # ------------------------------------------------------------------ boundaries
 
@@ -398,7 +398,7 @@ class DiLoCo(Callback):
             self.metrics.update(self.worker.totals)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
-            self._show(trainer, step, metrics)
+            self._show(step, metrics)
         self._log_bar(pl_module)
 
     def _log_bar(self, pl_module: LightningModule) -> None:

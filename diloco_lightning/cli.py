@@ -171,8 +171,6 @@ def help_text(config_name: str, prog: str, overrides: list[str] | None = None) -
 
     _, groups, about = _COMMANDS[config_name]
     cfg = _compose(config_name, list(overrides or []))
-    from hydra.core.hydra_config import HydraConfig  # noqa: F401 - composed outside an app: no choices
-
     lines = [f"usage: {prog} [GROUP=OPTION ...] [KEY=VALUE ...] [-m] [-v] [--help]", "", about, ""]
     lines.append("Groups (GROUP=OPTION):")
     for group in groups:

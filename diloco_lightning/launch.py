@@ -693,11 +693,8 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     validate(cfg)
     _resolve_run_dir(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if cfg.role == "all" and cfg.launch.kind == "local":
-        done = _finished_results(cfg, run_dir(cfg))
-        if done is not None:
-            return run_all(cfg)  # says so and returns the results, touching nothing
-    if cfg.launch.check_resources:
+    finished = cfg.role == "all" and cfg.launch.kind == "local" and _finished_results(cfg, run_dir(cfg)) is not None
+    if cfg.launch.check_resources and not finished:  # a finished run starts nothing: run_all only says so
         from diloco_lightning.resources import check_resources
 
         check_resources(cfg, label=recipe_name())

@@ -175,7 +175,7 @@ def check_resources(cfg: Any, machine: Machine | None = None, label: str | None 
                 f"{what} uses optim=adamw8bit, which needs bitsandbytes (not installed): pip install "
                 f"'diloco-lightning[bnb]', or use optim=adamw ({_OVERRIDE})"
             )
-    on_gpu = local_workers and (_needs_gpu(cfg) or (cfg.trainer.accelerator == "auto" and machine.gpu_bytes))
+    on_gpu = bool(local_workers) and (_needs_gpu(cfg) or (cfg.trainer.accelerator == "auto" and bool(machine.gpu_bytes)))
     if local_workers and _needs_gpu(cfg) and not machine.gpu_bytes:
         why = "this torch is a CPU build" if not machine.cuda_build else "torch sees no CUDA device"
         raise ResourceError(

@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 from diloco_lightning.hub.base import ClaimConflictError, Hub
 from diloco_lightning.nodeclaim import NodeClaim
-from diloco_lightning.worker.sync import WorkerError
 from diloco_lightning.waiting import format_duration
+from diloco_lightning.worker.sync import WorkerError
 
 __all__ = ["ClaimKeeper", "NodeIdTakenError", "default_claim_ttl", "worker_holder"]
 

@@ -333,9 +333,10 @@ class DiLoCoWorker:
             raise WorkerError("this worker is closed")
         if self._started:
             return None
-        if self._claim_keeper is not None and self._claim_keeper.claim is None and self._claim_keeper.supported:
-            self._claim_keeper.acquire()
         deadline = self._deadline()
+        if self._claim_keeper is not None and self._claim_keeper.claim is None and self._claim_keeper.supported:
+            # before anything is offered or sent: a second live worker with this node_id stops here
+            self._retry("claim the node id", self._claim_keeper.acquire, deadline)
         manifest = self._retry("read the manifest", self.hub.read_manifest, deadline)
         if manifest is not None:
             self._check_fingerprint(manifest)
