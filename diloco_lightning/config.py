@@ -157,7 +157,8 @@ class MasterConf:
 @dataclass
 class HubConf:
     url: Optional[str] = opt(
-        None, "file:///abs/path, a plain path, or hf://org/repo (required by diloco-master; train.py: null is <run_dir>/hub)"
+        "???", "file:///abs/path, a plain path, or hf://org/repo (required by diloco-master and hub=hf; train.py's "
+        "hub=file: null is <run_dir>/hub)"
     )
     create: bool = opt(False, "create the hub folder / repository if it does not exist (else it is an error)")
     endpoint: Optional[str] = opt(None, "hf:// only: the Hub's URL (default https://huggingface.co or $HF_ENDPOINT)")
@@ -286,8 +287,9 @@ def validate_hub(h: DictConfig, prefix: str = "hub.", *, required: bool = False)
     """The hub section (both commands): the URL's form (whether it exists is checked when it is opened)."""
     from omegaconf import MISSING
 
-    url = OmegaConf.select(h, "url", default=None, throw_on_missing=False)
-    if url is None or url == MISSING or OmegaConf.is_missing(h, "url"):
+    _check(not OmegaConf.is_missing(h, "url"), f"{prefix}url", "is required: file:///abs/path, a plain path, or hf://org/repo")
+    url = h.url
+    if url is None or url == MISSING:
         _check(not required, f"{prefix}url", "is required: file:///abs/path, a plain path, or hf://org/repo")
         return
     _check(isinstance(url, str) and url.strip() != "", f"{prefix}url", f"must be a non-empty string, got {url!r}")

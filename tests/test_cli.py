@@ -72,6 +72,7 @@ def _short(proc: subprocess.CompletedProcess, prog: str, status: int) -> list[st
         (["recipe=nope"], "recipe/nope"),
         (["outer.lr=-1"], "outer.lr"),
         (["hub.url=/no/such/folder/hub"], "hub.url"),
+        (["hub=hf"], "hub.url"),  # hub=hf without its URL: never a silent fallback to a folder hub
     ],
 )
 def test_train_config_errors_end_in_two_lines_naming_the_key(tmp_path, args, key):
@@ -237,3 +238,31 @@ def test_signals_stop_train_py_workers_and_master_cleanly(tmp_path, sig):
             log = (run / "nodes" / w / "worker.log").read_text()
             assert "SIGTERM at step" in log and "exiting with status 143" in log, log[-2000:]
         assert not list((run / "hub" / "nodes").glob("*/claim.json"))  # claims released on the way out
+
+
+def test_a_killed_worker_is_named_with_how_it_ended(tmp_path):
+    """The reported `worker w6 failed (-9)` with an empty worker.log: now the line names the worker, says it
+    was killed by SIGKILL (what the out-of-memory killer sends), that the others were stopped, and shows the
+    end of its log."""
+    import psutil
+
+    cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "trainer.max_steps=800", "data.max_bytes=300000",
+           "data.seq_len=32", "data.vocab_size=512", "launch.eval_points=0", f"run_root={tmp_path / 'runs'}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line or line.startswith("[master] outer_step 1 "):
+                break
+        (victim,) = [p for p in psutil.Process(proc.pid).children() if p.cmdline()[-2:] == ["--node-index", "1"]]
+        victim.kill()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    first = err.strip().splitlines()[0]
+    assert first.startswith("train.py: error: worker w1 was killed by SIGKILL (the kernel's out-of-memory killer"), first
+    assert "the other workers were stopped" in first and "Last lines of" in first and "worker.log" in first
+    assert "Traceback (most recent call last)" not in err.split("Last lines of", 1)[0]
