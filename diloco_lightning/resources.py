@@ -58,13 +58,15 @@ class Machine:
         host RAM on a CPU run, each GPU's memory on a GPU run)."""
         import torch
 
-        gpus, names, bf16 = [], [], False
+        gpus, names, majors = [], [], []
         if torch.cuda.is_available():
+            # device properties only: no CUDA context (which would take GPU memory from worker 0) is created
             for i in range(torch.cuda.device_count()):
                 props = torch.cuda.get_device_properties(i)
                 gpus.append(float(props.total_memory))
                 names.append(props.name)
-            bf16 = bool(gpus) and torch.cuda.is_bf16_supported()
+                majors.append(props.major)
+        bf16 = bool(majors) and min(majors) >= 8  # bfloat16 compute: Ampere (sm_80) and newer
         ram = available_ram()
         stated = available_memory_gb is not None
         if stated:
