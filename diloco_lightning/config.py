@@ -108,6 +108,7 @@ class MasterConf:
     max_wait: Optional[float] = None
     max_staleness: Optional[int] = None
     max_delta_norm: Optional[float] = None
+    norm_global_ratio: Optional[float] = 100.0
     keep_globals: int = 20
     lease_ttl: float = 60.0
 

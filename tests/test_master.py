@@ -128,7 +128,7 @@ class Workers:
 
 
 def make_master(hub, tmp: Path, name: str = "m", state=s0, **kw) -> MasterOuterLoop:
-    opts = dict(outer_lr=1.0, outer_momentum=0.0, lease_ttl=30.0, norm_ratio=None, poll_interval=0.02)
+    opts = dict(outer_lr=1.0, outer_momentum=0.0, lease_ttl=30.0, norm_ratio=None, norm_global_ratio=None, poll_interval=0.02)
     opts.update(kw)
     st = state() if callable(state) else state
     return MasterOuterLoop(hub, st, node_state_dir=tmp / name, **opts)
@@ -138,9 +138,9 @@ def count_downloads(hub) -> dict[str, int]:
     counts: dict[str, int] = {}
     orig = hub.download
 
-    def download(path):
+    def download(path, **kw):
         counts[path] = counts.get(path, 0) + 1
-        return orig(path)
+        return orig(path, **kw)
 
     hub.download = download
     return counts
@@ -203,7 +203,9 @@ def test_token_weighting(fhubs, tmp_path):
     assert m.sync_once()
     assert torch.equal(m.snapshot()[1]["w"], torch.full((4, 3), -3.25))  # (1*1 + 3*4) / 4
     assert m.last_metrics["rejected_by_reason"] == {"num_tokens": 1}
-    assert hub.read_manifest().ledger == {"a": 0, "b": 0, "c": 0}
+    # a rejection never moves the ledger; the refused file goes with the publication
+    assert hub.read_manifest().ledger == {"a": 0, "b": 0}
+    assert [r.path for r in hub.list_deltas()] == []
 
 
 def test_staleness_gates_and_weights_cgad(fhubs, tmp_path):
@@ -320,8 +322,8 @@ def test_each_rejection_reason(hubs, tmp_path, reason, caplog):
     assert m.sync_once() is False and m.last_metrics["rejected"] == 0  # never retried
     w.put("good", setup, base=m.outer_step, value=1, **good)
     assert m.sync_once()
-    assert hub.read_manifest().ledger["x"] == 0  # rejected deltas enter the ledger
-    assert "nodes/x/delta_0.safetensors" not in [r.path for r in hub.list_deltas()]
+    assert "x" not in hub.read_manifest().ledger  # a rejected delta never moves the ledger ...
+    assert "nodes/x/delta_0.safetensors" not in [r.path for r in hub.list_deltas()]  # ... it is deleted
     assert counts.get("nodes/x/delta_0.safetensors", 0) == 1
     assert reason in REASONS
 
@@ -348,10 +350,10 @@ def test_download_failures_block_the_node_then_reject(fhubs, tmp_path):
     m.sync_once()
     orig = hub.download
 
-    def flaky(path):
+    def flaky(path, **kw):
         if path == "nodes/a/delta_0.safetensors":
             raise OSError("connection reset")
-        return orig(path)
+        return orig(path, **kw)
 
     hub.download = flaky
     w.put("a", 0, value=1)
@@ -373,7 +375,7 @@ def test_auth_error_aborts_the_round(fhubs, tmp_path):
     m.sync_once()
     w.put("a", 0)
 
-    def denied(path):
+    def denied(path, **kw):
         raise HubAuthError("401")
 
     orig, hub.download = hub.download, denied
@@ -421,13 +423,13 @@ def test_downloads_are_parallel_and_bounded(fhubs, tmp_path):
     active, peak, lock = [0], [0], threading.Lock()
     orig = hub.download
 
-    def slow(path):
+    def slow(path, **kw):
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
         time.sleep(0.02)
         try:
-            return orig(path)
+            return orig(path, **kw)
         finally:
             with lock:
                 active[0] -= 1
@@ -447,10 +449,10 @@ def test_snapshot_answers_while_a_download_stalls(fhubs, tmp_path):
     gate, entered = threading.Event(), threading.Event()
     orig = hub.download
 
-    def stalled(path):
+    def stalled(path, **kw):
         entered.set()
         gate.wait(10)
-        return orig(path)
+        return orig(path, **kw)
 
     hub.download = stalled
     t = threading.Thread(target=m.sync_once)
@@ -839,7 +841,7 @@ def _many_workers(fhubs, tmp_path, n_workers: int, n_rounds: int) -> None:
 
 def test_bootstrap_from_first_workers_init(hubs, tmp_path):
     hub = hubs.open()
-    m = MasterOuterLoop(hub, None, node_state_dir=tmp_path / "m", outer_lr=1.0, outer_momentum=0.0, lease_ttl=30)
+    m = MasterOuterLoop(hub, None, node_state_dir=tmp_path / "m", outer_lr=1.0, outer_momentum=0.0, lease_ttl=30, norm_global_ratio=None)
     with pytest.raises(RuntimeError, match="no global state"):
         m.snapshot()
     assert m.sync_once() is False  # nothing to start from yet
@@ -1008,7 +1010,7 @@ def test_cli_runs_rounds_prints_progress_and_writes_metrics(tmp_path, capsys):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(config_name="master", overrides=[
             f"hub.url={hub_dir}", "outer=nesterov", "outer.lr=1.0", "outer.options.momentum=0.0", "max_rounds=1",
-            "poll_interval=0.02", f"node_state_dir={tmp_path / 'st'}", "max_delta_norm=1000",
+            "poll_interval=0.02", f"node_state_dir={tmp_path / 'st'}", "max_delta_norm=1000", "norm_global_ratio=null",
             "torch_threads=null",  # leave this test process's torch threads alone
         ])
     assert run(cfg) == 0
@@ -1036,7 +1038,7 @@ def test_cli_subprocess_drains_on_sigterm(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.Popen(
         [sys.executable, "-m", "diloco_lightning.master.cli", f"hub.url={hub_dir}", "outer=adam", "outer.lr=0.1",
-         "min_deltas=5", "poll_interval=0.05", f"node_state_dir={tmp_path / 'st'}", "lease_ttl=5"],
+         "min_deltas=5", "poll_interval=0.05", f"node_state_dir={tmp_path / 'st'}", "lease_ttl=5", "norm_global_ratio=null"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:

@@ -14,9 +14,24 @@
   clone, a reference swap); the round computes on a second buffer and swaps it in after
   publishing, so a snapshot never waits for the network.
 * **Validation** (:mod:`diloco_lightning.master.validation`): everything the delta reader
-  checks, staleness (negative, above ``max_staleness``, gated to 0), replay, absolute and
+  checks (a file larger than a delta of this model can be is refused before it is
+  downloaded; names, shapes, dtypes and sizes are checked from the header before any
+  tensor byte is read; signatures are verified as the bytes are read), staleness
+  (negative, above ``max_staleness``, gated to 0), replay, absolute, global-relative and
   median-relative norm bounds, fingerprint and signature. A rejected delta is logged with
-  its reason, counted, and entered in the ledger: never retried.
+  its reason, counted, remembered (never read again) and deleted with the next
+  publication; it never moves the ledger, which only accepted deltas advance. No content
+  of any delta can make a round fail: a round raises only for the hub or the master itself.
+* **Nothing non-finite is published.** Weights (``weighting="tokens"``) are scaled by a
+  power of two so the FP32 sum never grows beyond its deltas, and the aggregate and the
+  new state are checked before publication: a non-finite result publishes nothing, is
+  logged as an error and refuses the round's deltas.
+* **Signed runs** (a run key): the master signs every manifest it publishes (and its lease),
+  and neither adopts a version nor an offered ``init.safetensors`` that is not signed with
+  the key. A manifest on the hub that is malformed or not authentic is replaced by the
+  last authentic version (compare-and-swap on its bytes) instead of stopping the master.
+* **No litter.** At start and with garbage collection, the master sweeps the temporary
+  files that dead writers left on the hub, in its cache and in its state folder.
 * **Staleness-aware.** Any optimizer of :mod:`diloco_lightning.outer` by name. In
   ``aggregation="round"`` (SPEC.md, "Master round") the accepted deltas of a round give
   ``g = sum(w_i * gate(tau_i) * delta_i) / sum(w_i)`` (``w_i`` 1, or ``num_tokens`` with
@@ -49,6 +64,7 @@ References: DiLoCo (Douillard et al. 2023, arXiv 2311.08105); CGAD (Shah & Sun 2
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 import math
@@ -69,29 +85,41 @@ import torch
 from diloco_lightning.deltafile import (
     DeltaFileError,
     is_synced,
+    max_delta_bytes,
+    max_header_bytes,
     model_fingerprint,
     read_delta,
     read_delta_header,
+    synced_keys,
 )
-from diloco_lightning.fileio import sha256_file
-from diloco_lightning.globals import load_global, load_outer_state
+from diloco_lightning.fileio import sha256_file, sweep_temporaries
+from diloco_lightning.globals import UnauthenticatedVersionError, load_global, load_outer_state, verify_manifest
 from diloco_lightning.hub import open_hub
 from diloco_lightning.hub.base import (
     DeltaRef,
     Hub,
     HubAuthError,
+    HubFileTooLargeError,
     HubNotFoundError,
     PublishConflictError,
 )
-from diloco_lightning.manifest import GlobalVersion, Manifest
+from diloco_lightning.manifest import GlobalVersion, Manifest, ManifestError
 from diloco_lightning.master import localstate
 from diloco_lightning.master.lease import LeaseKeeper, default_holder
 from diloco_lightning.master.metrics import MetricsSink, RoundMetrics
 from diloco_lightning.master.staging import stage_version
-from diloco_lightning.master.validation import DeltaRejected, NormGuard, check_staleness, delta_norm
-from diloco_lightning.names import init_path, parse_delta_path
+from diloco_lightning.master.validation import (
+    DeltaRejected,
+    NormGuard,
+    check_staleness,
+    delta_norm,
+    max_abs,
+    state_norm,
+)
+from diloco_lightning.names import MANIFEST_PATH, init_path, parse_delta_path
 from diloco_lightning.signing import RunKey, load_run_key
 from diloco_lightning.statefile import StateFileError, load_state_file, load_weights_file
+from diloco_lightning.stheader import LayoutError, read_layout
 
 __all__ = ["MasterOuterLoop", "MasterConfig", "MasterConfigError", "ProcessedDeltas"]
 
@@ -101,6 +129,8 @@ AGGREGATIONS = ("round", "arrival")
 WEIGHTINGS = ("equal", "tokens")
 _MOMENTUM_OPTIMIZERS = ("nesterov", "poly_nesterov", "delayed_nesterov")
 _STATE_DICT_FORMAT = "diloco-master/1"
+#: refused files remembered (path, version token), so they are never read twice; bounded
+_REFUSED_MEMORY = 100_000
 
 
 class MasterConfigError(ValueError):
@@ -129,6 +159,7 @@ class MasterConfig:
     max_wait: float | None = None
     max_staleness: int | None = None
     max_delta_norm: float | None = None
+    norm_global_ratio: float | None = 100.0
     norm_ratio: float | None = 10.0
     norm_window: int = 32
     norm_min_history: int = 4
@@ -142,6 +173,7 @@ class MasterConfig:
     gc_every: int = 16
     retry_max_delay: float = 300.0
     torch_threads: int | None = None
+    sweep_age: float = 3600.0
 
     def validate(self) -> "MasterConfig":
         def bad(name: str, want: str) -> None:
@@ -176,6 +208,7 @@ class MasterConfig:
         num("max_wait", low=0.0, optional=True)
         num("max_staleness", low=0, integer=True, optional=True)
         num("max_delta_norm", low=0.0, strict=True, optional=True)
+        num("norm_global_ratio", low=0.0, strict=True, optional=True)
         num("norm_ratio", low=1.0, strict=True, optional=True)
         num("norm_window", low=1, integer=True)
         num("norm_min_history", low=1, integer=True)
@@ -188,6 +221,7 @@ class MasterConfig:
         num("gc_every", low=1, integer=True)
         num("retry_max_delay", low=0.0, strict=True)
         num("torch_threads", low=1, integer=True, optional=True)
+        num("sweep_age", low=0.0, strict=True)
         return self
 
     def optimizer_options(self) -> dict[str, Any]:
@@ -244,6 +278,10 @@ class _OpenRound:
 
     outer_step: int
     sum: dict[str, torch.Tensor] | None = None
+    #: weights are summed (and the sum accumulated) in units of ``scale``, the smallest power of
+    #: two at or above the largest weight so far: every coefficient is at most 1, so the FP32 sum
+    #: is bounded by its deltas whatever ``num_tokens`` claims, and powers of two keep it exact
+    scale: float = 1.0
     total_weight: float = 0.0
     accepted: list[_Accepted] = field(default_factory=list)
     marks: dict[str, int] = field(default_factory=dict)
@@ -297,8 +335,10 @@ class MasterOuterLoop:
         min_deltas, max_wait: quorum: apply a round once ``min_deltas`` deltas were accepted, or
             ``max_wait`` seconds after the first one (None: wait for the quorum).
         max_staleness: reject deltas staler than this (None: only the optimizer's gate decides).
-        max_delta_norm, norm_ratio, norm_window, norm_min_history: norm bounds
+        max_delta_norm, norm_global_ratio, norm_ratio, norm_window, norm_min_history: norm bounds
             (:class:`~diloco_lightning.master.validation.NormGuard`; None disables one).
+            ``norm_global_ratio`` (default 100) bounds every delta, from the first one, by
+            ``100 x max(||global||, 0.01 sqrt(n))``; see :mod:`~diloco_lightning.master.validation`.
         download_workers, prefetch: parallel downloads, and how many deltas may be fetched ahead.
         max_download_attempts: a delta failing to download this many times is rejected.
         arrival_batch: at most this many deltas handled per ``sync_once`` in arrival mode.
@@ -311,6 +351,9 @@ class MasterOuterLoop:
         gc_every: every this many publications (and the first after a start or an adoption)
             also sweep orphans of interrupted publications and processed deltas left behind.
         retry_max_delay: the longest pause of the background thread after failed rounds.
+        sweep_age: temporary files of writers on other hosts (or of unknown owner) older than
+            this many seconds are removed by the litter sweep (same-host ones as soon as their
+            process is gone).
         torch_threads: if set, ``torch.set_num_threads(torch_threads)`` (process-wide). The round
             is memory-bound; on a machine whose cores are shared, multi-threaded ops stall on
             OpenMP barriers (measured: 5x slower rounds at 2 threads on 2 busy cores), so a
@@ -336,6 +379,7 @@ class MasterOuterLoop:
         max_wait: float | None = None,
         max_staleness: int | None = None,
         max_delta_norm: float | None = None,
+        norm_global_ratio: float | None = 100.0,
         norm_ratio: float | None = 10.0,
         norm_window: int = 32,
         norm_min_history: int = 4,
@@ -352,6 +396,7 @@ class MasterOuterLoop:
         gc_every: int = 16,
         retry_max_delay: float = 300.0,
         torch_threads: int | None = None,
+        sweep_age: float = 3600.0,
     ) -> None:
         self.config = MasterConfig(
             outer_optimizer=outer_optimizer,
@@ -365,6 +410,7 @@ class MasterOuterLoop:
             max_wait=max_wait,
             max_staleness=max_staleness,
             max_delta_norm=max_delta_norm,
+            norm_global_ratio=norm_global_ratio,
             norm_ratio=norm_ratio,
             norm_window=norm_window,
             norm_min_history=norm_min_history,
@@ -378,6 +424,7 @@ class MasterOuterLoop:
             gc_every=gc_every,
             retry_max_delay=retry_max_delay,
             torch_threads=torch_threads,
+            sweep_age=sweep_age,
         ).validate()
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
@@ -393,7 +440,9 @@ class MasterOuterLoop:
         self._key = load_run_key(signing_key)
         self.holder = holder or default_holder()
         self._lease = (
-            LeaseKeeper(self.hub, self.holder, self.config.effective_lease_ttl()) if self.config.lease else None
+            LeaseKeeper(self.hub, self.holder, self.config.effective_lease_ttl(), signing_key=self._key)
+            if self.config.lease
+            else None
         )
         self._opt_options = self.config.optimizer_options()
         #: test hook: called with a label at each step of a round ("listed", "downloaded",
@@ -418,12 +467,15 @@ class MasterOuterLoop:
         self._hub_manifest: Manifest | None = None  # the hub's current version as last seen
         self._record: localstate.LocalRecord | None = None
         self._committed_outer_file: Path | None = None
-        self._norms = NormGuard(max_delta_norm, norm_ratio, norm_window, norm_min_history)
+        self._norms = NormGuard(max_delta_norm, norm_ratio, norm_window, norm_min_history, norm_global_ratio)
+        self._norms_at: tuple[int, str | None] | None = None  # (outer_step, weights) the global bound is for
         self._open: _OpenRound | None = None
-        self._pending_marks: dict[str, int] = {}
-        self._pending_paths: list[str] = []
+        self._pending_paths: list[str] = []  # refused since the last publication: deleted by the next one
+        self._refused: OrderedDict[tuple[str, str | None], None] = OrderedDict()
         self._download_failures: dict[tuple[str, int], int] = {}
         self._replays_seen: OrderedDict[str, None] = OrderedDict()
+        self._limits: tuple[str, int, int] | None = None  # (fingerprint, max file bytes, max header bytes)
+        self._swept = False
         self._arrival_wait_since: float | None = None
         self._gc_countdown = 0
         self._last_metrics: RoundMetrics | None = None
@@ -633,6 +685,8 @@ class MasterOuterLoop:
     # ================================================================== one round
 
     def _sync(self, m: RoundMetrics, force: bool) -> None:
+        if not self._swept:
+            self._sweep()
         if self._lease is not None:
             if not self._lease.acquire(min_epoch=self._published_epoch):
                 m.standby = True
@@ -658,11 +712,31 @@ class MasterOuterLoop:
         if self.fault is not None:
             self.fault(label)
 
+    def _sweep(self) -> None:
+        """Remove what dead writers left: temporary files on the hub, in its cache, in our state folder."""
+        self._swept = True
+        age = self.config.sweep_age
+        try:
+            removed = self.hub.sweep(age) + sweep_temporaries(self.node_state_dir, age)
+        except Exception as e:  # noqa: BLE001 - sweeping is housekeeping, never a reason to fail a round
+            log.warning("could not sweep temporary files of %s: %s", self.hub.url, e)
+            return
+        if removed:
+            log.info("swept %d temporary file(s) left by interrupted writers (%s%s)", len(removed),
+                     ", ".join(removed[:3]), " ..." if len(removed) > 3 else "")
+
     # ------------------------------------------------------------------ reconcile / adopt
 
     def _reconcile(self, m: RoundMetrics) -> bool:
         """Bring the in-memory state in line with the hub. False when there is nothing to work on yet."""
-        hm = self.hub.read_manifest()
+        try:
+            hm = self.hub.read_manifest()
+            if hm is not None:
+                verify_manifest(hm, self._key, self.hub.url)
+        except ManifestError as e:
+            return self._replace_forged(f"{self.hub.url}/{MANIFEST_PATH} is not a valid manifest ({e})", m)
+        except UnauthenticatedVersionError as e:
+            return self._replace_forged(str(e), m)
         if hm is None:
             self._hub_manifest = None
             if self._state is None and not self._bootstrap_from_init():
@@ -683,6 +757,32 @@ class MasterOuterLoop:
                 self._outer_step, hm.outer_step,
             )
         self._hub_manifest = hm
+        return True
+
+    def _replace_forged(self, reason: str, m: RoundMetrics) -> bool:
+        """The hub's manifest is not one a master of this run published (malformed, or not signed
+        with the run key): never adopt it; publish our last authentic version over it, by
+        compare-and-swap on its exact bytes. False when there is nothing of ours to publish."""
+        if self._state is None:
+            log.error("%s; this master has no version of its own to restore, waiting", reason)
+            return False
+        log.error("%s; publishing this master's outer_step %d over it", reason, self._outer_step)
+        raw = self.hub.read_manifest_bytes()
+        digest = None if raw is None else hashlib.sha256(raw).hexdigest()
+        self._hub_manifest = None
+        try:
+            self._publish(self._outer_step, self._state, dict(self._ledger), [], [], m,
+                          history=list(self._manifest.history) if self._manifest is not None else [],
+                          expected_digest=digest)
+        except PublishConflictError as e:
+            log.info("%s; reading the hub again", e)
+            m.conflict = True
+            return False
+        except _LeaseLost:
+            m.standby = True
+            return False
+        m.published += 1
+        self._notify()
         return True
 
     def _adopt(self, hm: Manifest, m: RoundMetrics | None) -> None:
@@ -741,8 +841,8 @@ class MasterOuterLoop:
                 log.warning("local copy of outer_step %d unusable (%s)", hm.outer_step, e)
         if local_only:
             raise ValueError(f"the local copy of outer_step {hm.outer_step} does not match its record")
-        _, state = load_global(self.hub, hm)
-        outer = load_outer_state(self.hub, hm)
+        _, state = load_global(self.hub, hm, signing_key=self._key)
+        outer = load_outer_state(self.hub, hm, signing_key=self._key)
         src_w = self.hub.download(hm.weights)
         src_o = self.hub.download(hm.outer_state) if hm.outer_state else None
         return state, outer, src_w, src_o
@@ -773,14 +873,24 @@ class MasterOuterLoop:
                 log.info("nothing published on %s and no worker's init.safetensors yet; waiting", self.hub.url)
                 self._waiting_logged = True
             return False
-        node = inits[0]
-        path = self.hub.download(init_path(node))
-        state, _ = load_weights_file(path)
-        self._drop_cached(path)
-        state = self._check_state(state, f"nodes/{node}/init.safetensors")
-        self._install(state, outer_step=0)
-        log.info("bootstrapped the global state from nodes/%s/init.safetensors (%d tensors)", node, len(state))
-        return True
+        for node in inits:
+            path = self.hub.download(init_path(node))
+            try:
+                if self._key is not None:
+                    layout = read_layout(path)
+                    if not self._key.verify_file(layout.metadata.get("signature"), path, layout):
+                        raise ValueError("it is not signed with the run key")
+                state, _ = load_weights_file(path)
+                state = self._check_state(state, f"nodes/{node}/init.safetensors")
+            except (ValueError, OSError, LayoutError, StateFileError) as e:
+                log.error("ignoring nodes/%s/init.safetensors on %s: %s", node, self.hub.url, e)
+                continue
+            finally:
+                self._drop_cached(path)
+            self._install(state, outer_step=0)
+            log.info("bootstrapped the global state from nodes/%s/init.safetensors (%d tensors)", node, len(state))
+            return True
+        return False
 
     def _publish_current(self, m: RoundMetrics) -> bool:
         """Publish the current state as is (the hub has no version): outer step 0, or a re-publication."""
@@ -799,15 +909,28 @@ class MasterOuterLoop:
     # ------------------------------------------------------------------ listing and fetching
 
     def _effective_marks(self) -> dict[str, int]:
-        return _merge_marks(self._ledger, self._pending_marks, self._open.marks if self._open else {})
+        return _merge_marks(self._ledger, self._open.marks if self._open else {})
+
+    def _size_limits(self) -> tuple[int, int]:
+        """(max file bytes, max header bytes) of an honest delta of the current model."""
+        if self._limits is None or self._limits[0] != self._fingerprint:
+            n = len(synced_keys(self._state))
+            self._limits = (self._fingerprint, max_delta_bytes(self._state), max_header_bytes(n))
+        return self._limits[1], self._limits[2]
 
     def _list_new(self, m: RoundMetrics) -> list[DeltaRef]:
         marks = self._effective_marks()
         refs = self.hub.list_deltas(after=marks)
         m.listed = len(refs)
+        max_bytes, _ = self._size_limits()
         out: list[DeltaRef] = []
         seen: set[tuple[str, int]] = set()
         for ref in refs:
+            if (ref.path, ref.version) in self._refused:
+                continue  # refused before: never read twice (a new file at that path has a new version)
+            if ref.size is not None and ref.size > max_bytes:
+                self._reject(ref, "size", f"{ref.size} bytes listed; a delta of this model is at most {max_bytes}", m)
+                continue
             key = (ref.node_id, ref.local_step)
             if ref.local_step <= marks.get(ref.node_id, -1) or key in seen:
                 # a hub that lists what it was told to leave out, or lists a delta twice: never re-download
@@ -831,13 +954,14 @@ class MasterOuterLoop:
             return
         it = iter(refs)
         window: deque = deque()
+        max_bytes, _ = self._size_limits()
         ex = ThreadPoolExecutor(max_workers=self.config.download_workers, thread_name_prefix="diloco-master-dl")
 
         def submit() -> None:
             for ref in it:
                 if ref.node_id in blocked:
                     continue
-                window.append((ref, ex.submit(self.hub.download, ref.path)))
+                window.append((ref, ex.submit(self.hub.download, ref.path, max_bytes=max_bytes)))
                 return
 
         try:
@@ -878,6 +1002,9 @@ class MasterOuterLoop:
         """Classify a failed download: auth errors abort the round; others block the node, then reject."""
         if isinstance(err, HubAuthError):
             raise err
+        if isinstance(err, HubFileTooLargeError):
+            self._reject(ref, "size", str(err), m)
+            return
         if isinstance(err, HubNotFoundError):
             blocked.add(ref.node_id)  # later deltas of this node wait: the ledger is a high-water mark
             log.info("%s vanished before it was downloaded (processed elsewhere?): %s", ref.path, err)
@@ -909,15 +1036,38 @@ class MasterOuterLoop:
     # ------------------------------------------------------------------ checks
 
     def _reject(self, ref: DeltaRef, reason: str, detail: str, m: RoundMetrics) -> None:
+        """Refuse a delta: logged, counted, remembered (never read again), deleted with the next
+        publication. It does not move the ledger: only accepted deltas do, so a file anyone put
+        under a node's name cannot hide that node's later work."""
         log.warning("rejecting %s: %s: %s", ref.path, reason, detail)
         m.reject(reason)
-        if ref.local_step > self._pending_marks.get(ref.node_id, -1):
-            self._pending_marks[ref.node_id] = ref.local_step
+        self._refused[(ref.path, ref.version)] = None
+        while len(self._refused) > _REFUSED_MEMORY:
+            self._refused.popitem(last=False)
         self._pending_paths.append(ref.path)
+
+    def _check_safely(self, ref: DeltaRef, path: Path, outer_step: int):
+        """:meth:`_check`, with any error from the file's content turned into a rejection:
+        ``(Delta, _Accepted)``, or raises ``DeltaRejected``."""
+        try:
+            return self._check(ref, path, outer_step)
+        except (DeltaRejected, DeltaFileError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a last line of defence: one delta never fails a round
+            log.exception("unexpected error while checking %s", ref.path)
+            raise DeltaRejected("invalid", f"{type(e).__name__}: {str(e)[:300]}") from None
+
+    def _global_bound_for(self, outer_step: int) -> None:
+        """Point the global-relative norm bound at the current state (computed once per version)."""
+        key = (outer_step, self._manifest.weights if self._manifest is not None else None)
+        if self._norms_at != key:
+            self._norms.set_global(*state_norm(self._state))
+            self._norms_at = key
 
     def _check(self, ref: DeltaRef, path: Path, outer_step: int):
         """Validate one downloaded delta against the state at ``outer_step``; ``(Delta, _Accepted)`` or raise."""
-        header = read_delta_header(path)
+        max_bytes, max_header = self._size_limits()
+        header = read_delta_header(path, max_header=max_header)
         if header.node_id != ref.node_id or header.local_step != ref.local_step:
             raise DeltaRejected(
                 "path_mismatch",
@@ -938,9 +1088,10 @@ class MasterOuterLoop:
             expected_fingerprint=self._fingerprint,
             signing_key=self._key,
             check_finite=False,  # the norm below is NaN/inf exactly when a value is
-            clone=False,
+            max_file_bytes=max_bytes,
         )
         norm = delta_norm(delta.tensors)
+        self._global_bound_for(outer_step)
         self._norms.check(norm, delta.tensors)
         return delta, _Accepted(ref, tau, gate, weight, norm)
 
@@ -957,17 +1108,19 @@ class MasterOuterLoop:
         for ref, path in self._downloaded(refs, blocked, m):
             try:
                 try:
-                    delta, acc = self._check(ref, path, rnd.outer_step)
+                    delta, acc = self._check_safely(ref, path, rnd.outer_step)
                 except (DeltaRejected, DeltaFileError) as e:
                     self._reject(ref, e.reason, getattr(e, "detail", str(e)), m)
                     continue
                 try:
-                    self._accumulate(rnd, delta.tensors, acc.weight if pa else acc.weight * acc.gate)
+                    self._rescale(rnd, acc.weight)
+                    w = acc.weight / rnd.scale
+                    self._accumulate(rnd, delta.tensors, w if pa else w * acc.gate)
                 except BaseException:
                     self._open = None  # a partial sum is worthless: the round starts over
                     raise
                 del delta
-                rnd.total_weight += acc.weight
+                rnd.total_weight += w
                 rnd.accepted.append(acc)
                 rnd.marks[ref.node_id] = max(ref.local_step, rnd.marks.get(ref.node_id, -1))
                 if rnd.first_at is None:
@@ -987,6 +1140,18 @@ class MasterOuterLoop:
             return
         self._commit_round(rnd, m, pa)
 
+    @staticmethod
+    def _rescale(rnd: _OpenRound, weight: float) -> None:
+        """Raise the round's unit to the power of two at or above ``weight`` (exact rescaling)."""
+        if weight <= rnd.scale:
+            return
+        scale = 2.0 ** math.ceil(math.log2(weight))
+        if rnd.sum is not None:
+            for t in rnd.sum.values():
+                t.mul_(rnd.scale / scale)
+        rnd.total_weight *= rnd.scale / scale
+        rnd.scale = scale
+
     def _accumulate(self, rnd: _OpenRound, tensors: Mapping[str, torch.Tensor], coef: float) -> None:
         """``sum += coef * delta`` in FP32 (complex64), into one buffer per round (freed after the step)."""
         first = rnd.sum is None
@@ -1005,10 +1170,21 @@ class MasterOuterLoop:
             else:
                 s.add_(d, alpha=coef)
 
+    def _refuse_round(self, accepted: list[_Accepted], detail: str, m: RoundMetrics) -> None:
+        log.error("refusing the %d delta(s) of this round (%s): %s; nothing is published",
+                  len(accepted), ", ".join(a.ident for a in accepted[:8]), detail)
+        for a in accepted:
+            self._reject(a.ref, "non_finite_update", detail, m)
+
     def _commit_round(self, rnd: _OpenRound, m: RoundMetrics, pa: bool) -> None:
         if rnd.total_weight != 1.0:
             for t in rnd.sum.values():
                 t.div_(rnd.total_weight)
+        bad = next((k for k, t in rnd.sum.items() if not math.isfinite(max_abs(t))), None)
+        if bad is not None:
+            self._open = None
+            self._refuse_round(list(rnd.accepted), f"the aggregate of key {bad!r} is not finite", m)
+            return
         tau_max = max(a.staleness for a in rnd.accepted)
         # the only reference to the sum is popped by the step, so it is freed before the
         # optimizer state is copied for publication (the round's peak stays one buffer lower)
@@ -1018,7 +1194,7 @@ class MasterOuterLoop:
             step = lambda buf: self._opt.step(buf, box.pop(), staleness=tau_max)  # noqa: E731 - gated per fragment
         else:
             step = lambda buf: self._opt.step(buf, box.pop(), staleness=0, gated=True)  # noqa: E731
-        new_ledger = _merge_marks(self._ledger, self._pending_marks, rnd.marks)
+        new_ledger = _merge_marks(self._ledger, rnd.marks)
         processed = self._pending_paths + [a.ref.path for a in rnd.accepted]
         accepted = list(rnd.accepted)
         self._open = None
@@ -1049,7 +1225,7 @@ class MasterOuterLoop:
         try:
             for ref, path in self._downloaded(refs, blocked, m):
                 try:
-                    base = read_delta_header(path).base_outer_step
+                    base = read_delta_header(path, max_header=self._size_limits()[1]).base_outer_step
                 except DeltaFileError:
                     base = -1  # rejected when its turn comes, with the reader's reason
                 fetched.append((ref, path, base))
@@ -1058,13 +1234,13 @@ class MasterOuterLoop:
                 if ref.node_id in blocked:
                     continue
                 try:
-                    delta, acc = self._check(ref, path, self._outer_step)
+                    delta, acc = self._check_safely(ref, path, self._outer_step)
                 except (DeltaRejected, DeltaFileError) as e:
                     self._reject(ref, e.reason, getattr(e, "detail", str(e)), m)
                     continue
                 tensors = delta.tensors
                 del delta
-                new_ledger = _merge_marks(self._ledger, self._pending_marks, {ref.node_id: ref.local_step})
+                new_ledger = _merge_marks(self._ledger, {ref.node_id: ref.local_step})
                 processed = self._pending_paths + [ref.path]
                 step = lambda buf, t=tensors, tau=acc.staleness: self._opt.step(buf, t, staleness=tau)  # noqa: E731
                 ok = self._apply_and_publish(step, new_ledger, processed, [acc.norm], m, [acc])
@@ -1166,6 +1342,12 @@ class MasterOuterLoop:
                 for a in accepted:
                     self._reject(a.ref, "too_stale", "the optimizer gated the whole step to 0", m)
                 return False
+            bad = next((k for k, t in buf.items() if is_synced(t) and not math.isfinite(max_abs(t))), None)
+            if bad is not None:
+                self._spare = buf
+                self._restore_optimizer(backup)
+                self._refuse_round(accepted, f"the outer step made key {bad!r} of the state non-finite", m)
+                return False
             self._fault("stepped")
             self._publish(new_step, buf, new_ledger, processed, norms, m)
         except PublishConflictError as e:
@@ -1193,6 +1375,7 @@ class MasterOuterLoop:
         norms: list[float],
         m: RoundMetrics,
         history: list[GlobalVersion] | None = None,
+        expected_digest: str | None = None,
     ) -> Manifest:
         """Stage, publish (CAS), save locally, swap in memory. Raises on failure with nothing changed in memory."""
         if self._lease is not None and not self._lease.ensure_fresh():
@@ -1210,8 +1393,8 @@ class MasterOuterLoop:
             prev = self._hub_manifest
             if history is None:
                 history = []
-                if prev is not None:
-                    history = [GlobalVersion(prev.outer_step, prev.weights, None)] + list(prev.history)
+                if prev is not None:  # with its digest: a reader (and a signature) can vouch for an old version
+                    history = [GlobalVersion(prev.outer_step, prev.weights, None, prev.weights_sha256)] + list(prev.history)
                 history = history[: self.config.keep_globals]
             epoch = self._lease.epoch if self._lease is not None else None
             manifest = staged.manifest(
@@ -1221,12 +1404,15 @@ class MasterOuterLoop:
                 master={"holder": self.holder, "epoch": epoch} if epoch is not None else {"holder": self.holder},
                 published_at=time.time(),
             )
+            if self._key is not None:
+                manifest = manifest.signed(self._key)
             delete = self._deletions(manifest, processed, new_ledger)
             self.hub.publish(
                 manifest,
                 staged.files,
                 expected_outer_step=prev.outer_step if prev is not None else None,
                 delete=delete,
+                expected_digest=expected_digest,
             )
         except BaseException:
             for f in local_files:
@@ -1260,7 +1446,6 @@ class MasterOuterLoop:
             self._ledger = dict(new_ledger)
             self._manifest = manifest
         self._norms.load(new_norms)
-        self._pending_marks = {}
         self._pending_paths = []
         for node, step in new_ledger.items():
             for key in [k for k in self._download_failures if k[0] == node and k[1] <= step]:
@@ -1275,6 +1460,7 @@ class MasterOuterLoop:
         if prev is not None:
             dels.update(p for p in prev.files() if p not in keep)
         if self._gc_countdown <= 0:
+            self._swept = False  # the next round sweeps temporary files too
             try:
                 for p in self.hub.list_global():
                     step = _global_file_step(p)
@@ -1302,7 +1488,6 @@ class MasterOuterLoop:
     def _discard(self) -> None:
         """Forget everything processed but not published (it will be processed again)."""
         self._open = None
-        self._pending_marks = {}
         self._pending_paths = []
         self._arrival_wait_since = None
 

@@ -9,8 +9,11 @@ Reasons, in the order the checks run:
 =====================  ===================================================================
 ``replay``             the identity (node, local_step) is at or below the node's ledger mark,
                        or listed twice: it was already processed (never downloaded)
+``size``               the listed or downloaded file is larger than a delta of this model can
+                       honestly be (:func:`~diloco_lightning.deltafile.max_delta_bytes`), or its
+                       header is: refused before it is downloaded, or while it is
 ``download``           the download failed ``max_download_attempts`` times in a row
-``unreadable``         not a safetensors file (truncated, garbage)
+``unreadable``         not a safetensors file (truncated, garbage, inconsistent offsets)
 ``format``             header ``format`` is not ``diloco-delta/1``
 ``header``             a header field missing or malformed
 ``node_id``            header ``node_id`` is not a valid node id
@@ -27,8 +30,26 @@ Reasons, in the order the checks run:
 ``signature``          the run is signed and the signature is missing or wrong
 ``non_finite``         a NaN or an infinity in a tensor
 ``norm``               L2 norm above the absolute bound ``max_delta_norm``
+``norm_global``        L2 norm above ``norm_global_ratio`` x max(||global||, 0.01 sqrt(n))
 ``norm_relative``      L2 norm above ``norm_ratio`` x the median norm of recently accepted deltas
+``non_finite_update``  the round's aggregate, or the state after the outer step, is not finite:
+                       nothing is published and every delta of the round is refused
+``invalid``            any other problem with the file's content (a last line of defence:
+                       one delta's content never makes a round fail)
 =====================  ===================================================================
+
+A rejection never moves the ledger: only accepted deltas do. The master remembers a
+refused file (its path and the hub's version token) so it is not read again, and deletes
+it with its next publication.
+
+Default bounds, from the first delta on: ``norm_global_ratio=100``. An honest
+pseudo-gradient after H inner steps of Adam-like optimizers moves each coordinate by at
+most about ``H * lr`` (Adam's step is bounded by its learning rate), so
+``||delta|| <= H * lr * sqrt(n)``. The bound is ``100 * max(||global||, 0.01 * sqrt(n))``
+>= ``sqrt(n)``, which leaves room for ``H * lr`` up to 1 (e.g. H = 500 inner steps at
+lr 2e-3, or H = 2500 at DiLoCo's 4e-4), whatever the weights' scale; measured on the
+tiny recipe, honest deltas are a fraction of a percent of that bound. A delta of norm 1e19
+is refused as soon as it arrives, without the relative (median) bound's warm-up.
 
 The relative bound is the robust outlier test of Byzantine-tolerant aggregation (a median
 is not moved by a few bad values; cf. Yin et al. 2018, arXiv 1803.01498): it only engages
@@ -48,14 +69,18 @@ import torch
 
 __all__ = [
     "REASONS",
+    "GLOBAL_RMS_FLOOR",
     "DeltaRejected",
     "NormGuard",
     "delta_norm",
+    "state_norm",
+    "max_abs",
     "check_staleness",
 ]
 
 REASONS = (
     "replay",
+    "size",
     "download",
     "unreadable",
     "format",
@@ -74,7 +99,10 @@ REASONS = (
     "signature",
     "non_finite",
     "norm",
+    "norm_global",
     "norm_relative",
+    "non_finite_update",
+    "invalid",
 )
 
 
@@ -124,21 +152,57 @@ def check_staleness(tau: int, *, max_staleness: int | None, gate: float) -> None
         raise DeltaRejected("too_stale", f"the outer optimizer's gate is 0 at staleness {tau}")
 
 
+#: the floor of the global-relative bound, in RMS per coordinate (see the module docstring)
+GLOBAL_RMS_FLOOR = 0.01
+
+
+def state_norm(state: Mapping[str, torch.Tensor]) -> tuple[float, int]:
+    """``(L2 norm, number of values)`` of the floating (and complex) tensors of a state."""
+    keys = [k for k, t in state.items() if t.is_floating_point() or t.is_complex()]
+    return delta_norm({k: state[k] for k in keys}), sum(state[k].numel() for k in keys)
+
+
+def max_abs(t: torch.Tensor) -> float:
+    """The largest magnitude in ``t`` (NaN if it holds a NaN), in one pass, without a temporary."""
+    if t.numel() == 0:
+        return 0.0
+    return float(torch.linalg.vector_norm(t, ord=float("inf")))
+
+
 class NormGuard:
-    """Absolute and median-relative bounds on a delta's L2 norm.
+    """Absolute, global-relative and median-relative bounds on a delta's L2 norm.
 
     Args:
         max_norm: reject norms above this (None: no absolute bound).
         ratio: reject norms above ``ratio * median(window)`` (None: no relative bound).
         window: how many recently accepted norms the median is taken over.
         min_history: the relative bound engages once this many norms are known.
+        global_ratio: reject norms above ``global_ratio * max(||global||, 0.01 * sqrt(n))``
+            (None: off); needs :meth:`set_global`.
     """
 
-    def __init__(self, max_norm: float | None, ratio: float | None, window: int = 32, min_history: int = 4) -> None:
+    def __init__(
+        self,
+        max_norm: float | None,
+        ratio: float | None,
+        window: int = 32,
+        min_history: int = 4,
+        global_ratio: float | None = None,
+    ) -> None:
         self.max_norm = max_norm
         self.ratio = ratio
         self.min_history = min_history
+        self.global_ratio = global_ratio
+        self._global_bound: float | None = None
         self._norms: deque[float] = deque(maxlen=window)
+
+    def set_global(self, norm: float, numel: int) -> None:
+        """The global state the next deltas apply to: its L2 norm and number of values."""
+        if self.global_ratio is None:
+            self._global_bound = None
+            return
+        scale = max(norm, GLOBAL_RMS_FLOOR * math.sqrt(max(numel, 1))) if math.isfinite(norm) else math.inf
+        self._global_bound = self.global_ratio * scale
 
     @property
     def norms(self) -> list[float]:
@@ -158,6 +222,12 @@ class NormGuard:
             raise DeltaRejected("norm", "the L2 norm overflows")
         if self.max_norm is not None and norm > self.max_norm:
             raise DeltaRejected("norm", f"L2 norm {norm:.6g} > max_delta_norm {self.max_norm:.6g}")
+        if self._global_bound is not None and norm > self._global_bound:
+            raise DeltaRejected(
+                "norm_global",
+                f"L2 norm {norm:.6g} > {self.global_ratio:g} x max(||global||, {GLOBAL_RMS_FLOOR} sqrt(n)) = "
+                f"{self._global_bound:.6g}",
+            )
         if self.ratio is not None:
             med = self.median()
             if med is not None and norm > self.ratio * med:
