@@ -41,6 +41,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
+from diloco_lightning import faults
 from diloco_lightning.fileio import atomic_write_bytes, sweep_temporaries, temp_prefix
 from diloco_lightning.hub.base import (
     DeltaExistsError,
@@ -169,6 +170,7 @@ class FileHub(Hub):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            faults.point("hub.placing")
             try:
                 os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
             except FileExistsError:
