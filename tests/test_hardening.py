@@ -29,10 +29,7 @@ os.environ.setdefault("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
 
 from diloco_lightning.deltafile import (  # noqa: E402
     HeaderError,
-    SizeError,
     model_fingerprint,
-    read_delta,
-    read_delta_header,
     write_delta,
 )
 from diloco_lightning.fileio import owner_tag  # noqa: E402
@@ -638,3 +635,23 @@ def test_kill_9_litter_is_swept_but_live_files_are_kept(tmp_path):
         m2.stop()
     assert not dead_spool[0].exists()
     assert not [p for p in spool.iterdir() if p.name.startswith("diloco-")]  # and its own went with a clean exit
+
+
+def test_hf_cache_downloads_of_dead_processes_are_swept(tmp_path):
+    with FakeHubServer() as server:
+        from diloco_lightning.hub.hf import HFHub
+
+        hub = HFHub(REPO, endpoint=server.endpoint, token=TOKEN, cache_dir=tmp_path / "c", max_retries=0)
+        dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True).stdout.strip()
+        import re as _re
+        import socket
+
+        host = _re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+        dead = tmp_path / "c" / "nodes" / "w0" / f".delta_3.safetensors.dl-{host}-{dead_pid}-x.part"
+        mine = tmp_path / "c" / "nodes" / "w0" / f".delta_4.safetensors.{owner_tag()}y.part"
+        for f in (dead, mine):
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_bytes(b"half a download")
+        assert hub.sweep(3600.0) == [str(dead)]
+        assert mine.exists() and not dead.exists()
