@@ -310,6 +310,12 @@ def test_urls_and_options(store, proxy, tmp_path):
         open_hub("gs://bucket/x")
 
 
+def test_without_boto3_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 now raises ImportError
+    with pytest.raises(HubError, match=r"pip install 'diloco-lightning\[s3\]'"):
+        open_hub("s3://bkt/x")
+
+
 def test_missing_bucket_is_not_found(proxy, tmp_path):
     with pytest.raises(HubNotFoundError, match="does not exist"):
         open_hub("s3://no-such-bucket-here/x", endpoint_url=proxy.endpoint, addressing_style="path", cache_dir=tmp_path)
