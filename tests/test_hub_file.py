@@ -206,7 +206,7 @@ def test_open_hub_paths_and_urls(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "url,needle",
     [
-        ("s3://bucket/x", "unsupported URL scheme"),
+        ("gs://bucket/x", "unsupported URL scheme"),
         ("http://example.com/hub", "unsupported URL scheme"),
         ("ftp://host/x", "unsupported URL scheme"),
         ("file://otherhost/tmp/hub", "names host"),
