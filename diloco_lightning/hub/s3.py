@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import inspect
 import logging
 import os
@@ -74,6 +75,7 @@ from diloco_lightning.hub.base import (
     DeltaRef,
     Hub,
     HubError,
+    HubFileTooLargeError,
     HubNotFoundError,
     LeaseConflictError,
     PublishConflictError,
@@ -186,14 +188,14 @@ class S3Hub(Hub):
     def list_deltas(self, after: Mapping[str, int] | None = None) -> list[DeltaRef]:
         after = after or {}
         out: list[DeltaRef] = []
-        for path, size, _ in self.store.list(NODES_DIR, recursive=True):
+        for path, size, etag in self.store.list(NODES_DIR, recursive=True):
             ident = parse_delta_path(path)
             if ident is None:
                 if parse_init_path(path) is None:
                     self._warn_once(path, "ignoring %s on %s: not a delta path", path, self.url)
                 continue
             if ident.local_step > after.get(ident.node_id, -1):
-                out.append(DeltaRef(ident.node_id, ident.local_step, path, size))
+                out.append(DeltaRef(ident.node_id, ident.local_step, path, size, etag))
         out.sort()
         return out
 
@@ -211,14 +213,16 @@ class S3Hub(Hub):
 
     # ------------------------------------------------------------------ reading
 
-    def download(self, hub_path: str) -> Path:
+    def download(self, hub_path: str, *, max_bytes: int | None = None) -> Path:
         hub_path = validate_hub_path(hub_path)
         dest = self.cache_dir / hub_path
         mutable = hub_path in RESERVED_GLOBAL_PATHS or parse_init_path(hub_path) is not None
         if not mutable and dest.is_file():
+            if max_bytes is not None and dest.stat().st_size > max_bytes:
+                raise HubFileTooLargeError(f"{hub_path} on {self.url} is more than the {max_bytes} bytes allowed")
             return dest  # hub files are immutable and cached copies complete (atomic rename)
         try:
-            self.store.fetch(hub_path, dest)
+            self.store.fetch(hub_path, dest, max_bytes)
         except Missing:
             raise HubNotFoundError(f"{hub_path} not found on {self.url}") from None
         return dest
@@ -235,8 +239,12 @@ class S3Hub(Hub):
     def _manifest(self, data: bytes) -> Manifest:
         return Manifest.from_json(data, source=f"{self.url}/{MANIFEST_PATH}")
 
-    def read_manifest(self) -> Manifest | None:
+    def read_manifest_bytes(self) -> bytes | None:
         data, _ = self.store.read_small(MANIFEST_PATH)
+        return data
+
+    def read_manifest(self) -> Manifest | None:
+        data = self.read_manifest_bytes()
         return None if data is None else self._manifest(data)
 
     # ------------------------------------------------------------------ publishing
@@ -251,9 +259,11 @@ class S3Hub(Hub):
         *,
         expected_outer_step: int | None,
         delete: Iterable[str] = (),
+        expected_digest: str | None = None,
     ) -> None:
         files, delete = check_publication(
-            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url
+            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
+            expected_digest=expected_digest,
         )
         delete = list(dict.fromkeys(delete))
         data = manifest.to_json().encode()
@@ -263,9 +273,13 @@ class S3Hub(Hub):
                      self.url)
             self._delete_after_swap(delete)
             return
-        found = None if current is None else self._manifest(current).outer_step
-        if found != expected_outer_step:
-            raise PublishConflictError(expected_outer_step, found)
+        if expected_digest is not None:  # replacing a manifest that is malformed or not authentic
+            if current is None or hashlib.sha256(current).hexdigest() != expected_digest:
+                raise PublishConflictError(expected_outer_step, None, "the manifest being replaced changed")
+        else:
+            found = None if current is None else self._manifest(current).outer_step
+            if found != expected_outer_step:
+                raise PublishConflictError(expected_outer_step, found)
         present = self._global_paths()
         missing = [p for p in manifest.files() if p not in files and p not in present]
         if missing:
@@ -290,7 +304,10 @@ class S3Hub(Hub):
             try:
                 self.store.cas_put(MANIFEST_PATH, data, etag)
             except Precondition as e:
-                now = None if e.current is None else self._manifest(e.current)
+                try:
+                    now = None if e.current is None else self._manifest(e.current)
+                except ManifestError:
+                    now = None
                 if now is not None:  # a later version may name what landed here (an answer lost, then superseded)
                     written = [p for p in written if p not in set(now.files())]
                 raise PublishConflictError(expected_outer_step, None if now is None else now.outer_step) from None
@@ -335,7 +352,7 @@ class S3Hub(Hub):
     # ------------------------------------------------------------------ lease
 
     def _lease(self, data: bytes | None) -> Lease | None:
-        return None if not data else Lease.from_json(data, source=f"{self.url}/{LEASE_PATH}")
+        return None if not data else Lease.from_hub_bytes(data, source=f"{self.url}/{LEASE_PATH}")
 
     def read_lease(self) -> Lease | None:
         data, _ = self.store.read_small(LEASE_PATH)

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_lightning.fileio import atomic_path
-from diloco_lightning.hub.base import HubAuthError, HubError, HubNotFoundError
+from diloco_lightning.hub.base import HubAuthError, HubError, HubFileTooLargeError, HubNotFoundError
 from diloco_lightning.hub.hf import HubUnavailableError  # one "kept failing after retries" error for every remote hub
 
 log = logging.getLogger(__name__)
@@ -510,17 +510,24 @@ class S3Store:
                 raise HubError(f"list {folder}/ on {self.url}: a truncated page without a continuation token")
             kw["ContinuationToken"] = page["NextContinuationToken"]
 
-    def fetch(self, path: str, dest: Path) -> None:
-        """Stream ``path`` into ``dest`` (temporary file + ``os.replace``, length checked); retried."""
+    def fetch(self, path: str, dest: Path, max_bytes: int | None = None) -> None:
+        """Stream ``path`` into ``dest`` (temporary file + ``os.replace``, length checked); retried.
+        A file larger than ``max_bytes`` is refused before its body is read (``HubFileTooLargeError``)."""
 
         def get() -> None:
             r = self.client.get_object(Bucket=self.bucket, Key=self.key(path))
             expected, n = r.get("ContentLength"), 0
+            if max_bytes is not None and expected is not None and int(expected) > max_bytes:
+                with contextlib.suppress(Exception):
+                    r["Body"].close()
+                raise HubFileTooLargeError(f"{path} is {expected} bytes, more than the {max_bytes} allowed (not downloaded)")
             with contextlib.closing(r["Body"]) as body, atomic_path(dest) as tmp:
                 with open(tmp, "wb") as f:
                     while chunk := body.read(_CHUNK):
-                        f.write(chunk)
                         n += len(chunk)
+                        if max_bytes is not None and n > max_bytes:
+                            raise HubFileTooLargeError(f"{path} is more than the {max_bytes} bytes allowed (download stopped)")
+                        f.write(chunk)
                 if expected is not None and n != int(expected):
                     raise _Transient(f"download of {path} truncated: {n} of {expected} bytes")
 
