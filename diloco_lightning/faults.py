@@ -8,9 +8,13 @@ Nothing happens unless a test asked for it, in one of two ways:
   stdout/stderr) the n-th time (default 1) it reaches ``label``. This is how subprocess
   tests crash a worker or a master at an exact point.
 * :func:`set_hook`: a callable receiving every label reached in this process (for
-  in-process tests that raise at a point).
+  in-process tests that raise at a point), or :func:`install` to hook the points of one
+  object only (one master or one hub among several in a test process).
 
-Labels (each documented where it is used): ``worker.exported`` (a boundary's pseudo-gradient
+Labels (each documented where it is used): the master's round ``listed``, ``downloaded``,
+``stepped``, ``staged``, ``published``, ``saved``, ``swapped``; a hub's publication
+``file:<hub path>``, ``files``, ``locked``, ``manifest`` (``committed`` on the Hugging Face
+Hub), ``delete:<hub path>``, ``deleted``; ``worker.exported`` (a boundary's pseudo-gradient
 was taken, nothing sent yet), ``worker.uploading`` (the delta file is written, the upload
 starts), ``worker.uploaded`` (the hub holds the delta; the worker has not recorded it yet, and
 no checkpoint after it was written), ``hub.placing`` (the folder hub has copied a file to a
@@ -23,14 +27,16 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
-__all__ = ["ENV", "point", "set_hook"]
+__all__ = ["ENV", "install", "point", "set_hook"]
 
 ENV = "DILOCO_FAULTS"
 
 _lock = threading.Lock()
 _hook: Callable[[str], None] | None = None
+_owned: "weakref.WeakKeyDictionary[Any, Callable[[str], None]]" = weakref.WeakKeyDictionary()
 _plan: dict[str, int] | None = None
 _seen: dict[str, int] = {}
 
@@ -49,11 +55,23 @@ def set_hook(hook: Callable[[str], None] | None) -> None:
     _hook = hook
 
 
-def point(label: str) -> None:
+def install(owner: Any, hook: Callable[[str], None] | None) -> None:
+    """Call ``hook(label)`` at the points ``owner`` reaches (None: stop)."""
+    if hook is None:
+        _owned.pop(owner, None)
+    else:
+        _owned[owner] = hook
+
+
+def point(label: str, owner: Any = None) -> None:
     """A crash point (see the module docstring); free when no test asked for one."""
     global _plan
     if _hook is not None:
         _hook(label)
+    if owner is not None and _owned:
+        hook = _owned.get(owner)
+        if hook is not None:
+            hook(label)
     if _plan is None:
         _plan = _parse(os.environ.get(ENV, ""))
     if not _plan or label not in _plan:

@@ -27,6 +27,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
 
+from diloco_lightning import faults  # noqa: E402
 from diloco_lightning.deltafile import (  # noqa: E402
     HeaderError,
     model_fingerprint,
@@ -541,7 +542,7 @@ def test_a_node_folder_swapped_for_a_symlink_never_loses_an_outside_file(tmp_pat
             shutil.rmtree(node)
             node.symlink_to(outside, target_is_directory=True)
 
-    hub.fault = swap
+    faults.install(hub, swap)
     assert m.sync_once()
     assert (outside / "delta_0.safetensors").read_bytes() == b"the user's own file"
     # and a worker cannot be made to write through one either

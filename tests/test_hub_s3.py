@@ -32,6 +32,7 @@ moto_server = pytest.importorskip("moto.server")
 from s3_proxy import S3Proxy  # noqa: E402
 
 import diloco_lightning  # noqa: E402
+from diloco_lightning import faults  # noqa: E402
 from diloco_lightning.deltafile import read_delta, write_delta  # noqa: E402
 from diloco_lightning.fileio import sha256_file  # noqa: E402
 from diloco_lightning.globals import load_global, load_outer_state, stage_global  # noqa: E402
@@ -241,7 +242,8 @@ if kill_at is not None:
         seen.append(at)
         if len(seen) - 1 == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-    hub.fault = fault
+    from diloco_lightning import faults
+    faults.install(hub, fault)
 manifest = Manifest.from_json(open(args["manifest"]).read())
 try:
     hub.publish(manifest, args["files"], expected_outer_step=args["expected"], delete=args.get("delete", []))
@@ -650,10 +652,10 @@ def test_publication_refuses_files_collected_before_the_swap(store, hub, make_hu
         if at == "files":  # another process collects what it sees as orphans
             other.delete([p for p in other.list_global() if p not in m0.files() and p != "global/manifest.json"])
 
-    hub.fault = collect
+    faults.install(hub, collect)
     with pytest.raises(HubError, match="vanished"):
         hub.publish(s1.manifest(), s1.files, expected_outer_step=0)
-    hub.fault = None
+    faults.install(hub, None)
     assert hub.read_manifest() == m0 and hub.list_global() == sorted(["global/manifest.json", *s0.files])
     hub.publish(s1.manifest(), s1.files, expected_outer_step=0)
     assert hub.read_manifest().outer_step == 1
@@ -675,7 +677,7 @@ def _crash_scenario(make_hub, tmp_path: Path, name: str, hub: S3Hub | None = Non
 def _labels(make_hub, tmp_path: Path) -> list[str]:
     hub, s0, s1, m1, dels = _crash_scenario(make_hub, tmp_path, "labels")
     seen: list[str] = []
-    hub.fault = seen.append
+    faults.install(hub, seen.append)
     hub.publish(m1, s1.files, expected_outer_step=0, delete=dels)
     assert seen == [*(f"file:{p}" for p in s1.files), "files", "locked", "manifest", *(f"delete:{p}" for p in dels), "deleted"]
     return seen
@@ -714,7 +716,7 @@ def test_crash_at_every_point_raising(hub, store, make_hub, tmp_path):
     for i, label in enumerate(labels):
         for key in store.keys("raise/"):
             store.client.delete_object(Bucket=store.bucket, Key=key)
-        crashing.fault = None
+        faults.install(crashing, None)
         _, s0, s1, m1, dels = _crash_scenario(make_hub, tmp_path, f"raise{i}", hub=crashing)
         seen: list[str] = []
 
@@ -723,7 +725,7 @@ def test_crash_at_every_point_raising(hub, store, make_hub, tmp_path):
             if len(seen) - 1 == i:
                 raise _Crash(at)
 
-        crashing.fault = fault
+        faults.install(crashing, fault)
         with pytest.raises(_Crash):
             crashing.publish(m1, s1.files, expected_outer_step=0, delete=dels)
         after_swap = i >= labels.index("manifest")

@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
 
+from diloco_lightning import faults  # noqa: E402
 from diloco_lightning.deltafile import model_fingerprint, write_delta  # noqa: E402
 from diloco_lightning.globals import load_global, load_outer_state  # noqa: E402
 from diloco_lightning.hub.base import DeltaRef  # noqa: E402
@@ -472,7 +473,7 @@ def test_snapshot_answers_while_a_download_stalls(fhubs, tmp_path):
 
 def test_streaming_holds_one_delta_at_a_time(fhubs, tmp_path, monkeypatch):
     """The round reads deltas one by one and folds them into one FP32 sum."""
-    import diloco_lightning.master.loop as loop
+    import diloco_lightning.master.validation as loop  # where the master reads deltas
 
     hub = fhubs.open()
     w = Workers(hub, tmp_path)
@@ -564,7 +565,7 @@ def test_background_loop_logs_and_retries(fhubs, tmp_path, caplog):
             fails[0] -= 1
             raise OSError("disk full")
 
-    hub.fault = fault
+    faults.install(hub, fault)
     with caplog.at_level(logging.ERROR, logger="diloco_lightning.master.loop"):
         m.start()
         deadline = time.monotonic() + 10
@@ -618,7 +619,9 @@ def test_failure_rolls_back_then_applies_exactly_once(fhubs, tmp_path, point):
             armed[0] = False
             raise OSError(f"injected failure at {point}")
 
-    hub.fault = m.fault = fault
+    faults.install(hub, fault)
+
+    faults.install(m, fault)
     for i, batch in enumerate(batches):
         for node, step, seed in batch:
             w.put(node, step, base=m.outer_step, tensors=_rand(seed))
@@ -650,7 +653,7 @@ def test_local_state_saved_after_publication_and_reconciled(fhubs, tmp_path):
     assert sorted(p.name for p in m.node_state_dir.iterdir()) == sorted(
         ["master.json", m.state_path.name, m.outer_state_path.name])
     # the hub moves on without this master's local state (e.g. killed before its local save)
-    m.fault = lambda label: (_ for _ in ()).throw(OSError("killed")) if label == "published" else None
+    faults.install(m, lambda label: (_ for _ in ()).throw(OSError("killed")) if label == "published" else None)
     w.put("a", 1, base=1, value=1)
     with pytest.raises(OSError):
         m.sync_once()
@@ -726,10 +729,10 @@ def test_publication_cas_between_masters_without_lease(fhubs, tmp_path):
 
     def race(label):  # m2 publishes b/0 while m1 is between its step and its publication
         if label == "stepped":
-            m1.fault = None
+            faults.install(m1, None)
             assert m2.sync_once()
 
-    m1.fault = race
+    faults.install(m1, race)
     assert m1.sync_once() is False  # its publication over version 1 is refused
     assert m1.last_metrics["conflict"] and m1.outer_step == 1
     drain(m1)
@@ -945,10 +948,10 @@ def test_orphans_and_stragglers_are_collected(fhubs, tmp_path):
     assert not orphan.exists() and not straggler.exists()
     # a straggler left by a crash between the manifest swap and the deletions
     w.put("a", 1, base=1)
-    hub.fault = lambda label: (_ for _ in ()).throw(OSError("crash")) if label == "manifest" else None
+    faults.install(hub, lambda label: (_ for _ in ()).throw(OSError("crash")) if label == "manifest" else None)
     with pytest.raises(OSError):
         m.sync_once()
-    hub.fault = None
+    faults.install(hub, None)
     assert (Path(hub.root) / "nodes/a/delta_1.safetensors").exists() and hub.read_manifest().ledger["a"] == 1
     w.put("b", 1, base=2)
     assert m.sync_once()
@@ -1059,13 +1062,15 @@ def test_cli_subprocess_drains_on_sigterm(tmp_path):
 
 
 def test_arrival_order_keeps_each_nodes_upload_order_and_cap_is_fair():
+    from diloco_lightning.master.aggregation import arrival_order, cap_round_robin
+
     def ref(node, step):
         return DeltaRef(node, step, f"nodes/{node}/delta_{step}.safetensors", 1)
 
     items = [(ref("a", 0), None, 2), (ref("a", 1), None, 1), (ref("b", 0), None, 0), (ref("c", 0), None, 1)]
-    order = [(r.node_id, r.local_step) for r, _, _ in MasterOuterLoop._arrival_order(items)]
+    order = [(r.node_id, r.local_step) for r, _, _ in arrival_order(items)]
     # oldest anchor first, but a/1 never overtakes a/0 (the ledger is a per-node high-water mark)
     assert order == [("b", 0), ("c", 0), ("a", 0), ("a", 1)]
     refs = [ref("a", i) for i in range(10)] + [ref("b", 0), ref("c", 0), ref("c", 1)]
-    capped = MasterOuterLoop._cap(refs, 5)
+    capped = cap_round_robin(refs, 5)
     assert [(r.node_id, r.local_step) for r in capped] == [("a", 0), ("a", 1), ("b", 0), ("c", 0), ("c", 1)]

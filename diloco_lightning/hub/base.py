@@ -265,6 +265,16 @@ class Hub(abc.ABC):
     def download_delta(self, ref: DeltaRef) -> Path:
         return self.download(ref.path)
 
+    def release(self, local_path: str | os.PathLike) -> None:
+        """A copy :meth:`download` returned is no longer needed: remote transports remove it from
+        their cache (the folder hub returns files in place and keeps them)."""
+        try:
+            p = Path(local_path).resolve()
+            if p.is_relative_to(Path(self.cache_dir).resolve()):
+                p.unlink(missing_ok=True)
+        except OSError:
+            pass
+
     def sweep(self, max_age: float) -> list[str]:
         """Remove what dead writers left behind (temporary files of interrupted uploads and
         downloads): files whose owner process is known to be dead, or older than ``max_age``

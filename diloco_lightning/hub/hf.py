@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_lightning.fileio import temp_prefix
+from diloco_lightning import faults
 from diloco_lightning.hub.base import (
     DeltaExistsError,
     DeltaRef,
@@ -358,11 +359,6 @@ class HFHub(Hub):
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._plain_transient = _plain_transient_types()
-        #: test hook, as ``FileHub.fault``: ``publish`` calls it with "files" then "locked" right before
-        #: its commit (uploads prepared, CAS checked) and with "committed", "manifest", "deleted" right
-        #: after it (the one commit swapped the manifest and deleted the old files; the last two are
-        #: FileHub's names for those steps); raising from it simulates a crash there.
-        self.fault: Callable[[str], None] | None = None
         if create:
             self._call("create the repository", self._api.create_repo, self.repo_id, private=private, exist_ok=True)
         else:
@@ -475,8 +471,7 @@ class HFHub(Hub):
         return hf_hub_url(self.repo_id, hub_path, revision=revision, endpoint=self.endpoint)
 
     def _fault(self, label: str) -> None:
-        if self.fault is not None:
-            self.fault(label)
+        faults.point(label, self)  # crash points for tests (diloco_lightning.faults)
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         with self._lock:

@@ -39,7 +39,7 @@ import secrets
 import shutil
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 from diloco_lightning import faults
 from diloco_lightning.fileio import atomic_write_bytes, sweep_temporaries, temp_prefix
@@ -93,12 +93,6 @@ class FileHub(Hub):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(self.url)
         self._warned: set[str] = set()
         self._warned_lock = threading.Lock()
-        #: test hook: called with a label between the writes of a publication, in this order:
-        #: "file:<hub path>" after each uploaded file, "files" after all of them, "locked" once the
-        #: lock is held (before the compare), "manifest" after the manifest swap (lock still held),
-        #: "delete:<hub path>" after each deletion, "deleted" at the end. Raising from it (or
-        #: killing the process) simulates a crash at that point.
-        self.fault: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -106,8 +100,7 @@ class FileHub(Hub):
         return self.root / validate_hub_path(hub_path)
 
     def _fault(self, label: str) -> None:
-        if self.fault is not None:
-            self.fault(label)
+        faults.point(label, self)  # crash points for tests (diloco_lightning.faults)
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         with self._warned_lock:
@@ -303,6 +296,9 @@ class FileHub(Hub):
             if size > max_bytes:
                 raise HubFileTooLargeError(f"{hub_path} on {self.url} is {size} bytes, more than the {max_bytes} allowed")
         return p
+
+    def release(self, local_path: str | os.PathLike) -> None:
+        """Downloads are the hub's own files, returned in place: nothing to release."""
 
     def read_manifest_bytes(self) -> bytes | None:
         try:

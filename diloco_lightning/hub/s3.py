@@ -66,10 +66,11 @@ import inspect
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from diloco_lightning import faults
 from diloco_lightning.hub.base import (
     DeltaExistsError,
     DeltaRef,
@@ -150,17 +151,11 @@ class S3Hub(Hub):
         )
         self._warned: set[str] = set()
         self._warned_lock = threading.Lock()
-        #: test hook, as ``FileHub.fault``: ``publish`` calls it with "file:<hub path>" after each uploaded
-        #: file, "files" after all of them, "locked" right before the checks that precede the manifest swap,
-        #: "manifest" after the swap, "delete:<hub path>" after each deletion and "deleted" at the end.
-        #: Raising from it (or killing the process) simulates a crash at that point.
-        self.fault: Callable[[str], None] | None = None
         if check_conditional_writes:
             self.store.check_conditional_writes(GLOBAL_DIR)
 
     def _fault(self, label: str) -> None:
-        if self.fault is not None:
-            self.fault(label)
+        faults.point(label, self)  # crash points for tests (diloco_lightning.faults)
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         with self._warned_lock:

@@ -60,17 +60,38 @@ previous one would have.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
-from typing import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
+
+from diloco_lightning.deltafile import (
+    Delta,
+    DeltaFileError,
+    max_delta_bytes,
+    max_header_bytes,
+    read_delta,
+    read_delta_header,
+    synced_keys,
+)
+from diloco_lightning.signing import RunKey
+
+if TYPE_CHECKING:  # pragma: no cover
+    from diloco_lightning.master.config import MasterConfig
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "REASONS",
     "GLOBAL_RMS_FLOOR",
+    "Accepted",
     "DeltaRejected",
+    "DeltaValidator",
     "NormGuard",
     "delta_norm",
     "state_norm",
@@ -244,3 +265,115 @@ class NormGuard:
     def load(self, norms: Iterable[float]) -> None:
         self._norms.clear()
         self.extend(norms)
+
+
+@dataclass
+class Accepted:
+    """A delta that passed every check, as a round needs it (no tensors)."""
+
+    ref: Any  # the hub's DeltaRef: node_id, local_step, path, size, version
+    staleness: int
+    gate: float
+    weight: float
+    norm: float
+
+    @property
+    def ident(self) -> str:
+        return f"{self.ref.node_id}/{self.ref.local_step}"
+
+
+class DeltaValidator:
+    """Every check a delta passes before it may touch the global state (the module docstring's
+    table, in that order), against the global state it would be applied to.
+
+    Owns the norm bounds (:class:`NormGuard`, whose window of accepted norms is part of the
+    published optimizer state: :meth:`state_dict` / :meth:`load_state_dict`).
+    """
+
+    def __init__(self, config: "MasterConfig", signing_key: RunKey | None) -> None:
+        self.config = config
+        self.signing_key = signing_key
+        self.norms = NormGuard(config.max_delta_norm, config.norm_ratio, config.norm_window, config.norm_min_history,
+                               config.norm_global_ratio)
+        self._global_for: tuple[int, int] | None = None  # (id of the state, outer_step) the global bound is for
+        self._limits: tuple[str, int, int] | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"norms": self.norms.norms}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        self.norms.load((state or {}).get("norms") or [])
+
+    # ------------------------------------------------------------------ limits
+
+    def size_limits(self, state: Mapping[str, torch.Tensor], fingerprint: str) -> tuple[int, int]:
+        """(max file bytes, max header bytes) of an honest delta of the model ``state`` is."""
+        if self._limits is None or self._limits[0] != fingerprint:
+            self._limits = (fingerprint, max_delta_bytes(state), max_header_bytes(len(synced_keys(state))))
+        return self._limits[1], self._limits[2]
+
+    def header_base(self, path: Path, state: Mapping[str, torch.Tensor], fingerprint: str) -> int:
+        """The header's ``base_outer_step`` (arrival mode sorts by it), or -1 if the header is bad
+        (the delta is then rejected with the reader's reason when its turn comes)."""
+        try:
+            return read_delta_header(path, max_header=self.size_limits(state, fingerprint)[1]).base_outer_step
+        except DeltaFileError:
+            return -1
+
+    # ------------------------------------------------------------------ checks
+
+    def check(
+        self,
+        ref: Any,
+        path: Path,
+        *,
+        state: Mapping[str, torch.Tensor],
+        fingerprint: str,
+        outer_step: int,
+        gate: Callable[[int], float],
+    ) -> tuple[Delta, Accepted]:
+        """Validate the downloaded delta ``path`` (hub path ``ref.path``) against ``state`` at
+        ``outer_step``: ``(Delta, Accepted)``, or raises ``DeltaRejected`` / ``DeltaFileError``
+        (each with its ``reason``). Any other error from the file's content is a rejection too
+        (``invalid``): one delta's content can never make a round fail."""
+        try:
+            return self._check(ref, path, state, fingerprint, outer_step, gate)
+        except (DeltaRejected, DeltaFileError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a last line of defence: one delta never fails a round
+            log.exception("unexpected error while checking %s", ref.path)
+            raise DeltaRejected("invalid", f"{type(e).__name__}: {str(e)[:300]}") from None
+
+    def _check(self, ref, path, state, fingerprint, outer_step, gate) -> tuple[Delta, Accepted]:
+        max_bytes, max_header = self.size_limits(state, fingerprint)
+        header = read_delta_header(path, max_header=max_header)
+        if header.node_id != ref.node_id or header.local_step != ref.local_step:
+            raise DeltaRejected(
+                "path_mismatch",
+                f"header says {header.node_id}/{header.local_step}, the hub path {ref.node_id}/{ref.local_step}",
+            )
+        tau = outer_step - header.base_outer_step
+        g = float(gate(tau)) if tau >= 0 else 0.0
+        check_staleness(tau, max_staleness=self.config.max_staleness, gate=g)
+        weight = 1.0
+        if self.config.weighting == "tokens":
+            if not header.num_tokens:
+                raise DeltaRejected("num_tokens", "weighting='tokens' needs a positive num_tokens in the header")
+            weight = float(header.num_tokens)
+        delta = read_delta(
+            path,
+            reference=state,
+            hub_path=ref.path,
+            expected_fingerprint=fingerprint,
+            signing_key=self.signing_key,
+            check_finite=False,  # the norm below is NaN/inf exactly when a value is
+            max_file_bytes=max_bytes,
+        )
+        norm = delta_norm(delta.tensors)
+        if self._global_for != (id(state), outer_step):  # the global-relative bound: once per version
+            self.norms.set_global(*state_norm(state))
+            self._global_for = (id(state), outer_step)
+        self.norms.check(norm, delta.tensors)
+        return delta, Accepted(ref, tau, g, weight, norm)
