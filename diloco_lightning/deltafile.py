@@ -30,7 +30,7 @@ from diloco_lightning.names import (
 )
 from diloco_lightning.signing import RunKey
 from diloco_lightning.statefile import tensors_for_save
-from diloco_lightning.stheader import LayoutError, OversizeError, read_layout, read_tensor
+from diloco_lightning.stheader import LayoutError, OversizeError, map_tensors, read_layout, read_tensor
 
 FORMAT = "diloco-delta/1"
 DELTA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -371,6 +371,7 @@ def read_delta(
     check_finite: bool = True,
     clone: bool = True,
     max_file_bytes: int | None = None,
+    copy: bool = True,
 ) -> Delta:
     """Read and validate a delta file, checking everything it can before reading tensor data.
 
@@ -390,9 +391,12 @@ def read_delta(
     6. the fingerprint (``FingerprintMismatchError``);
     7. NaN/inf (``NonFiniteError``) when ``check_finite``.
 
-    Tensors are read from the one open file into memory the process owns (never memory
-    mapped), so a reader's memory is at most the honest size of a delta, and a file
-    replaced or truncated meanwhile cannot change what was checked.
+    Tensors come from the one open file whose layout was checked. With ``copy`` (the default)
+    they are read into memory the process owns: a reader's memory is at most the honest size of
+    a delta, and a file rewritten or truncated meanwhile cannot change what was checked (nor
+    crash the reader). ``copy=False`` maps the file instead (no copy, the speed of the page
+    cache): right for a file no one else can write (a remote hub's download in this process's
+    cache) or whose bytes need no authentication.
 
     Args:
         path: the local file.
@@ -407,8 +411,9 @@ def read_delta(
         signing_key: when given (a signed run), the header must carry a valid
             ``signature`` (``SignatureError``); see :mod:`diloco_lightning.signing`.
         check_finite: reject NaN/inf values (``NonFiniteError``).
-        clone: kept for compatibility: tensors are always the caller's own memory.
+        clone: kept for compatibility (see ``copy``).
         max_file_bytes: refuse larger files (default: :func:`max_delta_bytes` of ``reference``).
+        copy: read the tensors into owned memory (True) or map the file (False); see above.
     """
     del clone
     path_str = str(path)
@@ -426,11 +431,11 @@ def read_delta(
         raise UnreadableDeltaError(path, f"cannot open ({type(e).__name__}: {e.strerror or e})") from None
     with f:
         return _read_open_delta(f, path, path_str, want, reference, max_header, max_file_bytes, hub_path,
-                                expected_fingerprint, signing_key, check_finite)
+                                expected_fingerprint, signing_key, check_finite, copy)
 
 
 def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_bytes, hub_path,
-                     expected_fingerprint, signing_key, check_finite) -> Delta:
+                     expected_fingerprint, signing_key, check_finite, copy) -> Delta:
     layout = _layout(f, path, max_header=max_header, max_file=max_file_bytes)
     raw_md = layout.metadata
     header = _parse_header(path, raw_md)
@@ -482,10 +487,14 @@ def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_by
         mac = signing_key.start_message(raw_md)
     tensors: dict[str, torch.Tensor] = {}
     nbytes = 0
+    try:
+        mapped = None if copy else map_tensors(f, layout)
+    except (OSError, ValueError) as e:
+        raise UnreadableDeltaError(path, f"cannot map the file ({type(e).__name__}: {e})") from None
     for name in names:
         info = layout.tensors[name]
         try:
-            t = read_tensor(f, info)
+            t = read_tensor(f, info) if mapped is None else mapped[name]
         except (OSError, LayoutError) as e:
             raise UnreadableDeltaError(path, f"cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
         if mac is not None:

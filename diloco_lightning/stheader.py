@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ __all__ = [
     "read_layout",
     "iter_tensor_bytes",
     "read_tensor",
+    "map_tensors",
     "torch_dtype",
     "MAX_RANK",
     "MAX_DIM",
@@ -202,6 +204,32 @@ def read_tensor(f: BinaryIO, info: TensorInfo):
                 raise LayoutError(f"file ended inside tensor {info.name[:80]!r} (changed while it was read?)")
             got += n
     return t
+
+
+def map_tensors(f: BinaryIO, layout: Layout) -> dict:
+    """Every tensor of ``layout`` as a view into one private, copy-on-write memory map of the
+    open file ``f`` (the inode whose layout was checked, whatever happens to the path): no copy,
+    pages read as they are used. Unlike :func:`read_tensor`, a file rewritten in place or
+    truncated by another process while the views live shows through (or, truncated, faults):
+    use it only for files no one else writes, or whose bytes need no authentication."""
+    import torch
+
+    if layout.file_size == 0:
+        return {}
+    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    if len(mm) != layout.file_size:
+        mm.close()
+        raise LayoutError("the file changed size since its layout was read")
+    out = {}
+    for name, info in layout.tensors.items():
+        dtype = torch_dtype(info.dtype)
+        if dtype is None:
+            raise LayoutError(f"tensor {name[:80]!r}: dtype {info.dtype} is not supported by this torch")
+        if info.numel == 0:
+            out[name] = torch.empty(info.shape, dtype=dtype)
+        else:
+            out[name] = torch.frombuffer(mm, dtype=dtype, count=info.numel, offset=info.start).reshape(info.shape)
+    return out
 
 
 def iter_tensor_bytes(f: BinaryIO, info: TensorInfo, chunk: int = _READ_CHUNK) -> Iterator[bytes]:

@@ -166,6 +166,9 @@ class Hub(abc.ABC):
     url: str
     #: local folder for downloads; files inside are named by their hub path
     cache_dir: Path
+    #: whether what :meth:`download` returns is this process's own copy (a remote hub's cache),
+    #: which no other writer can change while it is read; the folder hub returns files in place
+    private_downloads: bool = True
 
     # ------------------------------------------------------------------ workers
 

@@ -79,6 +79,8 @@ _LOCK_NAME = ".lock"
 class FileHub(Hub):
     """A hub in a folder. See the module docstring for the guarantees."""
 
+    private_downloads = False  # files are returned in place: any writer of the folder can change them
+
     def __init__(self, root: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, create: bool = True) -> None:
         root = Path(root).expanduser()
         if not root.is_absolute():
@@ -150,19 +152,34 @@ class FileHub(Hub):
                     out.seek(sent)
                     shutil.copyfileobj(inp, out, 8 << 20)
 
-    def _place_new(self, src: str | os.PathLike, hub_path: str) -> bool:
+    def _place_new(self, src: str | os.PathLike, hub_path: str, *, link: bool = False) -> bool:
         """Copy ``src`` to ``hub_path`` if nothing is there; atomic, never overwrites, never through
-        a symbolic link. False if ``hub_path`` existed."""
+        a symbolic link. False if ``hub_path`` existed. ``link``: hard-link ``src`` instead of
+        copying it when both are on one filesystem (``src`` must then never change again)."""
         *folders, name = hub_path.split("/")
         dfd = self._open_dir(folders, create=True)
         tmp = f"{temp_prefix(name)}{secrets.token_hex(4)}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
-            try:
-                self._copy_into(src, fd)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            linked = False
+            if link:
+                try:
+                    os.link(src, tmp, dst_dir_fd=dfd, follow_symlinks=False)
+                    linked = True
+                    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+                    try:
+                        os.fsync(fd)  # durable before the manifest names it, as a copy would be
+                    finally:
+                        os.close(fd)
+                except OSError as e:  # another filesystem, or no hard links: copy
+                    if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                        raise
+            if not linked:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
+                try:
+                    self._copy_into(src, fd)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             faults.point("hub.placing")
             try:
                 os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
@@ -329,7 +346,8 @@ class FileHub(Hub):
         ok = False
         try:
             for hub_path, src in files.items():
-                if not self._place_new(src, hub_path):
+                # the master's staged files never change: linked, not copied, when they can be
+                if not self._place_new(src, hub_path, link=True):
                     raise HubError(f"{hub_path} already exists on {self.url}; global file names must be unique")
                 written.append(hub_path)
                 self._fault(f"file:{hub_path}")

@@ -57,10 +57,12 @@ class RoundSum:
 
     Args:
         like: the global state: one buffer per floating (complex) key, allocated at the first delta.
+        storage: tensors of those shapes (FP32, complex64) to hold the sum instead.
     """
 
-    def __init__(self, like: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, like: Mapping[str, torch.Tensor], storage: Mapping[str, torch.Tensor] | None = None) -> None:
         self._like = like
+        self._storage = storage  # tensors to hold the sum (reused memory), else allocated at the first delta
         self.sum: dict[str, torch.Tensor] | None = None
         self.scale = 1.0
         self.total_weight = 0.0
@@ -85,8 +87,10 @@ class RoundSum:
         c = w * coef
         first = self.sum is None
         if first:
+            storage, self._storage = self._storage, None
             self.sum = {
-                k: torch.empty(v.shape, dtype=torch.complex64 if v.is_complex() else torch.float32)
+                k: storage[k] if storage is not None else
+                torch.empty(v.shape, dtype=torch.complex64 if v.is_complex() else torch.float32)
                 for k, v in self._like.items()
                 if _is_synced(v)
             }

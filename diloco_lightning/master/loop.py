@@ -98,7 +98,7 @@ from diloco_lightning.master.lease import LeaseKeeper, default_holder
 from diloco_lightning.master.metrics import MetricsSink, RoundMetrics
 from diloco_lightning.master.publication import LeaseLost, Publisher
 from diloco_lightning.master.runstate import RunState, check_state, cpu_clone
-from diloco_lightning.master.validation import Accepted, DeltaRejected, DeltaValidator, max_abs
+from diloco_lightning.master.validation import Accepted, DeltaRejected, DeltaValidator, max_abs, state_norm
 from diloco_lightning.names import MANIFEST_PATH, parse_delta_path
 from diloco_lightning.signing import RunKey, load_run_key
 
@@ -220,7 +220,7 @@ class MasterOuterLoop:
         # the parts (each owns its state; see docs/design.md for the map)
         self.run = RunState(self.config, self.hub, self.node_state_dir, key)
         self.intake = Intake(self.hub, self.config)
-        self.validator = DeltaValidator(self.config, key)
+        self.validator = DeltaValidator(self.config, key, self.hub.private_downloads)
         self.publisher = Publisher(self.hub, self.config, self.node_state_dir, key, self.holder, self._lease, owner=self)
 
         self._round_lock = threading.RLock()  # one round at a time
@@ -521,7 +521,7 @@ class MasterOuterLoop:
     def _round(self, m: RoundMetrics, force: bool) -> None:
         run = self.run
         if self._open is None or self._open.outer_step != run.outer_step:
-            self._open = OpenRound(run.outer_step, RoundSum(run.state))
+            self._open = OpenRound(run.outer_step, RoundSum(run.state, run.take_sum_storage()))
         rnd = self._open
         max_bytes, _ = self._limits()
         refs = self.intake.list_new(self._marks(), max_bytes, m)
@@ -674,8 +674,10 @@ class MasterOuterLoop:
                 for a in accepted:
                     self.intake.refuse(a.ref, "too_stale", "the optimizer gated the whole step to 0", m)
                 return False
-            bad = next((k for k, t in buf.items() if is_synced(t) and not math.isfinite(max_abs(t))), None)
-            if bad is not None:
+            # one pass: the new state is finite (its L2 norm is) and the norm bounds the next deltas
+            norm, numel = state_norm(buf)
+            if not math.isfinite(norm):
+                bad = next((k for k, t in buf.items() if is_synced(t) and not math.isfinite(max_abs(t))), "?")
                 run.give_back(buf)
                 run.restore_optimizer(backup)
                 self._refuse_round(accepted, f"the outer step made key {bad!r} of the state non-finite", m)
@@ -699,6 +701,7 @@ class MasterOuterLoop:
             raise
         run.committed(buf, new_step, new_ledger, manifest, record)
         self.validator.load_state_dict(payload)
+        self.validator.note_global(buf, new_step, norm, numel)
         self.intake.published(new_ledger)
         faults.point("swapped", self)
         m.published += 1

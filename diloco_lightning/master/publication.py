@@ -105,7 +105,8 @@ class Publisher:
         docstring. Nothing changes in ``run``: the caller swaps the version in."""
         if self.lease is not None and not self.lease.ensure_fresh():
             raise LeaseLost()
-        payload = {"optimizer": run.opt.state_dict(), "master": dict(master_payload)}
+        # the live buffers, not copies: they are written out before the optimizer steps again
+        payload = {"optimizer": run.opt.state_dict(copy=False), "master": dict(master_payload)}
         staged = stage_version(self.node_state_dir, new_step, buf, payload)
         del payload
         faults.point("staged", self.owner)

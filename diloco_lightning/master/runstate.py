@@ -80,6 +80,7 @@ class RunState:
         #: the optimizer state file of the version we hold (a rollback reloads it)
         self.committed_outer_file: Path | None = None
         self._spare: dict[str, torch.Tensor] | None = None
+        self._recycled: dict[str, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ the one place state changes
 
@@ -111,7 +112,9 @@ class RunState:
         self.hub_manifest = manifest
         with self.lock:
             if buf is not self.state:
-                self.state, self._spare = buf, self.state
+                # the old state's memory becomes the next round's FP32 sum (take_sum_storage), not a
+                # second state buffer: a round peaks at state + optimizer buffers + sum + one delta
+                self.state, self._spare, self._recycled = buf, None, self.state
             self.outer_step = outer_step
             self.ledger = dict(ledger)
             self.manifest = manifest
@@ -140,6 +143,24 @@ class RunState:
             spare[k].copy_(v)
         self._spare = None
         return spare
+
+    def take_sum_storage(self) -> dict[str, torch.Tensor] | None:
+        """The previous state's tensors, to hold the next round's FP32 sum (None unless every
+        floating key of it is FP32 / complex64 of the current shapes): memory reused, not faulted
+        in afresh each round."""
+        old, self._recycled = self._recycled, None
+        if old is None or self.state is None:
+            return None
+        out = {}
+        for k, v in self.state.items():
+            if not is_synced(v):
+                continue
+            t = old.get(k)
+            want = torch.complex64 if v.is_complex() else torch.float32
+            if t is None or t.dtype != want or t.shape != v.shape or not t.is_contiguous():
+                return None
+            out[k] = t
+        return out
 
     def give_back(self, buf: dict[str, torch.Tensor]) -> None:
         """A working buffer that was not published (kept for the next round)."""

@@ -290,9 +290,10 @@ class DeltaValidator:
     published optimizer state: :meth:`state_dict` / :meth:`load_state_dict`).
     """
 
-    def __init__(self, config: "MasterConfig", signing_key: RunKey | None) -> None:
+    def __init__(self, config: "MasterConfig", signing_key: RunKey | None, private_downloads: bool = True) -> None:
         self.config = config
         self.signing_key = signing_key
+        self.private_downloads = private_downloads
         self.norms = NormGuard(config.max_delta_norm, config.norm_ratio, config.norm_window, config.norm_min_history,
                                config.norm_global_ratio)
         self._global_for: tuple[int, int] | None = None  # (id of the state, outer_step) the global bound is for
@@ -305,6 +306,12 @@ class DeltaValidator:
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         self.norms.load((state or {}).get("norms") or [])
+
+    def note_global(self, state: Mapping[str, torch.Tensor], outer_step: int, norm: float, numel: int) -> None:
+        """The norm of the state about to become ``outer_step`` (computed anyway by its finite
+        check): the global-relative bound of the next deltas needs no pass of its own."""
+        self.norms.set_global(norm, numel)
+        self._global_for = (id(state), outer_step)
 
     # ------------------------------------------------------------------ limits
 
@@ -370,6 +377,8 @@ class DeltaValidator:
             signing_key=self.signing_key,
             check_finite=False,  # the norm below is NaN/inf exactly when a value is
             max_file_bytes=max_bytes,
+            # mapped, not copied, unless a signature must hold for bytes someone else can rewrite
+            copy=self.signing_key is not None and not self.private_downloads,
         )
         norm = delta_norm(delta.tensors)
         if self._global_for != (id(state), outer_step):  # the global-relative bound: once per version

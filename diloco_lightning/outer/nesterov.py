@@ -116,8 +116,8 @@ class NesterovOuterOptimizer(_NesterovBase):
         check_staleness(staleness)
         return 1.0
 
-    def state_dict(self) -> dict[str, Any]:
-        return {key: buf.clone() for key, buf in self._buffers["momentum"].items()}
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        return {key: buf.clone() if copy else buf for key, buf in self._buffers["momentum"].items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping):
