@@ -145,7 +145,11 @@ class MasterConf:
     max_wait: Optional[float] = opt(None, "seconds after the first pending delta before applying below the quorum")
     max_staleness: Optional[int] = opt(None, "reject deltas staler than this (null: only the optimizer's gate decides)")
     max_delta_norm: Optional[float] = opt(None, "reject a delta whose L2 norm exceeds this")
+    norm_global_ratio: Optional[float] = opt(
+        100.0, "reject a delta whose norm exceeds this x max(||global||, 0.01 sqrt(n)), from the first one (null: off)"
+    )
     norm_ratio: Optional[float] = opt(10.0, "reject a delta above this x the median norm of recent ones (null: off)")
+    sweep_age: float = opt(3600.0, "seconds after which temporary files of dead writers on other hosts are swept")
     download_workers: int = opt(4, "parallel delta downloads")
     keep_globals: int = opt(20, "older global versions kept on the hub (lockstep with delay d needs d + 2)")
     lease: bool = opt(True, "one master at a time: a second one stands by")
@@ -313,6 +317,9 @@ def validate_master_section(m: DictConfig, prefix: str = "master.") -> None:
            f"must be > 0, got {m.max_delta_norm}")
     _check(m.norm_ratio is None or (_number(m.norm_ratio) and m.norm_ratio > 1), f"{prefix}norm_ratio",
            f"must be > 1 (or null: off), got {m.norm_ratio}")
+    _check(m.norm_global_ratio is None or (_number(m.norm_global_ratio) and m.norm_global_ratio > 0),
+           f"{prefix}norm_global_ratio", f"must be > 0 (or null: off), got {m.norm_global_ratio}")
+    _check(_number(m.sweep_age) and m.sweep_age > 0, f"{prefix}sweep_age", f"must be > 0, got {m.sweep_age}")
     _check(m.download_workers >= 1, f"{prefix}download_workers", f"must be >= 1, got {m.download_workers}")
     _check(m.keep_globals >= 1, f"{prefix}keep_globals", f"must be >= 1, got {m.keep_globals}")
     _check(m.lease_ttl is None or (_number(m.lease_ttl) and m.lease_ttl > 0), f"{prefix}lease_ttl", f"must be > 0, got {m.lease_ttl}")

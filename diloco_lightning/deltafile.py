@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from diloco_lightning.fileio import atomic_write
@@ -31,10 +30,18 @@ from diloco_lightning.names import (
 )
 from diloco_lightning.signing import RunKey
 from diloco_lightning.statefile import tensors_for_save
+from diloco_lightning.stheader import LayoutError, OversizeError, map_tensors, read_layout, read_tensor
 
 FORMAT = "diloco-delta/1"
 DELTA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMPLEX_DELTA_DTYPES = (torch.complex64,)
+#: the most tokens one delta may claim (``num_tokens``): 10**15, a thousand times the tokens of
+#: today's largest training runs. It keeps ``weighting="tokens"`` far from float overflow.
+MAX_NUM_TOKENS = 10**15
+#: header budget of a delta: a fixed part plus a generous share per tensor (an honest header
+#: holds about 100 bytes per tensor, plus the signature and fingerprint)
+HEADER_BYTES_BASE = 64 << 10
+HEADER_BYTES_PER_TENSOR = 1 << 10
 
 __all__ = [
     "FORMAT",
@@ -53,6 +60,10 @@ __all__ = [
     "NonFiniteError",
     "FingerprintMismatchError",
     "SignatureError",
+    "SizeError",
+    "MAX_NUM_TOKENS",
+    "max_header_bytes",
+    "max_delta_bytes",
     "is_synced",
     "synced_keys",
     "model_fingerprint",
@@ -122,6 +133,12 @@ class FingerprintMismatchError(DeltaFileError):
 
 class SignatureError(DeltaFileError):
     reason = "signature"
+
+
+class SizeError(DeltaFileError):
+    """The file (or its header) is larger than a delta of this model can honestly be."""
+
+    reason = "size"
 
 
 # ----------------------------------------------------------------------------- keys and fingerprint
@@ -221,14 +238,16 @@ def _parse_header(path: str | Path, md: Mapping[str, str] | None) -> DeltaHeader
         raise HeaderError(path, f"header 'local_step': {e}") from None
     try:
         base = parse_local_step(md["base_outer_step"])
-    except InvalidNameError:
-        raise HeaderError(path, f"header 'base_outer_step' is {md['base_outer_step']!r}, expected a non-negative integer") from None
+    except InvalidNameError as e:
+        raise HeaderError(path, f"header 'base_outer_step': {e}") from None
     num_tokens = None
     if md.get("num_tokens") not in (None, ""):
         try:
             num_tokens = parse_local_step(md["num_tokens"])
-        except InvalidNameError:
-            raise HeaderError(path, f"header 'num_tokens' is {md['num_tokens']!r}, expected a non-negative integer") from None
+        except InvalidNameError as e:
+            raise HeaderError(path, f"header 'num_tokens': {e}") from None
+        if num_tokens > MAX_NUM_TOKENS:
+            raise HeaderError(path, f"header 'num_tokens' is {num_tokens}, above the bound {MAX_NUM_TOKENS} (10**15)")
     fp = md.get("model_fingerprint") or None
     if fp is not None and (len(fp) != 64 or any(c not in "0123456789abcdef" for c in fp)):
         raise HeaderError(path, f"header 'model_fingerprint' is not a SHA-256 hex digest: {fp!r}")
@@ -262,6 +281,8 @@ def write_delta(
     validate_local_step(base_outer_step)
     if num_tokens is not None:
         validate_local_step(num_tokens)
+        if num_tokens > MAX_NUM_TOKENS:
+            raise ValueError(f"num_tokens {num_tokens} is above the bound {MAX_NUM_TOKENS}")
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if t.dtype not in DELTA_DTYPES + COMPLEX_DELTA_DTYPES:
@@ -288,16 +309,6 @@ def write_delta(
 # ----------------------------------------------------------------------------- read
 
 
-def read_delta_header(path: str | Path) -> DeltaHeader:
-    """Parse and check the header only (no tensor is read)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            md = f.metadata()
-    except Exception as e:  # safetensors raises several types for truncated/garbage files
-        raise UnreadableDeltaError(path, f"cannot open as safetensors ({type(e).__name__}: {e})") from None
-    return _parse_header(path, md)
-
-
 _ST_DTYPES = {
     "F32": torch.float32,
     "BF16": torch.bfloat16,
@@ -320,6 +331,36 @@ def _stored_dtype(code: str) -> str:
     return code
 
 
+def max_header_bytes(num_tensors: int) -> int:
+    """The largest header an honest delta of ``num_tensors`` tensors may have."""
+    return HEADER_BYTES_BASE + HEADER_BYTES_PER_TENSOR * max(0, num_tensors)
+
+
+def max_delta_bytes(reference: Mapping[str, torch.Tensor]) -> int:
+    """The largest file an honest delta of ``reference`` can be: every synced key in FP32
+    (complex64 for complex keys), the widest dtype a delta may use, plus the header budget.
+    A listing that reports more is refused before anything is downloaded."""
+    keys = synced_keys(reference)
+    data = sum(reference[k].numel() * (8 if reference[k].is_complex() else 4) for k in keys)
+    return 8 + max_header_bytes(len(keys)) + data
+
+
+def _layout(source, path: str | Path, *, max_header: int, max_file: int | None):
+    try:
+        return read_layout(source, max_header_bytes=max_header, max_file_bytes=max_file)
+    except OversizeError as e:
+        raise SizeError(path, str(e)) from None
+    except LayoutError as e:
+        raise UnreadableDeltaError(path, f"not a safetensors file: {e}") from None
+    except OSError as e:
+        raise UnreadableDeltaError(path, f"cannot open ({type(e).__name__}: {e.strerror or e})") from None
+
+
+def read_delta_header(path: str | Path, *, max_header: int = 100 << 20) -> DeltaHeader:
+    """Parse and check the header only (no tensor byte is read; the file's layout is checked)."""
+    return _parse_header(path, _layout(path, path, max_header=max_header, max_file=None).metadata)
+
+
 def read_delta(
     path: str | Path,
     *,
@@ -329,20 +370,33 @@ def read_delta(
     signing_key: RunKey | None = None,
     check_finite: bool = True,
     clone: bool = True,
+    max_file_bytes: int | None = None,
+    copy: bool = True,
 ) -> Delta:
-    """Read and validate a delta file.
+    """Read and validate a delta file, checking everything it can before reading tensor data.
 
     Checks, in this order (the first failing one is raised):
 
-    1. the file opens as safetensors (``UnreadableDeltaError``: missing, truncated, garbage);
+    1. the file's layout (``UnreadableDeltaError``: missing, truncated, garbage, offsets that
+       do not tile the data; ``SizeError``: a file above ``max_file_bytes`` (default, with a
+       ``reference``: :func:`max_delta_bytes`) or a header above the honest budget);
     2. the header (``FormatError``, ``HeaderError``, ``NodeIdError``);
     3. header ``node_id``/``local_step`` against the hub path (``PathMismatchError``);
-    4. in a signed run, the signature over the file's metadata and tensors
-       (``SignatureError``: missing, malformed, wrong key, altered file);
-    5. the fingerprint (``FingerprintMismatchError``);
-    6. the tensor names against ``reference`` (``MissingKeyError``, ``ExtraKeyError``);
-    7. per tensor: shape (``ShapeMismatchError``), dtype (``DtypeError``),
-       NaN/inf (``NonFiniteError``).
+    4. the tensor names against ``reference`` (``MissingKeyError``, ``ExtraKeyError``), then per
+       tensor shape (``ShapeMismatchError``) and dtype (``DtypeError``): all from the header,
+       so a file holding anything but what a delta of this model holds is refused unread;
+    5. in a signed run, the signature (``SignatureError``: missing, malformed, wrong key,
+       altered file), computed over the bytes as they are read: the tensors are returned
+       only if it matches, and the file is read exactly once;
+    6. the fingerprint (``FingerprintMismatchError``);
+    7. NaN/inf (``NonFiniteError``) when ``check_finite``.
+
+    Tensors come from the one open file whose layout was checked. With ``copy`` (the default)
+    they are read into memory the process owns: a reader's memory is at most the honest size of
+    a delta, and a file rewritten or truncated meanwhile cannot change what was checked (nor
+    crash the reader). ``copy=False`` maps the file instead (no copy, the speed of the page
+    cache): right for a file no one else can write (a remote hub's download in this process's
+    cache) or whose bytes need no authentication.
 
     Args:
         path: the local file.
@@ -357,85 +411,105 @@ def read_delta(
         signing_key: when given (a signed run), the header must carry a valid
             ``signature`` (``SignatureError``); see :mod:`diloco_lightning.signing`.
         check_finite: reject NaN/inf values (``NonFiniteError``).
-        clone: copy tensors out of the file (needed when they must outlive it);
-            ``False`` is for a reader that consumes them at once.
+        clone: kept for compatibility (see ``copy``).
+        max_file_bytes: refuse larger files (default: :func:`max_delta_bytes` of ``reference``).
+        copy: read the tensors into owned memory (True) or map the file (False); see above.
     """
+    del clone
     path_str = str(path)
+    if reference is not None:
+        want = synced_keys(reference)
+        max_header = max_header_bytes(len(want))
+        if max_file_bytes is None:
+            max_file_bytes = max_delta_bytes(reference)
+    else:
+        want = None
+        max_header = 100 << 20
     try:
-        f_ctx = safe_open(path_str, framework="pt")
-    except Exception as e:  # safetensors raises several types for missing/truncated/garbage files
-        raise UnreadableDeltaError(path, f"cannot open as safetensors ({type(e).__name__}: {e})") from None
-    with f_ctx as f:
-        raw_md = dict(f.metadata() or {})
-        header = _parse_header(path, raw_md)
-        ident = None
-        if hub_path is not None:
-            ident = parse_delta_path(hub_path)
-            if ident is None:
-                raise PathMismatchError(path, f"hub path {hub_path!r} is not nodes/<node_id>/delta_<step>.safetensors")
+        f = open(path_str, "rb")  # one open file for the checks and the read: what is checked is what is read
+    except OSError as e:
+        raise UnreadableDeltaError(path, f"cannot open ({type(e).__name__}: {e.strerror or e})") from None
+    with f:
+        return _read_open_delta(f, path, path_str, want, reference, max_header, max_file_bytes, hub_path,
+                                expected_fingerprint, signing_key, check_finite, copy)
+
+
+def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_bytes, hub_path,
+                     expected_fingerprint, signing_key, check_finite, copy) -> Delta:
+    layout = _layout(f, path, max_header=max_header, max_file=max_file_bytes)
+    raw_md = layout.metadata
+    header = _parse_header(path, raw_md)
+    ident = None
+    if hub_path is not None:
+        ident = parse_delta_path(hub_path)
+        if ident is None:
+            raise PathMismatchError(path, f"hub path {hub_path!r} is not nodes/<node_id>/delta_<step>.safetensors")
+    else:
+        parts = Path(path_str).parts
+        if len(parts) >= 3:
+            ident = parse_delta_path("/".join(parts[-3:]))
+    if ident is not None:
+        if header.node_id != ident.node_id:
+            raise PathMismatchError(path, f"header node_id {header.node_id!r} != path node_id {ident.node_id!r}")
+        if header.local_step != ident.local_step:
+            raise PathMismatchError(path, f"header local_step {header.local_step} != path local_step {ident.local_step}")
+
+    names = sorted(layout.tensors)
+    if want is not None:
+        missing = sorted(set(want).difference(names))
+        if missing:
+            raise MissingKeyError(path, f"missing key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        extra = sorted(set(names).difference(want))
+        if extra:
+            shown = [n[:80] for n in extra[:5]]
+            raise ExtraKeyError(path, f"unexpected key(s) {shown}{' ...' if len(extra) > 5 else ''}")
+    for name in names:
+        info = layout.tensors[name]
+        if reference is not None and tuple(reference[name].shape) != info.shape:
+            raise ShapeMismatchError(
+                path, f"key {name!r} has shape {list(info.shape)}, global state has {list(reference[name].shape)}"
+            )
+        if reference is None:
+            allowed = DELTA_DTYPES + COMPLEX_DELTA_DTYPES
         else:
-            parts = Path(path_str).parts
-            if len(parts) >= 3:
-                ident = parse_delta_path("/".join(parts[-3:]))
-        if ident is not None:
-            if header.node_id != ident.node_id:
-                raise PathMismatchError(path, f"header node_id {header.node_id!r} != path node_id {ident.node_id!r}")
-            if header.local_step != ident.local_step:
-                raise PathMismatchError(path, f"header local_step {header.local_step} != path local_step {ident.local_step}")
-
-        def load(name: str) -> torch.Tensor:
-            try:
-                return f.get_tensor(name)
-            except Exception as e:
-                raise UnreadableDeltaError(path, f"cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
-
-        names = sorted(f.keys())
-        loaded: dict[str, torch.Tensor] = {}
-        if signing_key is not None:
-            # authenticity first: an unsigned or altered file is rejected as such, whatever it holds
-            if "signature" not in raw_md:
-                raise SignatureError(path, "the run is signed but this delta carries no signature")
-            loaded = {name: load(name) for name in names}
-            if not signing_key.verify(raw_md["signature"], raw_md, loaded):
-                raise SignatureError(path, "signature does not match (wrong run key, or the file was altered)")
-        if expected_fingerprint is not None and header.model_fingerprint is not None:
-            if header.model_fingerprint != expected_fingerprint:
-                raise FingerprintMismatchError(
-                    path, f"model_fingerprint {header.model_fingerprint[:12]}... != global {expected_fingerprint[:12]}..."
-                )
-        if reference is not None:
-            want = set(synced_keys(reference))
-            missing = sorted(want.difference(names))
-            if missing:
-                raise MissingKeyError(path, f"missing key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-            extra = sorted(set(names).difference(want))
-            if extra:
-                raise ExtraKeyError(path, f"unexpected key(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
-        tensors: dict[str, torch.Tensor] = {}
-        nbytes = 0
+            allowed = COMPLEX_DELTA_DTYPES if reference[name].is_complex() else DELTA_DTYPES
+        if _ST_DTYPES.get(info.dtype) not in allowed:
+            raise DtypeError(
+                path,
+                f"key {name[:80]!r} has dtype {_stored_dtype(info.dtype)}, "
+                f"expected one of {[str(d).removeprefix('torch.') for d in allowed]}",
+            )
+    mac = None
+    if signing_key is not None:
+        # authenticity next: an unsigned file is rejected as such before a tensor byte is read
+        if "signature" not in raw_md:
+            raise SignatureError(path, "the run is signed but this delta carries no signature")
+        mac = signing_key.start_message(raw_md)
+    tensors: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    try:
+        mapped = None if copy else map_tensors(f, layout)
+    except (OSError, ValueError) as e:
+        raise UnreadableDeltaError(path, f"cannot map the file ({type(e).__name__}: {e})") from None
+    for name in names:
+        info = layout.tensors[name]
+        try:
+            t = read_tensor(f, info) if mapped is None else mapped[name]
+        except (OSError, LayoutError) as e:
+            raise UnreadableDeltaError(path, f"cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
+        if mac is not None:
+            signing_key.add_tensor(mac, name, t)
+        nbytes += info.nbytes
+        tensors[name] = t
+    if mac is not None and not signing_key.finish_verify(mac, raw_md["signature"]):
+        raise SignatureError(path, "signature does not match (wrong run key, or the file was altered)")
+    if expected_fingerprint is not None and header.model_fingerprint is not None:
+        if header.model_fingerprint != expected_fingerprint:
+            raise FingerprintMismatchError(
+                path, f"model_fingerprint {header.model_fingerprint[:12]}... != global {expected_fingerprint[:12]}..."
+            )
+    if check_finite:
         for name in names:
-            sl = f.get_slice(name)
-            shape = tuple(sl.get_shape())
-            if reference is not None and tuple(reference[name].shape) != shape:
-                raise ShapeMismatchError(
-                    path, f"key {name!r} has shape {list(shape)}, global state has {list(reference[name].shape)}"
-                )
-            if reference is None:
-                allowed = DELTA_DTYPES + COMPLEX_DELTA_DTYPES
-            else:
-                allowed = COMPLEX_DELTA_DTYPES if reference[name].is_complex() else DELTA_DTYPES
-            dtype = _ST_DTYPES.get(sl.get_dtype())
-            if dtype not in allowed:  # checked before the tensor is materialised
-                raise DtypeError(
-                    path,
-                    f"key {name!r} has dtype {_stored_dtype(sl.get_dtype())}, "
-                    f"expected one of {[str(d).removeprefix('torch.') for d in allowed]}",
-                )
-            t = loaded.pop(name) if name in loaded else load(name)
-            if check_finite and not bool(torch.isfinite(t).all()):
+            if not bool(torch.isfinite(tensors[name]).all()):
                 raise NonFiniteError(path, f"key {name!r} contains NaN or inf")
-            if clone:
-                t = t.clone()
-            nbytes += t.numel() * t.element_size()
-            tensors[name] = t
     return Delta(header=header, tensors=tensors, path=path_str, nbytes=nbytes)

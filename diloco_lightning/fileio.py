@@ -4,6 +4,12 @@ Every file this package writes goes through :func:`atomic_write`: a temporary fi
 in the destination folder, fsync, ``os.replace``, fsync of the folder. A reader sees
 the old file or the new one, never a half-written one, and a file another process
 has memory-mapped is never rewritten in place (``os.replace`` makes a new inode).
+
+Temporary files and folders carry their owner in their name (:func:`owner_tag`:
+``dl-<host>-<pid>``), so what a killed process left behind can be swept
+(:func:`sweep_temporaries`) without ever touching a live writer's file: a temporary of
+this host whose process is gone is removed at once, one of another host (or of an old
+version, without a tag) only once it has not changed for ``max_age`` seconds.
 """
 
 from __future__ import annotations
@@ -11,10 +17,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
+import re
+import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 8 << 20
 
@@ -33,6 +46,91 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+_OWNED_RE = re.compile(r"dl-([A-Za-z0-9]{1,32})-([0-9]{1,10})-")
+
+
+def owner_tag() -> str:
+    """``dl-<host>-<pid>-``: put in temporary names so a sweeper can tell whose they are."""
+    return f"dl-{_HOST}-{os.getpid()}-"
+
+
+def temp_prefix(dest_name: str) -> str:
+    """The prefix of a temporary file for ``dest_name`` (hidden, owner-tagged)."""
+    return f".{dest_name}.{owner_tag()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def _dead_or_old(name: str, mtime: float, max_age: float, now: float) -> bool:
+    m = _OWNED_RE.search(name)
+    if m is not None and m.group(1) == _HOST:
+        return not _pid_alive(int(m.group(2)))  # this host: the process decides, whatever the age
+    return now - mtime > max_age
+
+
+def sweep_temporaries(folder: str | os.PathLike, max_age: float, *, recursive: bool = False) -> list[str]:
+    """Remove temporary files (``.<name>...tmp`` / ``.part``) under ``folder`` whose owner is
+    dead or that are older than ``max_age`` seconds (see the module docstring). Symbolic links
+    are never followed. Returns the removed paths."""
+    removed: list[str] = []
+    now = time.time()
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        if not recursive:
+            dirs.clear()
+        for name in files:
+            if not (name.startswith(".") and (name.endswith(".tmp") or name.endswith(".part"))):
+                continue
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+                if _dead_or_old(name, st.st_mtime, max_age, now):
+                    os.unlink(path)
+                    removed.append(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.debug("could not sweep %s: %s", path, e)
+    return removed
+
+
+def make_owned_dir(parent: str | os.PathLike | None, prefix: str) -> str:
+    """A fresh folder ``<parent>/<prefix>dl-<host>-<pid>-XXXX`` (``tempfile.mkdtemp``)."""
+    return tempfile.mkdtemp(prefix=prefix + owner_tag(), dir=parent)
+
+
+def sweep_owned_dirs(parent: str | os.PathLike | None, prefix: str, max_age: float) -> list[str]:
+    """Remove folders made by :func:`make_owned_dir` (or older untagged ones starting with
+    ``prefix``) whose owner is dead, or unchanged for ``max_age`` seconds."""
+    parent = parent if parent is not None else tempfile.gettempdir()
+    removed: list[str] = []
+    now = time.time()
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for e in entries:
+        if not e.name.startswith(prefix):
+            continue
+        try:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+            if _dead_or_old(e.name, e.stat(follow_symlinks=False).st_mtime, max_age, now):
+                shutil.rmtree(e.path, ignore_errors=True)
+                removed.append(e.path)
+        except OSError:
+            continue
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``dest``; on success fsync it and ``os.replace`` it onto ``dest``.
@@ -41,7 +139,7 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(dest.name), suffix=".tmp", dir=dest.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:

@@ -26,7 +26,9 @@ from diloco_lightning.fileio import sha256_file
 from diloco_lightning.hub.base import Hub, HubError, HubNotFoundError
 from diloco_lightning.manifest import Manifest
 from diloco_lightning.names import global_outer_state_path, global_weights_path
+from diloco_lightning.signing import RunKey
 from diloco_lightning.statefile import (
+    DigestMismatchError,
     StateFileError,
     load_state_file,
     load_weights_file,
@@ -38,7 +40,11 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "GlobalIntegrityError",
+    "UnauthenticatedVersionError",
     "NothingPublishedError",
+    "verify_manifest",
+    "read_verified_manifest",
+    "load_weights_at",
     "StagedGlobal",
     "stage_global",
     "load_global",
@@ -59,6 +65,35 @@ class GlobalIntegrityError(HubError):
 
 class NothingPublishedError(HubNotFoundError):
     """The hub has no manifest yet: no global version was ever published."""
+
+
+class UnauthenticatedVersionError(HubError):
+    """In a signed run, a published manifest without the run key's valid signature."""
+
+    def __init__(self, hub_url: str, manifest: Manifest, detail: str) -> None:
+        self.outer_step = manifest.outer_step
+        super().__init__(
+            f"refusing global version {manifest.outer_step} on {hub_url}: {detail} (the run is signed: only a master "
+            "holding the run key can publish; someone else wrote global/manifest.json)"
+        )
+
+
+def verify_manifest(manifest: Manifest, signing_key: RunKey | None, hub_url: str) -> Manifest:
+    """``manifest`` if the run is unsigned or it carries the run key's signature, else raise
+    :class:`UnauthenticatedVersionError` naming it."""
+    if signing_key is None:
+        return manifest
+    if manifest.signature is None:
+        raise UnauthenticatedVersionError(hub_url, manifest, "it carries no signature")
+    if not manifest.verify(signing_key):
+        raise UnauthenticatedVersionError(hub_url, manifest, "its signature does not match the run key")
+    return manifest
+
+
+def read_verified_manifest(hub: Hub, signing_key: RunKey | None) -> Manifest | None:
+    """``hub.read_manifest()`` checked with :func:`verify_manifest` (None: nothing published)."""
+    m = hub.read_manifest()
+    return None if m is None else verify_manifest(m, signing_key, hub.url)
 
 
 @dataclass
@@ -129,32 +164,48 @@ class _Vanished(Exception):
         self.error = error
 
 
-def _fetch_verified(hub: Hub, hub_path: str, sha256: str | None, verify: bool) -> Path:
+def _load_verified(hub: Hub, hub_path: str, sha256: str | None, verify: bool, reader):
+    """Download ``hub_path`` and read it with ``reader(local, expect_sha256)`` (one open file:
+    the digest checked is that of the bytes loaded)."""
     try:
         local = hub.download(hub_path)
     except HubNotFoundError as e:
         raise _Vanished(e) from None
-    if verify and sha256 is not None:
-        try:
-            got = sha256_file(local)
-        except FileNotFoundError:
-            raise _Vanished(HubNotFoundError(f"{hub_path} vanished from {hub.url} while it was read")) from None
-        if got != sha256:
-            raise GlobalIntegrityError(hub_path, local, f"SHA-256 is {got}, the manifest says {sha256}")
-    return local
-
-
-def _read(hub: Hub, hub_path: str, local: Path, reader):
     try:
-        return reader(local)
+        return reader(local, sha256 if verify else None), local
+    except FileNotFoundError:
+        raise _Vanished(HubNotFoundError(f"{hub_path} vanished from {hub.url} while it was read")) from None
+    except DigestMismatchError as e:
+        raise GlobalIntegrityError(hub_path, local, f"{e.detail}, as the manifest promises") from None
     except StateFileError as e:
         if not local.exists():
             raise _Vanished(HubNotFoundError(f"{hub_path} vanished from {hub.url} while it was read")) from None
         raise GlobalIntegrityError(hub_path, local, str(e)) from None
 
 
+def load_weights_at(
+    hub: Hub, hub_path: str, sha256: str | None, fingerprint: str | None, *, verify: bool = True
+) -> dict[str, torch.Tensor]:
+    """The weights file ``hub_path``, checked against ``sha256`` and the model ``fingerprint``
+    (each when given and ``verify``). Raises ``HubNotFoundError`` if it is gone."""
+    try:
+        (state, _), local = _load_verified(hub, hub_path, sha256, verify, load_weights_file)
+    except _Vanished as v:
+        raise v.error from None
+    if verify and fingerprint is not None:
+        fp = model_fingerprint(state)
+        if fp != fingerprint:
+            raise GlobalIntegrityError(hub_path, local, f"model fingerprint is {fp}, the manifest says {fingerprint}")
+    return state
+
+
 def load_global(
-    hub: Hub, manifest: Manifest | None = None, *, verify: bool = True, attempts: int = 3
+    hub: Hub,
+    manifest: Manifest | None = None,
+    *,
+    verify: bool = True,
+    attempts: int = 3,
+    signing_key: RunKey | None = None,
 ) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """The manifest and the global weights it names (CPU tensors that own their memory).
 
@@ -162,6 +213,7 @@ def load_global(
     garbage-collected while being read (a newer version was published meanwhile) the
     manifest is read again, up to ``attempts`` times. With ``verify`` the file's SHA-256
     and the state's fingerprint must equal the manifest's (``GlobalIntegrityError``).
+    With ``signing_key`` the manifest must carry its signature (``UnauthenticatedVersionError``).
     Raises ``NothingPublishedError`` when nothing was ever published and
     ``HubNotFoundError`` when a given manifest's weights are gone.
     """
@@ -171,9 +223,9 @@ def load_global(
             manifest = hub.read_manifest()
             if manifest is None:
                 raise NothingPublishedError(f"nothing published on {hub.url} yet (no global/manifest.json)")
+        verify_manifest(manifest, signing_key, hub.url)
         try:
-            local = _fetch_verified(hub, manifest.weights, manifest.weights_sha256, verify)
-            state, _ = _read(hub, manifest.weights, local, load_weights_file)
+            (state, _), local = _load_verified(hub, manifest.weights, manifest.weights_sha256, verify, load_weights_file)
         except _Vanished as v:
             if not follow or attempt >= attempts:
                 raise v.error from None
@@ -189,16 +241,17 @@ def load_global(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def load_outer_state(hub: Hub, manifest: Manifest, *, verify: bool = True) -> Any | None:
+def load_outer_state(hub: Hub, manifest: Manifest, *, verify: bool = True, signing_key: RunKey | None = None) -> Any | None:
     """The outer optimizer's state dict published with ``manifest``, or None if it names none.
 
-    With ``verify`` (and a ``outer_state_sha256`` in the manifest) the file's SHA-256 must match.
+    With ``verify`` (and a ``outer_state_sha256`` in the manifest) the file's SHA-256 must match;
+    with ``signing_key`` the manifest must be signed with it.
     """
+    verify_manifest(manifest, signing_key, hub.url)
     if manifest.outer_state is None:
         return None
     try:
-        local = _fetch_verified(hub, manifest.outer_state, manifest.outer_state_sha256, verify)
-        state, _ = _read(hub, manifest.outer_state, local, load_state_file)
+        (state, _), _local = _load_verified(hub, manifest.outer_state, manifest.outer_state_sha256, verify, load_state_file)
     except _Vanished as v:
         raise v.error from None
     return state

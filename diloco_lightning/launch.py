@@ -321,9 +321,10 @@ def build_master(cfg: DictConfig, hub, *, on_round=None):
         hub, None, node_state_dir=str(run_dir(cfg) / "master"), poll_interval=m.poll_interval,
         outer_optimizer=cfg.outer.name, outer_options=outer_options(cfg), aggregation=m.aggregation,
         weighting=m.weighting, min_deltas=min_deltas, max_wait=m.max_wait, max_staleness=m.max_staleness,
-        max_delta_norm=m.max_delta_norm, norm_ratio=m.norm_ratio, download_workers=m.download_workers,
-        keep_globals=m.keep_globals, lease=m.lease, lease_ttl=m.lease_ttl, holder=m.holder,
-        metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"), logger=on_round, torch_threads=m.torch_threads,
+        max_delta_norm=m.max_delta_norm, norm_global_ratio=m.norm_global_ratio, norm_ratio=m.norm_ratio,
+        sweep_age=m.sweep_age, download_workers=m.download_workers, keep_globals=m.keep_globals, lease=m.lease,
+        lease_ttl=m.lease_ttl, holder=m.holder, metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"),
+        logger=on_round, torch_threads=m.torch_threads,
     )
 
 

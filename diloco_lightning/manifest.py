@@ -16,12 +16,20 @@ The manifest is the single source of truth for what the master has published:
   "history": [{"outer_step": 11, "weights": "...", "outer_state": "...",
                "weights_sha256": "<hex or null>", "outer_state_sha256": "<hex or null>"}],
   "master": {"holder": "host:pid:uuid", "epoch": 3},
-  "published_at": 1764430000.0
+  "published_at": 1764430000.0,
+  "signature": "<hex HMAC-SHA256, signed runs only>"
 }
 ```
 
-``ledger`` is the per-node high-water mark: every delta ``nodes/<n>/delta_<s>`` with
-``s <= ledger[n]`` has been processed (applied or rejected) and never will be again.
+In a signed run the master signs the manifest (``diloco_lightning.signing``, scheme
+``diloco-doc-sig/1``): the signature covers every entry, and through the SHA-256 digests
+the weights and optimizer state of the current and every kept older version. Readers
+holding the run key refuse an unsigned or badly signed manifest (:meth:`Manifest.verify`).
+
+``ledger`` is the per-node high-water mark of *accepted* deltas: every delta
+``nodes/<n>/delta_<s>`` with ``s <= ledger[n]`` is done with and never read again. Only a
+delta that passed every check (its signature too, in a signed run) moves it, so a file
+any hub writer drops under another node's name can never hide that node's work.
 ``history`` lists the older versions still kept on the hub (``keep_globals``).
 Every path a manifest names is checked to be a file directly under ``global/`` (and
 not ``global/manifest.json`` or ``global/lease.json``): nothing read from the hub is
@@ -32,13 +40,20 @@ published.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-from diloco_lightning.names import InvalidNameError, validate_global_data_path, validate_node_id
+from diloco_lightning.names import MAX_STEP, InvalidNameError, validate_global_data_path, validate_node_id
+
+if TYPE_CHECKING:  # pragma: no cover
+    from diloco_lightning.signing import RunKey
+
+log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "diloco-manifest/1"
 LEASE_FORMAT = "diloco-lease/1"
@@ -50,8 +65,9 @@ class ManifestError(ValueError):
 
 def _int(doc: dict, key: str, where: str) -> int:
     v = doc.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ManifestError(f"{where}: {key!r} must be a non-negative integer, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_STEP:
+        shown = repr(v) if not isinstance(v, (int, str)) or len(str(v)) <= 40 else f"{str(v)[:20]}... ({len(str(v))} characters)"
+        raise ManifestError(f"{where}: {key!r} must be an integer from 0 to {MAX_STEP}, got {shown}")
     return v
 
 
@@ -101,6 +117,7 @@ class Manifest:
     history: list[GlobalVersion] = field(default_factory=list)
     master: dict[str, Any] = field(default_factory=dict)
     published_at: float = 0.0
+    signature: str | None = None
 
     def files(self) -> list[str]:
         """Every hub path this manifest keeps alive (current and history)."""
@@ -111,9 +128,25 @@ class Manifest:
                 out.append(v.outer_state)
         return out
 
-    def to_json(self) -> str:
+    def to_doc(self) -> dict[str, Any]:
+        """The JSON document (the ``signature`` entry only when there is one)."""
         doc = asdict(self)
         doc["format"] = MANIFEST_FORMAT
+        if doc["signature"] is None:
+            del doc["signature"]
+        return doc
+
+    def signed(self, key: "RunKey") -> "Manifest":
+        """A copy carrying the run key's signature over every other entry."""
+        unsigned = replace(self, signature=None)
+        return replace(unsigned, signature=key.sign_document("manifest", unsigned.to_doc()))
+
+    def verify(self, key: "RunKey") -> bool:
+        """Whether the signature is the run key's over this manifest."""
+        return key.verify_document("manifest", self.to_doc())
+
+    def to_json(self) -> str:
+        doc = self.to_doc()
         try:
             return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
         except (TypeError, ValueError) as e:
@@ -170,6 +203,9 @@ class Manifest:
         fp = _sha(doc, "model_fingerprint", source)
         if doc.get("outer_state") is None and doc.get("outer_state_sha256") is not None:
             raise ManifestError(f"{source}: 'outer_state_sha256' given without 'outer_state'")
+        signature = doc.get("signature")
+        if signature is not None and not isinstance(signature, str):
+            raise ManifestError(f"{source}: 'signature' must be a string")
         return cls(
             outer_step=_int(doc, "outer_step", source),
             weights=_gpath(doc, "weights", source),
@@ -182,25 +218,58 @@ class Manifest:
             history=history,
             master=master,
             published_at=float(published_at),
+            signature=signature,
         )
 
 
 @dataclass(frozen=True)
 class Lease:
-    """Who may publish: ``holder`` until ``expires_at`` (unix seconds). ``epoch`` grows at each takeover."""
+    """Who may publish: ``holder`` until ``expires_at`` (unix seconds). ``epoch`` grows at each takeover.
+
+    ``unreadable`` is set (to the SHA-256 of the bytes) on the stand-in :meth:`from_hub_bytes`
+    returns for a lease file that is not a lease: expired, so a master takes it over by
+    compare-and-swap instead of being stopped by it. ``signature``: signed runs.
+    """
 
     holder: str
     epoch: int
     expires_at: float
     renewed_at: float = 0.0
+    signature: str | None = None
+    unreadable: str | None = None
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.expires_at
 
-    def to_json(self) -> str:
+    def to_doc(self) -> dict[str, Any]:
+        if self.unreadable is not None:
+            raise ManifestError("an unreadable lease cannot be written")
         doc = asdict(self)
+        del doc["unreadable"]
         doc["format"] = LEASE_FORMAT
-        return json.dumps(doc, sort_keys=True) + "\n"
+        if doc["signature"] is None:
+            del doc["signature"]
+        return doc
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_doc(), sort_keys=True) + "\n"
+
+    def signed(self, key: "RunKey") -> "Lease":
+        unsigned = replace(self, signature=None)
+        return replace(unsigned, signature=key.sign_document("lease", unsigned.to_doc()))
+
+    def verify(self, key: "RunKey") -> bool:
+        return self.unreadable is None and key.verify_document("lease", self.to_doc())
+
+    @classmethod
+    def from_hub_bytes(cls, data: bytes, source: str = "lease") -> "Lease":
+        """:meth:`from_json` for bytes read from a hub: a malformed file (anyone may write one)
+        becomes an expired stand-in naming its digest, never an error that stops a master."""
+        try:
+            return cls.from_json(data, source)
+        except ManifestError as e:
+            log.warning("%s is not a valid lease (%s); treating it as expired", source, e)
+            return cls("", 0, 0.0, unreadable=hashlib.sha256(data).hexdigest())
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "lease") -> "Lease":
@@ -216,4 +285,7 @@ class Lease:
         exp, ren = doc.get("expires_at"), doc.get("renewed_at", 0.0)
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (exp, ren)):
             raise ManifestError(f"{source}: 'expires_at'/'renewed_at' must be numbers")
-        return cls(holder, _int(doc, "epoch", source), float(exp), float(ren))
+        signature = doc.get("signature")
+        if signature is not None and not isinstance(signature, str):
+            raise ManifestError(f"{source}: 'signature' must be a string")
+        return cls(holder, _int(doc, "epoch", source), float(exp), float(ren), signature)

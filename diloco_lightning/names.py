@@ -12,8 +12,13 @@ import re
 from typing import NamedTuple
 
 NODE_ID_RE = re.compile(r"(?!\.)[A-Za-z0-9._-]{1,64}")
-_LOCAL_STEP_RE = re.compile(r"0|[1-9][0-9]*")
-_DELTA_PATH_RE = re.compile(r"nodes/((?!\.)[A-Za-z0-9._-]{1,64})/delta_(0|[1-9][0-9]*)\.safetensors")
+#: Steps (``local_step``, ``outer_step``, ``base_outer_step``) are below 10**18: at most 18
+#: decimal digits. A longer number from a hub (a path, a header) is malformed, never parsed:
+#: Python refuses to convert strings of over 4300 digits, and no run takes 10**18 steps.
+MAX_STEP = 10**18 - 1
+_STEP = r"0|[1-9][0-9]{0,17}"
+_LOCAL_STEP_RE = re.compile(_STEP)
+_DELTA_PATH_RE = re.compile(rf"nodes/((?!\.)[A-Za-z0-9._-]{{1,64}})/delta_({_STEP})\.safetensors")
 _INIT_PATH_RE = re.compile(r"nodes/((?!\.)[A-Za-z0-9._-]{1,64})/init\.safetensors")
 _CLAIM_PATH_RE = re.compile(r"nodes/((?!\.)[A-Za-z0-9._-]{1,64})/claim\.json")
 # Files the master writes: versioned weights / optimizer state, the manifest, the lease.
@@ -47,16 +52,17 @@ def validate_node_id(node_id: object) -> str:
 
 
 def validate_local_step(local_step: object) -> int:
-    """Return ``local_step`` as an int if it is a non-negative integer (bools refused)."""
-    if isinstance(local_step, bool) or not isinstance(local_step, int) or local_step < 0:
-        raise InvalidNameError(f"invalid local_step {local_step!r}: expected a non-negative integer")
+    """Return ``local_step`` as an int if it is an integer in ``[0, MAX_STEP]`` (bools refused)."""
+    if isinstance(local_step, bool) or not isinstance(local_step, int) or not 0 <= local_step <= MAX_STEP:
+        raise InvalidNameError(f"invalid local_step {local_step!r}: expected an integer from 0 to {MAX_STEP}")
     return local_step
 
 
 def parse_local_step(text: str) -> int:
-    """Parse a header/path ``local_step``: decimal digits, no sign, no leading zeros."""
+    """Parse a header/path step: at most 18 decimal digits, no sign, no leading zeros."""
     if not isinstance(text, str) or _LOCAL_STEP_RE.fullmatch(text) is None:
-        raise InvalidNameError(f"invalid local_step {text!r}: expected a non-negative decimal integer")
+        shown = text if not isinstance(text, str) or len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+        raise InvalidNameError(f"invalid step {shown!r}: expected a decimal integer from 0 to {MAX_STEP}")
     return int(text)
 
 

@@ -21,7 +21,24 @@ byte lengths follow from dtype and shape, so the message is unambiguous. A verif
 recomputes it from the file's own metadata and tensors (not from a re-serialised header),
 so any added, removed or changed header entry or tensor byte breaks the signature.
 Because the header (node_id, local_step, base_outer_step, num_tokens, fingerprint)
-is inside the message, a signed delta cannot be replayed under another identity.
+is inside the message, a signed delta cannot be replayed under another identity. A
+worker's offered initial weights (``nodes/<node>/init.safetensors``) are signed the
+same way. :meth:`RunKey.verify_file` checks a file's signature by streaming its tensor
+bytes from disk in 1 MiB chunks (the message is the same), so a file with a bogus
+signature costs no more memory than a chunk, whatever it holds.
+
+Documents the master publishes (``diloco-doc-sig/1``): the manifest
+(``global/manifest.json``) and the lease (``global/lease.json``) carry a ``signature``
+entry, the lowercase hex HMAC-SHA256 of::
+
+    b"diloco-doc-sig/1\n" + kind (b"manifest" or b"lease") + b"\n"
+    + json.dumps(document without "signature", sort_keys=True, separators=(",", ":"),
+                 allow_nan=False) as UTF-8
+
+The manifest names the weights and the optimizer state by SHA-256 (current version and
+every kept older one), so its signature authenticates the whole published version:
+weights, optimizer state, ledger, history and master. A reader holding the run key
+refuses a document whose signature is missing or wrong.
 """
 
 from __future__ import annotations
@@ -32,11 +49,14 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
+from diloco_lightning.stheader import TORCH_DTYPE_NAMES, Layout, iter_tensor_bytes
+
 SIGNATURE_SCHEME = "diloco-sig/1"
+DOCUMENT_SCHEME = "diloco-doc-sig/1"
 ENV_KEY = "DILOCO_RUN_KEY"
 ENV_KEY_FILE = "DILOCO_RUN_KEY_FILE"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -65,9 +85,36 @@ class RunKey:
 
     def sign(self, metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> str:
         """Hex HMAC-SHA256 of ``metadata`` (without ``signature``) and ``tensors``."""
-        mac = hmac.new(self._key, digestmod=hashlib.sha256)
-        _update_message(mac, metadata, tensors)
+        mac = self.start_message(metadata)
+        for name in sorted(tensors):
+            self.add_tensor(mac, name, tensors[name])
         return mac.hexdigest()
+
+    # the message built piece by piece (a reader hashes each tensor as it reads it)
+
+    def start_message(self, metadata: Mapping[str, str]):
+        """An HMAC holding the message's header part; feed tensors in sorted name order."""
+        mac = hmac.new(self._key, digestmod=hashlib.sha256)
+        _update_header(mac, metadata)
+        return mac
+
+    @staticmethod
+    def add_tensor(mac, name: str, t: torch.Tensor) -> None:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        shape = ",".join(str(d) for d in t.shape)
+        mac.update(name.encode("utf-8") + b"\0" + dtype.encode() + b"\0" + shape.encode() + b"\0")
+        if t.numel():
+            mac.update(t.reshape(-1).view(torch.uint8).numpy())
+
+    @staticmethod
+    def finish_verify(mac, signature: object) -> bool:
+        if not isinstance(signature, str) or _HEX64.fullmatch(signature) is None:
+            return False
+        return hmac.compare_digest(mac.hexdigest().encode("ascii"), signature.encode("ascii"))
 
     def verify(self, signature: object, metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> bool:
         """True iff ``signature`` is the HMAC of ``metadata`` (its ``signature`` entry ignored) and ``tensors``.
@@ -78,22 +125,46 @@ class RunKey:
             return False
         return hmac.compare_digest(self.sign(metadata, tensors).encode("ascii"), signature.encode("ascii"))
 
+    def verify_file(self, signature: object, path: str | os.PathLike, layout: Layout) -> bool:
+        """:meth:`verify` for a file on disk whose ``layout`` was read (and checked) by
+        :func:`diloco_lightning.stheader.read_layout`: the tensor bytes are streamed, never loaded."""
+        if not isinstance(signature, str) or _HEX64.fullmatch(signature) is None:
+            return False
+        mac = self.start_message(layout.metadata)
+        with open(path, "rb") as f:
+            for name in sorted(layout.tensors):
+                info = layout.tensors[name]
+                shape = ",".join(str(d) for d in info.shape)
+                mac.update(name.encode("utf-8") + b"\0" + TORCH_DTYPE_NAMES[info.dtype].encode() + b"\0" + shape.encode() + b"\0")
+                for chunk in iter_tensor_bytes(f, info):
+                    mac.update(chunk)
+        return self.finish_verify(mac, signature)
 
-def _update_message(mac, metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> None:
+    def sign_document(self, kind: str, doc: Mapping[str, Any]) -> str:
+        """Hex HMAC-SHA256 of a JSON document (its ``signature`` entry left out); see the module docstring."""
+        mac = hmac.new(self._key, digestmod=hashlib.sha256)
+        body = {k: v for k, v in doc.items() if k != "signature"}
+        mac.update(DOCUMENT_SCHEME.encode() + b"\n" + kind.encode() + b"\n")
+        mac.update(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8"))
+        return mac.hexdigest()
+
+    def verify_document(self, kind: str, doc: Mapping[str, Any]) -> bool:
+        """True iff ``doc["signature"]`` is :meth:`sign_document` of ``doc``."""
+        signature = doc.get("signature")
+        if not isinstance(signature, str) or _HEX64.fullmatch(signature) is None:
+            return False
+        try:
+            want = self.sign_document(kind, doc)
+        except (TypeError, ValueError):
+            return False
+        return hmac.compare_digest(want.encode("ascii"), signature.encode("ascii"))
+
+
+def _update_header(mac, metadata: Mapping[str, str]) -> None:
     header = {k: v for k, v in metadata.items() if k != "signature"}
     mac.update(SIGNATURE_SCHEME.encode() + b"\n")
     mac.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8"))
     mac.update(b"\n")
-    for name in sorted(tensors):
-        t = tensors[name].detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        dtype = str(t.dtype).removeprefix("torch.")
-        shape = ",".join(str(d) for d in t.shape)
-        mac.update(name.encode("utf-8") + b"\0" + dtype.encode() + b"\0" + shape.encode() + b"\0")
-        if t.numel():
-            mac.update(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def load_run_key(key: bytes | str | RunKey | None = None, key_file: str | os.PathLike | None = None) -> RunKey | None:

@@ -8,16 +8,18 @@ nested dicts) into a JSON document in the header, where each tensor is replaced 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from diloco_lightning.fileio import atomic_write
+from diloco_lightning.stheader import LayoutError, read_layout, read_tensor
 
 STATE_FORMAT = "diloco-state/1"
 _TENSOR = "__tensor__"
@@ -30,7 +32,35 @@ class StateFileError(ValueError):
 
     def __init__(self, path: str | Path, detail: str) -> None:
         self.path = str(path)
+        self.detail = detail
         super().__init__(f"{self.path}: {detail}")
+
+
+class DigestMismatchError(StateFileError):
+    """The file's SHA-256 is not the one its caller was promised (a manifest's)."""
+
+
+def read_tensors(path: str | Path, expect_sha256: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors (memory the caller owns) and the metadata of a safetensors file.
+
+    With ``expect_sha256`` the file's SHA-256 is checked first, on the same open file the
+    tensors are then read from: the bytes checked are the bytes loaded, even if the path is
+    replaced meanwhile (``DigestMismatchError``). Malformed files raise ``StateFileError``;
+    a missing one ``FileNotFoundError``.
+    """
+    with open(path, "rb") as f:
+        if expect_sha256 is not None:
+            h = hashlib.sha256()
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+            if not hmac.compare_digest(h.hexdigest(), str(expect_sha256)):
+                raise DigestMismatchError(path, f"SHA-256 is {h.hexdigest()}, expected {expect_sha256}")
+        try:
+            layout = read_layout(f)
+            tensors = {name: read_tensor(f, info) for name, info in layout.tensors.items()}
+        except LayoutError as e:
+            raise StateFileError(path, f"unreadable ({e})") from None
+    return tensors, dict(layout.metadata)
 
 
 def tensors_for_save(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -130,18 +160,16 @@ def save_state_file(path: str | Path, sd: Mapping[str, Any], metadata: Mapping[s
     return Path(path).stat().st_size
 
 
-def load_state_file(path: str | Path) -> tuple[Any, dict[str, str]]:
-    """Read a state file written by :func:`save_state_file`; tensors are cloned out of the mapping."""
+def load_state_file(path: str | Path, expect_sha256: str | None = None) -> tuple[Any, dict[str, str]]:
+    """Read a state file written by :func:`save_state_file` (see :func:`read_tensors`)."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            md = dict(f.metadata() or {})
-            if md.get("format") != STATE_FORMAT or "state" not in md:
-                raise StateFileError(path, f"not a {STATE_FORMAT} file (format={md.get('format')!r})")
-            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+        tensors, md = read_tensors(path, expect_sha256)
     except StateFileError:
         raise
-    except Exception as e:
+    except OSError as e:
         raise StateFileError(path, f"unreadable ({type(e).__name__}: {e})") from None
+    if md.get("format") != STATE_FORMAT or "state" not in md:
+        raise StateFileError(path, f"not a {STATE_FORMAT} file (format={md.get('format')!r})")
     skeleton = md.pop("state")
     try:
         return unpack_state_dict(tensors, skeleton), md
@@ -157,11 +185,13 @@ def save_weights_file(path: str | Path, state: Mapping[str, torch.Tensor], metad
     return Path(path).stat().st_size
 
 
-def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read a flat weights file; tensors are cloned (they outlive the file)."""
+def load_weights_file(path: str | Path, expect_sha256: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a flat weights file (see :func:`read_tensors`)."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            md = dict(f.metadata() or {})
-            return {k: f.get_tensor(k).clone() for k in f.keys()}, md
-    except Exception as e:
+        return read_tensors(path, expect_sha256)
+    except StateFileError as e:
+        if type(e) is StateFileError:
+            raise StateFileError(path, f"unreadable weights file ({e.detail})") from None
+        raise
+    except OSError as e:
         raise StateFileError(path, f"unreadable weights file ({type(e).__name__}: {e})") from None

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diloco_lightning import faults  # noqa: E402
 from diloco_lightning.master import MasterOuterLoop  # noqa: E402
 
 
@@ -68,8 +69,8 @@ def main() -> None:
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    master.fault = fault
-    hub.fault = fault
+    faults.install(master, fault)
+    faults.install(hub, fault)
     for _ in range(100):
         master.sync_once(force=True)
         if not hub.list_deltas(after=master.ledger):

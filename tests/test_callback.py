@@ -64,9 +64,9 @@ class RecordingHub(FileHub):
         self._check()
         return super().read_manifest()
 
-    def download(self, hub_path):
+    def download(self, hub_path, **kw):
         self._check()
-        return super().download(hub_path)
+        return super().download(hub_path, **kw)
 
     def sent(self, node: str = "w0"):
         return [read_delta(p) for p in sorted(self.record.glob(f"{node}__*.safetensors"))]

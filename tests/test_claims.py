@@ -1,5 +1,6 @@
 """Node claims: a worker claims its node id on the hub (nodes/<id>/claim.json, compare-and-swap) with a
-heartbeat; a second live claimant refuses to start; a dead one's claim expires. Both transports."""
+heartbeat; a second live claimant refuses to start; a dead one's claim expires. Every transport: the
+folder, the Hugging Face Hub (a loopback fake server) and S3 (moto's server on loopback)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 import torch
@@ -38,11 +40,51 @@ def _online(monkeypatch):
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", False, raising=False)
 
 
-@pytest.fixture(params=["file", "hf"])
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    pytest.importorskip("boto3")
+    moto_server = pytest.importorskip("moto.server")
+    fake = {"AWS_ACCESS_KEY_ID": "AKIDCLAIMSTEST000001", "AWS_SECRET_ACCESS_KEY": "claimsSECRET0123456789",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in (*fake, "AWS_PROFILE", "AWS_ENDPOINT_URL")}
+    os.environ.update(fake)
+    for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        os.environ.pop(k, None)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(params=["file", "hf", "s3"])
 def hubs(request, tmp_path):
     """A factory of hub handles onto one hub (each handle as another process would open it)."""
     if request.param == "file":
         yield lambda: FileHub(tmp_path / "hub")
+        return
+    if request.param == "s3":
+        import boto3
+
+        endpoint = request.getfixturevalue("s3_endpoint")
+        bucket = f"claims-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+        n = [0]
+
+        def make_s3():
+            n[0] += 1
+            return open_hub(f"s3://{bucket}/run", endpoint_url=endpoint, addressing_style="path",
+                            cache_dir=tmp_path / f"s{n[0]}", max_retries=2, retry_base_delay=0.001,
+                            retry_max_delay=0.01, check_conditional_writes=n[0] == 1)
+
+        yield make_s3
         return
     with FakeHubServer() as server:
         n = [0]

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import diloco_lightning
+from diloco_lightning import faults  # noqa: E402
 from diloco_lightning.deltafile import model_fingerprint, read_delta, write_delta
 from diloco_lightning.fileio import sha256_file
 from diloco_lightning.globals import (
@@ -139,7 +140,8 @@ if kill_at is not None:
         seen.append(at)
         if len(seen) - 1 == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-    hub.fault = fault
+    from diloco_lightning import faults
+    faults.install(hub, fault)
 manifest = Manifest.from_json(open(args["manifest"]).read())
 try:
     hub.publish(manifest, args["files"], expected_outer_step=args["expected"], delete=args.get("delete", []))
@@ -206,7 +208,7 @@ def test_open_hub_paths_and_urls(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "url,needle",
     [
-        ("s3://bucket/x", "unsupported URL scheme"),
+        ("gs://bucket/x", "unsupported URL scheme"),
         ("http://example.com/hub", "unsupported URL scheme"),
         ("ftp://host/x", "unsupported URL scheme"),
         ("file://otherhost/tmp/hub", "names host"),
@@ -617,10 +619,10 @@ def test_publication_refuses_files_collected_before_the_swap(hub, tmp_path):
         if at == "files":  # another process collects what it sees as orphans
             other.delete([p for p in other.list_global() if p not in m0.files() and p != "global/manifest.json"])
 
-    hub.fault = collect
+    faults.install(hub, collect)
     with pytest.raises(HubError, match="vanished"):
         hub.publish(s1.manifest(), s1.files, expected_outer_step=0)
-    hub.fault = None
+    faults.install(hub, None)
     assert hub.read_manifest() == m0
     assert hub.list_global() == sorted(["global/manifest.json", *s0.files])
     hub.publish(s1.manifest(), s1.files, expected_outer_step=0)
@@ -642,7 +644,7 @@ def _crash_scenario(tmp_path: Path, name: str):
 def _labels(tmp_path: Path) -> list[str]:
     hub, s0, _, s1, m1 = _crash_scenario(tmp_path, "labels")
     seen: list[str] = []
-    hub.fault = seen.append
+    faults.install(hub, seen.append)
     hub.publish(m1, s1.files, expected_outer_step=0, delete=list(s0.files))
     assert seen == [*(f"file:{p}" for p in s1.files), "files", "locked", "manifest",
                     *(f"delete:{p}" for p in s0.files), "deleted"]
@@ -697,7 +699,7 @@ def test_crash_at_every_point_raising(tmp_path):
             if len(seen) - 1 == i:
                 raise _Crash(at)
 
-        hub.fault = fault
+        faults.install(hub, fault)
         with pytest.raises(_Crash) as ei:
             hub.publish(m1, s1.files, expected_outer_step=0, delete=list(s0.files))
         assert str(ei.value).split(":")[0] == label.split(":")[0]

@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from hf_server import FakeHubServer
 
+from diloco_lightning import faults  # noqa: E402
 from diloco_lightning.deltafile import read_delta, write_delta
 from diloco_lightning.hub import (
     DeltaExistsError,
@@ -281,7 +282,7 @@ def test_worker_commits_during_publication_do_not_fail_it(server, make_hub, tmp_
         if label == "files" and len(fired) < 2:  # a worker commits between our read and our commit, twice
             fired.append(worker.upload_delta(_delta(tmp_path, "w", len(fired)), "w", len(fired)))
 
-    master.fault = interleave
+    faults.install(master, interleave)
     server.reset_log()
     m1 = _publish(master, tmp_path, 1, "11111111", 0)
     assert len(fired) == 2 and master.read_manifest() == m1
@@ -346,7 +347,7 @@ def test_a_crash_anywhere_in_a_publication_leaves_a_readable_hub(server, make_hu
         if at == label:
             raise KeyboardInterrupt(f"simulated crash at {at}")
 
-    master.fault = crash
+    faults.install(master, crash)
     m1, files1 = _version(tmp_path, 1, "11111111", ledger={"a": 1})
     with pytest.raises(KeyboardInterrupt):
         master.publish(m1, files1, expected_outer_step=0, delete=[m0.weights, "nodes/a/delta_1.safetensors"])
@@ -358,7 +359,7 @@ def test_a_crash_anywhere_in_a_publication_leaves_a_readable_hub(server, make_hu
     assert all(reader.download(p).read_bytes() == local[p].read_bytes() for p in current.files())
     assert [r.path for r in reader.list_deltas()] == ([] if committed else ["nodes/a/delta_1.safetensors"])
     if not committed:  # the next attempt publishes normally
-        master.fault = None
+        faults.install(master, None)
         m1b = _publish(master, tmp_path, 1, "22222222", 0)
         assert reader.read_manifest() == m1b
 

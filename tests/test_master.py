@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
 
+from diloco_lightning import faults  # noqa: E402
 from diloco_lightning.deltafile import model_fingerprint, write_delta  # noqa: E402
 from diloco_lightning.globals import load_global, load_outer_state  # noqa: E402
 from diloco_lightning.hub.base import DeltaRef  # noqa: E402
@@ -128,7 +129,7 @@ class Workers:
 
 
 def make_master(hub, tmp: Path, name: str = "m", state=s0, **kw) -> MasterOuterLoop:
-    opts = dict(outer_lr=1.0, outer_momentum=0.0, lease_ttl=30.0, norm_ratio=None, poll_interval=0.02)
+    opts = dict(outer_lr=1.0, outer_momentum=0.0, lease_ttl=30.0, norm_ratio=None, norm_global_ratio=None, poll_interval=0.02)
     opts.update(kw)
     st = state() if callable(state) else state
     return MasterOuterLoop(hub, st, node_state_dir=tmp / name, **opts)
@@ -138,9 +139,9 @@ def count_downloads(hub) -> dict[str, int]:
     counts: dict[str, int] = {}
     orig = hub.download
 
-    def download(path):
+    def download(path, **kw):
         counts[path] = counts.get(path, 0) + 1
-        return orig(path)
+        return orig(path, **kw)
 
     hub.download = download
     return counts
@@ -203,7 +204,9 @@ def test_token_weighting(fhubs, tmp_path):
     assert m.sync_once()
     assert torch.equal(m.snapshot()[1]["w"], torch.full((4, 3), -3.25))  # (1*1 + 3*4) / 4
     assert m.last_metrics["rejected_by_reason"] == {"num_tokens": 1}
-    assert hub.read_manifest().ledger == {"a": 0, "b": 0, "c": 0}
+    # a rejection never moves the ledger; the refused file goes with the publication
+    assert hub.read_manifest().ledger == {"a": 0, "b": 0}
+    assert [r.path for r in hub.list_deltas()] == []
 
 
 def test_staleness_gates_and_weights_cgad(fhubs, tmp_path):
@@ -320,8 +323,8 @@ def test_each_rejection_reason(hubs, tmp_path, reason, caplog):
     assert m.sync_once() is False and m.last_metrics["rejected"] == 0  # never retried
     w.put("good", setup, base=m.outer_step, value=1, **good)
     assert m.sync_once()
-    assert hub.read_manifest().ledger["x"] == 0  # rejected deltas enter the ledger
-    assert "nodes/x/delta_0.safetensors" not in [r.path for r in hub.list_deltas()]
+    assert "x" not in hub.read_manifest().ledger  # a rejected delta never moves the ledger ...
+    assert "nodes/x/delta_0.safetensors" not in [r.path for r in hub.list_deltas()]  # ... it is deleted
     assert counts.get("nodes/x/delta_0.safetensors", 0) == 1
     assert reason in REASONS
 
@@ -348,10 +351,10 @@ def test_download_failures_block_the_node_then_reject(fhubs, tmp_path):
     m.sync_once()
     orig = hub.download
 
-    def flaky(path):
+    def flaky(path, **kw):
         if path == "nodes/a/delta_0.safetensors":
             raise OSError("connection reset")
-        return orig(path)
+        return orig(path, **kw)
 
     hub.download = flaky
     w.put("a", 0, value=1)
@@ -373,7 +376,7 @@ def test_auth_error_aborts_the_round(fhubs, tmp_path):
     m.sync_once()
     w.put("a", 0)
 
-    def denied(path):
+    def denied(path, **kw):
         raise HubAuthError("401")
 
     orig, hub.download = hub.download, denied
@@ -421,13 +424,13 @@ def test_downloads_are_parallel_and_bounded(fhubs, tmp_path):
     active, peak, lock = [0], [0], threading.Lock()
     orig = hub.download
 
-    def slow(path):
+    def slow(path, **kw):
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
         time.sleep(0.02)
         try:
-            return orig(path)
+            return orig(path, **kw)
         finally:
             with lock:
                 active[0] -= 1
@@ -447,10 +450,10 @@ def test_snapshot_answers_while_a_download_stalls(fhubs, tmp_path):
     gate, entered = threading.Event(), threading.Event()
     orig = hub.download
 
-    def stalled(path):
+    def stalled(path, **kw):
         entered.set()
         gate.wait(10)
-        return orig(path)
+        return orig(path, **kw)
 
     hub.download = stalled
     t = threading.Thread(target=m.sync_once)
@@ -470,7 +473,7 @@ def test_snapshot_answers_while_a_download_stalls(fhubs, tmp_path):
 
 def test_streaming_holds_one_delta_at_a_time(fhubs, tmp_path, monkeypatch):
     """The round reads deltas one by one and folds them into one FP32 sum."""
-    import diloco_lightning.master.loop as loop
+    import diloco_lightning.master.validation as loop  # where the master reads deltas
 
     hub = fhubs.open()
     w = Workers(hub, tmp_path)
@@ -562,7 +565,7 @@ def test_background_loop_logs_and_retries(fhubs, tmp_path, caplog):
             fails[0] -= 1
             raise OSError("disk full")
 
-    hub.fault = fault
+    faults.install(hub, fault)
     with caplog.at_level(logging.ERROR, logger="diloco_lightning.master.loop"):
         m.start()
         deadline = time.monotonic() + 10
@@ -616,7 +619,9 @@ def test_failure_rolls_back_then_applies_exactly_once(fhubs, tmp_path, point):
             armed[0] = False
             raise OSError(f"injected failure at {point}")
 
-    hub.fault = m.fault = fault
+    faults.install(hub, fault)
+
+    faults.install(m, fault)
     for i, batch in enumerate(batches):
         for node, step, seed in batch:
             w.put(node, step, base=m.outer_step, tensors=_rand(seed))
@@ -648,7 +653,7 @@ def test_local_state_saved_after_publication_and_reconciled(fhubs, tmp_path):
     assert sorted(p.name for p in m.node_state_dir.iterdir()) == sorted(
         ["master.json", m.state_path.name, m.outer_state_path.name])
     # the hub moves on without this master's local state (e.g. killed before its local save)
-    m.fault = lambda label: (_ for _ in ()).throw(OSError("killed")) if label == "published" else None
+    faults.install(m, lambda label: (_ for _ in ()).throw(OSError("killed")) if label == "published" else None)
     w.put("a", 1, base=1, value=1)
     with pytest.raises(OSError):
         m.sync_once()
@@ -724,10 +729,10 @@ def test_publication_cas_between_masters_without_lease(fhubs, tmp_path):
 
     def race(label):  # m2 publishes b/0 while m1 is between its step and its publication
         if label == "stepped":
-            m1.fault = None
+            faults.install(m1, None)
             assert m2.sync_once()
 
-    m1.fault = race
+    faults.install(m1, race)
     assert m1.sync_once() is False  # its publication over version 1 is refused
     assert m1.last_metrics["conflict"] and m1.outer_step == 1
     drain(m1)
@@ -839,7 +844,7 @@ def _many_workers(fhubs, tmp_path, n_workers: int, n_rounds: int) -> None:
 
 def test_bootstrap_from_first_workers_init(hubs, tmp_path):
     hub = hubs.open()
-    m = MasterOuterLoop(hub, None, node_state_dir=tmp_path / "m", outer_lr=1.0, outer_momentum=0.0, lease_ttl=30)
+    m = MasterOuterLoop(hub, None, node_state_dir=tmp_path / "m", outer_lr=1.0, outer_momentum=0.0, lease_ttl=30, norm_global_ratio=None)
     with pytest.raises(RuntimeError, match="no global state"):
         m.snapshot()
     assert m.sync_once() is False  # nothing to start from yet
@@ -943,10 +948,10 @@ def test_orphans_and_stragglers_are_collected(fhubs, tmp_path):
     assert not orphan.exists() and not straggler.exists()
     # a straggler left by a crash between the manifest swap and the deletions
     w.put("a", 1, base=1)
-    hub.fault = lambda label: (_ for _ in ()).throw(OSError("crash")) if label == "manifest" else None
+    faults.install(hub, lambda label: (_ for _ in ()).throw(OSError("crash")) if label == "manifest" else None)
     with pytest.raises(OSError):
         m.sync_once()
-    hub.fault = None
+    faults.install(hub, None)
     assert (Path(hub.root) / "nodes/a/delta_1.safetensors").exists() and hub.read_manifest().ledger["a"] == 1
     w.put("b", 1, base=2)
     assert m.sync_once()
@@ -1008,7 +1013,7 @@ def test_cli_runs_rounds_prints_progress_and_writes_metrics(tmp_path, capsys):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(config_name="master", overrides=[
             f"hub.url={hub_dir}", "outer=nesterov", "outer.lr=1.0", "outer.options.momentum=0.0", "max_rounds=1",
-            "poll_interval=0.02", f"node_state_dir={tmp_path / 'st'}", "max_delta_norm=1000",
+            "poll_interval=0.02", f"node_state_dir={tmp_path / 'st'}", "max_delta_norm=1000", "norm_global_ratio=null",
             "torch_threads=null",  # leave this test process's torch threads alone
         ])
     assert run(cfg) == 0
@@ -1036,7 +1041,7 @@ def test_cli_subprocess_drains_on_sigterm(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.Popen(
         [sys.executable, "-m", "diloco_lightning.master.cli", f"hub.url={hub_dir}", "outer=adam", "outer.lr=0.1",
-         "min_deltas=5", "poll_interval=0.05", f"node_state_dir={tmp_path / 'st'}", "lease_ttl=5"],
+         "min_deltas=5", "poll_interval=0.05", f"node_state_dir={tmp_path / 'st'}", "lease_ttl=5", "norm_global_ratio=null"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
@@ -1057,13 +1062,15 @@ def test_cli_subprocess_drains_on_sigterm(tmp_path):
 
 
 def test_arrival_order_keeps_each_nodes_upload_order_and_cap_is_fair():
+    from diloco_lightning.master.aggregation import arrival_order, cap_round_robin
+
     def ref(node, step):
         return DeltaRef(node, step, f"nodes/{node}/delta_{step}.safetensors", 1)
 
     items = [(ref("a", 0), None, 2), (ref("a", 1), None, 1), (ref("b", 0), None, 0), (ref("c", 0), None, 1)]
-    order = [(r.node_id, r.local_step) for r, _, _ in MasterOuterLoop._arrival_order(items)]
+    order = [(r.node_id, r.local_step) for r, _, _ in arrival_order(items)]
     # oldest anchor first, but a/1 never overtakes a/0 (the ledger is a per-node high-water mark)
     assert order == [("b", 0), ("c", 0), ("a", 0), ("a", 1)]
     refs = [ref("a", i) for i in range(10)] + [ref("b", 0), ref("c", 0), ref("c", 1)]
-    capped = MasterOuterLoop._cap(refs, 5)
+    capped = cap_round_robin(refs, 5)
     assert [(r.node_id, r.local_step) for r in capped] == [("a", 0), ("a", 1), ("b", 0), ("c", 0), ("c", 1)]

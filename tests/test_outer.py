@@ -707,3 +707,30 @@ def test_options_are_json_and_rebuild_the_same_optimizer():
 def test_registry_names():
     assert ALL_NAMES == ["adam", "adam_decay", "cgad", "delayed_nesterov", "nesterov", "pa_cgad", "poly_nesterov"]
     assert OUTER_OPTIMIZERS["cgad"] is CGAD and OUTER_OPTIMIZERS["poly_nesterov"] is PolyNesterov
+
+
+@pytest.mark.parametrize("name", ["nesterov", "cgad", "adam_decay", "adam", "delayed_nesterov", "poly_nesterov", "pa_cgad"])
+def test_public_kernels_match_the_fused_ones(name):
+    """The private fused kernels sit behind a known-answer check with a public fallback
+    (outer/kernels.py): both give the same steps."""
+    from diloco_lightning.outer import kernels
+
+    g = torch.Generator().manual_seed(3)
+    state0 = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(33, generator=g), "i": torch.tensor(4)}
+    deltas = [{k: torch.randn(v.shape, generator=g) * 0.1 for k, v in state0.items() if v.is_floating_point()}
+              for _ in range(6)]
+    opts = {"lr": 0.05} if name not in ("delayed_nesterov",) else {"lr": 0.05, "buffer_size": 2}
+    results = []
+    for public in (False, True):
+        kernels.use_public_kernels(public)
+        try:
+            state = {k: v.clone() for k, v in state0.items()}
+            opt = build_outer_optimizer(name, state, **opts)
+            for i, d in enumerate(deltas):
+                opt.step(state, d, staleness=i % 3)
+            results.append(state)
+        finally:
+            kernels.use_public_kernels(False)
+    assert kernels.fused_kernels_in_use().get("adam" if "adam" in name or "cgad" in name else "sgd") is True
+    for k in state0:
+        assert torch.allclose(results[0][k], results[1][k], rtol=1e-5, atol=1e-6), k

@@ -49,8 +49,8 @@ def snapshot(params):
 class Publisher:
     """Publishes global versions on a hub like a master would (history kept: ``keep`` versions)."""
 
-    def __init__(self, hub: FileHub, workdir: Path, keep: int = 100) -> None:
-        self.hub, self.workdir, self.keep = hub, workdir, keep
+    def __init__(self, hub: FileHub, workdir: Path, keep: int = 100, key: RunKey | None = None) -> None:
+        self.hub, self.workdir, self.keep, self.key = hub, workdir, keep, key
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.current: Manifest | None = None
 
@@ -59,9 +59,11 @@ class Publisher:
         staged = stage_global(self.workdir, step, state)
         history = []
         if self.current is not None:
-            history = [GlobalVersion(self.current.outer_step, self.current.weights)] + list(self.current.history)
-            history = history[: self.keep - 1]
+            history = [GlobalVersion(self.current.outer_step, self.current.weights, None, self.current.weights_sha256)]
+            history = (history + list(self.current.history))[: self.keep - 1]
         m = staged.manifest(ledger=dict(ledger or (self.current.ledger if self.current else {})), history=history)
+        if self.key is not None:
+            m = m.signed(self.key)
         self.hub.publish(m, staged.files, expected_outer_step=None if self.current is None else self.current.outer_step)
         self.current = m
         return m
@@ -109,8 +111,9 @@ def test_bootstrap_offers_init_and_installs_outer_step_0(hub, pub):
 def test_delta_content_header_and_anchor_moves(hub, pub):
     params = make_params()
     v0 = snapshot(params)
-    pub.publish(v0)
     key = RunKey("secret")
+    pub.key = key  # a signed run: the master signs what it publishes
+    pub.publish(v0)
     with DiLoCoWorker(hub, "w0", params, signing_key=key, **FAST) as w:
         ptr = params["layer.weight"].data_ptr()
         with torch.no_grad():
@@ -369,7 +372,8 @@ def test_anchor_state_round_trip_and_undelivered_delta(tmp_path):
     assert w2.flush()
     got = deltas(hub)  # the undelivered phase goes out at start, then the interrupted phase
     assert [d.header.num_tokens for d in got] == [3, 4]
-    assert [d.header.local_step for d in got] == [2, 3]  # delta_1 may exist from a failed attempt: never reused
+    # delta_1's attempt did not land (the hub says so once it is back): it goes out under its boundary's step
+    assert [d.header.local_step for d in got] == [1, 2]
     total = got[0].tensors["layer.bias"] + got[1].tensors["layer.bias"]
     assert torch.allclose(total, v0["layer.bias"] - params2["layer.bias"])
     assert torch.allclose(got[1].tensors["layer.bias"], torch.full((3,), 2.0))  # anchor restored

@@ -2,6 +2,8 @@
 
 * ``file:///abs/path`` or a plain path: a folder (local disk or a shared network filesystem).
 * ``hf://org/repo``: a Hugging Face Hub model repository (``endpoint=``, ``token=``, ``revision=``).
+* ``s3://bucket/prefix``: AWS S3 or an S3-compatible store (``endpoint_url=``, ``region=``); needs
+  ``pip install 'diloco-lightning[s3]'``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ def open_hub(url: str | os.PathLike | Hub, **options) -> Hub:
     backoff on 5xx, 429, timeouts and connection errors only), ``timeout=`` (seconds per
     HTTP call, default 120), ``max_cas_attempts=`` (re-reads when only ``nodes/`` moved
     under a publication).
+
+    ``s3://bucket/prefix`` (boto3; credentials from its standard chain, never from options):
+    ``endpoint_url=`` (MinIO, R2, ...; default boto3's: AWS, or ``$AWS_ENDPOINT_URL_S3``),
+    ``region=``, ``addressing_style=`` (``path`` / ``virtual`` / ``auto``), ``max_retries=``,
+    ``retry_base_delay=``, ``retry_max_delay=`` (as for hf://; botocore's own retries are
+    off), ``timeout=`` (seconds per connect/read, default 60),
+    ``multipart_threshold=`` / ``part_size=`` (bytes; default 64 MiB / 32 MiB),
+    ``check_conditional_writes=`` (probe at open that the store honours ``If-None-Match`` /
+    ``If-Match``, default True). See :mod:`diloco_lightning.hub.s3`.
     """
     if isinstance(url, Hub):
         if options:
@@ -64,6 +75,17 @@ def open_hub(url: str | os.PathLike | Hub, **options) -> Hub:
 
         repo_id = text[len("hf://") :].strip("/")
         return HFHub(repo_id, **options)
+    if text.startswith("s3://"):
+        from diloco_lightning.hub.s3 import S3_OPTIONS, S3Hub, parse_s3_url
+
+        bucket, prefix = parse_s3_url(text)
+        # options meant for other transports are accepted when unset (None), as for the folder hub
+        unknown = sorted(k for k, v in options.items() if k not in S3_OPTIONS and v is not None)
+        if unknown:
+            raise ValueError(
+                f"open_hub: option(s) {unknown} do not apply to the S3 hub {text!r} (it takes {sorted(S3_OPTIONS)})"
+            )
+        return S3Hub(bucket, prefix, **{k: v for k, v in options.items() if k in S3_OPTIONS})
     if text.lower().startswith("file:"):
         parsed = urlparse(text)
         if not text.lower().startswith("file://"):
@@ -76,7 +98,10 @@ def open_hub(url: str | os.PathLike | Hub, **options) -> Hub:
         if not path.is_absolute():
             raise ValueError(f"open_hub: file URL {text!r} has no absolute path; use file:///abs/path")
     elif "://" in text:
-        raise ValueError(f"open_hub: unsupported URL scheme in {text!r}; use file:///abs/path, a plain path or hf://org/repo")
+        raise ValueError(
+            f"open_hub: unsupported URL scheme in {text!r}; use file:///abs/path, a plain path, hf://org/repo or "
+            "s3://bucket/prefix"
+        )
     elif not text:
         raise ValueError("open_hub: empty hub URL")
     else:

@@ -37,9 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from diloco_lightning.fileio import sweep_temporaries
 from diloco_lightning.manifest import Lease, Manifest
 from diloco_lightning.nodeclaim import NodeClaim
 from diloco_lightning.names import (
+    MANIFEST_PATH,
     RESERVED_GLOBAL_PATHS,
     DeltaId,
     InvalidNameError,
@@ -87,14 +89,25 @@ class HubAuthError(HubError):
     """401/403 from a remote hub: missing or insufficient token. Never retried."""
 
 
+class HubFileTooLargeError(HubError):
+    """A download was stopped: the file is larger than the reader allows (``max_bytes``)."""
+
+
 @dataclass(frozen=True, order=True)
 class DeltaRef:
-    """A delta seen in a listing (nothing downloaded). Sorted by node, local step, path."""
+    """A delta seen in a listing (nothing downloaded). Sorted by node, local step, path.
+
+    ``size`` is the file size the hub reports (None if unknown); ``version`` an opaque token
+    that changes when a file is replaced at the same path (inode and mtime on a folder, the
+    blob id on the Hugging Face Hub), so a reader can remember a file it refused without
+    also refusing a different file put at that path later.
+    """
 
     node_id: str
     local_step: int
     path: str
     size: int | None = None
+    version: str | None = None
 
     @property
     def identity(self) -> DeltaId:
@@ -118,6 +131,7 @@ def check_publication(
     expected_outer_step: int | None,
     delete: Iterable[str] = (),
     source: str = "hub",
+    expected_digest: str | None = None,
 ) -> tuple[dict[str, str | os.PathLike], list[str]]:
     """The transport-independent checks of ``Hub.publish``, done before anything is written.
 
@@ -131,7 +145,7 @@ def check_publication(
     is left to the transport.
     """
     manifest.validate(source=f"manifest of outer_step {manifest.outer_step} for {source}")
-    if expected_outer_step is not None and manifest.outer_step <= expected_outer_step:
+    if expected_digest is None and expected_outer_step is not None and manifest.outer_step <= expected_outer_step:
         raise ValueError(
             f"publish: the new manifest's outer_step {manifest.outer_step} must exceed the expected "
             f"current one {expected_outer_step}"
@@ -158,6 +172,9 @@ class Hub(abc.ABC):
     url: str
     #: local folder for downloads; files inside are named by their hub path
     cache_dir: Path
+    #: whether what :meth:`download` returns is this process's own copy (a remote hub's cache),
+    #: which no other writer can change while it is read; the folder hub returns files in place
+    private_downloads: bool = True
 
     # ------------------------------------------------------------------ workers
 
@@ -191,17 +208,27 @@ class Hub(abc.ABC):
         """Every hub path under ``global/`` (for garbage collection of orphans)."""
 
     @abc.abstractmethod
-    def download(self, hub_path: str) -> Path:
+    def download(self, hub_path: str, *, max_bytes: int | None = None) -> Path:
         """A local path holding the file ``hub_path`` (validated first).
 
         Remote transports download into ``cache_dir / hub_path`` (atomically, reusing
         a complete cached copy: every hub file is immutable). The folder transport may
-        return the file in place. Raises ``HubNotFoundError`` if it does not exist.
+        return the file in place. Raises ``HubNotFoundError`` if it does not exist, and
+        ``HubFileTooLargeError`` (before or while transferring it, never after a full
+        transfer) if it is larger than ``max_bytes``.
         """
 
     @abc.abstractmethod
+    def read_manifest_bytes(self) -> bytes | None:
+        """The current ``global/manifest.json`` as stored (None if there is none), unparsed."""
+
     def read_manifest(self) -> Manifest | None:
-        """The current manifest, or None if nothing was ever published."""
+        """The current manifest, or None if nothing was ever published. Raises ``ManifestError``
+        if the file is not a valid manifest."""
+        data = self.read_manifest_bytes()
+        if data is None:
+            return None
+        return Manifest.from_json(data, source=f"{self.url}/{MANIFEST_PATH}")
 
     @abc.abstractmethod
     def publish(
@@ -211,11 +238,16 @@ class Hub(abc.ABC):
         *,
         expected_outer_step: int | None,
         delete: Iterable[str] = (),
+        expected_digest: str | None = None,
     ) -> None:
         """Publish ``manifest`` and upload ``files`` (``hub path -> local file``, all under
         ``global/``) as one atomic step, if and only if the hub's current manifest has
         ``outer_step == expected_outer_step`` (None: no manifest yet). Otherwise raise
         ``PublishConflictError`` and publish nothing.
+
+        With ``expected_digest`` the condition is instead that the current manifest file's
+        bytes have that SHA-256 (whatever they hold): how a master replaces a manifest that
+        is malformed or, in a signed run, not authentic.
 
         ``delete`` (hub paths) are removed in the same publication where the transport
         can (Hugging Face: the same commit), else right after the manifest swap.
@@ -254,6 +286,22 @@ class Hub(abc.ABC):
 
     def download_delta(self, ref: DeltaRef) -> Path:
         return self.download(ref.path)
+
+    def release(self, local_path: str | os.PathLike) -> None:
+        """A copy :meth:`download` returned is no longer needed: remote transports remove it from
+        their cache (the folder hub returns files in place and keeps them)."""
+        try:
+            p = Path(local_path).resolve()
+            if p.is_relative_to(Path(self.cache_dir).resolve()):
+                p.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def sweep(self, max_age: float) -> list[str]:
+        """Remove what dead writers left behind (temporary files of interrupted uploads and
+        downloads): files whose owner process is known to be dead, or older than ``max_age``
+        seconds; never a live writer's file. Returns what was removed (for the log)."""
+        return sweep_temporaries(self.cache_dir, max_age, recursive=True)
 
     def close(self) -> None:
         """Release resources (HTTP sessions, thread pools)."""

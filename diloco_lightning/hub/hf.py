@@ -62,6 +62,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diloco_lightning.fileio import temp_prefix
+from diloco_lightning import faults
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
@@ -69,6 +71,7 @@ from diloco_lightning.hub.base import (
     Hub,
     HubAuthError,
     HubError,
+    HubFileTooLargeError,
     HubNotFoundError,
     LeaseConflictError,
     check_publication,
@@ -360,11 +363,6 @@ class HFHub(Hub):
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._plain_transient = _plain_transient_types()
-        #: test hook, as ``FileHub.fault``: ``publish`` calls it with "files" then "locked" right before
-        #: its commit (uploads prepared, CAS checked) and with "committed", "manifest", "deleted" right
-        #: after it (the one commit swapped the manifest and deleted the old files; the last two are
-        #: FileHub's names for those steps); raising from it simulates a crash there.
-        self.fault: Callable[[str], None] | None = None
         if create:
             self._call("create the repository", self._api.create_repo, self.repo_id, private=private, exist_ok=True)
         else:
@@ -477,8 +475,7 @@ class HFHub(Hub):
         return hf_hub_url(self.repo_id, hub_path, revision=revision, endpoint=self.endpoint)
 
     def _fault(self, label: str) -> None:
-        if self.fault is not None:
-            self.fault(label)
+        faults.point(label, self)  # crash points for tests (diloco_lightning.faults)
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         with self._lock:
@@ -608,25 +605,25 @@ class HFHub(Hub):
 
     # ------------------------------------------------------------------ listing
 
-    def _tree(self, folder: str, recursive: bool) -> list[tuple[str, int | None]]:
+    def _tree(self, folder: str, recursive: bool) -> list[tuple[str, int | None, str | None]]:
         from huggingface_hub.hf_api import RepoFile
 
-        def run() -> list[tuple[str, int | None]]:
+        def run() -> list[tuple[str, int | None, str | None]]:
             items = self._api.list_repo_tree(self.repo_id, path_in_repo=folder, recursive=recursive, revision=self.revision)
-            return [(x.path, x.size) for x in items if isinstance(x, RepoFile)]
+            return [(x.path, x.size, getattr(x, "blob_id", None)) for x in items if isinstance(x, RepoFile)]
 
         try:
             return self._call(f"list {folder}/", run)
         except _EntryMissing:
             return []
 
-    def _node_files(self) -> list[tuple[str, int | None]]:
+    def _node_files(self) -> list[tuple[str, int | None, str | None]]:
         return self._tree(NODES_DIR, recursive=True)
 
     def list_deltas(self, after: Mapping[str, int] | None = None) -> list[DeltaRef]:
         after = after or {}
         out: list[DeltaRef] = []
-        for path, size in self._node_files():
+        for path, size, blob in self._node_files():
             ident = parse_delta_path(path)
             if ident is None:
                 if parse_init_path(path) is None and parse_claim_path(path) is None:
@@ -634,16 +631,16 @@ class HFHub(Hub):
                 continue
             if ident.local_step <= after.get(ident.node_id, -1):
                 continue
-            out.append(DeltaRef(ident.node_id, ident.local_step, path, size))
+            out.append(DeltaRef(ident.node_id, ident.local_step, path, size, blob))
         out.sort()
         return out
 
     def list_inits(self) -> list[str]:
-        return sorted({n for n in (parse_init_path(p) for p, _ in self._node_files()) if n is not None})
+        return sorted({n for n in (parse_init_path(p) for p, _, _ in self._node_files()) if n is not None})
 
     def list_global(self) -> list[str]:
         out = []
-        for path, _ in self._tree(GLOBAL_DIR, recursive=False):
+        for path, _, _ in self._tree(GLOBAL_DIR, recursive=False):
             try:
                 out.append(validate_global_path(path))
             except InvalidNameError:
@@ -652,11 +649,11 @@ class HFHub(Hub):
 
     # ------------------------------------------------------------------ reading
 
-    def _stream_to(self, hub_path: str, revision: str, dest: Path) -> None:
+    def _stream_to(self, hub_path: str, revision: str, dest: Path, max_bytes: int | None = None) -> None:
         from huggingface_hub.utils import get_session, hf_raise_for_status
 
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(dest.name), suffix=".part", dir=dest.parent)
         os.close(fd)
         try:
             headers = {**self._headers(), "Accept-Encoding": "identity"}
@@ -669,7 +666,11 @@ class HFHub(Hub):
             with cm as r:
                 hf_raise_for_status(r)
                 length = r.headers.get("Content-Length")
-                expected = int(length) if length and length.isdigit() else None
+                expected = int(length) if length and length.isdigit() and len(length) <= 18 else None
+                if max_bytes is not None and expected is not None and expected > max_bytes:
+                    raise HubFileTooLargeError(
+                        f"{hub_path} on {self.url} is {expected} bytes, more than the {max_bytes} allowed (not downloaded)"
+                    )
                 linked = None
                 for h in [*getattr(r, "history", []), r]:
                     linked = linked or _norm_etag(h.headers.get("X-Linked-Etag"))
@@ -680,8 +681,12 @@ class HFHub(Hub):
                 chunks = r.iter_bytes(_CHUNK) if hasattr(r, "iter_bytes") else r.iter_content(_CHUNK)
                 with open(tmp, "wb") as f:
                     for chunk in chunks:
-                        f.write(chunk)
                         n += len(chunk)
+                        if max_bytes is not None and n > max_bytes:
+                            raise HubFileTooLargeError(
+                                f"{hub_path} on {self.url} is more than the {max_bytes} bytes allowed (download stopped)"
+                            )
+                        f.write(chunk)
                         sha256.update(chunk)
                         if sha1 is not None:
                             sha1.update(chunk)
@@ -698,21 +703,27 @@ class HFHub(Hub):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
 
-    def download(self, hub_path: str) -> Path:
+    def download(self, hub_path: str, *, max_bytes: int | None = None) -> Path:
         hub_path = validate_hub_path(hub_path)
         dest = self.cache_dir / hub_path
         mutable = hub_path in (MANIFEST_PATH, LEASE_PATH) or parse_init_path(hub_path) is not None
         if not mutable and dest.is_file():
+            if max_bytes is not None and dest.stat().st_size > max_bytes:
+                raise HubFileTooLargeError(f"{hub_path} on {self.url} is more than the {max_bytes} bytes allowed")
             return dest  # hub files are immutable and cached copies are complete (atomic rename)
         with self._lock:
             pinned = self._pins.get(hub_path)
         for revision in ([pinned] if pinned else []) + [self.revision]:
             try:
-                self._call(f"download {hub_path}", self._stream_to, hub_path, revision, dest)
+                self._call(f"download {hub_path}", self._stream_to, hub_path, revision, dest, max_bytes)
                 return dest
             except _EntryMissing:
                 continue
         raise HubNotFoundError(f"{hub_path} not found on {self.url}")
+
+    def read_manifest_bytes(self) -> bytes | None:
+        data, _ = self._read_head_file(MANIFEST_PATH)
+        return data
 
     def read_manifest(self) -> Manifest | None:
         data, commit = self._read_head_file(MANIFEST_PATH)
@@ -732,12 +743,14 @@ class HFHub(Hub):
         *,
         expected_outer_step: int | None,
         delete: Iterable[str] = (),
+        expected_digest: str | None = None,
     ) -> None:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
         # the same transport-independent checks as every hub (nothing written on failure)
         files, delete = check_publication(
-            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url
+            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
+            expected_digest=expected_digest,
         )
         delete = sorted(set(delete))
         text = manifest.to_json()
@@ -752,10 +765,15 @@ class HFHub(Hub):
                 log.info("%s: outer_step %d is already on %s (an earlier attempt landed)", message, manifest.outer_step, self.url)
                 self._set_pins(named, head)
                 return
-            current = None if current_bytes is None else Manifest.from_json(current_bytes, source=f"{self.url}/{MANIFEST_PATH}")
-            found = None if current is None else current.outer_step
-            if found != expected_outer_step:
-                raise PublishConflictError(expected_outer_step, found)
+            if expected_digest is not None:
+                digest = None if current_bytes is None else hashlib.sha256(current_bytes).hexdigest()
+                if digest != expected_digest:
+                    raise PublishConflictError(expected_outer_step, None, "the manifest being replaced changed")
+            else:
+                current = None if current_bytes is None else Manifest.from_json(current_bytes, source=f"{self.url}/{MANIFEST_PATH}")
+                found = None if current is None else current.outer_step
+                if found != expected_outer_step:
+                    raise PublishConflictError(expected_outer_step, found)
             present = self._paths_present([*need, *delete, *files], head)
             missing = [p for p in need if p not in present]
             if missing:
@@ -814,7 +832,7 @@ class HFHub(Hub):
     # ------------------------------------------------------------------ lease
 
     def _parse_lease(self, data: bytes | None) -> Lease | None:
-        return None if data is None else Lease.from_json(data, source=f"{self.url}/{LEASE_PATH}")
+        return None if data is None else Lease.from_hub_bytes(data, source=f"{self.url}/{LEASE_PATH}")
 
     def read_lease(self) -> Lease | None:
         data, _ = self._read_head_file(LEASE_PATH)

@@ -17,6 +17,12 @@ honours ``flock`` (NFSv4, Lustre, local disks).
   missing file.
 * ``download`` returns files in place (every file is immutable once visible) and
   refuses symbolic links and anything resolving outside the hub folder.
+* Nothing is ever written or deleted through a symbolic link: files are created and
+  removed relative to folder descriptors opened one component at a time with
+  ``O_NOFOLLOW`` from the hub's own folder, so a node folder swapped for a link to
+  elsewhere (by any writer, at any moment) makes the operation fail, never reach outside.
+* Temporary files carry their owner (``fileio.owner_tag``); :meth:`FileHub.sweep` removes
+  those of dead writers (and untagged ones past an age), never a live writer's.
 * ``FileHub.fault`` is a test hook called between the writes of a publication.
 """
 
@@ -25,22 +31,26 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
+import hmac
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 from urllib.parse import quote
 
-from diloco_lightning.fileio import atomic_write_bytes, fsync_dir
+from diloco_lightning import faults
+from diloco_lightning.fileio import atomic_write_bytes, sweep_temporaries, temp_prefix
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
     DeltaRef,
     Hub,
     HubError,
+    HubFileTooLargeError,
     HubNotFoundError,
     LeaseConflictError,
     PublishConflictError,
@@ -74,6 +84,8 @@ _LOCK_NAME = ".lock"
 class FileHub(Hub):
     """A hub in a folder. See the module docstring for the guarantees."""
 
+    private_downloads = False  # files are returned in place: any writer of the folder can change them
+
     def __init__(self, root: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, create: bool = True) -> None:
         root = Path(root).expanduser()
         if not root.is_absolute():
@@ -89,12 +101,6 @@ class FileHub(Hub):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(self.url)
         self._warned: set[str] = set()
         self._warned_lock = threading.Lock()
-        #: test hook: called with a label between the writes of a publication, in this order:
-        #: "file:<hub path>" after each uploaded file, "files" after all of them, "locked" once the
-        #: lock is held (before the compare), "manifest" after the manifest swap (lock still held),
-        #: "delete:<hub path>" after each deletion, "deleted" at the end. Raising from it (or
-        #: killing the process) simulates a crash at that point.
-        self.fault: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -102,8 +108,7 @@ class FileHub(Hub):
         return self.root / validate_hub_path(hub_path)
 
     def _fault(self, label: str) -> None:
-        if self.fault is not None:
-            self.fault(label)
+        faults.point(label, self)  # crash points for tests (diloco_lightning.faults)
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         with self._warned_lock:
@@ -112,33 +117,108 @@ class FileHub(Hub):
             self._warned.add(key)
         log.warning(msg, *args)
 
-    def _place_new(self, src: str | os.PathLike, dest: Path) -> bool:
-        """Copy ``src`` to ``dest`` if ``dest`` does not exist; atomic, never overwrites. False if it existed."""
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-        os.close(fd)
+    def _open_dir(self, parts: list[str], *, create: bool) -> int:
+        """A descriptor of the folder ``root/<parts...>``, opened one component at a time
+        without following symbolic links (``HubError`` if one is met)."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            shutil.copyfile(src, tmp)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
+            for part in parts:
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                try:
+                    nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise HubError(f"refusing {'/'.join(parts)} on {self.url}: {part!r} is a symbolic link or not a folder") from None
+                    raise
                 os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @staticmethod
+    def _copy_into(src: str | os.PathLike, out_fd: int) -> None:
+        with open(src, "rb") as inp:
+            size = os.fstat(inp.fileno()).st_size
+            sent = 0
             try:
-                os.link(tmp, dest)
+                while sent < size:
+                    n = os.sendfile(out_fd, inp.fileno(), sent, min(size - sent, 1 << 30))
+                    if n == 0:
+                        break
+                    sent += n
+            except OSError as e:  # sendfile unsupported between these files: plain copy
+                if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise
+                inp.seek(sent)
+                with os.fdopen(os.dup(out_fd), "wb", closefd=True) as out:
+                    out.seek(sent)
+                    shutil.copyfileobj(inp, out, 8 << 20)
+
+    def _place_new(self, src: str | os.PathLike, hub_path: str, *, link: bool = False) -> bool:
+        """Copy ``src`` to ``hub_path`` if nothing is there; atomic, never overwrites, never through
+        a symbolic link. False if ``hub_path`` existed. ``link``: hard-link ``src`` instead of
+        copying it when both are on one filesystem (``src`` must then never change again)."""
+        *folders, name = hub_path.split("/")
+        dfd = self._open_dir(folders, create=True)
+        tmp = f"{temp_prefix(name)}{secrets.token_hex(4)}.tmp"
+        try:
+            linked = False
+            if link:
+                try:
+                    os.link(src, tmp, dst_dir_fd=dfd, follow_symlinks=False)
+                    linked = True
+                    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+                    try:
+                        os.fsync(fd)  # durable before the manifest names it, as a copy would be
+                    finally:
+                        os.close(fd)
+                except OSError as e:  # another filesystem, or no hard links: copy
+                    if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                        raise
+            if not linked:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
+                try:
+                    self._copy_into(src, fd)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            faults.point("hub.placing")
+            try:
+                os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
             except FileExistsError:
                 return False
             except OSError as e:  # filesystems without hard links: check-then-rename (single writer per path)
                 if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
                     raise
-                if dest.exists():
+                try:
+                    os.stat(name, dir_fd=dfd, follow_symlinks=False)
                     return False
-                os.replace(tmp, dest)
-            fsync_dir(dest.parent)
+                except FileNotFoundError:
+                    os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            with contextlib.suppress(OSError):
+                os.fsync(dfd)
             return True
         finally:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dfd)
+            os.close(dfd)
+
+    def _unlink(self, hub_path: str) -> None:
+        """Remove ``hub_path``, never through a symbolic link (a missing file is fine)."""
+        *folders, name = hub_path.split("/")
+        try:
+            dfd = self._open_dir(folders, create=False)
+        except FileNotFoundError:
+            return
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)  # a link itself is removed, never what it points to
+        finally:
+            os.close(dfd)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -154,13 +234,13 @@ class FileHub(Hub):
 
     def upload_delta(self, local_file: str | os.PathLike, node_id: str, local_step: int) -> str:
         hub_path = delta_path(node_id, local_step)
-        if not self._place_new(local_file, self.root / hub_path):
+        if not self._place_new(local_file, hub_path):
             raise DeltaExistsError(f"{hub_path} already exists on {self.url}; deltas are never rewritten")
         return hub_path
 
     def upload_init(self, local_file: str | os.PathLike, node_id: str) -> str:
         hub_path = init_path(node_id)
-        if not self._place_new(local_file, self.root / hub_path):
+        if not self._place_new(local_file, hub_path):
             log.info("%s already offered; keeping the first one", hub_path)
         return hub_path
 
@@ -199,10 +279,10 @@ class FileHub(Hub):
                 if ident.local_step <= floor or not f.is_file(follow_symlinks=False):
                     continue
                 try:
-                    size = f.stat(follow_symlinks=False).st_size
+                    st = f.stat(follow_symlinks=False)
                 except FileNotFoundError:  # collected between scandir and stat
                     continue
-                out.append(DeltaRef(ident.node_id, ident.local_step, hub_path, size))
+                out.append(DeltaRef(ident.node_id, ident.local_step, hub_path, st.st_size, f"{st.st_ino}-{st.st_mtime_ns}"))
         out.sort()
         return out
 
@@ -224,7 +304,7 @@ class FileHub(Hub):
 
     # ------------------------------------------------------------------ reading
 
-    def download(self, hub_path: str) -> Path:
+    def download(self, hub_path: str, *, max_bytes: int | None = None) -> Path:
         """The file itself (no copy): hub files are immutable once visible. Refuses a symlink
         or anything that resolves outside the hub folder."""
         p = self._abs(hub_path)
@@ -234,14 +314,20 @@ class FileHub(Hub):
             raise HubNotFoundError(f"{hub_path} not found on {self.url}")
         if not p.resolve().is_relative_to(self.root.resolve()):
             raise HubError(f"refusing {hub_path} on {self.url}: it resolves outside the hub folder")
+        if max_bytes is not None:
+            size = p.stat().st_size
+            if size > max_bytes:
+                raise HubFileTooLargeError(f"{hub_path} on {self.url} is {size} bytes, more than the {max_bytes} allowed")
         return p
 
-    def read_manifest(self) -> Manifest | None:
+    def release(self, local_path: str | os.PathLike) -> None:
+        """Downloads are the hub's own files, returned in place: nothing to release."""
+
+    def read_manifest_bytes(self) -> bytes | None:
         try:
-            text = (self.root / MANIFEST_PATH).read_bytes()
+            return (self.root / MANIFEST_PATH).read_bytes()
         except FileNotFoundError:
             return None
-        return Manifest.from_json(text, source=f"{self.url}/{MANIFEST_PATH}")
 
     # ------------------------------------------------------------------ publishing
 
@@ -252,10 +338,12 @@ class FileHub(Hub):
         *,
         expected_outer_step: int | None,
         delete: Iterable[str] = (),
+        expected_digest: str | None = None,
     ) -> None:
         # every check first: a bad publication writes nothing
         files, delete = check_publication(
-            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url
+            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
+            expected_digest=expected_digest,
         )
         for p in manifest.files():
             if p not in files and not (self.root / p).is_file():
@@ -264,18 +352,24 @@ class FileHub(Hub):
         ok = False
         try:
             for hub_path, src in files.items():
-                dest = self.root / hub_path
-                if not self._place_new(src, dest):
+                # the master's staged files never change: linked, not copied, when they can be
+                if not self._place_new(src, hub_path, link=True):
                     raise HubError(f"{hub_path} already exists on {self.url}; global file names must be unique")
-                written.append(dest)
+                written.append(hub_path)
                 self._fault(f"file:{hub_path}")
             self._fault("files")
             with self._locked():
                 self._fault("locked")
-                current = self.read_manifest()
-                found = None if current is None else current.outer_step
-                if found != expected_outer_step:
-                    raise PublishConflictError(expected_outer_step, found)
+                if expected_digest is not None:
+                    raw = self.read_manifest_bytes()
+                    digest = None if raw is None else hashlib.sha256(raw).hexdigest()
+                    if digest is None or not hmac.compare_digest(digest, expected_digest):
+                        raise PublishConflictError(expected_outer_step, None, "the manifest being replaced changed")
+                else:
+                    current = self.read_manifest()
+                    found = None if current is None else current.outer_step
+                    if found != expected_outer_step:
+                        raise PublishConflictError(expected_outer_step, found)
                 # deletions of global files take the lock too, so this check cannot go stale
                 gone = [p for p in manifest.files() if not (self.root / p).is_file()]
                 if gone:
@@ -286,11 +380,14 @@ class FileHub(Hub):
         finally:
             if not ok:
                 for p in written:
-                    with contextlib.suppress(FileNotFoundError):
-                        p.unlink()
+                    with contextlib.suppress(OSError, HubError):
+                        self._unlink(p)
         log.info("published outer_step %d on %s (%d file(s), %d deletion(s))", manifest.outer_step, self.url, len(files), len(delete))
         for hub_path in delete:
-            self.delete([hub_path])
+            try:
+                self.delete([hub_path])
+            except (OSError, HubError) as e:  # the version is published: a failed deletion is garbage for later
+                log.warning("could not delete %s from %s: %s", hub_path, self.url, e)
             self._fault(f"delete:{hub_path}")
         self._fault("deleted")
 
@@ -304,8 +401,14 @@ class FileHub(Hub):
         in_global = any(p.startswith(GLOBAL_DIR + "/") for p in paths)
         with self._locked() if in_global else contextlib.nullcontext():
             for hub_path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    (self.root / hub_path).unlink()
+                self._unlink(hub_path)
+
+    def sweep(self, max_age: float) -> list[str]:
+        """Temporary files of dead writers in ``global/``, every node folder and the cache."""
+        removed = sweep_temporaries(self.root / GLOBAL_DIR, max_age)
+        for nd in self._node_dirs():
+            removed += sweep_temporaries(nd.path, max_age)
+        return removed + super().sweep(max_age)
 
     # ------------------------------------------------------------------ lease
 
@@ -314,7 +417,7 @@ class FileHub(Hub):
             text = (self.root / LEASE_PATH).read_bytes()
         except FileNotFoundError:
             return None
-        return Lease.from_json(text, source=f"{self.url}/{LEASE_PATH}")
+        return Lease.from_hub_bytes(text, source=f"{self.url}/{LEASE_PATH}")
 
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
         with self._locked():

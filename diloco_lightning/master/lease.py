@@ -13,6 +13,10 @@ on the manifest's ``outer_step``, so even a master that kept working after losin
 publication is refused and it re-reads the hub. Expiry times are wall-clock seconds, so
 masters on different machines need roughly synchronised clocks (NTP); an error of a few
 seconds only shortens or lengthens a takeover.
+
+Any hub writer can write ``global/lease.json``, so a lease file is never trusted to stop a
+master: a malformed one counts as expired, and in a signed run so does one without the run
+key's signature (a writer without the key cannot hold the lease, only lose a race for it).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Callable
 
 from diloco_lightning.hub.base import Hub, LeaseConflictError
 from diloco_lightning.manifest import Lease
+from diloco_lightning.signing import RunKey
 
 __all__ = ["LeaseKeeper", "default_holder"]
 
@@ -45,11 +50,15 @@ class LeaseKeeper:
         holder: this master's id (see :func:`default_holder`).
         ttl: seconds a lease stays valid after each renewal.
         clock: wall clock (tests).
+        signing_key: the run key of a signed run: leases are signed, and one not signed with it is void.
     """
 
-    def __init__(self, hub: Hub, holder: str, ttl: float, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, hub: Hub, holder: str, ttl: float, *, clock: Callable[[], float] = time.time, signing_key: RunKey | None = None
+    ) -> None:
         if not ttl > 0:
             raise ValueError(f"lease_ttl must be > 0, got {ttl!r}")
+        self.signing_key = signing_key
         self.hub = hub
         self.holder = holder
         self.ttl = float(ttl)
@@ -79,17 +88,26 @@ class LeaseKeeper:
         self.took_over = False
         current = self.hub.read_lease()
         now = self.clock()
-        if current is not None and current.holder == self.holder and (
-            self._mine is None or current.epoch == self._mine.epoch
-        ):
+        void = current is not None and (
+            current.unreadable is not None or (self.signing_key is not None and not current.verify(self.signing_key))
+        )
+        if void and current.unreadable is None:
+            log.warning("the lease on %s (holder %r) is not signed with the run key; ignoring it", self.hub.url,
+                        current.holder)
+        ours = (
+            not void and current is not None and current.holder == self.holder
+            and (self._mine is None or current.epoch == self._mine.epoch)
+        )
+        if ours:
             if self._mine is not None and current.expires_at - now > self.ttl / 2:
                 self._mine = current  # ours and fresh: no write (on the HF Hub each write is a commit)
                 self.other = None
                 return True
             new = Lease(self.holder, current.epoch, now + self.ttl, now)
-        elif current is None or current.expired(now):
+        elif void or current is None or current.expired(now):
+            # a free, expired or void lease (void: malformed, or unsigned in a signed run) is taken over
             floor = min_epoch() if callable(min_epoch) else min_epoch
-            epoch = max(current.epoch if current is not None else 0, int(floor)) + 1
+            epoch = max(current.epoch if current is not None and not void else 0, int(floor)) + 1
             new = Lease(self.holder, epoch, now + self.ttl, now)
         else:
             if self._mine is not None:
@@ -99,6 +117,8 @@ class LeaseKeeper:
             self._mine = None
             self.other = current
             return False
+        if self.signing_key is not None:
+            new = new.signed(self.signing_key)
         try:
             self.hub.write_lease(new, expected=current)
         except LeaseConflictError:

@@ -9,8 +9,11 @@ Reasons, in the order the checks run:
 =====================  ===================================================================
 ``replay``             the identity (node, local_step) is at or below the node's ledger mark,
                        or listed twice: it was already processed (never downloaded)
+``size``               the listed or downloaded file is larger than a delta of this model can
+                       honestly be (:func:`~diloco_lightning.deltafile.max_delta_bytes`), or its
+                       header is: refused before it is downloaded, or while it is
 ``download``           the download failed ``max_download_attempts`` times in a row
-``unreadable``         not a safetensors file (truncated, garbage)
+``unreadable``         not a safetensors file (truncated, garbage, inconsistent offsets)
 ``format``             header ``format`` is not ``diloco-delta/1``
 ``header``             a header field missing or malformed
 ``node_id``            header ``node_id`` is not a valid node id
@@ -27,8 +30,26 @@ Reasons, in the order the checks run:
 ``signature``          the run is signed and the signature is missing or wrong
 ``non_finite``         a NaN or an infinity in a tensor
 ``norm``               L2 norm above the absolute bound ``max_delta_norm``
+``norm_global``        L2 norm above ``norm_global_ratio`` x max(||global||, 0.01 sqrt(n))
 ``norm_relative``      L2 norm above ``norm_ratio`` x the median norm of recently accepted deltas
+``non_finite_update``  the round's aggregate, or the state after the outer step, is not finite:
+                       nothing is published and every delta of the round is refused
+``invalid``            any other problem with the file's content (a last line of defence:
+                       one delta's content never makes a round fail)
 =====================  ===================================================================
+
+A rejection never moves the ledger: only accepted deltas do. The master remembers a
+refused file (its path and the hub's version token) so it is not read again, and deletes
+it with its next publication.
+
+Default bounds, from the first delta on: ``norm_global_ratio=100``. An honest
+pseudo-gradient after H inner steps of Adam-like optimizers moves each coordinate by at
+most about ``H * lr`` (Adam's step is bounded by its learning rate), so
+``||delta|| <= H * lr * sqrt(n)``. The bound is ``100 * max(||global||, 0.01 * sqrt(n))``
+>= ``sqrt(n)``, which leaves room for ``H * lr`` up to 1 (e.g. H = 500 inner steps at
+lr 2e-3, or H = 2500 at DiLoCo's 4e-4), whatever the weights' scale; measured on the
+tiny recipe, honest deltas are a fraction of a percent of that bound. A delta of norm 1e19
+is refused as soon as it arrives, without the relative (median) bound's warm-up.
 
 The relative bound is the robust outlier test of Byzantine-tolerant aggregation (a median
 is not moved by a few bad values; cf. Yin et al. 2018, arXiv 1803.01498): it only engages
@@ -39,23 +60,48 @@ previous one would have.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
-from typing import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
+from diloco_lightning.deltafile import (
+    Delta,
+    DeltaFileError,
+    max_delta_bytes,
+    max_header_bytes,
+    read_delta,
+    read_delta_header,
+    synced_keys,
+)
+from diloco_lightning.signing import RunKey
+
+if TYPE_CHECKING:  # pragma: no cover
+    from diloco_lightning.master.config import MasterConfig
+
+log = logging.getLogger(__name__)
+
 __all__ = [
     "REASONS",
+    "GLOBAL_RMS_FLOOR",
+    "Accepted",
     "DeltaRejected",
+    "DeltaValidator",
     "NormGuard",
     "delta_norm",
+    "state_norm",
+    "max_abs",
     "check_staleness",
 ]
 
 REASONS = (
     "replay",
+    "size",
     "download",
     "unreadable",
     "format",
@@ -74,7 +120,10 @@ REASONS = (
     "signature",
     "non_finite",
     "norm",
+    "norm_global",
     "norm_relative",
+    "non_finite_update",
+    "invalid",
 )
 
 
@@ -124,21 +173,57 @@ def check_staleness(tau: int, *, max_staleness: int | None, gate: float) -> None
         raise DeltaRejected("too_stale", f"the outer optimizer's gate is 0 at staleness {tau}")
 
 
+#: the floor of the global-relative bound, in RMS per coordinate (see the module docstring)
+GLOBAL_RMS_FLOOR = 0.01
+
+
+def state_norm(state: Mapping[str, torch.Tensor]) -> tuple[float, int]:
+    """``(L2 norm, number of values)`` of the floating (and complex) tensors of a state."""
+    keys = [k for k, t in state.items() if t.is_floating_point() or t.is_complex()]
+    return delta_norm({k: state[k] for k in keys}), sum(state[k].numel() for k in keys)
+
+
+def max_abs(t: torch.Tensor) -> float:
+    """The largest magnitude in ``t`` (NaN if it holds a NaN), in one pass, without a temporary."""
+    if t.numel() == 0:
+        return 0.0
+    return float(torch.linalg.vector_norm(t, ord=float("inf")))
+
+
 class NormGuard:
-    """Absolute and median-relative bounds on a delta's L2 norm.
+    """Absolute, global-relative and median-relative bounds on a delta's L2 norm.
 
     Args:
         max_norm: reject norms above this (None: no absolute bound).
         ratio: reject norms above ``ratio * median(window)`` (None: no relative bound).
         window: how many recently accepted norms the median is taken over.
         min_history: the relative bound engages once this many norms are known.
+        global_ratio: reject norms above ``global_ratio * max(||global||, 0.01 * sqrt(n))``
+            (None: off); needs :meth:`set_global`.
     """
 
-    def __init__(self, max_norm: float | None, ratio: float | None, window: int = 32, min_history: int = 4) -> None:
+    def __init__(
+        self,
+        max_norm: float | None,
+        ratio: float | None,
+        window: int = 32,
+        min_history: int = 4,
+        global_ratio: float | None = None,
+    ) -> None:
         self.max_norm = max_norm
         self.ratio = ratio
         self.min_history = min_history
+        self.global_ratio = global_ratio
+        self._global_bound: float | None = None
         self._norms: deque[float] = deque(maxlen=window)
+
+    def set_global(self, norm: float, numel: int) -> None:
+        """The global state the next deltas apply to: its L2 norm and number of values."""
+        if self.global_ratio is None:
+            self._global_bound = None
+            return
+        scale = max(norm, GLOBAL_RMS_FLOOR * math.sqrt(max(numel, 1))) if math.isfinite(norm) else math.inf
+        self._global_bound = self.global_ratio * scale
 
     @property
     def norms(self) -> list[float]:
@@ -158,6 +243,12 @@ class NormGuard:
             raise DeltaRejected("norm", "the L2 norm overflows")
         if self.max_norm is not None and norm > self.max_norm:
             raise DeltaRejected("norm", f"L2 norm {norm:.6g} > max_delta_norm {self.max_norm:.6g}")
+        if self._global_bound is not None and norm > self._global_bound:
+            raise DeltaRejected(
+                "norm_global",
+                f"L2 norm {norm:.6g} > {self.global_ratio:g} x max(||global||, {GLOBAL_RMS_FLOOR} sqrt(n)) = "
+                f"{self._global_bound:.6g}",
+            )
         if self.ratio is not None:
             med = self.median()
             if med is not None and norm > self.ratio * med:
@@ -174,3 +265,124 @@ class NormGuard:
     def load(self, norms: Iterable[float]) -> None:
         self._norms.clear()
         self.extend(norms)
+
+
+@dataclass
+class Accepted:
+    """A delta that passed every check, as a round needs it (no tensors)."""
+
+    ref: Any  # the hub's DeltaRef: node_id, local_step, path, size, version
+    staleness: int
+    gate: float
+    weight: float
+    norm: float
+
+    @property
+    def ident(self) -> str:
+        return f"{self.ref.node_id}/{self.ref.local_step}"
+
+
+class DeltaValidator:
+    """Every check a delta passes before it may touch the global state (the module docstring's
+    table, in that order), against the global state it would be applied to.
+
+    Owns the norm bounds (:class:`NormGuard`, whose window of accepted norms is part of the
+    published optimizer state: :meth:`state_dict` / :meth:`load_state_dict`).
+    """
+
+    def __init__(self, config: "MasterConfig", signing_key: RunKey | None, private_downloads: bool = True) -> None:
+        self.config = config
+        self.signing_key = signing_key
+        self.private_downloads = private_downloads
+        self.norms = NormGuard(config.max_delta_norm, config.norm_ratio, config.norm_window, config.norm_min_history,
+                               config.norm_global_ratio)
+        self._global_for: tuple[int, int] | None = None  # (id of the state, outer_step) the global bound is for
+        self._limits: tuple[str, int, int] | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"norms": self.norms.norms}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        self.norms.load((state or {}).get("norms") or [])
+
+    def note_global(self, state: Mapping[str, torch.Tensor], outer_step: int, norm: float, numel: int) -> None:
+        """The norm of the state about to become ``outer_step`` (computed anyway by its finite
+        check): the global-relative bound of the next deltas needs no pass of its own."""
+        self.norms.set_global(norm, numel)
+        self._global_for = (id(state), outer_step)
+
+    # ------------------------------------------------------------------ limits
+
+    def size_limits(self, state: Mapping[str, torch.Tensor], fingerprint: str) -> tuple[int, int]:
+        """(max file bytes, max header bytes) of an honest delta of the model ``state`` is."""
+        if self._limits is None or self._limits[0] != fingerprint:
+            self._limits = (fingerprint, max_delta_bytes(state), max_header_bytes(len(synced_keys(state))))
+        return self._limits[1], self._limits[2]
+
+    def header_base(self, path: Path, state: Mapping[str, torch.Tensor], fingerprint: str) -> int:
+        """The header's ``base_outer_step`` (arrival mode sorts by it), or -1 if the header is bad
+        (the delta is then rejected with the reader's reason when its turn comes)."""
+        try:
+            return read_delta_header(path, max_header=self.size_limits(state, fingerprint)[1]).base_outer_step
+        except DeltaFileError:
+            return -1
+
+    # ------------------------------------------------------------------ checks
+
+    def check(
+        self,
+        ref: Any,
+        path: Path,
+        *,
+        state: Mapping[str, torch.Tensor],
+        fingerprint: str,
+        outer_step: int,
+        gate: Callable[[int], float],
+    ) -> tuple[Delta, Accepted]:
+        """Validate the downloaded delta ``path`` (hub path ``ref.path``) against ``state`` at
+        ``outer_step``: ``(Delta, Accepted)``, or raises ``DeltaRejected`` / ``DeltaFileError``
+        (each with its ``reason``). Any other error from the file's content is a rejection too
+        (``invalid``): one delta's content can never make a round fail."""
+        try:
+            return self._check(ref, path, state, fingerprint, outer_step, gate)
+        except (DeltaRejected, DeltaFileError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a last line of defence: one delta never fails a round
+            log.exception("unexpected error while checking %s", ref.path)
+            raise DeltaRejected("invalid", f"{type(e).__name__}: {str(e)[:300]}") from None
+
+    def _check(self, ref, path, state, fingerprint, outer_step, gate) -> tuple[Delta, Accepted]:
+        max_bytes, max_header = self.size_limits(state, fingerprint)
+        header = read_delta_header(path, max_header=max_header)
+        if header.node_id != ref.node_id or header.local_step != ref.local_step:
+            raise DeltaRejected(
+                "path_mismatch",
+                f"header says {header.node_id}/{header.local_step}, the hub path {ref.node_id}/{ref.local_step}",
+            )
+        tau = outer_step - header.base_outer_step
+        g = float(gate(tau)) if tau >= 0 else 0.0
+        check_staleness(tau, max_staleness=self.config.max_staleness, gate=g)
+        weight = 1.0
+        if self.config.weighting == "tokens":
+            if not header.num_tokens:
+                raise DeltaRejected("num_tokens", "weighting='tokens' needs a positive num_tokens in the header")
+            weight = float(header.num_tokens)
+        delta = read_delta(
+            path,
+            reference=state,
+            hub_path=ref.path,
+            expected_fingerprint=fingerprint,
+            signing_key=self.signing_key,
+            check_finite=False,  # the norm below is NaN/inf exactly when a value is
+            max_file_bytes=max_bytes,
+            # mapped, not copied, unless a signature must hold for bytes someone else can rewrite
+            copy=self.signing_key is not None and not self.private_downloads,
+        )
+        norm = delta_norm(delta.tensors)
+        if self._global_for != (id(state), outer_step):  # the global-relative bound: once per version
+            self.norms.set_global(*state_norm(state))
+            self._global_for = (id(state), outer_step)
+        self.norms.check(norm, delta.tensors)
+        return delta, Accepted(ref, tau, g, weight, norm)

@@ -15,7 +15,7 @@ the state, not m, v or t) and returns ``False``. :class:`AdamDecay` drops the co
 (``gate = exp(-alpha*tau)``); :class:`OuterAdam` (``"adam"``) is ``alpha = 0``: plain Adam, equal to
 ``torch.optim.Adam`` fed ``grad = g`` (DiLoCo's outer-Adam ablation, arXiv 2311.08105).
 
-Implementation: one ``torch._fused_adam_`` call per batch of tensors, so a step reads the state,
+Implementation: one fused Adam call (``kernels.adam_step_``) per batch of tensors, so a step reads the state,
 delta, m and v once and writes state, m and v once, like ``torch.optim.Adam(fused=True)``. The
 gate is folded into the kernel's scalars instead of scaling the delta (the kernel's
 ``grad_scale`` would write the scaled gradient back into the caller's delta and costs an extra
@@ -40,8 +40,16 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from diloco_lightning.outer.base import OuterOptimizer, Work, _Item, check_betas, check_int, check_real
+from diloco_lightning.outer.base import (
+    OuterOptimizer,
+    Work,
+    _Item,
+    check_betas,
+    check_int,
+    check_real,
+)
 from diloco_lightning.outer.gates import cgad_gate, check_staleness, exp_gate
+from diloco_lightning.outer.kernels import adam_step_
 
 __all__ = ["CGAD", "AdamDecay", "OuterAdam", "adam_kernel_constants"]
 
@@ -50,7 +58,6 @@ logger = logging.getLogger(__name__)
 # Largest beta handed to the kernel: keeps 1 - beta**step == 1 for the "huge" step count below.
 _BETA_MAX = 1.0 - 2.0**-52
 # Step count that switches the kernel's bias correction off: 1 - beta**1e30 == 1 for beta < 1.
-_NO_BIAS_CORRECTION = torch.tensor(1e30, dtype=torch.float32)
 
 
 def adam_kernel_constants(
@@ -141,20 +148,15 @@ class _AdamBase(OuterOptimizer):
                 )
                 real = [w for w in works if not w.is_complex]
                 if real:
-                    torch._fused_adam_(
+                    adam_step_(
                         [w.p for w in real],
                         [w.g for w in real],
                         [w.bufs["exp_avg"] for w in real],
                         [w.bufs["exp_avg_sq"] for w in real],
-                        [],
-                        [_NO_BIAS_CORRECTION] * len(real),
                         lr=lr,
                         beta1=beta1,
                         beta2=beta2,
-                        weight_decay=0.0,
                         eps=eps,
-                        amsgrad=False,
-                        maximize=False,
                     )
                 for w in works:
                     if w.is_complex:

@@ -286,8 +286,11 @@ class OuterOptimizer:
         )
         return applied
 
-    def state_dict(self) -> dict[str, Any]:
-        """Buffers (cloned CPU tensors, ``"<buffer>/<key>"``) and counters (plain Python values)."""
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """Buffers (cloned CPU tensors, ``"<buffer>/<key>"``) and counters (plain Python values).
+
+        ``copy=False`` hands out the live buffers instead (no extra memory): for a caller that
+        writes them out before the next step, as the master's publication does."""
         out: dict[str, Any] = {"optimizer": self.name}
         out.update(self._scalar_state())
         if self._scalar_kinds:
@@ -297,7 +300,7 @@ class OuterOptimizer:
                 out[name] = [per_key[k] for k in keys]
         for family, buffers in self._buffers.items():
             for key, buf in buffers.items():
-                out[f"{family}/{key}"] = buf.clone()
+                out[f"{family}/{key}"] = buf.clone() if copy else buf
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

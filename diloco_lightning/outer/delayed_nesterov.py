@@ -20,7 +20,7 @@ window's last arrival will install (``accumulator``), stored as ``Q = accumulato
 with a per-key scalar scale. An arrival inside a window is ``Q += g/N`` and
 ``state -= lr*(c*beta*m + g/N)`` (two multi-tensor passes); the last arrival of a window
 (``m' = Q + g/N``, ``state -= lr*(k*beta*m' + g/N)`` with ``k = 1 - c*N + c``) is a single
-``torch._fused_sgd_`` call with ``Q_hat`` as its momentum buffer (kernel momentum
+fused SGD call (``kernels.nesterov_step_``) with ``Q_hat`` as its momentum buffer (kernel momentum
 ``q/q'``, dampening ``1 - 1/(N*q')``, lr ``lr/N``, new scale ``q' = sqrt(q/(N*k*beta))``), and the
 next window's ``Q = beta*m'`` is a change of scale only. With ``c = 0`` no separate ``m`` is
 kept at all (one FP32 buffer); with ``c > 0``, ``m`` (``momentum``, scaled by ``momentum_scales``)
@@ -34,10 +34,16 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from diloco_lightning.outer.base import OuterOptimizer, Work, _Item, check_int, check_real
+from diloco_lightning.outer import kernels
+from diloco_lightning.outer.base import (
+    OuterOptimizer,
+    Work,
+    _Item,
+    check_int,
+    check_real,
+)
 from diloco_lightning.outer.gates import check_staleness
 
 __all__ = ["DelayedNesterov"]
@@ -113,39 +119,28 @@ class DelayedNesterov(OuterOptimizer):
                 accs = [w.bufs["accumulator"] for w in works]
                 moms = [w.bufs["momentum"] for w in works] if c else []
                 if not boundary:
-                    torch._foreach_add_(accs, grads, alpha=1.0 / (n * q))
+                    kernels.add_(accs, grads, alpha=1.0 / (n * q))
                     if c:
-                        torch._foreach_add_(params, moms, alpha=-lr * c * beta * scales[1])
-                    torch._foreach_add_(params, grads, alpha=-lr / n)
+                        kernels.add_(params, moms, alpha=-lr * c * beta * scales[1])
+                    kernels.add_(params, grads, alpha=-lr / n)
                     continue
                 # Last arrival of the window: m' = Q + g/N; state -= lr*(k*beta*m' + g/N).
                 if k * beta > 0.0:
                     q_new = math.sqrt(q / (n * k * beta))
-                    torch._fused_sgd_(
-                        params,
-                        grads,
-                        accs,
-                        weight_decay=0.0,
-                        momentum=q / q_new,
-                        lr=lr / n,
-                        dampening=1.0 - 1.0 / (n * q_new),
-                        nesterov=True,
-                        maximize=False,
-                        is_first_step=False,
-                    )
+                    kernels.nesterov_step_(params, grads, accs, momentum=q / q_new, lr=lr / n, dampening=1.0 - 1.0 / (n * q_new))
                 else:
                     q_new = q
-                    torch._foreach_add_(accs, grads, alpha=1.0 / (n * q))
+                    kernels.add_(accs, grads, alpha=1.0 / (n * q))
                     if k * beta != 0.0:
-                        torch._foreach_add_(params, accs, alpha=-lr * k * beta * q)
-                    torch._foreach_add_(params, grads, alpha=-lr / n)
+                        kernels.add_(params, accs, alpha=-lr * k * beta * q)
+                    kernels.add_(params, grads, alpha=-lr / n)
                 if c:
-                    torch._foreach_copy_(moms, accs)
+                    kernels.copy_(moms, accs)
                     new_mom_scales.update((w.key, q_new) for w in works)
                 # The next window starts from Q = beta*m' (A = 0): a change of scale.
                 q_next = beta * q_new
                 if q_next == 0.0:  # beta == 0: no momentum carries over
-                    torch._foreach_zero_(accs)
+                    kernels.zero_(accs)
                     q_next = 1.0
                 new_acc_scales.update((w.key, q_next) for w in works)
 

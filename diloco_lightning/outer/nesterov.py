@@ -12,7 +12,7 @@ behaviour of Speedtronic's DumbDiLoCo master (CPU FP32 buffers, state updated in
 :class:`PolyNesterov` is the "Poly" baseline of Liu et al. 2024 (arXiv 2401.09135): the same step
 fed ``g * (1 + tau) ** -0.5``.
 
-Both run as one ``torch._fused_sgd_`` call per batch of tensors (memory-bandwidth speed). The gate
+Both run as one fused SGD call (``kernels.nesterov_step_``) per batch of tensors (memory-bandwidth speed). The gate
 is folded into the kernel's scalars rather than applied to the delta: the momentum buffer is kept
 as ``buf = momentum_scale * B`` with a per-key scalar ``momentum_scale`` (always 1 for plain Nesterov), and
 a step with gate ``s`` on scale ``c`` runs the kernel with ``c' = sqrt(s*c)``,
@@ -29,11 +29,11 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
 from torch import Tensor
 
 from diloco_lightning.outer.base import OuterOptimizer, Work, _Item, check_real
 from diloco_lightning.outer.gates import check_staleness, poly_gate
+from diloco_lightning.outer.kernels import nesterov_step_
 
 __all__ = ["NesterovOuterOptimizer", "PolyNesterov"]
 
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 
 def sgd_kernel_constants(momentum: float, lr: float, gate: float, scale: float) -> tuple[float, float, float, float]:
-    """Scalars for ``torch._fused_sgd_`` applying a Nesterov step to ``gate * g``.
+    """Scalars for the fused SGD kernel (``kernels.nesterov_step_``) applying a Nesterov step to ``gate * g``.
 
     The momentum buffer is stored as ``buf = scale * B``. Returns ``(momentum', dampening', lr',
     new_scale)`` such that the kernel's ``B' = momentum'*B + (1 - dampening')*g`` and
@@ -76,17 +76,13 @@ class _NesterovBase(OuterOptimizer):
             groups = self._group(batch, ("momentum_scales",)) if scaled else {(1.0,): batch}
             for (scale,), works in groups.items():
                 momentum, dampening, lr, new_scale = sgd_kernel_constants(self.momentum, self.lr, gate, scale)
-                torch._fused_sgd_(
+                nesterov_step_(
                     [w.p for w in works],
                     [w.g for w in works],
                     [w.bufs["momentum"] for w in works] if momentum != 0.0 else [],
-                    weight_decay=0.0,
                     momentum=momentum,
                     lr=lr,
                     dampening=dampening,
-                    nesterov=True,
-                    maximize=False,
-                    is_first_step=False,
                 )
                 new_scales.update((w.key, new_scale) for w in works)
 
@@ -120,8 +116,8 @@ class NesterovOuterOptimizer(_NesterovBase):
         check_staleness(staleness)
         return 1.0
 
-    def state_dict(self) -> dict[str, Any]:
-        return {key: buf.clone() for key, buf in self._buffers["momentum"].items()}
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        return {key: buf.clone() if copy else buf for key, buf in self._buffers["momentum"].items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping):

@@ -44,7 +44,8 @@ class NodeIdTakenError(WorkerError):
 
 
 def default_claim_ttl(hub: Hub) -> float:
-    """60 s on a folder hub (a renewal is a small file write), 15 min elsewhere (a renewal is a commit)."""
+    """60 s on a folder hub (a renewal is a small file write), 15 min elsewhere (a renewal is a commit on
+    ``hf://``, a request on ``s3://``)."""
     return FILE_HUB_TTL if str(hub.url).startswith("file:") else REMOTE_HUB_TTL
 
 

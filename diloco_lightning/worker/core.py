@@ -18,6 +18,17 @@ Nothing is lost: a delta that cannot be uploaded (hub down, upload still running
 into the next one (cumulative, with the older ``base_outer_step``), and the worker's
 checkpoint state (:meth:`anchor_state`) carries the anchor and anything not yet delivered.
 See ``diloco_lightning/worker/uploader.py`` for the delivery rules.
+
+Nothing is sent twice either, across the worker's own crashes. A delta's ``local_step`` is
+the last boundary it covers plus the node's ``step_offset`` (checkpointed). A worker resumed
+from a checkpoint older than its last upload (killed after a delta reached the hub, before the
+next checkpoint) replays the inner steps since the checkpoint. At start it reads what the
+hub has seen of this node: the highest *authentic* delta it holds for the node (its header
+checked, its signature too in a signed run: a file someone else put there does not count)
+and the manifest's ledger, read again *after* the listing (a delta the master processed and
+deleted meanwhile is in the ledger by then). Every replayed boundary up to that step was
+delivered before the crash: its pseudo-gradient is not sent again (the anchor moves on as
+usual), and undelivered work from the checkpoint that the hub already covers is dropped.
 """
 
 from __future__ import annotations
@@ -34,12 +45,22 @@ from typing import Any
 
 import torch
 
-from diloco_lightning.deltafile import model_fingerprint, synced_keys
-from diloco_lightning.hub import Hub, HubNotFoundError, open_hub
+from diloco_lightning import faults
+from diloco_lightning.deltafile import (
+    DeltaFileError,
+    max_delta_bytes,
+    model_fingerprint,
+    read_delta_header,
+    synced_keys,
+)
+from diloco_lightning.fileio import make_owned_dir, owner_tag, sweep_owned_dirs
+from diloco_lightning.globals import read_verified_manifest
+from diloco_lightning.hub import DeltaRef, Hub, HubNotFoundError, open_hub
 from diloco_lightning.manifest import Manifest
 from diloco_lightning.names import validate_node_id
 from diloco_lightning.signing import RunKey, load_run_key
 from diloco_lightning.statefile import save_weights_file
+from diloco_lightning.stheader import LayoutError, read_layout
 from diloco_lightning.waiting import Patience
 from diloco_lightning.worker.claim import ClaimKeeper
 from diloco_lightning.worker.sync import (
@@ -83,6 +104,8 @@ DELTA_DTYPES = {
     "fp16": torch.float16,
 }
 STATE_VERSION = 1
+#: spool folders of dead workers (of another host, or without an owner tag) are removed once this old
+SPOOL_MAX_AGE = 24 * 3600.0
 
 
 def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> torch.dtype:
@@ -232,10 +255,12 @@ class DiLoCoWorker:
         self.boundaries = 0
         self.outer_step: int | None = None  # outer_step of the anchor's base
         self._anchor: dict[str, torch.Tensor] | None = None
-        self._next_local_step = 1  # delta_<r> is the r-th boundary's in a clean run
+        self.step_offset = 0  # local_step = boundary + step_offset (delta_<r> is the r-th boundary's in a clean run)
         self._unsent: Job | None = None
-        self._restored = False
-        self._restored_next: int | None = None
+        self._restored = False  # anchor and counters came from this node's checkpoint
+        #: the highest local_step the hub had seen of this node when it resumed from a checkpoint:
+        #: replayed boundaries up to it were delivered before the crash (never sent again)
+        self.delivered_until = -1
         # totals (not part of the model's state, but kept across resume)
         self.totals = {
             "deltas_uploaded_total": 0,
@@ -262,11 +287,18 @@ class DiLoCoWorker:
     def started(self) -> bool:
         return self._started
 
+    def _offset(self) -> int:
+        return self._uploader.step_offset if self._uploader is not None else self.step_offset
+
     @property
     def next_local_step(self) -> int:
-        if self._uploader is not None:
-            return self._uploader.next_local_step
-        return self._next_local_step
+        """The ``local_step`` of the next delta this worker sends (boundaries replayed after a
+        restart, whose deltas the hub already has, send nothing)."""
+        return max(self.boundaries + 1 + self._offset(), self.delivered_until + 1)
+
+    def _read_manifest(self) -> Manifest | None:
+        """The hub's manifest, refused (``UnauthenticatedVersionError``) if a signed run's is not signed."""
+        return read_verified_manifest(self.hub, self.signing_key)
 
     @property
     def pending_phases(self) -> int:
@@ -321,13 +353,49 @@ class DiLoCoWorker:
         refs = self.hub.list_deltas(after={self.node_id: -1})
         return max((r.local_step for r in refs if r.node_id == self.node_id), default=-1)
 
+    def _authentic(self, ref: DeltaRef) -> bool:
+        """Whether the hub's ``ref`` is a delta this node really wrote: its header names it, and
+        in a signed run its signature (checked by streaming, in bounded memory) is the run key's."""
+        limit = max_delta_bytes({k: self.params[k] for k in self.synced})
+        path = self.hub.download(ref.path, max_bytes=limit)
+        try:
+            header = read_delta_header(path)
+            if header.node_id != self.node_id or header.local_step != ref.local_step:
+                return False
+            if self.signing_key is not None:
+                layout = read_layout(path)
+                return self.signing_key.verify_file(layout.metadata.get("signature"), path, layout)
+            return True
+        except (DeltaFileError, LayoutError, OSError):
+            return False
+
+    def _hub_seen_high(self, authenticate: bool = True) -> int:
+        """The highest local_step the hub has seen of this node: its highest (``authenticate``:
+        authentic) delta on the hub, or the ledger (what the master accepted and may have deleted
+        since). The ledger is read again after the listing, so a delta processed and deleted in
+        between is not missed."""
+        before = self._read_manifest()
+        floor = before.ledger.get(self.node_id, -1) if before is not None else -1
+        refs = sorted((r for r in self.hub.list_deltas(after={self.node_id: floor}) if r.node_id == self.node_id),
+                      reverse=True)
+        after = self._read_manifest()
+        high = max(floor, after.ledger.get(self.node_id, -1) if after is not None else -1)
+        for ref in refs:
+            if ref.local_step <= high:
+                break
+            if not authenticate or self._authentic(ref):
+                return ref.local_step
+            log.warning("node %s: %s on %s is not a delta of this node (ignored)", self.node_id, ref.path, self.hub.url)
+        return high
+
     def start(self) -> InstallResult | None:
         """Connect to the hub and get the starting weights (idempotent; ``boundary`` calls it).
 
         Fresh start: with no global on the hub, offer this model's weights as
         ``nodes/<node_id>/init.safetensors`` and wait for outer step 0; then install the newest
         version (async) or version 0 (lockstep). After :meth:`load_anchor_state` (a resume) the
-        model keeps its restored weights and nothing is installed.
+        model keeps its restored weights and nothing is installed; boundaries replayed since the
+        checkpoint whose deltas the hub already has are not sent again (module docstring).
         """
         if self._closed:
             raise WorkerError("this worker is closed")
@@ -337,33 +405,34 @@ class DiLoCoWorker:
         if self._claim_keeper is not None and self._claim_keeper.claim is None and self._claim_keeper.supported:
             # before anything is offered or sent: a second live worker with this node_id stops here
             self._retry("claim the node id", self._claim_keeper.acquire, deadline)
-        manifest = self._retry("read the manifest", self.hub.read_manifest, deadline)
+        sweep_owned_dirs(self._spool_parent, "diloco-", SPOOL_MAX_AGE)
+        manifest = self._retry("read the manifest", self._read_manifest, deadline)
         if manifest is not None:
             self._check_fingerprint(manifest)
-        hub_high = self._retry("list this node's deltas", self._hub_high_step, deadline)
-        ledger = manifest.ledger.get(self.node_id, -1) if manifest is not None else -1
         installed = None
         if self._restored:
-            # the master deletes the deltas it processed: its ledger remembers them
-            seen_high = max(hub_high, ledger)
-            if self._restored_next is not None and seen_high >= self._restored_next:
+            seen = self._retry("read what the hub has of this node", self._hub_seen_high, deadline)
+            self.delivered_until = seen
+            if seen >= self.boundaries + 1 + self.step_offset:
                 log.warning(
-                    "node %s: the hub already has (or processed) delta_%d, made after this checkpoint was taken (its "
-                    "next delta was delta_%d): the inner steps replayed since the checkpoint will be sent again%s",
-                    self.node_id, seen_high, self._restored_next,
-                    "; the checkpoint's undelivered delta went out with them and is dropped" if self._unsent else "",
+                    "node %s: the hub already has this node's progress up to delta_%d, past this checkpoint (next delta "
+                    "delta_%d): the inner steps replayed up to boundary %d will not be sent again",
+                    self.node_id, seen, self.boundaries + 1 + self.step_offset, seen - self.step_offset,
                 )
-                self._unsent = None
+            self._drop_delivered(seen)
         else:
+            # a fresh start numbers its deltas after anything the hub has (or had) of this node
+            seen = self._retry("read what the hub has of this node", lambda: self._hub_seen_high(False), deadline)
+            self.step_offset = max(self.step_offset, seen - self.boundaries)
             if manifest is None:
                 manifest = self._bootstrap(deadline)
             target = manifest.outer_step if self.sync == "async" else max(0, self.boundaries - self.delay)
             installed = self._install_exact(target, manifest, deadline)
-        self._spool = tempfile.mkdtemp(prefix=f"diloco-{self.node_id}-", dir=self._spool_parent)
+        self._spool = make_owned_dir(self._spool_parent, f"diloco-{self.node_id}-")
         self._uploader = Uploader(
             self.hub,
             self.node_id,
-            first_local_step=max(self._next_local_step, hub_high + 1, ledger + 1),
+            step_offset=self.step_offset,
             spool_dir=self._spool,
             delta_dtype=self.delta_dtype,
             model_fingerprint=self.fingerprint,
@@ -371,17 +440,36 @@ class DiLoCoWorker:
             hub_high_step=self._hub_high_step,
             persistent=self.sync == "lockstep",
             retry_interval=self.poll_interval,
+            read_manifest=self._read_manifest,
         )
         if self.sync == "async":
             self._fetcher = GlobalFetcher(
-                self.hub, self.node_id, self.fingerprint, poll_interval=self.poll_interval, floor=self.outer_step
+                self.hub, self.node_id, self.fingerprint, poll_interval=self.poll_interval, floor=self.outer_step,
+                signing_key=self.signing_key,
             )
         self._started = True
         if self._unsent is not None:
             self._pump()
         log.info("node %s: started at outer_step %s (next local_step %d, sync=%s%s)", self.node_id, self.outer_step,
-                 self._uploader.next_local_step, self.sync, f", delay={self.delay}" if self.sync == "lockstep" else "")
+                 self.next_local_step, self.sync, f", delay={self.delay}" if self.sync == "lockstep" else "")
         return installed
+
+    def _drop_delivered(self, seen: int) -> None:
+        """Forget the checkpoint's undelivered work that the hub already holds (delivered by the
+        process that died): a doubtful upload at or below ``seen``, fresh content whose last
+        boundary maps to a step at or below it."""
+        job = self._unsent
+        if job is None:
+            return
+        doubt, fresh = job.doubt, job.fresh
+        if doubt is not None and doubt[0] <= seen:
+            log.info("node %s: the checkpoint's doubtful delta_%d is on the hub; not sending it again", self.node_id, doubt[0])
+            doubt = None
+        if fresh is not None and fresh.boundary + self.step_offset <= seen:
+            log.info("node %s: the checkpoint's undelivered %d phase(s) are on the hub; not sending them again",
+                     self.node_id, fresh.phases)
+            fresh = None
+        self._unsent = None if doubt is None and fresh is None else Job(fresh=fresh, doubt=doubt)
 
     def _check_fingerprint(self, manifest: Manifest) -> None:
         if manifest.model_fingerprint != self.fingerprint:
@@ -392,19 +480,20 @@ class DiLoCoWorker:
             )
 
     def _bootstrap(self, deadline: float) -> Manifest:
-        with tempfile.TemporaryDirectory(prefix=f"diloco-init-{self.node_id}-") as tmp:
+        with tempfile.TemporaryDirectory(prefix=f"diloco-init-{self.node_id}-{owner_tag()}", dir=self._spool_parent) as tmp:
             path = os.path.join(tmp, "init.safetensors")
-            save_weights_file(
-                path,
-                {k: t.detach().cpu() for k, t in self.params.items()},
-                metadata={"format": "diloco-init/1", "node_id": self.node_id, "model_fingerprint": self.fingerprint},
-            )
+            tensors = {k: t.detach().cpu() for k, t in self.params.items()}
+            md = {"format": "diloco-init/1", "node_id": self.node_id, "model_fingerprint": self.fingerprint}
+            if self.signing_key is not None:  # a master of a signed run adopts only a signed offer
+                md["signature"] = self.signing_key.sign(md, tensors)
+            save_weights_file(path, tensors, metadata=md)
+            del tensors
             hub_path = self._retry("offer the initial weights", lambda: self.hub.upload_init(path, self.node_id), deadline)
         log.info("node %s: no global version on %s yet; offered %s, waiting for a master to publish outer step 0",
                  self.node_id, self.hub.url, hub_path)
         patience = self._patience("a master to publish outer step 0")
         while True:
-            m = self._retry("read the manifest", self.hub.read_manifest, deadline)
+            m = self._retry("read the manifest", self._read_manifest, deadline)
             if m is not None:
                 self._check_fingerprint(m)
                 return m
@@ -459,12 +548,12 @@ class DiLoCoWorker:
         """Install version ``target`` (``manifest`` is current and at least ``target``)."""
         while True:
             try:
-                m, state = load_version(self.hub, manifest, target)
+                m, state = load_version(self.hub, manifest, target, signing_key=self.signing_key)
                 return self.install_state(target, state, newest=manifest.outer_step)
             except HubNotFoundError:  # collected while being read: re-read the manifest
                 if time.monotonic() >= deadline:
                     raise
-                manifest = self._retry("read the manifest", self.hub.read_manifest, deadline)
+                manifest = self._retry("read the manifest", self._read_manifest, deadline)
 
     # ------------------------------------------------------------------ boundary
 
@@ -487,9 +576,18 @@ class DiLoCoWorker:
             if self._pin:
                 event = torch.cuda.Event()
                 event.record()
-        part = Part(self.outer_step, num_tokens, 1, anchor=self._anchor, snapshot=snap, event=event)
+        part = Part(self.outer_step, num_tokens, 1, anchor=self._anchor, snapshot=snap, event=event,
+                    boundary=self.boundaries + 1)
         self._anchor = snap
         return part
+
+    def _replayed(self, boundary: int) -> bool:
+        """Whether this boundary's delta reached the hub before a crash (see the module docstring)."""
+        if boundary + self._offset() > self.delivered_until:
+            return False
+        log.info("node %s: boundary %d was delivered before the restart (delta_%d on the hub); not sending it again",
+                 self.node_id, boundary, boundary + self._offset())
+        return True
 
     def _collect(self) -> list[UploadReport]:
         reports = self._uploader.collect() if self._uploader is not None else []
@@ -535,10 +633,14 @@ class DiLoCoWorker:
         reports = self._collect()
         base = self.outer_step
         part = self._export(num_tokens)
+        faults.point("worker.exported")
         self.boundaries = r
         wait = 0.0
+        if self._replayed(r):
+            part = None
         if self.sync == "async":
-            self._unsent = merge_jobs(self._unsent, Job(fresh=part))
+            if part is not None:
+                self._unsent = merge_jobs(self._unsent, Job(fresh=part))
             self._pump()
             installed = None
             got = self._fetcher.take()
@@ -587,7 +689,7 @@ class DiLoCoWorker:
         reports.extend(got)
         return got
 
-    def _lockstep(self, part: Part, r: int) -> tuple[InstallResult, float, list[UploadReport]]:
+    def _lockstep(self, part: Part | None, r: int) -> tuple[InstallResult, float, list[UploadReport]]:
         """Boundary r in lockstep: queue delta r (uploaded once version r-1 exists, so a master
         with a quorum of all workers applies exactly one delta per worker per round), then wait
         for version ``r - delay`` and install exactly it. Every delta r then has base
@@ -596,7 +698,8 @@ class DiLoCoWorker:
         t0 = time.perf_counter()
         deadline = self._deadline()
         reports: list[UploadReport] = []
-        self._uploader.submit(Job(fresh=part), not_before=r - 1)
+        if part is not None:
+            self._uploader.submit(Job(fresh=part), not_before=r - 1)
         target = max(0, r - self.delay)
         first = True
         patience = self._patience(f"global version {target} (lockstep boundary {r}, delay {self.delay})")
@@ -604,7 +707,7 @@ class DiLoCoWorker:
             self._collect_into(reports)
             m = None
             try:
-                m = self.hub.read_manifest()
+                m = self._read_manifest()
             except Exception as e:
                 if first:
                     log.warning("node %s: cannot read the manifest (%s: %s); retrying", self.node_id, type(e).__name__, e)
@@ -659,7 +762,7 @@ class DiLoCoWorker:
                     self.node_id, self.pending_phases, self.hub.url,
                 )
             self._uploader.close(timeout=5.0)
-            self._next_local_step = self._uploader.next_local_step
+            self.step_offset = self._uploader.step_offset
             if self._fetcher is not None:
                 self._fetcher.close(timeout=5.0)
             if self._spool is not None:
@@ -685,7 +788,8 @@ class DiLoCoWorker:
             "node_id": self.node_id,
             "boundaries": self.boundaries,
             "outer_step": self.outer_step,
-            "next_local_step": self.next_local_step,
+            "next_local_step": self.boundaries + 1 + self._offset(),
+            "step_offset": self._offset(),
             "totals": dict(self.totals),
         }
 
@@ -701,7 +805,7 @@ class DiLoCoWorker:
         if state.get("outer_step") is not None:
             self.outer_step = int(state["outer_step"])
         if same_node:
-            self._next_local_step = max(self._next_local_step, int(state.get("next_local_step", 0)))
+            self.step_offset = max(self.step_offset, _offset_of(state))
             for k, v in (state.get("totals") or {}).items():
                 if k in self.totals:
                     self.totals[k] = type(self.totals[k])(v)
@@ -733,6 +837,7 @@ class DiLoCoWorker:
                     "base_outer_step": f.base_outer_step,
                     "num_tokens": f.num_tokens,
                     "phases": f.phases,
+                    "boundary": f.boundary,
                     "tensors": f.materialize(),
                 }
             if self._unsent.doubt is not None:
@@ -742,6 +847,7 @@ class DiLoCoWorker:
                     "base_outer_step": d.base_outer_step,
                     "num_tokens": d.num_tokens,
                     "phases": d.phases,
+                    "boundary": d.boundary,
                     "tensors": d.materialize(),
                 }
         return {
@@ -749,7 +855,8 @@ class DiLoCoWorker:
             "node_id": self.node_id,
             "outer_step": self.outer_step,
             "boundaries": self.boundaries,
-            "next_local_step": self.next_local_step + (1 if busy else 0),
+            "next_local_step": self.boundaries + 1 + self._offset(),
+            "step_offset": self._offset(),
             "anchor": dict(self._anchor),
             "unsent": unsent,
         }
@@ -777,22 +884,30 @@ class DiLoCoWorker:
         self._anchor = {k: self._anchor_copy(anchor[k]) for k in self.synced}
         self.outer_step = int(state["outer_step"])
         self.boundaries = int(state.get("boundaries", self.boundaries))
-        self._restored = True
         if state.get("node_id") != self.node_id:
             log.warning("node %s: restoring the anchor of node %s's checkpoint (its undelivered deltas stay with it)",
                         self.node_id, state.get("node_id"))
             return
-        self._restored_next = int(state["next_local_step"])
-        self._next_local_step = max(self._next_local_step, self._restored_next)
+        self._restored = True
+        self.step_offset = _offset_of(state)
         unsent = state.get("unsent")
         if unsent:
             job = Job()
             if unsent.get("fresh"):
                 f = unsent["fresh"]
                 job.fresh = Part(int(f["base_outer_step"]), f["num_tokens"], int(f["phases"]),
-                                 residual={k: v.float() if not v.is_complex() else v for k, v in f["tensors"].items()})
+                                 residual={k: v.float() if not v.is_complex() else v for k, v in f["tensors"].items()},
+                                 boundary=int(f.get("boundary", self.boundaries)))
             if unsent.get("doubt"):
                 d = unsent["doubt"]
-                job.doubt = (int(d["local_step"]), Part(int(d["base_outer_step"]), d["num_tokens"], int(d["phases"]),
-                                                         residual=dict(d["tensors"])))
+                step = int(d["local_step"])
+                job.doubt = (step, Part(int(d["base_outer_step"]), d["num_tokens"], int(d["phases"]),
+                                        residual=dict(d["tensors"]), boundary=int(d.get("boundary", step - self.step_offset))))
             self._unsent = job
+
+
+def _offset_of(state: Mapping[str, Any]) -> int:
+    """The checkpoint's ``step_offset`` (derived for checkpoints written before it was recorded)."""
+    if state.get("step_offset") is not None:
+        return int(state["step_offset"])
+    return max(0, int(state.get("next_local_step", 1)) - int(state.get("boundaries", 0)) - 1)

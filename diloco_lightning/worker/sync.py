@@ -8,7 +8,6 @@ the next boundary installs it with in-place copies.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import re
@@ -18,9 +17,16 @@ from typing import Any
 
 import torch
 
-from diloco_lightning.globals import GlobalIntegrityError, load_global
+from diloco_lightning.globals import (
+    GlobalIntegrityError,
+    UnauthenticatedVersionError,
+    load_global,
+    load_weights_at,
+    verify_manifest,
+)
 from diloco_lightning.hub.base import Hub, HubNotFoundError
 from diloco_lightning.manifest import Manifest
+from diloco_lightning.signing import RunKey
 
 log = logging.getLogger(__name__)
 
@@ -119,27 +125,27 @@ def resolve_delay(delay: Any, node_id: str, node_index: int | None = None) -> in
 # ----------------------------------------------------------------------------- versions
 
 
-def load_version(hub: Hub, manifest: Manifest, outer_step: int) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    """Exactly version ``outer_step``: the manifest's current one (SHA-256 verified) or one of its
-    ``history`` (history entries carry no digest: the state's fingerprint is still checked).
+def load_version(
+    hub: Hub, manifest: Manifest, outer_step: int, *, signing_key: RunKey | None = None
+) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """Exactly version ``outer_step``: the manifest's current one or one of its ``history``,
+    each checked against the SHA-256 the manifest gives (and the model fingerprint). With
+    ``signing_key`` the manifest must be signed with it; an old version whose digest the
+    manifest does not give is then refused (nothing would vouch for it).
 
     Raises ``WorkerError`` if the version is not on the hub any more (garbage-collected) and
     ``HubNotFoundError`` if it vanished while being read.
     """
+    verify_manifest(manifest, signing_key, hub.url)
     if manifest.outer_step == outer_step:
-        return load_global(hub, manifest)
+        return load_global(hub, manifest, signing_key=signing_key)
     for v in manifest.history:
         if v.outer_step == outer_step:
-            old = dataclasses.replace(
-                manifest,
-                outer_step=v.outer_step,
-                weights=v.weights,
-                weights_sha256=None,
-                outer_state=v.outer_state,
-                outer_state_sha256=None,
-                history=[],
-            )
-            return load_global(hub, old)
+            if v.weights_sha256 is None and signing_key is not None:
+                raise WorkerError(
+                    f"global version {outer_step} on {hub.url} has no SHA-256 in the signed manifest: cannot verify it"
+                )
+            return manifest, load_weights_at(hub, v.weights, v.weights_sha256, manifest.model_fingerprint)
     kept = sorted([manifest.outer_step] + [v.outer_step for v in manifest.history])
     raise WorkerError(
         f"global version {outer_step} is not on {hub.url} any more (it keeps versions {kept}); "
@@ -150,8 +156,12 @@ def load_version(hub: Hub, manifest: Manifest, outer_step: int) -> tuple[Manifes
 class GlobalFetcher:
     """Background prefetch of the newest global version (see the module docstring)."""
 
-    def __init__(self, hub: Hub, node_id: str, fingerprint: str, *, poll_interval: float, floor: int) -> None:
+    def __init__(
+        self, hub: Hub, node_id: str, fingerprint: str, *, poll_interval: float, floor: int,
+        signing_key: RunKey | None = None,
+    ) -> None:
         self.hub = hub
+        self.signing_key = signing_key
         self.node_id = node_id
         self.fingerprint = fingerprint
         self.poll_interval = poll_interval
@@ -212,6 +222,10 @@ class GlobalFetcher:
             try:
                 self._poll()
                 self._failing = False
+            except UnauthenticatedVersionError as e:  # refused, loudly; nothing of ours changes
+                if not self._failing:
+                    log.error("node %s: %s; training goes on with the installed version", self.node_id, e)
+                self._failing = True
             except Exception as e:  # the hub is down: keep trying, say so once per outage
                 if not self._failing:
                     log.warning("node %s: cannot read global versions from %s (%s: %s); training goes on",
@@ -222,6 +236,7 @@ class GlobalFetcher:
         m = self.hub.read_manifest()
         if m is None:
             return
+        verify_manifest(m, self.signing_key, self.hub.url)  # before anything is believed, even its outer_step
         with self._cond:
             self._newest_seen = max(self._newest_seen, m.outer_step)
             have = max(self._floor, self._ready[0].outer_step if self._ready else -1)
@@ -236,7 +251,7 @@ class GlobalFetcher:
             self._bad_versions.add(m.outer_step)
             return
         try:
-            m, state = load_global(self.hub, m)
+            m, state = load_global(self.hub, m, signing_key=self.signing_key)
         except HubNotFoundError:
             return  # collected meanwhile: a newer one is published, the next poll gets it
         except GlobalIntegrityError as e:

@@ -7,8 +7,13 @@ file write and the upload all happen off the training thread.
 
 Exactly-once delivery
 ---------------------
-Every delta a node writes has a fresh ``local_step`` (strictly increasing, so a node's deltas
-appear in order and the master's per-node high-water mark works). When an upload fails the
+A delta's ``local_step`` is the last boundary it covers plus the node's ``step_offset``
+(0 in a clean run: ``delta_<r>`` is the r-th boundary's). So it is strictly increasing (a
+node's deltas appear in order and the master's per-node high-water mark works), and it says
+how far the node's delivered progress goes: a delta at step s holds every phase up to
+boundary ``s - step_offset`` that was not delivered before it. A worker restarted from an
+older checkpoint reads the highest step the hub has seen for it and does not send again the
+boundaries it replays up to there (see ``worker/core.py``). When an upload fails the
 uploader asks the hub whether the file landed anyway (a remote commit can time out after it
 succeeded):
 
@@ -22,8 +27,8 @@ succeeded):
   attempted, so at most one doubtful delta and one merged pending delta are ever held.
 
 A ``DeltaExistsError`` on a fresh ``local_step`` means another writer uses this node id (or
-the worker restarted without its checkpoint): the uploader skips past the hub's highest step,
-warns, and retries at once.
+a file was put there by someone else): the uploader raises ``step_offset`` past the hub's
+highest step, warns, and retries at once.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from diloco_lightning import faults
 from diloco_lightning.deltafile import write_delta
 from diloco_lightning.hub.base import DeltaExistsError, Hub
 from diloco_lightning.signing import RunKey
@@ -62,6 +68,7 @@ class Part:
     the lazy part. Neither dict is ever modified in place once built (the worker's anchor may be
     the very same dict), so a part can be read by the uploader while training goes on.
     ``event``: a CUDA event that completes when ``snapshot``'s non-blocking copies are done.
+    ``boundary``: the last boundary (the worker's count) this part covers.
     """
 
     base_outer_step: int
@@ -71,6 +78,7 @@ class Part:
     anchor: Tensors | None = None
     snapshot: Tensors | None = None
     event: object | None = None
+    boundary: int = 0
 
     def wait(self) -> None:
         if self.event is not None:
@@ -91,7 +99,7 @@ class Part:
         return out
 
     def materialized(self) -> "Part":
-        return Part(self.base_outer_step, self.num_tokens, self.phases, residual=self.materialize())
+        return Part(self.base_outer_step, self.num_tokens, self.phases, residual=self.materialize(), boundary=self.boundary)
 
 
 def _sum_tokens(a: int | None, b: int | None) -> int | None:
@@ -112,13 +120,14 @@ def merge_parts(old: Part | None, new: Part | None) -> Part | None:
     base = min(old.base_outer_step, new.base_outer_step)
     tokens = _sum_tokens(old.num_tokens, new.num_tokens)
     phases = old.phases + new.phases
+    boundary = max(old.boundary, new.boundary)
     if old.anchor is not None and new.anchor is not None and new.anchor is old.snapshot:
         residual = _add(old.residual, new.residual)
-        return Part(base, tokens, phases, residual, old.anchor, new.snapshot, new.event)
+        return Part(base, tokens, phases, residual, old.anchor, new.snapshot, new.event, boundary)
     # ``old`` is owned by the merge (never read again), so its residual is reused, not copied
     residual = old.materialize() if old.anchor is not None else old.residual
     residual = _add(residual, new.residual)
-    return Part(base, tokens, phases, residual, new.anchor, new.snapshot, new.event)
+    return Part(base, tokens, phases, residual, new.anchor, new.snapshot, new.event, boundary)
 
 
 def _add(a: Tensors | None, b: Tensors | None) -> Tensors | None:
@@ -194,8 +203,8 @@ class Uploader:
     failed job stays at the head of the queue and is retried every ``retry_interval`` seconds.
     Jobs waiting for their gate are materialized meanwhile (one FP32 copy each instead of two).
 
-    ``next_local_step`` is the step the next delta gets; only the uploader thread advances it
-    (read it when :attr:`busy` is False).
+    A delta's ``local_step`` is ``part.boundary + step_offset``; only the uploader thread
+    raises ``step_offset`` (on a collision), so read it when :attr:`busy` is False.
     """
 
     def __init__(
@@ -203,7 +212,7 @@ class Uploader:
         hub: Hub,
         node_id: str,
         *,
-        first_local_step: int,
+        step_offset: int,
         spool_dir: str | os.PathLike,
         delta_dtype: torch.dtype = torch.float32,
         model_fingerprint: str | None = None,
@@ -211,10 +220,11 @@ class Uploader:
         hub_high_step: Callable[[], int] | None = None,
         persistent: bool = False,
         retry_interval: float = 1.0,
+        read_manifest: Callable[[], object] | None = None,
     ) -> None:
         self.hub = hub
         self.node_id = node_id
-        self.next_local_step = int(first_local_step)
+        self.step_offset = int(step_offset)
         self.spool_dir = Path(spool_dir)
         self.delta_dtype = delta_dtype
         self.model_fingerprint = model_fingerprint
@@ -222,6 +232,7 @@ class Uploader:
         self.persistent = persistent
         self.retry_interval = retry_interval
         self._hub_high_step = hub_high_step
+        self._read_manifest = read_manifest or hub.read_manifest
         self._cond = threading.Condition()
         self._queue: deque[tuple[Job, int | None]] = deque()
         self._active = False
@@ -288,7 +299,7 @@ class Uploader:
 
     def _gate_open(self, not_before: int) -> bool:
         try:
-            m = self.hub.read_manifest()
+            m = self._read_manifest()
         except Exception as e:
             log.debug("cannot read the manifest on %s: %s", self.hub.url, e)
             return False
@@ -387,12 +398,12 @@ class Uploader:
             if d.numel():
                 sq += float(torch.linalg.vector_norm(d).double()) ** 2
         norm = math.sqrt(sq)
-        content = Part(fresh.base_outer_step, fresh.num_tokens, fresh.phases, residual=delta)
+        content = Part(fresh.base_outer_step, fresh.num_tokens, fresh.phases, residual=delta, boundary=fresh.boundary)
         tensors = {
             k: (d if d.is_complex() or d.dtype == self.delta_dtype else d.to(self.delta_dtype)) for k, d in delta.items()
         }
         for attempt in range(3):
-            step = self.next_local_step
+            step = fresh.boundary + self.step_offset
             local = self.spool_dir / f"delta_{step}.safetensors"
             nbytes = 0
             try:
@@ -407,18 +418,19 @@ class Uploader:
                     signing_key=self.signing_key,
                     extra_metadata={"phases": str(fresh.phases)},
                 )
+                faults.point("worker.uploading")
                 hub_path = self.hub.upload_delta(local, self.node_id, step)
+                faults.point("worker.uploaded")
             except DeltaExistsError:
                 high = self._hub_high_step() if self._hub_high_step is not None else step
-                self.next_local_step = max(step, high) + 1
+                self.step_offset += max(step, high) + 1 - step
                 log.warning(
-                    "node %s: delta_%d already exists on %s (another process with this node_id?); "
-                    "sending as delta_%d instead",
-                    self.node_id, step, self.hub.url, self.next_local_step,
+                    "node %s: delta_%d already exists on %s (another process with this node_id, or a file someone "
+                    "else put there?); sending as delta_%d instead",
+                    self.node_id, step, self.hub.url, fresh.boundary + self.step_offset,
                 )
                 continue
             except Exception as e:
-                self.next_local_step = step + 1  # a step that may exist on the hub is never reused
                 error = f"{type(e).__name__}: {e}"
                 landed = self._landed(step)
                 if landed:
@@ -444,7 +456,6 @@ class Uploader:
                     local.unlink()
                 except FileNotFoundError:
                     pass
-            self.next_local_step = step + 1
             return UploadReport(
                 ok=True,
                 local_step=step,
@@ -460,7 +471,7 @@ class Uploader:
             )
         return UploadReport(
             ok=False,
-            error=f"delta_{self.next_local_step - 1} kept colliding with existing deltas on {self.hub.url}",
+            error=f"delta_{fresh.boundary + self.step_offset} kept colliding with existing deltas on {self.hub.url}",
             seconds=time.perf_counter() - t0,
             remaining=Job(fresh=content),
         )

@@ -1,0 +1,420 @@
+"""The S3 transport (``s3://bucket/prefix``), through boto3: AWS S3 and S3-compatible stores.
+
+Hub path ``p`` is the object ``<prefix>/p`` of ``bucket``. Credentials come from boto3's
+standard chain (environment, ``AWS_PROFILE`` / config files, instance or container roles);
+they are never put in a message or a log line. Requests, retries, error mapping and multipart
+uploads are in :mod:`diloco_lightning.hub.s3_store`.
+
+What the store must support (probed when the hub is opened, unless ``check_conditional_writes=False``):
+
+* ``PutObject`` with ``If-None-Match: *`` (create only if absent) and ``If-Match: <etag>``
+  (replace only if unchanged), answering 412 when the condition fails (409
+  ``ConditionalRequestConflict`` under contention is retried). A store that ignores either
+  header is refused at open with a ``HubError`` that says so: without them nothing below holds.
+* ``CompleteMultipartUpload`` with ``If-None-Match: *``, for files above ``multipart_threshold``.
+  A store that ignores it there gets every file up to 5 GiB in one conditional ``PutObject``
+  instead, and a larger file is refused (never uploaded unguarded).
+* Strongly consistent reads and listings after a write (AWS S3 since 2020, MinIO, R2);
+  ``ListObjectsV2``, ``GetObject``, ``DeleteObject``.
+
+How each rule of ``diloco_lightning.hub.base`` is kept:
+
+* Deltas and ``init.safetensors`` are created with ``If-None-Match: *``, so a delta is never
+  overwritten, even by writers racing (``DeltaExistsError``); a retried upload whose own
+  bytes are already there counts as done.
+* ``publish``: every check of ``check_publication``; the manifest is read (bytes and ETag) and
+  its ``outer_step`` compared (``PublishConflictError`` before anything is uploaded); one
+  listing of ``global/`` checks that the files the manifest names exist and the new ones do
+  not; the new files go up under their unique names with ``If-None-Match: *``; a second listing
+  checks that none vanished; then ``global/manifest.json`` is replaced with ``If-Match: <ETag
+  read>`` (``If-None-Match: *`` on a fresh hub): that one conditional PUT is the atomic point.
+  A lost swap is ``PublishConflictError`` and the uploaded files are removed (those the current
+  manifest does not name). Deletions follow the swap, as on the folder hub; a failed deletion
+  is logged and left to garbage collection (the new version is already live). A crash before
+  the swap leaves the old version plus orphans in ``global/`` (``list_global()`` minus the
+  manifest's files, collected by a later publication); after it, the new version. There is no
+  lock: a garbage collection of ``global/`` running beside a publication is caught by the second
+  listing, except in the moment between that listing and the swap (the master only ever
+  deletes files older than the version it just published).
+* The lease uses the same conditional writes on ``global/lease.json``; releasing it writes an
+  empty object (read back as "no lease") instead of deleting it, so no conditional DELETE is
+  needed. A CAS whose answer was lost is recognised by reading back exactly the bytes written.
+  Node claims (``nodes/<node_id>/claim.json``, :mod:`diloco_lightning.nodeclaim`) work the same
+  way; listings skip them.
+* Listing: one paginated ``ListObjectsV2`` of ``<prefix>/nodes/`` (sizes go into ``DeltaRef``),
+  filtered by the ledger here. A ``StartAfter`` cannot skip what the ledger covers: keys sort
+  as text, so ``delta_10`` sorts before ``delta_9``, and a step with more digits than the
+  ledger's can sort anywhere before it (``delta_100`` < ``delta_25``); a listing that started
+  after ``delta_<ledger>`` would miss new deltas, and none that starts later than ``delta_1``
+  is complete. What keeps the listing short is the master deleting processed deltas with each
+  publication. One listing of all of ``nodes/`` is also fewer requests than one per node.
+* ``download`` streams into ``cache_dir/<hub path>`` (temporary file + ``os.replace``, length
+  checked; botocore validates the store's checksum when there is one), so two nodes'
+  same-named files never share a cache file and a partial file is never seen. Immutable files
+  are reused from the cache (a delta's only if its size matches the listing); the mutable ones
+  (manifest, lease, ``init.safetensors``) are fetched every time.
+
+What a crash can leave behind besides orphans: incomplete multipart uploads (invisible; set an
+``AbortIncompleteMultipartUpload`` lifecycle rule on the bucket), a ``global/.probe-*`` object
+(not a valid global name: listings skip it), ``.tmp`` files in the cache.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import inspect
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from diloco_lightning import faults
+from diloco_lightning.hub.base import (
+    ClaimConflictError,
+    DeltaExistsError,
+    DeltaRef,
+    Hub,
+    HubError,
+    HubFileTooLargeError,
+    HubNotFoundError,
+    LeaseConflictError,
+    PublishConflictError,
+    check_publication,
+    default_cache_dir,
+)
+from diloco_lightning.hub.s3_store import HubUnavailableError, Missing, Precondition, S3Store, parse_s3_url
+from diloco_lightning.manifest import Lease, Manifest, ManifestError
+from diloco_lightning.nodeclaim import ClaimError, NodeClaim
+from diloco_lightning.names import (
+    GLOBAL_DIR,
+    LEASE_PATH,
+    MANIFEST_PATH,
+    NODES_DIR,
+    RESERVED_GLOBAL_PATHS,
+    InvalidNameError,
+    claim_path,
+    delta_path,
+    init_path,
+    parse_claim_path,
+    parse_delta_path,
+    parse_init_path,
+    validate_global_path,
+    validate_hub_path,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["S3Hub", "S3_OPTIONS", "HubUnavailableError", "parse_s3_url"]
+
+
+class S3Hub(Hub):
+    """A hub under ``s3://bucket/prefix``. See the module docstring for what the store must
+    support and how each guarantee is kept.
+
+    Options: ``endpoint_url`` (a MinIO/R2/... endpoint; default boto3's: AWS, or
+    ``$AWS_ENDPOINT_URL_S3`` / ``$AWS_ENDPOINT_URL``), ``region`` (default boto3's), ``addressing_style`` (``path``,
+    ``virtual`` or ``auto``; MinIO usually needs ``path``), ``cache_dir``, ``max_retries``
+    (retries of one request on 5xx/throttling/timeouts, default 5), ``retry_base_delay`` /
+    ``retry_max_delay`` (seconds; backoff ``min(max, base * 2**n)`` jittered to 50-100 %),
+    ``timeout`` (seconds per connect/read, default 60), ``multipart_threshold`` (files larger
+    than this go up in parts, default 64 MiB), ``part_size`` (default 32 MiB, at least 5 MiB;
+    raised when a file would need more than 10,000 parts; at most 4 parts are in memory at
+    once), ``check_conditional_writes`` (probe the store at open, default True: a few requests
+    on a scratch object ``global/.probe-<random>``, removed afterwards; credentials that may
+    not write under ``global/``, e.g. a worker's restricted to ``nodes/``, need False).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        addressing_style: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        max_retries: int | None = None,
+        retry_base_delay: float | None = None,
+        retry_max_delay: float | None = None,
+        timeout: float | None = 60.0,
+        multipart_threshold: int | None = None,
+        part_size: int | None = None,
+        check_conditional_writes: bool = True,
+    ) -> None:
+        self.store = S3Store(
+            bucket, prefix, endpoint_url=endpoint_url, region=region, addressing_style=addressing_style,
+            max_retries=max_retries, retry_base_delay=retry_base_delay, retry_max_delay=retry_max_delay,
+            timeout=timeout, multipart_threshold=multipart_threshold, part_size=part_size,
+        )
+        self.url = self.store.url
+        self.endpoint_url = self.store.endpoint_url
+        self.cache_dir = (
+            Path(cache_dir) if cache_dir is not None else default_cache_dir(f"{self.endpoint_url}|{self.url}")
+        )
+        self._warned: set[str] = set()
+        self._warned_lock = threading.Lock()
+        if check_conditional_writes:
+            self.store.check_conditional_writes(GLOBAL_DIR)
+
+    def _fault(self, label: str) -> None:
+        faults.point(label, self)  # crash points for tests (diloco_lightning.faults)
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        with self._warned_lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning(msg, *args)
+
+    # ------------------------------------------------------------------ workers
+
+    def upload_delta(self, local_file: str | os.PathLike, node_id: str, local_step: int) -> str:
+        hub_path = delta_path(node_id, local_step)
+        if not self.store.put_new(local_file, hub_path, "upload delta"):
+            raise DeltaExistsError(f"{hub_path} already exists on {self.url}; deltas are never rewritten")
+        return hub_path
+
+    def upload_init(self, local_file: str | os.PathLike, node_id: str) -> str:
+        hub_path = init_path(node_id)
+        if not self.store.put_new(local_file, hub_path, "offer initial weights"):
+            log.info("%s already offered on %s; keeping the first one", hub_path, self.url)
+        return hub_path
+
+    # ------------------------------------------------------------------ listing
+
+    def list_deltas(self, after: Mapping[str, int] | None = None) -> list[DeltaRef]:
+        after = after or {}
+        out: list[DeltaRef] = []
+        for path, size, etag in self.store.list(NODES_DIR, recursive=True):
+            ident = parse_delta_path(path)
+            if ident is None:
+                if parse_init_path(path) is None and parse_claim_path(path) is None:
+                    self._warn_once(path, "ignoring %s on %s: not a delta path", path, self.url)
+                continue
+            if ident.local_step > after.get(ident.node_id, -1):
+                out.append(DeltaRef(ident.node_id, ident.local_step, path, size, etag))
+        out.sort()
+        return out
+
+    def list_inits(self) -> list[str]:
+        return sorted({n for n in (parse_init_path(p) for p, _, _ in self.store.list(NODES_DIR, recursive=True)) if n})
+
+    def list_global(self) -> list[str]:
+        out = []
+        for path, _, _ in self.store.list(GLOBAL_DIR, recursive=False):
+            try:
+                out.append(validate_global_path(path))
+            except InvalidNameError:
+                continue  # .probe-* objects
+        return sorted(out)
+
+    # ------------------------------------------------------------------ reading
+
+    def download(self, hub_path: str, *, max_bytes: int | None = None) -> Path:
+        hub_path = validate_hub_path(hub_path)
+        dest = self.cache_dir / hub_path
+        mutable = hub_path in RESERVED_GLOBAL_PATHS or parse_init_path(hub_path) is not None
+        if not mutable and dest.is_file():
+            if max_bytes is not None and dest.stat().st_size > max_bytes:
+                raise HubFileTooLargeError(f"{hub_path} on {self.url} is more than the {max_bytes} bytes allowed")
+            return dest  # hub files are immutable and cached copies complete (atomic rename)
+        try:
+            self.store.fetch(hub_path, dest, max_bytes)
+        except Missing:
+            raise HubNotFoundError(f"{hub_path} not found on {self.url}") from None
+        return dest
+
+    def download_delta(self, ref: DeltaRef) -> Path:
+        dest = self.cache_dir / validate_hub_path(ref.path)
+        if ref.size is not None and dest.is_file() and dest.stat().st_size != ref.size:
+            log.info("cached %s is %d bytes, the hub lists %d; fetching it again", ref.path, dest.stat().st_size,
+                     ref.size)
+            with contextlib.suppress(FileNotFoundError):
+                dest.unlink()
+        return self.download(ref.path)
+
+    def _manifest(self, data: bytes) -> Manifest:
+        return Manifest.from_json(data, source=f"{self.url}/{MANIFEST_PATH}")
+
+    def read_manifest_bytes(self) -> bytes | None:
+        data, _ = self.store.read_small(MANIFEST_PATH)
+        return data
+
+    def read_manifest(self) -> Manifest | None:
+        data = self.read_manifest_bytes()
+        return None if data is None else self._manifest(data)
+
+    # ------------------------------------------------------------------ publishing
+
+    def _global_paths(self) -> set[str]:
+        return {p for p, _, _ in self.store.list(GLOBAL_DIR, recursive=False)}
+
+    def publish(
+        self,
+        manifest: Manifest,
+        files: Mapping[str, str | os.PathLike],
+        *,
+        expected_outer_step: int | None,
+        delete: Iterable[str] = (),
+        expected_digest: str | None = None,
+    ) -> None:
+        files, delete = check_publication(
+            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
+            expected_digest=expected_digest,
+        )
+        delete = list(dict.fromkeys(delete))
+        data = manifest.to_json().encode()
+        current, etag = self.store.read_small(MANIFEST_PATH)
+        if current == data:
+            log.info("outer_step %d is already published on %s (an earlier attempt landed)", manifest.outer_step,
+                     self.url)
+            self._delete_after_swap(delete)
+            return
+        if expected_digest is not None:  # replacing a manifest that is malformed or not authentic
+            if current is None or hashlib.sha256(current).hexdigest() != expected_digest:
+                raise PublishConflictError(expected_outer_step, None, "the manifest being replaced changed")
+        else:
+            found = None if current is None else self._manifest(current).outer_step
+            if found != expected_outer_step:
+                raise PublishConflictError(expected_outer_step, found)
+        present = self._global_paths()
+        missing = [p for p in manifest.files() if p not in files and p not in present]
+        if missing:
+            raise HubError(f"manifest names {missing} but they are neither uploaded now nor on {self.url}")
+        taken = sorted(p for p in files if p in present)
+        if taken:
+            raise HubError(f"{taken} already exists on {self.url}; global file names must be unique")
+        written: list[str] = []
+        swapped = False
+        try:
+            for hub_path, src in files.items():
+                if not self.store.put_new(src, hub_path, f"publish outer_step {manifest.outer_step}"):
+                    raise HubError(f"{hub_path} already exists on {self.url}; global file names must be unique")
+                written.append(hub_path)
+                self._fault(f"file:{hub_path}")
+            self._fault("files")
+            self._fault("locked")
+            # a garbage collection beside this publication may have removed a file since the first listing
+            gone = [p for p in manifest.files() if p not in self._global_paths()]
+            if gone:
+                raise HubError(f"manifest names {gone} but they vanished from {self.url} before the swap")
+            try:
+                self.store.cas_put(MANIFEST_PATH, data, etag)
+            except Precondition as e:
+                try:
+                    now = None if e.current is None else self._manifest(e.current)
+                except ManifestError:
+                    now = None
+                if now is not None:  # a later version may name what landed here (an answer lost, then superseded)
+                    written = [p for p in written if p not in set(now.files())]
+                raise PublishConflictError(expected_outer_step, None if now is None else now.outer_step) from None
+            swapped = True
+            self._fault("manifest")
+        finally:
+            if not swapped:
+                for hub_path in written:
+                    try:
+                        self.store.delete(hub_path)
+                    except Exception as e:  # noqa: BLE001 - best effort: an orphan is collected later
+                        log.warning("could not remove %s of an unpublished version from %s: %s", hub_path, self.url, e)
+        log.info("published outer_step %d on %s (%d file(s), %d deletion(s))", manifest.outer_step, self.url,
+                 len(files), len(delete))
+        self._delete_after_swap(delete)
+
+    def _delete_after_swap(self, paths: list[str]) -> None:
+        """The deletions of a publication, after its swap: a failure is logged (the files are left
+        to a later garbage collection), never raised, since the new version is already live."""
+        for hub_path in paths:
+            try:
+                self.store.delete(hub_path)
+            except HubError as e:
+                log.warning("published, but could not delete %s from %s (left for garbage collection): %s",
+                            hub_path, self.url, e)
+            self._fault(f"delete:{hub_path}")
+        self._fault("deleted")
+
+    def delete(self, paths: Iterable[str]) -> None:
+        paths = list(dict.fromkeys(validate_hub_path(p) for p in paths))
+        for hub_path in paths:
+            if hub_path in RESERVED_GLOBAL_PATHS:
+                raise InvalidNameError(f"refusing to delete {hub_path!r}")
+        if len(paths) <= 1:
+            for hub_path in paths:
+                self.store.delete(hub_path)
+            return
+        with concurrent.futures.ThreadPoolExecutor(min(8, len(paths)), "diloco-s3-delete") as pool:
+            for f in [pool.submit(self.store.delete, p) for p in paths]:
+                f.result()
+
+    # ------------------------------------------------------------------ lease
+
+    def _lease(self, data: bytes | None) -> Lease | None:
+        return None if not data else Lease.from_hub_bytes(data, source=f"{self.url}/{LEASE_PATH}")
+
+    def read_lease(self) -> Lease | None:
+        data, _ = self.store.read_small(LEASE_PATH)
+        return self._lease(data)
+
+    def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
+        data, etag = self.store.read_small(LEASE_PATH)
+        current = self._lease(data)
+        if current == lease:
+            return  # nothing to change (or an earlier attempt of ours landed)
+        if current != expected:
+            raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {current}")
+        try:
+            self.store.cas_put(LEASE_PATH, b"" if lease is None else lease.to_json().encode(), etag)
+        except Precondition as e:
+            try:
+                found: Any = self._lease(e.current)
+            except ManifestError:
+                found = "an unreadable lease"
+            raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {found}") from None
+
+    # ------------------------------------------------------------------ node claims
+
+    def _claim(self, data: bytes | None, node_id: str) -> NodeClaim | None:
+        if not data:
+            return None  # absent, or released (an empty object, as the lease)
+        try:
+            return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{claim_path(node_id)}")
+        except ClaimError as e:
+            self._warn_once(f"{claim_path(node_id)}:{len(data)}", "ignoring an unreadable claim: %s", e)
+            return None
+
+    def read_claim(self, node_id: str) -> NodeClaim | None:
+        data, _ = self.store.read_small(claim_path(node_id))
+        return self._claim(data, node_id)
+
+    def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
+        if claim is not None and claim.node_id != node_id:
+            raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
+        path = claim_path(node_id)
+        data, etag = self.store.read_small(path)
+        current = self._claim(data, node_id)
+        if current == claim and (claim is not None or not data):
+            return  # nothing to change (or an earlier attempt of ours landed)
+        if current != expected:
+            raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
+        try:
+            self.store.cas_put(path, b"" if claim is None else claim.to_json().encode(), etag)
+        except Precondition as e:
+            raise ClaimConflictError(
+                f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {self._claim(e.current, node_id)}"
+            ) from None
+
+    # ------------------------------------------------------------------ common
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __repr__(self) -> str:
+        return f"S3Hub({self.url!r}, endpoint_url={self.endpoint_url!r})"
+
+
+#: the options ``open_hub("s3://...", **options)`` passes on: the keyword arguments of ``S3Hub``
+S3_OPTIONS = frozenset(inspect.signature(S3Hub.__init__).parameters) - {"self", "bucket", "prefix"}

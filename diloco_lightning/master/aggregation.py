@@ -1,0 +1,192 @@
+"""What a round does with the deltas it accepted: pure functions of tensors, nothing else.
+
+SPEC.md, "Master round": over the accepted deltas, with weights ``w_i`` (1, or ``num_tokens``)
+and gates ``sigma(tau_i)``::
+
+    g = sum_i w_i * sigma(tau_i) * delta_i / sum_i w_i
+
+:class:`RoundSum` accumulates that sum one delta at a time into one FP32 buffer per key
+(complex64 for complex keys), so a round holds one sum and one delta whatever their number.
+Weights are counted in units of ``scale``, the smallest power of two at or above the largest
+weight so far: every coefficient is then at most 1, so the sum is bounded by its deltas
+whatever a header claims, and rescaling by a power of two is exact (the result is bit for bit
+the plain formula's for integer weights). :func:`mean_of` is the same as one call, for a
+simulator or a test. Arrival mode (one outer step per delta) takes deltas in
+:func:`arrival_order`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from diloco_lightning.master.validation import Accepted, max_abs
+
+__all__ = [
+    "Accepted",
+    "NonFiniteAggregate",
+    "OpenRound",
+    "RoundSum",
+    "arrival_order",
+    "cap_round_robin",
+    "mean_of",
+    "merge_marks",
+]
+
+
+class NonFiniteAggregate(ValueError):
+    """The round's mean has a NaN or an infinity in ``key``."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"the aggregate of key {key!r} is not finite")
+
+
+def _is_synced(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class RoundSum:
+    """``sum_i (w_i / scale) * coef_i * delta_i`` in FP32, and ``sum_i w_i / scale`` (see the module docstring).
+
+    Args:
+        like: the global state: one buffer per floating (complex) key, allocated at the first delta.
+        storage: tensors of those shapes (FP32, complex64) to hold the sum instead.
+    """
+
+    def __init__(self, like: Mapping[str, torch.Tensor], storage: Mapping[str, torch.Tensor] | None = None) -> None:
+        self._like = like
+        self._storage = storage  # tensors to hold the sum (reused memory), else allocated at the first delta
+        self.sum: dict[str, torch.Tensor] | None = None
+        self.scale = 1.0
+        self.total_weight = 0.0
+
+    def _rescale(self, weight: float) -> None:
+        if weight <= self.scale:
+            return
+        scale = 2.0 ** math.ceil(math.log2(weight))
+        if self.sum is not None:
+            for t in self.sum.values():
+                t.mul_(self.scale / scale)
+        self.total_weight *= self.scale / scale
+        self.scale = scale
+
+    def add(self, tensors: Mapping[str, torch.Tensor], weight: float = 1.0, coef: float = 1.0) -> None:
+        """Fold ``weight * coef * tensors`` into the sum (``coef``: the gate, or 1 when the
+        optimizer gates itself); ``weight`` also counts in the denominator."""
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"weight must be a positive finite number, got {weight!r}")
+        self._rescale(weight)
+        w = weight / self.scale
+        c = w * coef
+        first = self.sum is None
+        if first:
+            storage, self._storage = self._storage, None
+            self.sum = {
+                k: storage[k] if storage is not None else
+                torch.empty(v.shape, dtype=torch.complex64 if v.is_complex() else torch.float32)
+                for k, v in self._like.items()
+                if _is_synced(v)
+            }
+        assert self.sum is not None
+        for k, d in tensors.items():
+            s = self.sum[k]
+            if first:
+                s.copy_(d)
+                if c != 1.0:
+                    s.mul_(c)
+            else:
+                s.add_(d, alpha=c)
+        self.total_weight += w
+
+    def take_mean(self) -> dict[str, torch.Tensor]:
+        """The weighted mean, computed in place; the sum is handed over (this object is empty
+        after). Raises :class:`NonFiniteAggregate` (and drops the sum) if a value is not finite."""
+        out, self.sum = self.sum, None
+        if out is None:
+            raise ValueError("no delta was added")
+        if self.total_weight != 1.0:
+            for t in out.values():
+                t.div_(self.total_weight)
+        for k, t in out.items():
+            if not math.isfinite(max_abs(t)):
+                raise NonFiniteAggregate(k)
+        return out
+
+
+def mean_of(
+    like: Mapping[str, torch.Tensor], deltas: Iterable[tuple[Mapping[str, torch.Tensor], float, float]]
+) -> dict[str, torch.Tensor]:
+    """``sum(w_i * coef_i * delta_i) / sum(w_i)`` over ``(tensors, weight, coef)`` triples: what a
+    round applies (``coef`` the gate), exactly as the master computes it."""
+    acc = RoundSum(like)
+    for tensors, weight, coef in deltas:
+        acc.add(tensors, weight, coef)
+    return acc.take_mean()
+
+
+@dataclass
+class OpenRound:
+    """A round being gathered (kept across polls while waiting for the quorum)."""
+
+    outer_step: int
+    acc: RoundSum
+    accepted: list[Accepted] = field(default_factory=list)
+    marks: dict[str, int] = field(default_factory=dict)
+    first_at: float | None = None
+
+
+def merge_marks(*marks: Mapping[str, int]) -> dict[str, int]:
+    """Per-node maxima of several ledgers (high-water marks)."""
+    out: dict[str, int] = {}
+    for m in marks:
+        for node, step in m.items():
+            if step > out.get(node, -1):
+                out[node] = step
+    return out
+
+
+R = TypeVar("R")
+
+
+def cap_round_robin(refs: list[R], cap: int) -> list[R]:
+    """At most ``cap`` of ``refs`` (sorted by node then step), taken round-robin over nodes, each
+    node's lowest steps first: one busy node never starves the others."""
+    if len(refs) <= cap:
+        return refs
+    by_node: dict[str, deque] = {}
+    for r in refs:
+        by_node.setdefault(r.node_id, deque()).append(r)  # type: ignore[attr-defined]
+    out: list[R] = []
+    while len(out) < cap:
+        for node in sorted(by_node):
+            q = by_node[node]
+            if q and len(out) < cap:
+                out.append(q.popleft())
+    return sorted(out)  # type: ignore[type-var]
+
+
+def arrival_order(items: list[tuple[Any, Any, int]]) -> list[tuple[Any, Any, int]]:
+    """The order of arrival mode over ``(ref, payload, base_outer_step)``: oldest anchor first
+    (``base_outer_step``, then node id), never reordering one node's deltas (each node's are taken
+    in ``local_step`` order, as uploaded). A deterministic stand-in for upload order, which no
+    hub reports reliably."""
+    by_node: dict[str, deque] = {}
+    for it in sorted(items, key=lambda x: x[0]):
+        by_node.setdefault(it[0].node_id, deque()).append(it)
+    heap = [(q[0][2], node) for node, q in by_node.items()]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        _, node = heapq.heappop(heap)
+        q = by_node[node]
+        out.append(q.popleft())
+        if q:
+            heapq.heappush(heap, (q[0][2], node))
+    return out

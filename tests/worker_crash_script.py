@@ -1,0 +1,66 @@
+"""A Lightning worker whose progress is countable, for kill -9 tests (tests/test_hardening.py).
+Not a test module (no ``test_`` prefix).
+
+    python tests/worker_crash_script.py '<json config>'
+
+The model is one parameter vector ``p`` (initialised to 10) trained with SGD(lr=1) on
+``loss = -p.sum()``: every optimizer step adds exactly 1 to each element, so the work a
+worker has done is a whole number of steps, and a master applying every delta exactly once
+(arrival mode, Nesterov lr=1, momentum 0) ends at ``10 + max_steps``, bit for bit. A
+checkpoint (``last.ckpt``) is saved at every boundary; the run resumes from it when it exists.
+Kill points come from ``DILOCO_FAULTS`` (``diloco_lightning.faults``).
+
+Config: ``hub`` (a URL), ``hub_options``, ``ckpt_dir``, ``max_steps``, ``inner_steps``,
+``signing_key`` (optional).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from diloco_lightning import DiLoCo  # noqa: E402
+
+
+class Counter(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.full((8,), 10.0))
+
+    def training_step(self, batch, batch_idx):
+        return -self.p.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    def train_dataloader(self):
+        return DataLoader(torch.zeros(10_000, 1), batch_size=1)
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    ckpt_dir = Path(cfg["ckpt_dir"])
+    diloco = DiLoCo(
+        hub=cfg["hub"], node_id="w0", inner_steps=cfg["inner_steps"], hub_options=cfg.get("hub_options") or None,
+        signing_key=cfg.get("signing_key"), poll_interval=0.02, wait_timeout=60.0, token_counter=False,
+    )
+    save = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=cfg["inner_steps"])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=cfg["max_steps"], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[diloco, save],
+    )
+    last = ckpt_dir / "last.ckpt"
+    trainer.fit(Counter(), ckpt_path=str(last) if last.is_file() else None)
+    print(f"done {trainer.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
