@@ -164,8 +164,10 @@ class HubConf:
         "???", "file:///abs/path, a plain path, or hf://org/repo (required by diloco-master and hub=hf; train.py's "
         "hub=file: null is <run_dir>/hub)"
     )
-    create: bool = opt(False, "create the hub folder / repository if it does not exist (else it is an error)")
-    endpoint: Optional[str] = opt(None, "hf:// only: the Hub's URL (default https://huggingface.co or $HF_ENDPOINT)")
+    create: bool = opt(False, "create the hub folder / hf:// repository if it does not exist (else it is an error; an S3 bucket is never created)")
+    endpoint: Optional[str] = opt(
+        None, "hf://: the Hub's URL (default https://huggingface.co or $HF_ENDPOINT); s3://: the store's endpoint_url (MinIO, R2 ...)"
+    )
     revision: Optional[str] = opt(None, "hf:// only: the branch (default main)")
     private: bool = opt(True, "hf:// only: a created repository is private")
     cache_dir: Optional[str] = opt(None, "downloads (default $DILOCO_CACHE or ~/.cache/diloco_lightning/<hash of the url>)")
@@ -300,9 +302,9 @@ def validate_hub(h: DictConfig, prefix: str = "hub.", *, required: bool = False)
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     _check(scheme in ("", "file", "hf", "s3"), f"{prefix}url",
            f"unsupported scheme in {url!r}; use file:///abs/path, a plain path or hf://org/repo")
-    if scheme != "hf":
-        for key in ("endpoint", "revision"):
-            _check(not h.get(key), f"{prefix}{key}", f"applies to hf:// hubs only (hub.url is {url!r})")
+    _check(scheme == "hf" or not h.get("revision"), f"{prefix}revision", f"applies to hf:// hubs only (hub.url is {url!r})")
+    _check(scheme in ("hf", "s3") or not h.get("endpoint"), f"{prefix}endpoint",
+           f"applies to hf:// and s3:// hubs only (hub.url is {url!r})")
 
 
 def validate_master_section(m: DictConfig, prefix: str = "master.") -> None:
@@ -408,9 +410,14 @@ def validate_master_command(cfg: DictConfig) -> DictConfig:
 
 def hub_options(h: DictConfig, url: str, *, create: bool | None = None) -> dict[str, Any]:
     """``open_hub`` options of a hub section for ``url`` (only those that apply to its transport)."""
-    opts: dict[str, Any] = {"create": bool(h.create) if create is None else create}
+    opts: dict[str, Any] = {}
     if h.get("cache_dir"):
         opts["cache_dir"] = h.cache_dir
+    if url.startswith("s3://"):  # a bucket is never created; a prefix needs no creating
+        if h.get("endpoint"):
+            opts["endpoint_url"] = h.endpoint
+        return opts
+    opts["create"] = bool(h.create) if create is None else create
     if url.startswith("hf://"):
         for key in ("endpoint", "revision"):
             if h.get(key):
@@ -429,6 +436,8 @@ def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool |
     try:
         return open_hub(url, **opts)
     except HubNotFoundError as e:
+        if str(url).startswith("s3://"):  # the transport's message says what to do (a bucket is never created)
+            raise ConfigError(f"{prefix}url", str(e)) from None
         raise ConfigError(f"{prefix}url", f"{e}; check the spelling, or pass {prefix}create=true to create it") from None
     except ValueError as e:
         raise ConfigError(f"{prefix}url", str(e)) from None

@@ -685,7 +685,7 @@ def _device_list(cfg: DictConfig) -> list[str]:
 def _quiet_hub_logs() -> None:
     """The console shows one line per round (the master's progress line): the hub's own INFO lines
     (one per publication, the lease) would repeat it."""
-    for name in ("diloco_lightning.hub", "diloco_lightning.master.lease"):
+    for name in ("diloco_lightning.hub", "diloco_lightning.master.lease", "botocore", "boto3", "urllib3", "httpx"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 

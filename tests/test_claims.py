@@ -40,30 +40,6 @@ def _online(monkeypatch):
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", False, raising=False)
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    pytest.importorskip("boto3")
-    moto_server = pytest.importorskip("moto.server")
-    fake = {"AWS_ACCESS_KEY_ID": "AKIDCLAIMSTEST000001", "AWS_SECRET_ACCESS_KEY": "claimsSECRET0123456789",
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-            "AWS_EC2_METADATA_DISABLED": "true"}
-    saved = {k: os.environ.get(k) for k in (*fake, "AWS_PROFILE", "AWS_ENDPOINT_URL")}
-    os.environ.update(fake)
-    for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL"):
-        os.environ.pop(k, None)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 @pytest.fixture(params=["file", "hf", "s3"])
 def hubs(request, tmp_path):
     """A factory of hub handles onto one hub (each handle as another process would open it)."""

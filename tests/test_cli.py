@@ -266,3 +266,17 @@ def test_a_killed_worker_is_named_with_how_it_ended(tmp_path):
     assert first.startswith("train.py: error: worker w1 was killed by SIGKILL (the kernel's out-of-memory killer"), first
     assert "the other workers were stopped" in first and "Last lines of" in first and "worker.log" in first
     assert "Traceback (most recent call last)" not in err.split("Last lines of", 1)[0]
+
+
+def test_diloco_master_on_an_s3_hub(tmp_path, s3_endpoint):
+    """hub.endpoint is the store's endpoint_url on s3:// (hub.create never creates a bucket)."""
+    import boto3
+
+    bucket = f"cli-{os.getpid()}-{int(time.time() * 1000) % 100000}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    ok = _master(tmp_path, f"hub.url=s3://{bucket}/run", f"hub.endpoint={s3_endpoint}", "max_seconds=1",
+                 "poll_interval=0.1", f"hub.cache_dir={tmp_path / 'c'}")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert f"on s3://{bucket}/run" in ok.stdout and f"local state in {tmp_path / 'c' / 'master'}" in ok.stdout
+    lines = _short(_master(tmp_path, "hub.url=s3://no-such-bucket-here/run", f"hub.endpoint={s3_endpoint}"), "diloco-master", 2)
+    assert lines[0].startswith("diloco-master: error: hub.url:") and "does not exist (create it first" in lines[0]

@@ -228,8 +228,8 @@ def _hydra_entry(cfg) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    for name in ("httpx", "httpx2", "botocore", "boto3", "urllib3"):  # their INFO lines are not the master's news
+        logging.getLogger(name).setLevel(logging.WARNING)
     if str(cfg.get("log_level", "INFO")).upper() != "DEBUG":
         # the progress line on stdout says each round once; the hub's own INFO line would repeat it
         logging.getLogger("diloco_lightning.hub").setLevel(logging.WARNING)
