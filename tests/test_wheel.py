@@ -3,9 +3,9 @@
 The wheel is built from a copy of the checkout (``pip wheel --no-build-isolation``: nothing is
 downloaded) and installed with ``--no-deps --no-index`` into a fresh ``python -m venv``. The venv
 does not see this checkout, its editable install or ``PYTHONPATH``; it reaches the heavy
-dependencies already installed (torch, Lightning, ...) through one ``.pth`` line naming their
-site-packages folder, which Python does not scan for ``.pth`` files of its own (so an editable
-install there stays invisible). So ``diloco-master`` and ``diloco-train`` can only work if the
+dependencies already installed (torch, Lightning, ...) through a ``.pth`` file naming the
+site-packages folders they are imported from here, which Python does not scan for ``.pth``
+files of their own (so an editable install there stays invisible). So ``diloco-master`` and ``diloco-train`` can only work if the
 wheel itself carries the package, its configs and its recipes. CI runs this test (``.ci/run``).
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -35,6 +34,22 @@ def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
+def _dependency_dirs() -> list[str]:
+    """The site-packages folders this interpreter imports the dependencies from (a venv made with
+    --system-site-packages has two), never one holding this checkout."""
+    import importlib
+
+    dirs: list[str] = []
+    for name in ("torch", "lightning", "accelerate", "safetensors", "huggingface_hub", "hydra", "omegaconf", "yaml",
+                 "tokenizers", "numpy", "typing_extensions"):
+        mod = importlib.import_module(name)
+        path = Path(mod.__file__).resolve()  # a package's __init__.py, or a module file
+        d = str(path.parents[1] if path.name == "__init__.py" else path.parent)
+        if d not in dirs and not Path(d, "diloco_lightning").exists() and Path(d) != ROOT:
+            dirs.append(d)
+    return dirs
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
     tmp = tmp_path_factory.mktemp("wheel")
@@ -52,7 +67,7 @@ def venv(tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
     _ok(_run([sys.executable, "-m", "venv", str(tmp / "venv")], tmp, clean))
     py = tmp / "venv" / "bin" / "python"
     site = Path(_ok(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp, clean)).stdout.strip())
-    (site / "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (site / "_deps.pth").write_text("\n".join(_dependency_dirs()) + "\n")
     _ok(_run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], tmp, clean))
     env = dict(clean, PATH=f"{tmp / 'venv' / 'bin'}{os.pathsep}{clean.get('PATH', '')}",
                DILOCO_CACHE_DIR=str(tmp / "cache"), DILOCO_CACHE=str(tmp / "hubcache"))
