@@ -22,6 +22,11 @@ and the installed weights are broadcast; an error on rank 0 is raised on every r
 ``step()`` counts only real optimizer steps (``accelerator.sync_gradients``), so gradient
 accumulation gives one export per ``inner_steps`` optimizer steps. The work is done by
 :class:`~diloco_lightning.worker.DiLoCoWorker`; see it for the options.
+
+The main process prints one line per sync and a line at growing intervals while it waits for
+a master (``verbose=False``: quiet). SIGTERM ends a wait for the master at once; the next
+``step()`` (a single process) or the next boundary (several processes) uploads what is
+pending (at most 20 s) and exits with status 143 (128 + SIGTERM).
 """
 
 from __future__ import annotations
@@ -36,13 +41,19 @@ import torch
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.signing import RunKey
 from diloco_lightning.worker.adapter import (
+    SIGTERM_EXIT,
+    SIGTERM_FLUSH_SECONDS,
+    SigtermWatch,
     broadcast_params,
     check_hub_arg,
     check_worker_args,
+    ensure_console_logging,
+    format_bytes,
     run_on_rank0,
     sum_tokens_over_ranks,
 )
 from diloco_lightning.worker.core import BoundaryResult, DiLoCoWorker, module_state
+from diloco_lightning.worker.sync import WorkerStopped
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +74,9 @@ class DiLoCo:
         reset_inner_optimizer: clear the inner optimizer state after each install (default False).
         enabled: False makes every call a no-op (like ``LocalSGD(enabled=False)``).
         log_fn: called on the main process with each boundary's metrics dict (e.g. ``accelerator.log``).
+        claim_ttl: seconds this node's claim on its id lives without a heartbeat (None: 60 on a
+            folder hub, 900 on ``hf://``).
+        verbose: print a line per sync and while waiting (main process); False: quiet.
     """
 
     def __init__(
@@ -85,6 +99,8 @@ class DiLoCo:
         poll_interval: float = 1.0,
         enabled: bool = True,
         log_fn: Callable[[dict[str, float]], Any] | None = None,
+        claim_ttl: float | None = None,
+        verbose: bool = True,
     ) -> None:
         self.node_id, self.delay, self.delta_dtype = check_worker_args(
             node_id, inner_steps, sync, delay, node_index, delta_dtype
@@ -115,6 +131,11 @@ class DiLoCo:
         self.wait_timeout = wait_timeout
         self.poll_interval = poll_interval
         self.log_fn = log_fn
+        self.claim_ttl = claim_ttl
+        self.verbose = bool(verbose)
+        if self.verbose:
+            ensure_console_logging()
+        self._sigterm = SigtermWatch(self._on_sigterm)
         self.num_steps = 0
         self.worker: DiLoCoWorker | None = None
         self._running = False
@@ -158,6 +179,18 @@ class DiLoCo:
                 inner = getattr(opt, "optimizer", opt)
                 inner.state.clear()
 
+    # ------------------------------------------------------------------ SIGTERM
+
+    def _on_sigterm(self) -> None:
+        if self.worker is not None:
+            self.worker.request_stop()
+
+    def _exit_on_sigterm(self, why: str) -> None:
+        log.warning("DiLoCo %s: %s (SIGTERM); uploading what is pending (at most %g s), then exiting with status %d",
+                    self.node_id, why.removeprefix(f"node {self.node_id}: "), SIGTERM_FLUSH_SECONDS, SIGTERM_EXIT)
+        self.close(flush=True, timeout=min(float(self.wait_timeout), SIGTERM_FLUSH_SECONDS))
+        raise SystemExit(SIGTERM_EXIT)
+
     # ------------------------------------------------------------------ context manager
 
     def start(self) -> None:
@@ -177,7 +210,10 @@ class DiLoCo:
                 hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
                 wait_timeout=self.wait_timeout,
                 poll_interval=self.poll_interval,
+                claim_ttl=self.claim_ttl,
             )
+            if self._sigterm.received:
+                self.worker.request_stop()
             if self._restored is not None:
                 if self._restored.get("worker") is not None:
                     self.worker.load_state_dict(self._restored["worker"])
@@ -185,7 +221,12 @@ class DiLoCo:
                     self.worker.load_anchor_state(self._restored["anchor"])
             return self.worker.start() is not None
 
-        installed = self._rank0(start)
+        self._sigterm.install()
+        try:
+            installed = self._rank0(start)
+        except WorkerStopped as e:
+            self._running = True
+            self._exit_on_sigterm(str(e))
         self._running = True
         self._restored = None
         self._after_install(installed)
@@ -200,6 +241,7 @@ class DiLoCo:
     def close(self, flush: bool = True, timeout: float | None = None) -> bool:
         """Upload what is pending (``flush``) and stop the worker's threads."""
         self._running = False
+        self._sigterm.uninstall()
         worker, self.worker = self.worker, None
         if worker is None:
             return True
@@ -222,6 +264,8 @@ class DiLoCo:
             return None  # an accumulation micro-step: the optimizer did not step
         if not self._running:  # used without `with`: start at the first step (on every process)
             self.start()
+        if self._sigterm.received and self._world == 1:
+            self._exit_on_sigterm(f"stopped at step {self.num_steps}")
         self.num_steps += 1
         if num_tokens is None:
             self._tokens = None
@@ -238,10 +282,15 @@ class DiLoCo:
         result: list[BoundaryResult] = []
 
         def boundary() -> bool:
+            if self._sigterm.received:
+                raise WorkerStopped(f"node {self.node_id}: stopped at step {self.num_steps}")
             result.append(self.worker.boundary(num_tokens=tokens))
             return result[0].installed is not None
 
-        installed = self._rank0(boundary)
+        try:
+            installed = self._rank0(boundary)
+        except WorkerStopped as e:
+            self._exit_on_sigterm(str(e))
         self._after_install(installed)
         if not result:
             return None
@@ -250,6 +299,16 @@ class DiLoCo:
         self.metrics.update(self.worker.totals)
         if self.log_fn is not None:
             self.log_fn(metrics)
+        if self.verbose:
+            r = result[0]
+            line = f"DiLoCo {self.node_id} | step {self.num_steps} | sync {r.boundary} | outer_step {r.outer_step}"
+            if r.installed is not None:
+                line += f" | installed {r.installed.outer_step} (staleness {r.installed.staleness})"
+            sent = float(self.worker.totals.get("bytes_uploaded_total", 0))
+            line += f" | sent {format_bytes(metrics.get('diloco/upload_bytes', 0.0))} ({format_bytes(sent)} in all)"
+            if r.wait_seconds:
+                line += f" | waited {r.wait_seconds:.2f} s"
+            log.info("%s", line)
         return result[0]
 
     # ------------------------------------------------------------------ checkpointing

@@ -21,6 +21,15 @@ What it does (the work itself is :class:`~diloco_lightning.worker.DiLoCoWorker`'
   installs the same version at the same step; an error on rank 0 is broadcast and raised on
   every rank instead of leaving them waiting. FSDP, DeepSpeed and model-parallel strategies
   are refused in ``setup`` (their parameters are sharded: the anchor would be a shard).
+* Says what it does: the progress bar shows ``diloco/outer_step``, ``diloco/staleness`` (versions
+  the installed one is behind the newest seen) and ``diloco/sent_MB``; rank zero prints one line
+  per sync and a line at growing intervals while it waits for a master (``verbose=False``: quiet;
+  a script that configured no logging gets a stderr handler on the ``diloco_lightning`` logger,
+  as Lightning does for its own).
+* SIGTERM (``timeout``, SLURM, Kubernetes): a wait for the master ends at once, what is pending
+  is uploaded (at most 20 s), and the process exits with status 143 (128 + SIGTERM) instead of
+  Lightning's 0, since the training is not done. The node's id is claimed on the hub at start
+  (``nodes/<node_id>/claim.json``): a second live worker with the same ``node_id`` refuses to start.
 * Logs, at every boundary, through the trainer's loggers (``diloco/`` prefix): ``outer_step``,
   ``installed_outer_step`` and ``install_staleness`` (versions between the one installed and the
   newest seen), ``delta_norm``, ``upload_bytes``, ``upload_seconds``, ``wait_seconds``
@@ -41,18 +50,25 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.signing import RunKey
 from diloco_lightning.worker.adapter import (
+    SIGTERM_EXIT,
+    SIGTERM_FLUSH_SECONDS,
+    SigtermWatch,
     broadcast_params,
     check_hub_arg,
     check_worker_args,
+    ensure_console_logging,
+    format_bytes,
     run_on_rank0,
     sum_tokens_over_ranks,
 )
 from diloco_lightning.worker.core import DiLoCoWorker, module_state
+from diloco_lightning.worker.sync import WorkerStopped
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +127,9 @@ class DiLoCo(Callback):
         token_counter: ``None`` (guess with :func:`count_tokens`), ``False`` (no
             ``num_tokens`` in headers) or ``callable(batch) -> int | Tensor``.
         log_prefix: prefix of the logged metric names.
+        claim_ttl: seconds this node's claim on its id lives without a heartbeat (None: 60 on a
+            folder hub, 900 on ``hf://``).
+        verbose: print a line per sync and while waiting (rank zero); False: quiet.
     """
 
     def __init__(
@@ -130,6 +149,8 @@ class DiLoCo(Callback):
         poll_interval: float = 1.0,
         token_counter: Callable[[Any], Any] | bool | None = None,
         log_prefix: str = "diloco/",
+        claim_ttl: float | None = None,
+        verbose: bool = True,
     ) -> None:
         super().__init__()
         check_hub_arg(hub)
@@ -162,6 +183,14 @@ class DiLoCo(Callback):
         self.poll_interval = _positive("poll_interval", poll_interval)
         self.token_counter = token_counter
         self.log_prefix = log_prefix
+        if claim_ttl is not None:
+            _positive("claim_ttl", claim_ttl)
+        self.claim_ttl = claim_ttl
+        self.verbose = bool(verbose)
+        if self.verbose:
+            ensure_console_logging()
+        self._sigterm = SigtermWatch(self._on_sigterm)
+        self._bar: dict[str, float] = {}
 
         self.worker: DiLoCoWorker | None = None
         self.metrics: dict[str, float] = {}
@@ -244,8 +273,39 @@ class DiLoCo(Callback):
             for opt in trainer.optimizers:
                 opt.state.clear()
 
+    def _on_sigterm(self) -> None:
+        worker = self.worker
+        if worker is not None:
+            worker.request_stop()
+
+    def _stopped(self, e: WorkerStopped) -> SIGTERMException:
+        log.warning("%s (SIGTERM)", e)
+        return SIGTERMException(SIGTERM_EXIT)
+
+    def _show(self, step: int, metrics: dict[str, float]) -> None:
+        """The progress-bar values, and (verbose) one line for this sync."""
+        p = self.log_prefix
+        worker = self.worker
+        if worker is None:
+            return
+        staleness = metrics.get(p + "install_staleness", self._bar.get(p + "staleness", 0.0))
+        sent = float(worker.totals.get("bytes_uploaded_total", 0)) / 1e6
+        self._bar = {p + "outer_step": float(worker.outer_step or 0), p + "staleness": float(staleness), p + "sent_MB": sent}
+        if self.verbose and metrics:
+            parts = [f"DiLoCo {self.node_id} | step {step} | sync {int(metrics.get(p + 'boundary', 0))}",
+                     f"outer_step {worker.outer_step}"]
+            if p + "installed_outer_step" in metrics:
+                parts.append(f"installed {int(metrics[p + 'installed_outer_step'])} (staleness {int(staleness)})")
+            parts.append(f"sent {format_bytes(metrics.get(p + 'upload_bytes', 0.0))} ({format_bytes(sent * 1e6)} in all)")
+            if metrics.get(p + "wait_seconds"):
+                parts.append(f"waited {metrics[p + 'wait_seconds']:.2f} s")
+            if metrics.get(p + "upload_failures"):
+                parts.append(f"{int(metrics[p + 'upload_failures'])} upload failure(s), kept for the next delta")
+            log.info("%s", " | ".join(parts))
+
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sigterm.install()
         self._params = module_state(pl_module)
         # a resumed fit continues the checkpoint's boundary count; any other fit counts from its first step
         restored, self._restored_sync_step = self._restored_sync_step, None
@@ -266,7 +326,10 @@ class DiLoCo(Callback):
                 hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
                 wait_timeout=self.wait_timeout,
                 poll_interval=self.poll_interval,
+                claim_ttl=self.claim_ttl,
             )
+            if self._sigterm.received:
+                self.worker.request_stop()
             counters = (self._restored_counters or {}).get("worker")
             if counters is not None:
                 self.worker.load_state_dict(counters)
@@ -277,9 +340,14 @@ class DiLoCo(Callback):
                 self.metrics[self.log_prefix + "installed_outer_step"] = float(installed.outer_step)
             return installed is not None
 
-        installed = self._rank0(trainer, start)
+        try:
+            installed = self._rank0(trainer, start)
+        except WorkerStopped as e:
+            raise self._stopped(e) from None
         self._restored_anchor = None
         self._after_install(trainer, installed)
+        if trainer.is_global_zero:
+            self._show(trainer.global_step, {})
 
     # ------------------------------------------------------------------ boundaries
 
@@ -310,6 +378,7 @@ class DiLoCo(Callback):
         step = trainer.global_step
         last = self._last_synced_step if self._last_synced_step is not None else 0
         if step // self.inner_steps <= last // self.inner_steps:
+            self._log_bar(pl_module)
             return
         self._last_synced_step = step
         tokens = self._take_tokens(trainer)
@@ -319,13 +388,22 @@ class DiLoCo(Callback):
             metrics = result.metrics(self.log_prefix)
             return result.installed is not None, metrics
 
-        installed, metrics = self._rank0(trainer, boundary)
+        try:
+            installed, metrics = self._rank0(trainer, boundary)
+        except WorkerStopped as e:
+            raise self._stopped(e) from None
         self._after_install(trainer, installed)
         if trainer.is_global_zero:
             self.metrics.update(metrics)
             self.metrics.update(self.worker.totals)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+            self._show(step, metrics)
+        self._log_bar(pl_module)
+
+    def _log_bar(self, pl_module: LightningModule) -> None:
+        if self._bar:
+            pl_module.log_dict(self._bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, rank_zero_only=True)
 
     # ------------------------------------------------------------------ end
 
@@ -348,8 +426,20 @@ class DiLoCo(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._close(flush=True, timeout=min(self.wait_timeout, 30.0))
+        sigterm = isinstance(exception, SIGTERMException)
+        if sigterm and not exception.code:
+            exception.code = SIGTERM_EXIT  # Lightning exits 0 on SIGTERM; the training is not done
+        pending = self.worker.pending_phases if self.worker is not None else 0
+        worker = self.worker
+        self._close(flush=True, timeout=min(self.wait_timeout, SIGTERM_FLUSH_SECONDS if sigterm else 30.0))
+        if sigterm and trainer.is_global_zero:
+            left = worker.pending_phases if worker is not None else 0
+            done = (f"{pending - left} pending inner phase(s) uploaded" + (f", {left} not" if left else "")
+                    if pending else "nothing was pending")
+            log.warning("DiLoCo %s: SIGTERM at step %d: %s; exiting with status %s", self.node_id, trainer.global_step,
+                        done, exception.code)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._sigterm.uninstall()
         self._close(flush=False)

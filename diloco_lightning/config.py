@@ -1,22 +1,31 @@
-"""Typed Hydra configuration for ``train.py`` and ``diloco-master``.
+"""Typed Hydra configuration for ``train.py`` / ``diloco-train`` and ``diloco-master``: ONE schema.
 
-The schema below is registered in Hydra's ConfigStore as ``train_schema`` and is
-the first entry of ``configs/train.yaml``'s defaults, so an unknown key or a value
-of the wrong type fails at composition with the key named. Range checks (H >= 1,
-tau >= 0, ...) run in :func:`validate`, which ``train.py`` calls before anything
-else and which names the key too.
+Every key is a dataclass field below, with its default and a one-line ``help`` (what
+``--help`` prints and ``docs/configuration.md`` lists). ``train.py`` composes
+:class:`TrainConf` (``configs/train.yaml``); ``diloco-master`` composes
+:class:`MasterCommandConf` (``configs/master.yaml``), which *is* the ``master``,
+``hub`` and ``outer`` sections of a training run, laid out at the top level. An unknown
+key or a value of the wrong type fails at composition with the key named; range checks
+that types cannot express run in :func:`validate` / :func:`validate_master_command`,
+which share one check per section (:func:`validate_outer`, :func:`validate_hub`,
+:func:`validate_master_section`) and raise :class:`ConfigError` naming the key.
 
-Recipes live in the top-level ``recipes/`` folder (one ``# @package _global_``
-file each, using ``override /group: option`` defaults). Hydra looks a
-``recipe=X`` choice up as ``recipe/X.yaml`` under its search path, so
-:func:`register_configs` stores each recipe file in the ConfigStore under the
-``recipe`` group: ``python train.py recipe=llama1b_tau8`` then just works, and an
-unknown recipe fails at composition listing the available ones.
+Configs live in the top-level ``configs/`` folder of a checkout and ship inside the
+wheel as ``diloco_lightning/configs`` (``setup.py`` maps the one onto the other: one
+copy). Recipes (``recipes/*.yaml``, one ``# @package _global_`` file each, using
+``override /group: option`` defaults) likewise. Hydra looks a ``recipe=X`` choice up as
+``recipe/X.yaml`` under its search path, so :func:`register_configs` stores each recipe
+file in the ConfigStore under the ``recipe`` group: ``python train.py
+recipe=llama1b_tau8`` then just works, and an unknown recipe fails at composition
+listing the available ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,139 +35,205 @@ import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO_ROOT / "configs"
-RECIPE_DIR = REPO_ROOT / "recipes"
+log = logging.getLogger(__name__)
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+#: a checkout (plain or editable install) has the configs beside the package
+REPO_ROOT = PACKAGE_DIR.parent
+
+
+def _data_dir(name: str) -> Path:
+    """``diloco_lightning/<name>`` in an installed wheel, else the checkout's top-level ``<name>/``."""
+    packaged = PACKAGE_DIR / name
+    return packaged if packaged.is_dir() else REPO_ROOT / name
+
+
+CONFIG_DIR = _data_dir("configs")
+RECIPE_DIR = _data_dir("recipes")
 
 ROLES = ("all", "worker", "master")
 SYNC_MODES = ("async", "lockstep")
 DELTA_DTYPES = ("float32", "bfloat16")
 INNER_OPTIMIZERS = ("adamw", "adamw8bit")
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 AGGREGATIONS = ("round", "arrival")
 WEIGHTINGS = ("equal", "tokens")
+LAUNCH_KINDS = ("local", "submitit")
+
+
+def opt(default: Any = None, help: str = "", *, factory: Any = None) -> Any:  # noqa: A002 - the key's help text
+    """A schema field: its default (or ``factory``) and the one line ``--help`` prints for it."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class ModelConf:
-    preset: str = "tiny"
-    vocab_size: Optional[int] = None  # None: the tokenizer's
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_hidden: int = 344
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    init_std: float = 0.02
+    preset: str = opt("tiny", "name of the geometry (set by the model group: tiny, llama25m, llama1b, llama7b)")
+    vocab_size: Optional[int] = opt(None, "embedding rows; null: the tokenizer's size (data.vocab_size)")
+    d_model: int = opt(128, "hidden size C")
+    n_layers: int = opt(4, "transformer blocks")
+    n_heads: int = opt(4, "query heads (must divide d_model)")
+    n_kv_heads: int = opt(2, "key/value heads (grouped-query attention; must divide n_heads)")
+    ffn_hidden: int = opt(344, "SwiGLU hidden size")
+    max_seq_len: int = opt(512, "longest sequence the rotary tables cover (>= data.seq_len)")
+    rope_theta: float = opt(10000.0, "rotary embedding base")
+    norm_eps: float = opt(1e-5, "RMSNorm epsilon")
+    tie_embeddings: bool = opt(True, "share the input embedding and the output head")
+    init_std: float = opt(0.02, "std of the normal init")
 
 
 @dataclass
 class DataConf:
-    source: str = "stdlib"  # stdlib | text | tokens
-    paths: Optional[str] = None  # glob of text files (source=text) or a token file (source=tokens)
-    token_dtype: str = "uint16"
-    tokenizer: str = "bpe"  # bpe (trained locally and cached) | byte | path/to/tokenizer.json
-    vocab_size: int = 4096
-    max_bytes: int = 4_000_000
-    seq_len: int = 128
-    batch_size: int = 8
-    val_fraction: float = 0.02
-    val_batches: int = 8
-    cache_dir: Optional[str] = None
+    source: str = opt("stdlib", "stdlib (Python's own sources, no download) | text (data.paths) | tokens (a token file)")
+    paths: Optional[str] = opt(None, "glob of text files (source=text) or a flat token file (source=tokens)")
+    token_dtype: str = opt("uint16", "dtype of the token file (source=tokens)")
+    tokenizer: str = opt("bpe", "bpe (trained locally and cached) | byte | path/to/tokenizer.json")
+    vocab_size: int = opt(4096, "BPE vocabulary trained (and the model's, unless model.vocab_size is set)")
+    max_bytes: int = opt(4_000_000, "bytes of text read to train the tokenizer and build the token cache")
+    seq_len: int = opt(128, "tokens per training sequence")
+    batch_size: int = opt(8, "sequences per optimizer step, per worker")
+    val_fraction: float = opt(0.02, "share of the tokens held out for evaluation")
+    val_batches: int = opt(8, "held-out batches per evaluation")
+    cache_dir: Optional[str] = opt(None, "tokenizer/token cache (default $DILOCO_CACHE_DIR or ~/.cache/diloco_lightning)")
 
 
 @dataclass
 class OptimConf:
-    name: str = "adamw"
-    lr: float = 3e-3
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
+    name: str = opt("adamw", "inner optimizer: adamw | adamw8bit (bitsandbytes)")
+    lr: float = opt(3e-3, "peak inner learning rate")
+    betas: List[float] = opt(help="AdamW betas", factory=lambda: [0.9, 0.95])
+    eps: float = opt(1e-8, "AdamW epsilon")
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay")
+    warmup_steps: int = opt(20, "linear warmup steps, then cosine decay to min_lr_ratio x lr")
+    min_lr_ratio: float = opt(0.1, "final lr as a fraction of the peak")
 
 
 @dataclass
 class DiLoCoConf:
-    inner_steps: int = 8
-    sync: str = "lockstep"
-    delay: Any = 0  # int, a per-worker list, or {"distribution": "uniform", "low": 0, "high": 8}
-    delta_dtype: str = "float32"
-    reset_inner_optimizer: bool = False
-    wait_timeout: float = 600.0
-    poll_interval: float = 0.05
+    inner_steps: int = opt(8, "H: inner optimizer steps between two deltas")
+    sync: str = opt("lockstep", "async (install the newest global, never wait) | lockstep (install exactly version r - delay)")
+    delay: Any = opt(0, "lockstep staleness tau: an int, a per-worker list, or {distribution: uniform, low, high[, seed]}")
+    delta_dtype: str = opt("float32", "pseudo-gradient dtype on the wire: float32 | bfloat16")
+    reset_inner_optimizer: bool = opt(False, "clear the inner optimizer state after each install")
+    wait_timeout: float = opt(600.0, "seconds a worker waits for the master (bootstrap, lockstep) before giving up")
+    poll_interval: float = opt(0.05, "seconds between a worker's reads of the hub while waiting")
+    claim_ttl: Optional[float] = opt(
+        None, "seconds a worker's claim on its node id lives without a heartbeat (null: 60 on a folder, 900 on hf://)"
+    )
 
 
 @dataclass
 class OuterConf:
-    name: str = "cgad"
-    lr: float = 0.7
-    options: Dict[str, Any] = field(default_factory=dict)
+    name: str = opt("cgad", "outer optimizer: nesterov | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | poly_nesterov")
+    lr: float = opt(0.7, "outer learning rate")
+    options: Dict[str, Any] = opt(help="the optimizer's other options (momentum, alpha, tau_cut, betas, eps ...)", factory=dict)
 
 
 @dataclass
 class MasterConf:
-    poll_interval: float = 0.05
-    aggregation: str = "round"
-    weighting: str = "equal"
-    min_deltas: Optional[int] = None  # None: every worker in lockstep, 1 in async
-    max_wait: Optional[float] = None
-    max_staleness: Optional[int] = None
-    max_delta_norm: Optional[float] = None
-    norm_global_ratio: Optional[float] = 100.0
-    keep_globals: int = 20
-    lease_ttl: float = 60.0
+    """The master's behaviour: ``master.*`` in a training run, the top level of ``diloco-master``."""
+
+    poll_interval: float = opt(0.05, "seconds between the master's rounds")
+    aggregation: str = opt("round", "round: one outer step per round | arrival: one per accepted delta")
+    weighting: str = opt("equal", "equal | tokens (weight each delta by its num_tokens)")
+    min_deltas: Optional[int] = opt(
+        None, "quorum: accepted deltas before a round is applied (null: every worker in lockstep, else 1)"
+    )
+    max_wait: Optional[float] = opt(None, "seconds after the first pending delta before applying below the quorum")
+    max_staleness: Optional[int] = opt(None, "reject deltas staler than this (null: only the optimizer's gate decides)")
+    max_delta_norm: Optional[float] = opt(None, "reject a delta whose L2 norm exceeds this")
+    norm_global_ratio: Optional[float] = opt(
+        100.0, "reject a delta whose norm exceeds this x max(||global||, 0.01 sqrt(n)), from the first one (null: off)"
+    )
+    norm_ratio: Optional[float] = opt(10.0, "reject a delta above this x the median norm of recent ones (null: off)")
+    sweep_age: float = opt(3600.0, "seconds after which temporary files of dead writers on other hosts are swept")
+    download_workers: int = opt(4, "parallel delta downloads")
+    keep_globals: int = opt(20, "older global versions kept on the hub (lockstep with delay d needs d + 2)")
+    lease: bool = opt(True, "one master at a time: a second one stands by")
+    lease_ttl: Optional[float] = opt(60.0, "seconds the master's lease lives without renewal")
+    holder: Optional[str] = opt(None, "this master's id in the lease (default host:pid:random)")
+    torch_threads: Optional[int] = opt(1, "torch threads of the master (the round is memory-bound; null: torch's default)")
 
 
 @dataclass
 class HubConf:
-    url: Optional[str] = None  # None: <run_dir>/hub (a folder hub)
-    endpoint: Optional[str] = None  # hf:// only; the token comes from HF_TOKEN, never from configs
-    private: bool = True
-    cache_dir: Optional[str] = None
+    url: Optional[str] = opt(
+        "???", "file:///abs/path, a plain path, or hf://org/repo (required by diloco-master and hub=hf; train.py's "
+        "hub=file: null is <run_dir>/hub)"
+    )
+    create: bool = opt(False, "create the hub folder / hf:// repository if it does not exist (else it is an error; an S3 bucket is never created)")
+    endpoint: Optional[str] = opt(
+        None, "hf://: the Hub's URL (default https://huggingface.co or $HF_ENDPOINT); s3://: the store's endpoint_url (MinIO, R2 ...)"
+    )
+    revision: Optional[str] = opt(None, "hf:// only: the branch (default main)")
+    private: bool = opt(True, "hf:// only: a created repository is private")
+    cache_dir: Optional[str] = opt(None, "downloads (default $DILOCO_CACHE or ~/.cache/diloco_lightning/<hash of the url>)")
 
 
 @dataclass
 class TrainerConf:
-    accelerator: str = "cpu"
-    devices: int = 1
-    precision: str = "32-true"
-    max_steps: int = 200
-    gradient_clip_val: Optional[float] = 1.0
-    log_every_n_steps: int = 10
-    val_check_interval: Optional[int] = None  # optimizer steps between evaluations; None: at the end only
-    num_threads: Optional[int] = None  # torch threads per worker process; None: cores / workers
+    accelerator: str = opt("cpu", "cpu | gpu | cuda | auto")
+    devices: int = opt(1, "devices per worker (more than 1: DDP inside the worker)")
+    precision: str = opt("32-true", "32-true | bf16-true | bf16-mixed | 16-mixed")
+    max_steps: int = opt(200, "optimizer steps per worker")
+    gradient_clip_val: Optional[float] = opt(1.0, "gradient norm clip (null: off)")
+    log_every_n_steps: int = opt(10, "steps between progress/metric lines")
+    val_check_interval: Optional[int] = opt(None, "steps between a worker's local evaluations (null: none)")
+    num_threads: Optional[int] = opt(None, "torch threads per worker process (null: cores / workers)")
 
 
 @dataclass
 class LaunchConf:
-    kind: str = "local"  # local: master + K worker processes here | submitit: one SLURM job per worker
-    devices: Optional[List[str]] = None  # round-robin device list; None: every visible GPU, else CPU
-    timeout: float = 3600.0
-    submitit: Dict[str, Any] = field(default_factory=dict)
+    kind: str = opt("local", "local: master + workers on this machine | submitit: one SLURM job per worker")
+    devices: Optional[List[str]] = opt(None, "GPUs assigned round-robin to the workers (null: every visible GPU, else CPU)")
+    timeout: float = opt(3600.0, "seconds a role=all run may last")
+    check_resources: bool = opt(True, "refuse to start when the machine lacks what the recipe needs (false: start anyway)")
+    available_memory_gb: Optional[float] = opt(
+        None, "memory this run may use, GB (null: measure: free RAM, or each GPU's memory)"
+    )
+    eval_points: int = opt(8, "evaluations of the global model during a role=all run (eval_curve in results.json)")
+    submitit: Dict[str, Any] = opt(help="submitit executor parameters (partition, timeout_min, gpus_per_node ...)", factory=dict)
 
 
 @dataclass
 class TrainConf:
-    role: str = "all"
-    run_id: Optional[str] = None
-    run_root: str = "runs"
-    run_dir: Optional[str] = None  # set by train.py: the Hydra job's output dir (<run_root>/<run_id>, or the sweep's)
-    seed: int = 0
-    workers: int = 2
-    node_index: int = 0
-    model: ModelConf = field(default_factory=ModelConf)
-    data: DataConf = field(default_factory=DataConf)
-    optim: OptimConf = field(default_factory=OptimConf)
-    diloco: DiLoCoConf = field(default_factory=DiLoCoConf)
-    outer: OuterConf = field(default_factory=OuterConf)
-    master: MasterConf = field(default_factory=MasterConf)
-    hub: HubConf = field(default_factory=HubConf)
-    trainer: TrainerConf = field(default_factory=TrainerConf)
-    launch: LaunchConf = field(default_factory=LaunchConf)
+    role: str = opt("all", "all: master + workers here | worker | master")
+    run_id: Optional[str] = opt(None, "run folder name (default: from the command line; set it to join or resume a run)")
+    run_root: str = opt("runs", "where run folders go")
+    run_dir: Optional[str] = opt(None, "set by train.py: the Hydra job's output dir (<run_root>/<run_id>)")
+    seed: int = opt(0, "seed of the model init, data order and delays")
+    workers: int = opt(2, "number of workers")
+    node_index: int = opt(0, "role=worker: which worker this process is (0 <= node_index < workers)")
+    model: ModelConf = opt(help="", factory=ModelConf)
+    data: DataConf = opt(help="", factory=DataConf)
+    optim: OptimConf = opt(help="", factory=OptimConf)
+    diloco: DiLoCoConf = opt(help="", factory=DiLoCoConf)
+    outer: OuterConf = opt(help="", factory=OuterConf)
+    master: MasterConf = opt(help="", factory=MasterConf)
+    hub: HubConf = opt(help="", factory=HubConf)
+    trainer: TrainerConf = opt(help="", factory=TrainerConf)
+    launch: LaunchConf = opt(help="", factory=LaunchConf)
+
+
+@dataclass
+class MasterCommandConf(MasterConf):
+    """``diloco-master``: the :class:`MasterConf` keys at the top level, plus the hub, the outer
+    optimizer and what a standalone process needs."""
+
+    hub: HubConf = opt(help="", factory=HubConf)
+    outer: OuterConf = opt(help="", factory=OuterConf)
+    node_state_dir: Optional[str] = opt(
+        None, "the master's local state (default: beside a folder hub, <hub>-master; else <hub cache>/master)"
+    )
+    init: Optional[str] = opt(None, "a safetensors weights file to start from when the hub has no version")
+    metrics_path: Optional[str] = opt(None, "JSONL, one line per round (default <node_state_dir>/metrics.jsonl)")
+    max_rounds: Optional[int] = opt(None, "exit after this many published rounds")
+    max_seconds: Optional[float] = opt(None, "exit after this long")
+    drain_on_exit: bool = opt(True, "on Ctrl-C / SIGTERM: apply what is pending in a final round")
+    log_level: str = opt("INFO", "logging level of the library's messages (DEBUG, INFO, WARNING)")
 
 
 class ConfigError(ValueError):
@@ -174,10 +249,90 @@ def _check(cond: bool, key: str, detail: str) -> None:
         raise ConfigError(key, detail)
 
 
-def validate(cfg: DictConfig) -> DictConfig:
-    """Range and choice checks the schema's types cannot express. Returns ``cfg``."""
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ----------------------------------------------------------------------------- shared section checks
+
+
+def validate_outer(o: DictConfig, prefix: str = "outer.") -> None:
+    """The outer optimizer section (both commands)."""
     from diloco_lightning.outer import OUTER_OPTIMIZERS
 
+    _check(o.name in OUTER_OPTIMIZERS, f"{prefix}name",
+           f"unknown outer optimizer {o.name!r}; valid: {', '.join(sorted(OUTER_OPTIMIZERS))}")
+    _check(_number(o.lr) and o.lr > 0, f"{prefix}lr", f"must be a number > 0, got {o.lr}")
+    _check(isinstance(o.options, (DictConfig, dict)), f"{prefix}options", "must be a mapping")
+    try:
+        outer_options(o, prefix)
+    except ValueError as e:
+        raise ConfigError(f"{prefix}options", str(e)) from None
+
+
+def outer_options(o: DictConfig, prefix: str = "outer.") -> dict[str, Any]:
+    """``{"lr": o.lr, **o.options}`` for the named optimizer; options it does not take are dropped
+    with a warning, so ``outer.name=X`` works on top of another group's options."""
+    from diloco_lightning.outer import outer_optimizer_options
+
+    opts = OmegaConf.to_container(o.options, resolve=True) if isinstance(o.options, DictConfig) else dict(o.options or {})
+    opts = dict(opts or {})
+    opts["lr"] = float(o.lr)
+    accepted = outer_optimizer_options(str(o.name))
+    dropped = sorted(k for k in opts if k not in accepted)
+    if dropped:
+        log.warning("outer optimizer %r takes no option(s) %s; ignoring %s", o.name, dropped,
+                    ", ".join(f"{prefix}options.{k}" for k in dropped))
+        opts = {k: v for k, v in opts.items() if k in accepted}
+    if isinstance(opts.get("betas"), list):
+        opts["betas"] = tuple(opts["betas"])
+    return opts
+
+
+def validate_hub(h: DictConfig, prefix: str = "hub.", *, required: bool = False) -> None:
+    """The hub section (both commands): the URL's form (whether it exists is checked when it is opened)."""
+    from omegaconf import MISSING
+
+    _check(not OmegaConf.is_missing(h, "url"), f"{prefix}url", "is required: file:///abs/path, a plain path, or hf://org/repo")
+    url = h.url
+    if url is None or url == MISSING:
+        _check(not required, f"{prefix}url", "is required: file:///abs/path, a plain path, or hf://org/repo")
+        return
+    _check(isinstance(url, str) and url.strip() != "", f"{prefix}url", f"must be a non-empty string, got {url!r}")
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    _check(scheme in ("", "file", "hf", "s3"), f"{prefix}url",
+           f"unsupported scheme in {url!r}; use file:///abs/path, a plain path or hf://org/repo")
+    _check(scheme == "hf" or not h.get("revision"), f"{prefix}revision", f"applies to hf:// hubs only (hub.url is {url!r})")
+    _check(scheme in ("hf", "s3") or not h.get("endpoint"), f"{prefix}endpoint",
+           f"applies to hf:// and s3:// hubs only (hub.url is {url!r})")
+
+
+def validate_master_section(m: DictConfig, prefix: str = "master.") -> None:
+    """The master's behaviour (``master.*`` of a training run, the top level of ``diloco-master``)."""
+    _check(_number(m.poll_interval) and m.poll_interval > 0, f"{prefix}poll_interval", f"must be > 0, got {m.poll_interval}")
+    _check(m.aggregation in AGGREGATIONS, f"{prefix}aggregation", f"must be one of {list(AGGREGATIONS)}, got {m.aggregation!r}")
+    _check(m.weighting in WEIGHTINGS, f"{prefix}weighting", f"must be one of {list(WEIGHTINGS)}, got {m.weighting!r}")
+    _check(m.min_deltas is None or m.min_deltas >= 1, f"{prefix}min_deltas", f"must be >= 1, got {m.min_deltas}")
+    _check(m.max_wait is None or (_number(m.max_wait) and m.max_wait >= 0), f"{prefix}max_wait", f"must be >= 0, got {m.max_wait}")
+    _check(m.max_staleness is None or m.max_staleness >= 0, f"{prefix}max_staleness", f"must be >= 0, got {m.max_staleness}")
+    _check(m.max_delta_norm is None or (_number(m.max_delta_norm) and m.max_delta_norm > 0), f"{prefix}max_delta_norm",
+           f"must be > 0, got {m.max_delta_norm}")
+    _check(m.norm_ratio is None or (_number(m.norm_ratio) and m.norm_ratio > 1), f"{prefix}norm_ratio",
+           f"must be > 1 (or null: off), got {m.norm_ratio}")
+    _check(m.norm_global_ratio is None or (_number(m.norm_global_ratio) and m.norm_global_ratio > 0),
+           f"{prefix}norm_global_ratio", f"must be > 0 (or null: off), got {m.norm_global_ratio}")
+    _check(_number(m.sweep_age) and m.sweep_age > 0, f"{prefix}sweep_age", f"must be > 0, got {m.sweep_age}")
+    _check(m.download_workers >= 1, f"{prefix}download_workers", f"must be >= 1, got {m.download_workers}")
+    _check(m.keep_globals >= 1, f"{prefix}keep_globals", f"must be >= 1, got {m.keep_globals}")
+    _check(m.lease_ttl is None or (_number(m.lease_ttl) and m.lease_ttl > 0), f"{prefix}lease_ttl", f"must be > 0, got {m.lease_ttl}")
+    _check(m.torch_threads is None or m.torch_threads >= 1, f"{prefix}torch_threads", f"must be >= 1, got {m.torch_threads}")
+
+
+# ----------------------------------------------------------------------------- the two commands
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """``train.py``'s checks (range and choice checks the schema's types cannot express). Returns ``cfg``."""
     _check(cfg.role in ROLES, "role", f"must be one of {list(ROLES)}, got {cfg.role!r}")
     _check(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
     _check(cfg.workers >= 1, "workers", f"must be >= 1, got {cfg.workers}")
@@ -204,26 +359,23 @@ def validate(cfg: DictConfig) -> DictConfig:
         _check(isinstance(delay, int) and not isinstance(delay, bool) and delay >= 0, "diloco.delay",
                f"tau must be a non-negative integer, got {delay!r}")
     _check(d.wait_timeout > 0, "diloco.wait_timeout", "must be > 0")
+    _check(d.poll_interval > 0, "diloco.poll_interval", "must be > 0")
+    _check(d.claim_ttl is None or d.claim_ttl > 0, "diloco.claim_ttl", "must be > 0")
     o = cfg.optim
     _check(o.name in INNER_OPTIMIZERS, "optim.name", f"must be one of {list(INNER_OPTIMIZERS)}, got {o.name!r}")
     _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", f"must be two values in [0, 1), got {list(o.betas)}")
     _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
-    _check(cfg.outer.name in OUTER_OPTIMIZERS, "outer.name",
-           f"unknown outer optimizer {cfg.outer.name!r}; valid: {sorted(OUTER_OPTIMIZERS)}")
-    _check(cfg.outer.lr > 0, "outer.lr", f"must be > 0, got {cfg.outer.lr}")
-    m = cfg.master
-    _check(m.aggregation in AGGREGATIONS, "master.aggregation", f"must be one of {list(AGGREGATIONS)}")
-    _check(m.weighting in WEIGHTINGS, "master.weighting", f"must be one of {list(WEIGHTINGS)}")
-    _check(m.min_deltas is None or m.min_deltas >= 1, "master.min_deltas", "must be >= 1")
-    _check(m.max_staleness is None or m.max_staleness >= 0, "master.max_staleness", "must be >= 0")
-    _check(m.keep_globals >= 1, "master.keep_globals", "must be >= 1")
-    _check(m.poll_interval > 0, "master.poll_interval", "must be > 0")
+    validate_outer(cfg.outer, "outer.")
+    validate_master_section(cfg.master, "master.")
+    validate_hub(cfg.hub, "hub.")
     t = cfg.trainer
+    _check(t.accelerator in ACCELERATORS, "trainer.accelerator", f"must be one of {list(ACCELERATORS)}, got {t.accelerator!r}")
     _check(t.precision in PRECISIONS, "trainer.precision", f"must be one of {list(PRECISIONS)}, got {t.precision!r}")
     _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")
     _check(t.devices >= 1, "trainer.devices", "must be >= 1")
+    _check(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
     da = cfg.data
     _check(da.source in ("stdlib", "text", "tokens"), "data.source", f"must be stdlib, text or tokens, got {da.source!r}")
     _check(da.source == "stdlib" or da.paths, "data.paths", f"required when data.source={da.source}")
@@ -231,8 +383,140 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(da.batch_size >= 1, "data.batch_size", "must be >= 1")
     _check(0 < da.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
     _check(cfg.model.max_seq_len >= da.seq_len, "model.max_seq_len", f"must be >= data.seq_len ({da.seq_len})")
-    _check(cfg.launch.kind in ("local", "submitit"), "launch.kind", "must be local or submitit")
+    la = cfg.launch
+    _check(la.kind in LAUNCH_KINDS, "launch.kind", f"must be one of {list(LAUNCH_KINDS)}, got {la.kind!r}")
+    _check(la.available_memory_gb is None or la.available_memory_gb > 0, "launch.available_memory_gb", "must be > 0")
+    _check(la.eval_points >= 0, "launch.eval_points", "must be >= 0")
+    _check(la.timeout > 0, "launch.timeout", "must be > 0")
     return cfg
+
+
+def validate_master_command(cfg: DictConfig) -> DictConfig:
+    """``diloco-master``'s checks: the same section checks as a training run's. Returns ``cfg``."""
+    validate_hub(cfg.hub, "hub.", required=True)
+    validate_outer(cfg.outer, "outer.")
+    validate_master_section(cfg, "")
+    _check(cfg.max_rounds is None or cfg.max_rounds >= 0, "max_rounds", f"must be >= 0, got {cfg.max_rounds}")
+    _check(cfg.max_seconds is None or cfg.max_seconds > 0, "max_seconds", f"must be > 0, got {cfg.max_seconds}")
+    _check(str(cfg.log_level).upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
+           f"must be DEBUG, INFO, WARNING or ERROR, got {cfg.log_level!r}")
+    if cfg.init is not None:
+        _check(Path(cfg.init).expanduser().is_file(), "init", f"no such weights file: {cfg.init}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- turning sections into objects
+
+
+def hub_options(h: DictConfig, url: str, *, create: bool | None = None) -> dict[str, Any]:
+    """``open_hub`` options of a hub section for ``url`` (only those that apply to its transport)."""
+    opts: dict[str, Any] = {}
+    if h.get("cache_dir"):
+        opts["cache_dir"] = h.cache_dir
+    if url.startswith("s3://"):  # a bucket is never created; a prefix needs no creating
+        if h.get("endpoint"):
+            opts["endpoint_url"] = h.endpoint
+        return opts
+    opts["create"] = bool(h.create) if create is None else create
+    if url.startswith("hf://"):
+        for key in ("endpoint", "revision"):
+            if h.get(key):
+                opts[key] = h[key]
+        opts["private"] = bool(h.get("private", True))
+    return opts
+
+
+def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool | None = None, prefix: str = "hub."):
+    """Open the hub a section names (``url`` overrides ``h.url``). A hub that does not exist is a
+    :class:`ConfigError` naming ``hub.url`` unless ``hub.create`` (or ``create``) asks to create it."""
+    from diloco_lightning.hub import HubNotFoundError, open_hub
+
+    url = url or h.url
+    opts = hub_options(h, url, create=create)
+    try:
+        return open_hub(url, **opts)
+    except HubNotFoundError as e:
+        if str(url).startswith("s3://"):  # the transport's message says what to do (a bucket is never created)
+            raise ConfigError(f"{prefix}url", str(e)) from None
+        raise ConfigError(f"{prefix}url", f"{e}; check the spelling, or pass {prefix}create=true to create it") from None
+    except ValueError as e:
+        raise ConfigError(f"{prefix}url", str(e)) from None
+    except OSError as e:  # a folder hub that cannot be created or read (permissions, a file in the way)
+        raise ConfigError(f"{prefix}url", f"cannot open the hub folder {url}: {e.strerror or e}") from None
+
+
+# ----------------------------------------------------------------------------- help and docs
+
+
+def field_help(cls: type, name: str) -> str:
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata.get("help", "")
+    return ""
+
+
+def describe(schema: type, cfg: DictConfig | None = None, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """``(key, value, help)`` for every key of ``schema`` (depth first); values from ``cfg`` when given."""
+    out: list[tuple[str, Any, str]] = []
+    for f in dataclasses.fields(schema):
+        key = prefix + f.name
+        node = None if cfg is None else OmegaConf.select(cfg, f.name, default=None, throw_on_missing=False)
+        sub = _dataclass_of(f.type)
+        if sub is not None:
+            out.extend(describe(sub, node if isinstance(node, DictConfig) else None, key + "."))
+            continue
+        if cfg is not None and OmegaConf.is_missing(cfg, f.name):
+            value: Any = "???"
+        elif cfg is not None:
+            value = OmegaConf.to_container(node, resolve=False) if isinstance(node, (DictConfig, ListConfig)) else node
+        else:
+            value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        out.append((key, value, f.metadata.get("help", "")))
+    return out
+
+
+_SECTION_TYPES = {
+    "ModelConf": ModelConf, "DataConf": DataConf, "OptimConf": OptimConf, "DiLoCoConf": DiLoCoConf,
+    "OuterConf": OuterConf, "MasterConf": MasterConf, "HubConf": HubConf, "TrainerConf": TrainerConf,
+    "LaunchConf": LaunchConf,
+}
+
+
+def _dataclass_of(t: Any) -> type | None:
+    if isinstance(t, type) and dataclasses.is_dataclass(t):
+        return t
+    return _SECTION_TYPES.get(t) if isinstance(t, str) else None
+
+
+def group_options(group: str) -> list[tuple[str, str]]:
+    """``(option, first comment line)`` of each ``configs/<group>/*.yaml`` (or recipe)."""
+    folder = RECIPE_DIR if group == "recipe" else CONFIG_DIR / group
+    out = []
+    for p in sorted(folder.glob("*.yaml")):
+        words: list[str] = []
+        for line in p.read_text().splitlines():
+            text = line.strip()
+            if text.startswith("# @package") or (not words and not text):
+                continue
+            if not text.startswith("#"):
+                break
+            words.append(text.lstrip("#").strip())
+        desc = " ".join(w for w in words if w)
+        out.append((p.stem, desc if len(desc) <= 160 else desc[:157].rsplit(" ", 1)[0] + " ..."))
+    return out
+
+
+def format_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return str(value)
+
+
+# ----------------------------------------------------------------------------- Hydra plumbing
 
 
 def run_id_from_overrides(overrides: List[str]) -> str:
@@ -261,11 +545,12 @@ def _run_id_resolver() -> str:
 
 
 def register_configs() -> None:
-    """Store the schema and every ``recipes/*.yaml`` in Hydra's ConfigStore (idempotent)."""
+    """Store both schemas and every ``recipes/*.yaml`` in Hydra's ConfigStore (idempotent)."""
     if not OmegaConf.has_resolver("dl_run_id"):
         OmegaConf.register_new_resolver("dl_run_id", _run_id_resolver)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConf)
+    cs.store(name="master_schema", node=MasterCommandConf)
     for path in sorted(RECIPE_DIR.glob("*.yaml")):
         node = yaml.safe_load(path.read_text()) or {}
         if not isinstance(node, dict):

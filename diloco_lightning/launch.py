@@ -12,11 +12,18 @@ round, evaluates the final global model on the held-out split and writes
 
 Run folders derive from ``run_id`` (itself derived from the command line), never from
 timestamps, and nothing relies on Hydra changing the working directory.
+
+Before anything heavy starts, :func:`run` refuses a run this machine cannot hold
+(:mod:`diloco_lightning.resources`), and a run whose ``results.json`` says it is finished
+says so and keeps its results (an interrupted one resumes from its checkpoints). Ctrl-C or
+SIGTERM stops the workers (each uploads what is pending) and the master, and ends with
+:class:`Interrupted` (status 130 / 143); a failed worker ends the run with :class:`RunError`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -24,17 +31,70 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from diloco_lightning.config import validate
+from diloco_lightning.config import hub_options as _section_hub_options
+from diloco_lightning.config import open_configured_hub, outer_options as _section_outer_options, validate
 
 log = logging.getLogger(__name__)
 
 RESULTS_FILE = "results.json"
+#: progress lines of the role=all parent: at most this often when there is news, and at least this often
+PROGRESS_EVERY, HEARTBEAT_EVERY = 10.0, 60.0
+
+
+class RunError(RuntimeError):
+    """A run that failed: a worker exited with an error or was killed (the message names it and carries
+    its log's last lines), or the run ran past ``launch.timeout``."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM stopped the run before its work was done; ``exit_code`` is ``128 + signal``."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        super().__init__(message)
+
+
+class _Signal(BaseException):
+    """Raised in the main thread by the SIGTERM handler of :func:`_terminate_as_exception`."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _terminate_as_exception():
+    """While the block runs (main thread), SIGTERM raises :class:`_Signal` like Ctrl-C raises KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, _frame):
+        raise _Signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def recipe_name() -> str | None:
+    """The ``recipe=`` chosen on the command line (None outside a Hydra app or without one)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.choices.get("recipe")
+    except (ValueError, ImportError, AttributeError):
+        return None
 
 
 # ----------------------------------------------------------------------------- paths and pieces
@@ -72,15 +132,22 @@ def hub_url(cfg: DictConfig) -> str:
 
 
 def hub_options(cfg: DictConfig) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    url = hub_url(cfg)
-    if url.startswith("hf://"):
-        if cfg.hub.endpoint:
-            opts["endpoint"] = cfg.hub.endpoint
-        opts["private"] = bool(cfg.hub.private)
-    if cfg.hub.cache_dir:
-        opts["cache_dir"] = cfg.hub.cache_dir
-    return opts
+    """``open_hub`` options of a worker: the hub must exist (the role=all parent creates its folder
+    first) unless ``hub.create=true``."""
+    return _section_hub_options(cfg.hub, hub_url(cfg))
+
+
+def open_run_hub(cfg: DictConfig):
+    """The run's hub for the master / the role=all parent: ``<run_dir>/hub`` (created), or ``hub.url``
+    (it must exist unless ``hub.create=true``)."""
+    if cfg.hub.url:
+        return open_configured_hub(cfg.hub)
+    return open_configured_hub(cfg.hub, hub_url(cfg), create=True)
+
+
+def hub_label(cfg: DictConfig) -> str:
+    """The hub as users read it: a folder path, or the URL."""
+    return cfg.hub.url or str(run_dir(cfg) / "hub")
 
 
 def node_id(index: int) -> str:
@@ -153,21 +220,21 @@ def build_module(cfg: DictConfig, vocab_size: int):
 
 
 def outer_options(cfg: DictConfig) -> dict[str, Any]:
-    opts = OmegaConf.to_container(cfg.outer.options, resolve=True) or {}
-    opts["lr"] = cfg.outer.lr
-    if "betas" in opts:
-        opts["betas"] = tuple(opts["betas"])
-    return opts
+    """The outer optimizer's options (``lr`` included): :func:`diloco_lightning.config.outer_options`."""
+    return _section_outer_options(cfg.outer)
 
 
 # ----------------------------------------------------------------------------- worker
 
 
 class _ProgressFile:
-    """Appends ``{"step", "loss"}`` lines to ``progress.jsonl`` (read by the role=all parent)."""
+    """Appends ``{"step", "loss", "time"}`` lines to ``progress.jsonl`` (read by the role=all parent):
+    at step 1 (so the first progress shows early, even when a step takes a minute), then every
+    ``every`` steps, at least every ``seconds`` when steps are slow, and at the last one."""
 
-    def __init__(self, path: Path, every: int) -> None:
-        self.path, self.every = path, max(1, every)
+    def __init__(self, path: Path, every: int, seconds: float = 30.0) -> None:
+        self.path, self.every, self.seconds = path, max(1, every), seconds
+        self.last = 0.0
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def callback(self):
@@ -178,12 +245,14 @@ class _ProgressFile:
         class ProgressCallback(L.Callback):
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 step = trainer.global_step
-                if step % outer.every == 0 or step == trainer.max_steps:
+                now = time.time()
+                if step == 1 or step % outer.every == 0 or step == trainer.max_steps or now - outer.last >= outer.seconds:
                     loss = outputs["loss"] if isinstance(outputs, dict) else outputs
                     if loss is None:
                         return
+                    outer.last = now
                     with open(outer.path, "a") as f:
-                        f.write(json.dumps({"step": step, "loss": float(loss)}) + "\n")
+                        f.write(json.dumps({"step": step, "loss": float(loss), "time": now}) + "\n")
 
         return ProgressCallback()
 
@@ -210,7 +279,7 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
     callback = DiLoCo(
         hub=hub_url(cfg), node_id=nid, inner_steps=d.inner_steps, sync=d.sync, delay=worker_delay(cfg, index),
         delta_dtype=d.delta_dtype, reset_inner_optimizer=d.reset_inner_optimizer, hub_options=hub_options(cfg),
-        wait_timeout=d.wait_timeout, poll_interval=d.poll_interval,
+        wait_timeout=d.wait_timeout, poll_interval=d.poll_interval, claim_ttl=d.claim_ttl,
     )
     ckpt_dir = out / "checkpoints"
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=d.inner_steps)
@@ -252,26 +321,21 @@ def build_master(cfg: DictConfig, hub, *, on_round=None):
         hub, None, node_state_dir=str(run_dir(cfg) / "master"), poll_interval=m.poll_interval,
         outer_optimizer=cfg.outer.name, outer_options=outer_options(cfg), aggregation=m.aggregation,
         weighting=m.weighting, min_deltas=min_deltas, max_wait=m.max_wait, max_staleness=m.max_staleness,
-        max_delta_norm=m.max_delta_norm, norm_global_ratio=m.norm_global_ratio, keep_globals=m.keep_globals, lease_ttl=m.lease_ttl,
-        metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"), logger=on_round, torch_threads=1,
+        max_delta_norm=m.max_delta_norm, norm_global_ratio=m.norm_global_ratio, norm_ratio=m.norm_ratio,
+        sweep_age=m.sweep_age, download_workers=m.download_workers, keep_globals=m.keep_globals, lease=m.lease,
+        lease_ttl=m.lease_ttl, holder=m.holder, metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"),
+        logger=on_round, torch_threads=m.torch_threads,
     )
 
 
-def run_master(cfg: DictConfig) -> None:
-    """role=master: serve rounds until interrupted (Ctrl-C drains a final round)."""
-    from diloco_lightning.hub import open_hub
+def run_master(cfg: DictConfig) -> int:
+    """role=master: serve rounds until Ctrl-C / SIGTERM (a final round is drained); the exit status
+    of :func:`diloco_lightning.master.cli.serve`."""
+    from diloco_lightning.master.cli import serve
 
-    hub = open_hub(hub_url(cfg), **hub_options(cfg))
-    master = build_master(cfg, hub, on_round=lambda m: _print_round(m) if _is_round(m) else None)
-    master.start()
-    try:
-        while True:
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        print("stopping master (final round) ...", flush=True)
-    finally:
-        master.stop(drain=True)
-        hub.close()
+    hub = open_run_hub(cfg)
+    master = build_master(cfg, hub, on_round=lambda m: None)
+    return serve(master, hub, poll_interval=float(cfg.master.poll_interval))
 
 
 def _is_round(metrics: dict) -> bool:
@@ -280,38 +344,46 @@ def _is_round(metrics: dict) -> bool:
 
 
 def _print_round(metrics: dict) -> None:
-    rej = metrics.get("rejected_by_reason") or {}
-    hist = metrics.get("staleness_histogram") or {}
-    print(
-        f"[master] outer_step {metrics.get('outer_step')} | accepted {metrics.get('accepted', 0)}"
-        f" | rejected {sum(rej.values()) if rej else 0}{' ' + json.dumps(rej) if rej else ''}"
-        f" | staleness {json.dumps(hist, sort_keys=True)} | {metrics.get('round_seconds', 0):.2f}s",
-        flush=True,
-    )
+    """The same progress line as ``diloco-master``'s (:func:`diloco_lightning.master.metrics.format_progress`)."""
+    from diloco_lightning.master.metrics import format_progress
+
+    print(f"[master] {format_progress(metrics)}", flush=True)
 
 
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate_global(cfg: DictConfig, hub, dm) -> tuple[int, float]:
-    """(outer_step, mean held-out loss) of the newest published global model."""
-    import torch
+class _Evaluator:
+    """Held-out loss of a global state: one module and the validation split, built once."""
 
+    def __init__(self, cfg: DictConfig, dm) -> None:
+        self.cfg, self.dm = cfg, dm
+        self.module = None
+
+    def loss(self, state: dict) -> float:
+        import torch
+
+        if self.module is None:
+            self.module = build_module(self.cfg, self.dm.vocab_size)
+            self.module.eval()
+            self.dm.setup("validate")
+        install_state(self.module, state)
+        losses = []
+        with torch.no_grad():
+            for i, batch in enumerate(self.dm.val_dataloader()):
+                if i >= self.cfg.data.val_batches:
+                    break
+                x, y = self.module._inputs_targets(batch)
+                losses.append(float(self.module.model.loss(x, y)))
+        return sum(losses) / len(losses) if losses else math.nan
+
+
+def evaluate_global(cfg: DictConfig, hub, dm, evaluator: _Evaluator | None = None) -> tuple[int, float]:
+    """(outer_step, mean held-out loss) of the newest published global model."""
     from diloco_lightning.globals import load_global
 
     manifest, state = load_global(hub)
-    module = build_module(cfg, dm.vocab_size)
-    install_state(module, state)
-    module.eval()
-    dm.setup("validate")
-    losses = []
-    with torch.no_grad():
-        for i, batch in enumerate(dm.val_dataloader()):
-            if i >= cfg.data.val_batches:
-                break
-            x, y = module._inputs_targets(batch)
-            losses.append(float(module.model.loss(x, y)))
-    return manifest.outer_step, (sum(losses) / len(losses) if losses else math.nan)
+    return manifest.outer_step, (evaluator or _Evaluator(cfg, dm)).loss(state)
 
 
 def install_state(module, state: dict) -> None:
@@ -331,6 +403,16 @@ def install_state(module, state: dict) -> None:
             own[k].copy_(t)
 
 
+def _eval_points(cfg: DictConfig) -> list[int]:
+    """Outer steps at which the role=all parent evaluates the global model: 0, then ``eval_points``
+    evenly spaced ones up to the expected last (``max_steps / inner_steps`` rounds)."""
+    n = int(cfg.launch.eval_points)
+    if n <= 0:
+        return []
+    total = max(1, cfg.trainer.max_steps // cfg.diloco.inner_steps)
+    return sorted({0} | {max(1, round(k * total / n)) for k in range(1, n + 1)})
+
+
 # ----------------------------------------------------------------------------- role=all
 
 
@@ -339,6 +421,10 @@ def _worker_command(config_path: Path, index: int) -> list[str]:
 
 
 def _read_progress(path: Path) -> list[tuple[int, float]]:
+    return [(s, l) for s, l, _ in _read_progress_timed(path)]
+
+
+def _read_progress_timed(path: Path) -> list[tuple[int, float, float | None]]:
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
@@ -347,27 +433,82 @@ def _read_progress(path: Path) -> list[tuple[int, float]]:
     for line in lines:
         try:
             d = json.loads(line)
-            out.append((int(d["step"]), float(d["loss"])))
-        except (ValueError, KeyError):
+            t = d.get("time")
+            out.append((int(d["step"]), float(d["loss"]), float(t) if isinstance(t, (int, float)) else None))
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
     return out
 
 
-def run_all(cfg: DictConfig) -> dict[str, Any]:
-    from diloco_lightning.hub import open_hub
+def _progress_line(cfg: DictConfig, rdir: Path, elapsed: float) -> tuple[str, tuple]:
+    """``[  42s] w0 step 30/160 loss 6.53 (0.3 s/step, ~39 s left) | w1 ...`` and a key that changes with news."""
+    from diloco_lightning.waiting import format_duration
 
+    parts, key = [], []
+    total = cfg.trainer.max_steps
+    for i in range(cfg.workers):
+        prog = _read_progress_timed(rdir / "nodes" / node_id(i) / "progress.jsonl")
+        if not prog:
+            parts.append(f"{node_id(i)} starting")
+            key.append(-1)
+            continue
+        step, loss, t = prog[-1]
+        key.append(step)
+        text = f"{node_id(i)} step {step}/{total} loss {loss:.3f}"
+        first = next(((s, tt) for s, _, tt in prog if tt is not None), None)
+        if first and t is not None and step > first[0] and t > first[1]:
+            rate = (t - first[1]) / (step - first[0])
+            text += f" ({rate:.2g} s/step, ~{format_duration(rate * (total - step))} left)"
+        parts.append(text)
+    return f"[{elapsed:6.0f}s] " + " | ".join(parts), tuple(key)
+
+
+def _finished_results(cfg: DictConfig, rdir: Path) -> dict[str, Any] | None:
+    """The results of this run if a previous invocation finished it (as many workers, at least as many steps)."""
+    path = rdir / RESULTS_FILE
+    try:
+        done = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(done, dict):
+        return None
+    if int(done.get("max_steps") or -1) >= cfg.trainer.max_steps and int(done.get("workers") or -1) == cfg.workers:
+        return done
+    return None
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        hint = " (the kernel's out-of-memory killer sends SIGKILL: see `dmesg`)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with status {code}"
+
+
+def run_all(cfg: DictConfig) -> dict[str, Any]:
     rdir = run_dir(cfg)
+    label = recipe_name()
+    done = _finished_results(cfg, rdir)
+    if done is not None:
+        print(
+            f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {done.get('eval_loss', math.nan):.3f} "
+            f"after {done.get('outer_steps')} outer steps). Nothing to do: to train further raise trainer.max_steps "
+            f"(it resumes); to start again use another run_id=... or delete {rdir}.",
+            flush=True,
+        )
+        return done
     rdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    print(f"run {cfg.run_id}: {cfg.workers} workers, model {cfg.model.preset}, outer {cfg.outer.name} "
-          f"(lr {cfg.outer.lr}), H={cfg.diloco.inner_steps}, sync {cfg.diloco.sync}, tau {tau_label(cfg)}; "
-          f"hub {hub_url(cfg)}", flush=True)
+    named = f" (recipe {label})" if label and f"recipe={label}" not in str(cfg.run_id) else ""
+    print(f"run {cfg.run_id}{named}: {cfg.workers} workers, model {cfg.model.preset}, "
+          f"outer {cfg.outer.name} (lr {cfg.outer.lr}), H={cfg.diloco.inner_steps}, sync {cfg.diloco.sync}, "
+          f"tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps; hub {hub_label(cfg)}", flush=True)
     dm = build_datamodule(cfg)
     dm.prepare_data()  # tokenizer + token cache built once here, not raced by the workers
     config_path = rdir / "config.yaml"
     OmegaConf.save(cfg, config_path, resolve=True)
 
-    hub = open_hub(hub_url(cfg), **hub_options(cfg))
+    hub = open_run_hub(cfg)
     rounds: list[dict] = []
     master = build_master(cfg, hub, on_round=lambda m: (rounds.append(m), _print_round(m)) if _is_round(m) else None)
     master.start()
@@ -376,70 +517,68 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     threads = cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // cfg.workers)
     procs: list[subprocess.Popen] = []
     logs = []
-    for i in range(cfg.workers):
-        env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = str(threads)
-        # the package is importable in workers even when train.py runs from a checkout without install
-        pkg_root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        if devices:
-            env["CUDA_VISIBLE_DEVICES"] = devices[i % len(devices)]
-        log_path = rdir / "nodes" / node_id(i) / "worker.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(log_path, "ab")
-        logs.append((fh, log_path))
-        procs.append(subprocess.Popen(_worker_command(config_path, i), env=env, stdout=fh, stderr=subprocess.STDOUT))
-
-    failed = None
-    last_print = 0.0
+    evaluator = _Evaluator(cfg, dm)
+    points = _eval_points(cfg)
+    eval_curve: list[list[float]] = []
+    interrupted: int | None = None
+    failed: tuple[int, Any] | None = None
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed = bad[0]
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.perf_counter() - started > cfg.launch.timeout:
-                failed = (-1, "timeout")
-                break
-            now = time.perf_counter()
-            if now - last_print > 10.0:
-                last_print = now
-                parts = []
-                for i in range(cfg.workers):
-                    prog = _read_progress(rdir / "nodes" / node_id(i) / "progress.jsonl")
-                    if prog:
-                        parts.append(f"{node_id(i)} step {prog[-1][0]} loss {prog[-1][1]:.3f}")
-                if parts:
-                    print(f"[{now - started:6.0f}s] " + " | ".join(parts), flush=True)
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        failed = (-1, "interrupted")
+        with _terminate_as_exception():
+            for i in range(cfg.workers):
+                env = dict(os.environ)
+                env["OMP_NUM_THREADS"] = str(threads)
+                # the package is importable in workers even when train.py runs from a checkout without install
+                pkg_root = str(Path(__file__).resolve().parents[1])
+                env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+                if devices:
+                    env["CUDA_VISIBLE_DEVICES"] = devices[i % len(devices)]
+                log_path = rdir / "nodes" / node_id(i) / "worker.log"
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                fh = open(log_path, "ab")
+                logs.append((fh, log_path))
+                procs.append(subprocess.Popen(_worker_command(config_path, i), env=env, stdout=fh, stderr=subprocess.STDOUT))
+            failed = _watch(cfg, rdir, procs, master, evaluator, points, eval_curve, started)
+    except (KeyboardInterrupt, _Signal) as e:
+        interrupted = e.signum if isinstance(e, _Signal) else int(signal.SIGINT)
     finally:
-        if failed:
+        if failed or interrupted:
+            # each worker gets SIGTERM: it uploads what is pending and exits (status 143)
             for p in procs:
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
             for p in procs:
                 try:
-                    p.wait(timeout=30)
+                    p.wait(timeout=40)
                 except subprocess.TimeoutExpired:
                     p.kill()
+                    p.wait()
         for fh, _ in logs:
             fh.close()
-        master.stop(drain=not failed)
+        master.stop(drain=not (failed or interrupted))
+    if interrupted:
+        hub.close()
+        name = signal.Signals(interrupted).name
+        raise Interrupted(
+            interrupted,
+            f"interrupted by {name}{' (Ctrl-C)' if interrupted == signal.SIGINT else ''}: stopped the master at outer_step "
+            f"{master.outer_step} and {len(procs)} worker(s); checkpoints in {rdir / 'nodes'}. The same command resumes "
+            f"the run.",
+        )
     if failed:
         i, code = failed
-        tail = ""
-        if i >= 0:
-            tail = "\n".join(logs[i][1].read_text(errors="replace").splitlines()[-30:])
         hub.close()
-        raise RuntimeError(f"worker {node_id(i) if i >= 0 else ''} failed ({code}); see {logs[i][1] if i >= 0 else rdir}\n{tail}")
+        if i < 0:
+            raise RunError(f"run {cfg.run_id} {code}; see the worker logs in {rdir / 'nodes'}")
+        tail = "\n".join("    " + line for line in logs[i][1].read_text(errors="replace").splitlines()[-25:])
+        raise RunError(
+            f"worker {node_id(i)} {_describe_exit(code)}; the other workers were stopped. Last lines of "
+            f"{logs[i][1]}:\n{tail or '    (empty)'}"
+        )
 
-    outer_step, eval_loss = evaluate_global(cfg, hub, dm)
+    outer_step, eval_loss = evaluate_global(cfg, hub, dm, evaluator)
     hub.close()
+    if not eval_curve or eval_curve[-1][0] != outer_step:
+        eval_curve.append([outer_step, eval_loss])
     wall = time.perf_counter() - started
     summaries = [json.loads((rdir / "nodes" / node_id(i) / "summary.json").read_text()) for i in range(cfg.workers)]
     curves = [_read_progress(rdir / "nodes" / node_id(i) / "progress.jsonl") for i in range(cfg.workers)]
@@ -453,7 +592,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     tokens = sum(s["tokens"] for s in summaries)
     results = {
         "run_id": cfg.run_id,
-        "recipe": OmegaConf.select(cfg, "hydra.runtime.choices.recipe", default=None),
+        "recipe": label,
         "outer": cfg.outer.name,
         "outer_lr": cfg.outer.lr,
         "tau": tau_label(cfg),
@@ -476,6 +615,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
         "deltas_accepted": accepted,
         "deltas_rejected": rejected,
         "train_curve": train_curve,
+        "eval_curve": eval_curve,
         "workers_summary": summaries,
     }
     (rdir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
@@ -488,6 +628,34 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
         flush=True,
     )
     return results
+
+
+def _watch(cfg, rdir, procs, master, evaluator, points, eval_curve, started) -> tuple[int, Any] | None:
+    """Poll the workers until all are done (None) or one failed (``(index, exit code)``; index -1: the
+    run's timeout); print progress lines; evaluate the global model at the outer steps in ``points``."""
+    last_print, last_key = time.perf_counter(), None
+    points = list(points)
+    while True:
+        codes = [p.poll() for p in procs]
+        bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            return bad[0]
+        if all(c == 0 for c in codes):
+            return None
+        now = time.perf_counter()
+        if now - started > cfg.launch.timeout:
+            return (-1, f"ran past launch.timeout={cfg.launch.timeout:g} s")
+        if points and master.has_state and master.outer_step >= points[0]:
+            step, state = master.snapshot()
+            while points and points[0] <= step:
+                points.pop(0)
+            eval_curve.append([step, evaluator.loss(state)])
+        line, key = _progress_line(cfg, rdir, now - started)
+        first = any(k >= 0 for k in key) and not (last_key and any(k >= 0 for k in last_key))
+        if first or (key != last_key and now - last_print >= PROGRESS_EVERY) or now - last_print >= HEARTBEAT_EVERY:
+            print(line, flush=True)  # the first progress at once, news every 10 s, a heartbeat every minute
+            last_print, last_key = now, key
+        time.sleep(0.2)
 
 
 def _mean_curve(curves: list[list[tuple[int, float]]]) -> list[list[float]]:
@@ -514,11 +682,24 @@ def _device_list(cfg: DictConfig) -> list[str]:
 # ----------------------------------------------------------------------------- entry points
 
 
+def _quiet_hub_logs() -> None:
+    """The console shows one line per round (the master's progress line): the hub's own INFO lines
+    (one per publication, the lease) would repeat it."""
+    for name in ("diloco_lightning.hub", "diloco_lightning.master.lease", "botocore", "boto3", "urllib3", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def run(cfg: DictConfig) -> dict[str, Any] | None:
-    """Dispatch on ``cfg.role``."""
+    """Validate, refuse what this machine cannot run, then dispatch on ``cfg.role``."""
     validate(cfg)
     _resolve_run_dir(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    finished = cfg.role == "all" and cfg.launch.kind == "local" and _finished_results(cfg, run_dir(cfg)) is not None
+    if cfg.launch.check_resources and not finished:  # a finished run starts nothing: run_all only says so
+        from diloco_lightning.resources import check_resources
+
+        check_resources(cfg, label=recipe_name())
+    _quiet_hub_logs()
     if cfg.launch.kind == "submitit" and cfg.role == "all":
         from diloco_lightning.slurm import run_submitit
 
@@ -526,13 +707,17 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     if cfg.role == "worker":
         return run_worker(cfg)
     if cfg.role == "master":
-        run_master(cfg)
+        code = run_master(cfg)
+        if code:
+            raise SystemExit(code)
         return None
     return run_all(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m diloco_lightning.launch --config run_dir/config.yaml --node-index i``: one worker."""
+    """``python -m diloco_lightning.launch --config run_dir/config.yaml --node-index i``: one worker.
+
+    Exit status 143 when SIGTERM stopped it (after uploading what was pending)."""
     ap = argparse.ArgumentParser(description="run one DiLoCo worker from a resolved run config")
     ap.add_argument("--config", required=True)
     ap.add_argument("--node-index", type=int, required=True)

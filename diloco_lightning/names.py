@@ -20,10 +20,12 @@ _STEP = r"0|[1-9][0-9]{0,17}"
 _LOCAL_STEP_RE = re.compile(_STEP)
 _DELTA_PATH_RE = re.compile(rf"nodes/((?!\.)[A-Za-z0-9._-]{{1,64}})/delta_({_STEP})\.safetensors")
 _INIT_PATH_RE = re.compile(r"nodes/((?!\.)[A-Za-z0-9._-]{1,64})/init\.safetensors")
+_CLAIM_PATH_RE = re.compile(r"nodes/((?!\.)[A-Za-z0-9._-]{1,64})/claim\.json")
 # Files the master writes: versioned weights / optimizer state, the manifest, the lease.
 _GLOBAL_NAME_RE = re.compile(r"global/[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 NODES_DIR = "nodes"
+CLAIM_NAME = "claim.json"  # nodes/<node_id>/claim.json: the node's claim on its id (diloco_lightning.nodeclaim)
 GLOBAL_DIR = "global"
 MANIFEST_PATH = "global/manifest.json"
 LEASE_PATH = "global/lease.json"
@@ -72,6 +74,17 @@ def delta_path(node_id: str, local_step: int) -> str:
 def init_path(node_id: str) -> str:
     """``nodes/<node_id>/init.safetensors``: a worker's offered initial weights."""
     return f"{NODES_DIR}/{validate_node_id(node_id)}/init.safetensors"
+
+
+def claim_path(node_id: str) -> str:
+    """``nodes/<node_id>/claim.json``: who runs ``node_id`` now (not a delta; listings skip it)."""
+    return f"{NODES_DIR}/{validate_node_id(node_id)}/{CLAIM_NAME}"
+
+
+def parse_claim_path(path: str) -> str | None:
+    """The node_id of a claim path, or None if ``path`` is not one."""
+    m = _CLAIM_PATH_RE.fullmatch(path) if isinstance(path, str) else None
+    return None if m is None else m.group(1)
 
 
 def parse_delta_path(path: str) -> DeltaId | None:

@@ -28,8 +28,7 @@ def run_submitit(cfg: DictConfig) -> dict[str, Any] | None:
         import submitit
     except ImportError:
         raise RuntimeError("launch=submitit needs the submitit package: pip install submitit") from None
-    from diloco_lightning.hub import open_hub
-    from diloco_lightning.launch import _print_round, _worker_command, build_master, hub_options, hub_url, run_dir
+    from diloco_lightning.launch import _print_round, _worker_command, build_master, open_run_hub, run_dir
 
     rdir = run_dir(cfg)
     rdir.mkdir(parents=True, exist_ok=True)
@@ -44,7 +43,7 @@ def run_submitit(cfg: DictConfig) -> dict[str, Any] | None:
         gpus_per_node=gpus, tasks_per_node=1, nodes=1, slurm_job_name=f"diloco-{cfg.run_id}"[:64],
         **({"slurm_partition": partition} if partition else {}), **params,
     )
-    hub = open_hub(hub_url(cfg), **hub_options(cfg))
+    hub = open_run_hub(cfg)
     master = build_master(cfg, hub, on_round=_print_round)
     master.start()
     jobs = []

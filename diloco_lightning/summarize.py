@@ -2,9 +2,14 @@
 
 Reads every ``results.json`` below the folder (one per run, written by ``train.py``),
 groups runs by (outer optimizer, tau, regime) and prints a Markdown table of the final
-eval loss (mean ± std over seeds), the 'single-shot risk' (mean + std, as the CGAD
-paper reports it), the divergence count, and writes ``summary.md``, ``summary.csv``
-and one loss-curve PNG per tau (``loss_tau<k>.png``, needs matplotlib).
+eval loss (mean ± std over seeds), the *single-shot risk*, the divergence count, and
+writes ``summary.md``, ``summary.csv`` and one loss-curve PNG per tau (``loss_tau<k>.png``,
+needs matplotlib): the global model's eval loss against the outer step, the mean over
+seeds with a ± std band, on a linear axis.
+
+The single-shot risk is ``mean + std`` of the final eval loss over seeds: what one run,
+launched once, may reasonably end at (the CGAD paper, Shah & Sun 2026, reports it because a
+large run is launched once). A method that diverges in any seed has an infinite mean.
 """
 
 from __future__ import annotations
@@ -83,9 +88,15 @@ def summarize(results: list[dict]) -> list[dict]:
     return rows
 
 
-def _fmt(x) -> str:
+SINGLE_SHOT_NOTE = (
+    "single-shot risk = mean + std of the final eval loss over seeds: what one run, launched once, may end at "
+    "(lower is better; inf when a seed diverged)."
+)
+
+
+def _fmt(x, digits: int = 4) -> str:
     if isinstance(x, float):
-        return "inf" if math.isinf(x) else ("nan" if math.isnan(x) else f"{x:.4f}")
+        return "inf" if math.isinf(x) else ("nan" if math.isnan(x) else f"{x:.{digits}f}")
     return str(x)
 
 
@@ -98,43 +109,73 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['outer']} | {r['tau']} | {r['regime']} | {r['precision']} | {r['runs']} | "
             f"{_fmt(r['eval_loss_mean'])} ± {_fmt(r['eval_loss_std'])} | {_fmt(r['single_shot_risk'])} | "
             f"{_fmt(r['final_train_loss_mean'])} | {r['diverged']} | {r['deltas_accepted']} | {r['deltas_rejected']} | "
-            f"{_fmt(r['wall_seconds_mean'])} |"
+            f"{_fmt(r['wall_seconds_mean'], 0)} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + SINGLE_SHOT_NOTE + "\n"
+
+
+def _curve_of(r: dict) -> tuple[list, str]:
+    """A run's eval-loss curve ``[[outer_step, loss], ...]`` (older results: the train-loss curve)."""
+    if r.get("eval_curve"):
+        return r["eval_curve"], "eval"
+    return r.get("train_curve") or [], "train"
+
+
+def _series(results: list[dict]) -> tuple[dict[str, dict[tuple, list[list]]], dict[str, set[str]]]:
+    """Curves grouped by tau, then by (outer, regime, precision); and which kind of curve each tau has."""
+    by_tau: dict[str, dict[tuple, list[list]]] = defaultdict(lambda: defaultdict(list))
+    kinds: dict[str, set[str]] = defaultdict(set)
+    for r in results:
+        curve, kind = _curve_of(r)
+        if curve:
+            tau = str(r.get("tau", "?"))
+            by_tau[tau][(r.get("outer", "?"), r.get("regime", "fixed"), r.get("precision", "?"))].append(curve)
+            kinds[tau].add(kind)
+    return by_tau, kinds
+
+
+def loss_figure(tau: str, series: dict[tuple, list[list]], kinds: set[str]):
+    """The figure of one tau: per (outer, regime, precision), the mean curve over seeds with a ± std band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (outer, regime, prec), curves in sorted(series.items()):
+        steps = sorted({int(s) for c in curves for s, _ in c})
+        mean, std = [], []
+        for s in steps:
+            vals = _finite(v for c in curves for st, v in c if int(st) == s)
+            mean.append(statistics.fmean(vals) if vals else math.nan)
+            std.append(statistics.pstdev(vals) if len(vals) > 1 else 0.0)
+        line = ax.plot(steps, mean, marker="o", markersize=3, label=f"{outer} ({regime}, {prec}, n={len(curves)})")[0]
+        ax.fill_between(steps, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
+                        color=line.get_color(), alpha=0.2, linewidth=0)
+    eval_only = kinds == {"eval"}
+    ax.set_xlabel("outer step" if eval_only else "outer step (eval) / inner step (train)")
+    ax.set_ylabel("eval loss of the global model" if eval_only else "loss")
+    ax.set_title(f"tau = {tau}: mean ± std over seeds")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
 def plot_curves(results: list[dict], out_dir: Path) -> list[Path]:
-    """One PNG per tau: mean train-loss curve per (outer, regime). Needs matplotlib."""
+    """One PNG per tau (:func:`loss_figure`): the global model's eval loss against the outer step,
+    mean over seeds with a ± std band, linear axis. Needs matplotlib."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         log.warning("matplotlib is not installed: no loss-curve plots (pip install matplotlib)")
         return []
-    by_tau: dict[str, dict[tuple, list[list]]] = defaultdict(lambda: defaultdict(list))
-    for r in results:
-        curve = r.get("train_curve") or []
-        if curve:
-            by_tau[str(r.get("tau", "?"))][(r.get("outer", "?"), r.get("regime", "fixed"), r.get("precision", "?"))].append(curve)
+    by_tau, kinds = _series(results)
     paths = []
     for tau, series in sorted(by_tau.items()):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for (outer, regime, prec), curves in sorted(series.items()):
-            steps = sorted({int(s) for c in curves for s, _ in c})
-            mean = []
-            for s in steps:
-                vals = _finite(v for c in curves for st, v in c if int(st) == s)
-                mean.append(statistics.fmean(vals) if vals else math.nan)
-            ax.plot(steps, mean, label=f"{outer} ({regime}, {prec}, n={len(curves)})")
-        ax.set_xlabel("inner optimizer step")
-        ax.set_ylabel("train loss (mean over workers and seeds)")
-        ax.set_title(f"tau = {tau}")
-        ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
+        fig = loss_figure(tau, series, kinds[tau])
         p = out_dir / f"loss_tau{tau}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)

@@ -572,11 +572,14 @@ def test_defaults_refuse_an_absurd_first_delta_and_accept_honest_ones(tmp_path):
 
 
 def test_cli_default_bound_is_on():
-    from omegaconf import OmegaConf
+    from hydra import compose, initialize_config_dir
 
-    from diloco_lightning.master.cli import CONFIG_DIR
+    from diloco_lightning.config import CONFIG_DIR, register_configs
 
-    assert OmegaConf.load(CONFIG_DIR / "master.yaml").norm_global_ratio == 100.0
+    register_configs()
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):  # the schema holds the default, as composed
+        assert compose("master", overrides=["hub.url=/tmp"]).norm_global_ratio == 100.0
+        assert compose("train", overrides=["recipe=tiny"]).master.norm_global_ratio == 100.0
 
 
 # ============================================================================ 9. no litter

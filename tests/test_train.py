@@ -49,6 +49,11 @@ def test_multirun_trains_and_summarizes(tmp_path):
         curve = r["train_curve"]
         assert curve[0][1] > curve[-1][1] + 0.5, curve  # the loss goes down
         assert math.isfinite(r["eval_loss"]) and r["eval_loss"] < r["chance_loss"] and not r["diverged"]
+        assert r["recipe"] == "tiny"
+        # the global model evaluated along the run (outer steps 0 .. 4), ending at the final eval loss
+        steps = [s for s, _ in r["eval_curve"]]
+        assert steps[0] == 0 and steps[-1] == 4 and steps == sorted(steps)
+        assert r["eval_curve"][-1][1] == r["eval_loss"] and r["eval_curve"][0][1] > r["eval_loss"]
         # run folders derive from the command line, never from timestamps
         assert f"outer={r['outer']}," in p.parent.name and "recipe=tiny" in p.parent.name
     assert set(by_outer) == {"nesterov", "cgad"}
@@ -83,3 +88,12 @@ def test_resume_continues_run_and_data_position(tmp_path):
     assert dm_state["position"] == 32 * 8  # samples consumed: 16 before the stop + 16 after, none repeated
     log = (run / "nodes" / "w0" / "worker.log").read_text()
     assert "Restoring states from the checkpoint" in log or "Restored all states" in log
+
+    # the same command again: the run is finished; it says so and keeps its results (the reported bug:
+    # "0 deltas accepted" and results.json overwritten with final_train_loss NaN)
+    before = (run / "results.json").read_bytes()
+    third = _train(tmp_path, "recipe=tiny", "run_id=resume", "trainer.max_steps=32")
+    assert "run resume is already finished" in third.stdout and "raise trainer.max_steps" in third.stdout
+    assert "[master]" not in third.stdout  # nothing was started
+    assert (run / "results.json").read_bytes() == before
+    assert second["recipe"] == "tiny" and math.isfinite(second["final_train_loss"])

@@ -13,6 +13,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from diloco_lightning.hub.base import (
+    ClaimConflictError,
     DeltaExistsError,
     DeltaRef,
     Hub,
@@ -33,6 +34,7 @@ __all__ = [
     "DeltaExistsError",
     "PublishConflictError",
     "LeaseConflictError",
+    "ClaimConflictError",
 ]
 
 

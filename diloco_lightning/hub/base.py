@@ -8,6 +8,7 @@ A hub holds (SPEC.md, "Hub layout")::
     global/weights_<outer_step>_<token>.safetensors  versioned weights, named by the manifest
     global/outer_state_<outer_step>_<token>.safetensors  the outer optimizer state of that version
     global/lease.json                                which master may publish (holder, epoch, expiry)
+    nodes/<node_id>/claim.json                       which worker runs node_id now (diloco_lightning.nodeclaim)
 
 Rules every transport keeps:
 
@@ -38,6 +39,7 @@ from typing import Iterable, Mapping
 
 from diloco_lightning.fileio import sweep_temporaries
 from diloco_lightning.manifest import Lease, Manifest
+from diloco_lightning.nodeclaim import NodeClaim
 from diloco_lightning.names import (
     MANIFEST_PATH,
     RESERVED_GLOBAL_PATHS,
@@ -73,6 +75,10 @@ class PublishConflictError(HubError):
 
 class LeaseConflictError(HubError):
     """Compare-and-swap on the lease lost: someone else changed it first."""
+
+
+class ClaimConflictError(HubError):
+    """Compare-and-swap on a node claim lost: someone else changed ``nodes/<node_id>/claim.json`` first."""
 
 
 class HubNotFoundError(HubError):
@@ -262,6 +268,19 @@ class Hub(abc.ABC):
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
         """Replace the lease by ``lease`` (None: remove it) iff the current one equals ``expected``;
         else raise ``LeaseConflictError``."""
+
+    # ------------------------------------------------------------------ node claims (not abstract: a
+    # transport without them still works; the worker then cannot detect a duplicate node_id)
+
+    def read_claim(self, node_id: str) -> "NodeClaim | None":
+        """The current claim on ``node_id`` (``nodes/<node_id>/claim.json``), or None. An unreadable
+        claim (malformed, too large, another node's) counts as none, with a warning."""
+        raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+
+    def write_claim(self, node_id: str, claim: "NodeClaim | None", *, expected: "NodeClaim | None") -> None:
+        """Replace the claim on ``node_id`` by ``claim`` (None: remove it) iff the current one equals
+        ``expected`` (None: there is none, or it is unreadable); else raise ``ClaimConflictError``."""
+        raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
 
     # ------------------------------------------------------------------ common
 

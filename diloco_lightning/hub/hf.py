@@ -65,6 +65,7 @@ from typing import Any
 from diloco_lightning.fileio import temp_prefix
 from diloco_lightning import faults
 from diloco_lightning.hub.base import (
+    ClaimConflictError,
     DeltaExistsError,
     DeltaRef,
     Hub,
@@ -78,14 +79,17 @@ from diloco_lightning.hub.base import (
     default_cache_dir,
 )
 from diloco_lightning.manifest import Lease, Manifest
+from diloco_lightning.nodeclaim import ClaimError, NodeClaim
 from diloco_lightning.names import (
     GLOBAL_DIR,
     LEASE_PATH,
     MANIFEST_PATH,
     NODES_DIR,
     InvalidNameError,
+    claim_path,
     delta_path,
     init_path,
+    parse_claim_path,
     parse_delta_path,
     parse_init_path,
     validate_global_path,
@@ -622,7 +626,7 @@ class HFHub(Hub):
         for path, size, blob in self._node_files():
             ident = parse_delta_path(path)
             if ident is None:
-                if parse_init_path(path) is None:
+                if parse_init_path(path) is None and parse_claim_path(path) is None:
                     self._warn_once(path, "ignoring %s on %s: not a delta path", path, self.url)
                 continue
             if ident.local_step <= after.get(ident.node_id, -1):
@@ -854,6 +858,47 @@ class HFHub(Hub):
             except _Precondition:
                 self._cas_pause(attempt)
         raise HubError(f"write_lease: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
+
+    # ------------------------------------------------------------------ node claims
+
+    def _parse_claim(self, data: bytes | None, node_id: str) -> NodeClaim | None:
+        if data is None:
+            return None
+        try:
+            return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{claim_path(node_id)}")
+        except ClaimError as e:
+            self._warn_once(f"{claim_path(node_id)}:{len(data)}", "ignoring an unreadable claim: %s", e)
+            return None
+
+    def read_claim(self, node_id: str) -> NodeClaim | None:
+        data, _ = self._read_head_file(claim_path(node_id))
+        return self._parse_claim(data, node_id)
+
+    def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
+        """The scheme of :meth:`write_lease` on ``nodes/<node_id>/claim.json`` (one commit per write:
+        the keeper renews at most once per half ``ttl``, well inside the Hub's commit rate limits)."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        if claim is not None and claim.node_id != node_id:
+            raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
+        path = claim_path(node_id)
+        for attempt in range(self.max_cas_attempts):
+            data, head = self._read_head_file(path)
+            current = self._parse_claim(data, node_id)
+            if current == claim and (claim is not None or data is None):
+                return  # already in place (an earlier attempt of ours landed)
+            if current != expected:
+                raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
+            if claim is None:
+                ops = [CommitOperationDelete(path_in_repo=path)]
+            else:
+                ops = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=claim.to_json().encode())]
+            try:
+                self._commit(ops, head, f"claim {node_id}: " + ("released" if claim is None else f"{claim.holder} epoch {claim.epoch}"))
+                return
+            except _Precondition:
+                self._cas_pause(attempt)
+        raise HubError(f"write_claim: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
 
     def __repr__(self) -> str:
         return f"HFHub({self.url!r}, endpoint={self.endpoint!r}, revision={self.revision!r})"

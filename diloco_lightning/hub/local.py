@@ -40,10 +40,12 @@ import shutil
 import threading
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
+from urllib.parse import quote
 
 from diloco_lightning import faults
 from diloco_lightning.fileio import atomic_write_bytes, sweep_temporaries, temp_prefix
 from diloco_lightning.hub.base import (
+    ClaimConflictError,
     DeltaExistsError,
     DeltaRef,
     Hub,
@@ -56,7 +58,9 @@ from diloco_lightning.hub.base import (
     default_cache_dir,
 )
 from diloco_lightning.manifest import Lease, Manifest
+from diloco_lightning.nodeclaim import MAX_CLAIM_BYTES, ClaimError, NodeClaim
 from diloco_lightning.names import (
+    CLAIM_NAME,
     GLOBAL_DIR,
     LEASE_PATH,
     MANIFEST_PATH,
@@ -64,6 +68,7 @@ from diloco_lightning.names import (
     NODES_DIR,
     RESERVED_GLOBAL_PATHS,
     InvalidNameError,
+    claim_path,
     delta_path,
     init_path,
     parse_delta_path,
@@ -91,7 +96,8 @@ class FileHub(Hub):
             (root / GLOBAL_DIR).mkdir(parents=True, exist_ok=True)
         elif not root.is_dir():
             raise HubNotFoundError(f"hub folder {root} does not exist (create=False)")
-        self.url = root.as_uri()
+        # RFC 3986 allows '=', ',' and '+' in a path: keep them readable (runs/recipe=tiny/hub)
+        self.url = "file://" + quote(str(root), safe="/=,+:@~!$&'()*;")
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(self.url)
         self._warned: set[str] = set()
         self._warned_lock = threading.Lock()
@@ -263,7 +269,7 @@ class FileHub(Hub):
             except FileNotFoundError:  # removed while listing
                 continue
             for f in entries:
-                if f.name.startswith(".") or f.name == "init.safetensors":
+                if f.name.startswith(".") or f.name in ("init.safetensors", CLAIM_NAME):
                     continue
                 hub_path = f"{NODES_DIR}/{nd.name}/{f.name}"
                 ident = parse_delta_path(hub_path)
@@ -423,3 +429,53 @@ class FileHub(Hub):
                     (self.root / LEASE_PATH).unlink()
             else:
                 atomic_write_bytes(self.root / LEASE_PATH, lease.to_json().encode())
+
+    # ------------------------------------------------------------------ node claims
+
+    def _claim_file(self, node_id: str) -> Path:
+        p = self.root / claim_path(node_id)
+        if p.parent.is_symlink():
+            raise HubError(f"refusing {NODES_DIR}/{node_id} on {self.url}: it is a symbolic link")
+        return p
+
+    def _read_claim_file(self, node_id: str) -> NodeClaim | None:
+        p = self._claim_file(node_id)
+        try:
+            fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # ELOOP: a symbolic link
+            self._warn_once(str(p), "ignoring the claim %s on %s: %s", claim_path(node_id), self.url, e)
+            return None
+        try:
+            data = os.read(fd, MAX_CLAIM_BYTES + 1)
+        finally:
+            os.close(fd)
+        try:
+            return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{claim_path(node_id)}")
+        except ClaimError as e:
+            self._warn_once(f"{p}:{len(data)}", "ignoring an unreadable claim: %s", e)
+            return None
+
+    def read_claim(self, node_id: str) -> NodeClaim | None:
+        return self._read_claim_file(node_id)
+
+    def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
+        if claim is not None and claim.node_id != node_id:
+            raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
+        p = self._claim_file(node_id)
+        text = None if claim is None else claim.to_json().encode()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(p.parent / ".claim.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            current = self._read_claim_file(node_id)
+            if current != expected:
+                raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
+            if text is None:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            else:
+                atomic_write_bytes(p, text)
+        finally:
+            os.close(fd)  # releases the flock

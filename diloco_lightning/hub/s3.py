@@ -39,6 +39,8 @@ How each rule of ``diloco_lightning.hub.base`` is kept:
 * The lease uses the same conditional writes on ``global/lease.json``; releasing it writes an
   empty object (read back as "no lease") instead of deleting it, so no conditional DELETE is
   needed. A CAS whose answer was lost is recognised by reading back exactly the bytes written.
+  Node claims (``nodes/<node_id>/claim.json``, :mod:`diloco_lightning.nodeclaim`) work the same
+  way; listings skip them.
 * Listing: one paginated ``ListObjectsV2`` of ``<prefix>/nodes/`` (sizes go into ``DeltaRef``),
   filtered by the ledger here. A ``StartAfter`` cannot skip what the ledger covers: keys sort
   as text, so ``delta_10`` sorts before ``delta_9``, and a step with more digits than the
@@ -72,6 +74,7 @@ from typing import Any
 
 from diloco_lightning import faults
 from diloco_lightning.hub.base import (
+    ClaimConflictError,
     DeltaExistsError,
     DeltaRef,
     Hub,
@@ -85,6 +88,7 @@ from diloco_lightning.hub.base import (
 )
 from diloco_lightning.hub.s3_store import HubUnavailableError, Missing, Precondition, S3Store, parse_s3_url
 from diloco_lightning.manifest import Lease, Manifest, ManifestError
+from diloco_lightning.nodeclaim import ClaimError, NodeClaim
 from diloco_lightning.names import (
     GLOBAL_DIR,
     LEASE_PATH,
@@ -92,8 +96,10 @@ from diloco_lightning.names import (
     NODES_DIR,
     RESERVED_GLOBAL_PATHS,
     InvalidNameError,
+    claim_path,
     delta_path,
     init_path,
+    parse_claim_path,
     parse_delta_path,
     parse_init_path,
     validate_global_path,
@@ -186,7 +192,7 @@ class S3Hub(Hub):
         for path, size, etag in self.store.list(NODES_DIR, recursive=True):
             ident = parse_delta_path(path)
             if ident is None:
-                if parse_init_path(path) is None:
+                if parse_init_path(path) is None and parse_claim_path(path) is None:
                     self._warn_once(path, "ignoring %s on %s: not a delta path", path, self.url)
                 continue
             if ident.local_step > after.get(ident.node_id, -1):
@@ -368,6 +374,38 @@ class S3Hub(Hub):
             except ManifestError:
                 found = "an unreadable lease"
             raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {found}") from None
+
+    # ------------------------------------------------------------------ node claims
+
+    def _claim(self, data: bytes | None, node_id: str) -> NodeClaim | None:
+        if not data:
+            return None  # absent, or released (an empty object, as the lease)
+        try:
+            return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{claim_path(node_id)}")
+        except ClaimError as e:
+            self._warn_once(f"{claim_path(node_id)}:{len(data)}", "ignoring an unreadable claim: %s", e)
+            return None
+
+    def read_claim(self, node_id: str) -> NodeClaim | None:
+        data, _ = self.store.read_small(claim_path(node_id))
+        return self._claim(data, node_id)
+
+    def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
+        if claim is not None and claim.node_id != node_id:
+            raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
+        path = claim_path(node_id)
+        data, etag = self.store.read_small(path)
+        current = self._claim(data, node_id)
+        if current == claim and (claim is not None or not data):
+            return  # nothing to change (or an earlier attempt of ours landed)
+        if current != expected:
+            raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
+        try:
+            self.store.cas_put(path, b"" if claim is None else claim.to_json().encode(), etag)
+        except Precondition as e:
+            raise ClaimConflictError(
+                f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {self._claim(e.current, node_id)}"
+            ) from None
 
     # ------------------------------------------------------------------ common
 

@@ -2,75 +2,73 @@
 
     diloco-master hub.url=hf://my-org/my-run outer=cgad outer.lr=0.3 min_deltas=4
     diloco-master hub.url=/shared/hub outer.name=nesterov outer.lr=0.7 aggregation=arrival max_rounds=10
+    diloco-master --help                      # the groups, and one line per key
 
-Prints one progress line per round on stdout (outer step, applied, rejected by reason,
-staleness histogram, round seconds, MB downloaded) and appends the round's metrics to a
-JSONL file. Ctrl-C or SIGTERM stops it after a final round (``drain_on_exit``);
-``max_rounds`` / ``max_seconds`` end it without one.
+The configuration is the ``master``, ``hub`` and ``outer`` sections of a training run
+(:class:`~diloco_lightning.config.MasterCommandConf`), checked by the same functions as
+``train.py``'s. A hub that does not exist is an error unless ``hub.create=true``.
+
+Prints where its state lives at start, one progress line per round on stdout (outer step,
+applied, rejected by reason, staleness histogram, round seconds, MB downloaded) and, while
+nothing happens, a line at growing intervals saying what it waits for (a worker's initial
+weights, deltas, the quorum). Appends the round's metrics to a JSONL file. Ctrl-C or
+SIGTERM stops it after a final round (``drain_on_exit``); ``max_rounds`` / ``max_seconds``
+end it without one. Exit status: 0 when it reached ``max_rounds`` / ``max_seconds``;
+``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM) when a signal stopped it, after its final
+round (a master's work is never done while workers may still send deltas, and a scheduler
+must not take a stopped master for a finished job); 1 when that final round failed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["main", "run", "CONFIG_DIR"]
+from diloco_lightning.config import CONFIG_DIR
+
+__all__ = ["main", "run", "serve", "CONFIG_DIR", "default_state_dir"]
 
 log = logging.getLogger(__name__)
 
-#: the repository's top-level ``configs/`` folder
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-
 
 def _outer(cfg) -> tuple[str, dict[str, Any]]:
-    """The optimizer name and its options (``lr`` included); options the named optimizer does not take
-    are dropped with a warning, so ``outer.name=X`` works on top of another group's defaults."""
-    from omegaconf import OmegaConf
+    """The optimizer name and its options (``lr`` included): :func:`diloco_lightning.config.outer_options`."""
+    from diloco_lightning.config import outer_options
 
-    from diloco_lightning.outer import outer_optimizer_options
+    return str(cfg.outer.name), outer_options(cfg.outer)
 
-    name = str(cfg.outer.name)
-    opts = OmegaConf.to_container(cfg.outer.get("options") or {}, resolve=True) or {}
-    if not isinstance(opts, dict):
-        raise ValueError(f"outer.options must be a mapping, got {opts!r}")
-    opts["lr"] = float(cfg.outer.lr)
-    accepted = outer_optimizer_options(name)
-    dropped = sorted(k for k in opts if k not in accepted)
-    if dropped:
-        log.warning("outer optimizer %r takes no option(s) %s; ignoring them", name, dropped)
-        opts = {k: v for k, v in opts.items() if k in accepted}
-    if isinstance(opts.get("betas"), list):
-        opts["betas"] = tuple(opts["betas"])
-    return name, opts
+
+def default_state_dir(hub) -> Path:
+    """Where the master keeps its local state unless ``node_state_dir`` says: beside a folder hub
+    (``<hub>-master``, a sibling of the hub folder), else (or when that is not writable) in the
+    hub's download cache (``<cache>/master``)."""
+    root = getattr(hub, "root", None)
+    if root is not None:
+        beside = Path(root).parent / f"{Path(root).name}-master"
+        if beside.is_dir() or os.access(Path(root).parent, os.W_OK):
+            return beside
+    return Path(hub.cache_dir) / "master"
 
 
 def build(cfg):
     """The hub and the :class:`~diloco_lightning.master.MasterOuterLoop` a config describes."""
-    from diloco_lightning.hub import open_hub
+    from diloco_lightning.config import open_configured_hub, validate_master_command
     from diloco_lightning.master import MasterOuterLoop
     from diloco_lightning.statefile import load_weights_file
 
-    url = cfg.hub.url
-    if not url:
-        raise ValueError("hub.url is required (file:///abs/path, a plain path, or hf://org/repo)")
-    hub_opts: dict[str, Any] = {}
-    if cfg.hub.get("cache_dir"):
-        hub_opts["cache_dir"] = cfg.hub.cache_dir
-    if str(url).startswith("hf://"):
-        for key in ("endpoint", "revision"):
-            if cfg.hub.get(key):
-                hub_opts[key] = cfg.hub[key]
-    hub = open_hub(str(url), **hub_opts)
-    state_dir = Path(cfg.node_state_dir) if cfg.get("node_state_dir") else Path(hub.cache_dir) / "master"
+    validate_master_command(cfg)
+    name, opts = _outer(cfg)
+    hub = open_configured_hub(cfg.hub)
+    state_dir = Path(cfg.node_state_dir) if cfg.get("node_state_dir") else default_state_dir(hub)
     state = None
     if cfg.get("init"):
         state, _ = load_weights_file(cfg.init)
-    name, opts = _outer(cfg)
     master = MasterOuterLoop(
         hub,
         state,
@@ -80,13 +78,13 @@ def build(cfg):
         outer_options=opts,
         aggregation=cfg.aggregation,
         weighting=cfg.weighting,
-        min_deltas=int(cfg.min_deltas),
+        min_deltas=int(cfg.min_deltas or 1),
         max_wait=cfg.max_wait,
         max_staleness=cfg.max_staleness,
         max_delta_norm=cfg.max_delta_norm,
-        norm_global_ratio=cfg.get("norm_global_ratio", 100.0),
+        norm_global_ratio=cfg.norm_global_ratio,
         norm_ratio=cfg.norm_ratio,
-        sweep_age=float(cfg.get("sweep_age", 3600.0)),
+        sweep_age=float(cfg.sweep_age),
         download_workers=int(cfg.download_workers),
         keep_globals=int(cfg.keep_globals),
         lease=bool(cfg.lease),
@@ -94,75 +92,134 @@ def build(cfg):
         holder=cfg.holder,
         metrics_path=cfg.metrics_path or (state_dir / "metrics.jsonl"),
         torch_threads=cfg.get("torch_threads"),
-        logger=lambda m: None,  # the CLI prints its own progress line
+        logger=lambda m: None,  # serve() prints its own progress line
     )
     return hub, master
 
 
-def run(cfg) -> int:
-    """Serve rounds until ``max_rounds`` / ``max_seconds`` or a signal. Returns the exit status."""
-    from diloco_lightning.master.metrics import format_progress
+def _hub_label(hub) -> str:
+    root = getattr(hub, "root", None)
+    return str(root) if root is not None else hub.url
 
-    hub, master = build(cfg)
+
+def serve(
+    master,
+    hub,
+    *,
+    poll_interval: float,
+    max_rounds: int | None = None,
+    max_seconds: float | None = None,
+    drain_on_exit: bool = True,
+    say: Callable[[str], Any] = lambda line: print(line, flush=True),
+    on_round: Callable[[dict], Any] | None = None,
+) -> int:
+    """Run rounds until ``max_rounds`` / ``max_seconds`` or SIGINT/SIGTERM; return the exit status
+    (see the module docstring). Shared by ``diloco-master`` and ``train.py role=master``."""
+    from diloco_lightning.master.metrics import format_progress
+    from diloco_lightning.waiting import Patience
+
     stop = threading.Event()
-    interrupted = [False]
+    received: list[int] = []
 
     def on_signal(signum, _frame):
-        interrupted[0] = True
+        received.append(signum)
         stop.set()
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
-    print(
-        f"[master] {master.holder} on {hub.url}: optimizer {master.config.outer_optimizer} "
+    where = _hub_label(hub)
+    say(
+        f"[master] {master.holder} on {where}: optimizer {master.config.outer_optimizer} "
         f"{master.optimizer.options if master.optimizer is not None else master.config.optimizer_options()}, "
-        f"aggregation {master.config.aggregation}, state in {master.node_state_dir}",
-        flush=True,
+        f"aggregation {master.config.aggregation}, quorum {master.config.min_deltas}; "
+        f"local state in {master.node_state_dir} (node_state_dir=... to change)"
     )
+
+    def patience(what: str) -> Patience:
+        return Patience(what, where, say=lambda line: say(f"[master] {line}"))
+
+    waiting: tuple[str, Patience] | None = None
     rounds = 0
     failures = 0
-    deadline = time.monotonic() + float(cfg.max_seconds) if cfg.get("max_seconds") else None
+    deadline = time.monotonic() + float(max_seconds) if max_seconds else None
     standby_shown = False
+    reached = False
     try:
         while not stop.is_set():
-            delay = float(cfg.poll_interval)
+            delay = float(poll_interval)
             try:
                 master.sync_once()
                 failures = 0
             except Exception as e:  # noqa: BLE001 - reported, retried with backoff
                 failures += 1
                 delay = min(delay * 2 ** min(failures, 8), 300.0)
-                print(f"[master] round failed ({type(e).__name__}: {e}); retrying in {delay:.1f}s", file=sys.stderr, flush=True)
+                say(f"[master] round failed ({type(e).__name__}: {e}); retrying in {delay:.1f}s")
             m = master.last_metrics or {}
             if m.get("standby"):
                 if not standby_shown:
-                    print("[master] standing by: another master holds the lease", flush=True)
+                    say("[master] standing by: another master holds the lease")
                     standby_shown = True
             else:
                 standby_shown = False
-            if m and (m.get("published") or m.get("rejected") or m.get("adopted") is not None or m.get("conflict")):
-                print(f"[master] {format_progress(m)}", flush=True)
+            eventful = m and (m.get("published") or m.get("rejected") or m.get("adopted") is not None or m.get("conflict"))
+            if eventful:
+                say(f"[master] {format_progress(m)}")
+                if on_round is not None:
+                    on_round(m)
                 if m.get("accepted"):
                     rounds += 1 if m.get("aggregation") == "round" else int(m.get("published", 0))
-            if cfg.get("max_rounds") is not None and rounds >= int(cfg.max_rounds):
+                waiting = None
+            elif not m.get("standby"):
+                if not master.has_state:
+                    what = "a worker's initial weights (nodes/<node_id>/init.safetensors) or a published version"
+                elif m.get("waiting"):
+                    what = f"the quorum of {master.config.min_deltas} deltas ({m.get('pending', 0)} pending)"
+                else:
+                    what = f"deltas from the workers (outer_step {master.outer_step} is published)"
+                if waiting is None or waiting[0] != what:
+                    waiting = (what, patience(what))
+                    if not master.has_state:  # the start of a run: say it at once, not only after 10 s
+                        say(f"[master] waiting for {what} on {where}")
+                waiting[1].tick()
+            if max_rounds is not None and rounds >= int(max_rounds):
+                reached = True
                 break
             if deadline is not None and time.monotonic() >= deadline:
+                reached = True
                 break
             stop.wait(delay)
     finally:
-        if interrupted[0] and cfg.get("drain_on_exit", True):
-            print("[master] stopping: final round ...", flush=True)
-        master.stop(drain=bool(interrupted[0] and cfg.get("drain_on_exit", True)))
+        drained = True
+        if received and drain_on_exit:
+            say("[master] stopping: final round ...")
+        try:
+            master.stop(drain=bool(received and drain_on_exit))
+        except Exception as e:  # noqa: BLE001
+            drained = False
+            say(f"[master] the final round failed: {type(e).__name__}: {e}")
         m = master.last_metrics or {}
-        if interrupted[0] and m.get("published"):
-            print(f"[master] {format_progress(m)}", flush=True)
+        if received and m.get("published"):
+            say(f"[master] {format_progress(m)}")
         hub.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print(f"[master] stopped at outer_step {master.outer_step}", flush=True)
+    say(f"[master] stopped at outer_step {master.outer_step}")
+    if not drained:
+        return 1
+    if received and not reached:
+        return 128 + int(received[0])  # a scheduler must not read a stopped master as a finished one
     return 0
+
+
+def run(cfg) -> int:
+    """Serve rounds until ``max_rounds`` / ``max_seconds`` or a signal. Returns the exit status."""
+    hub, master = build(cfg)
+    return serve(
+        master, hub, poll_interval=float(cfg.poll_interval), max_rounds=cfg.get("max_rounds"),
+        max_seconds=cfg.get("max_seconds"), drain_on_exit=bool(cfg.get("drain_on_exit", True)),
+    )
 
 
 def _hydra_entry(cfg) -> None:
@@ -171,8 +228,11 @@ def _hydra_entry(cfg) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    for name in ("httpx", "httpx2", "botocore", "boto3", "urllib3"):  # their INFO lines are not the master's news
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if str(cfg.get("log_level", "INFO")).upper() != "DEBUG":
+        # the progress line on stdout says each round once; the hub's own INFO line would repeat it
+        logging.getLogger("diloco_lightning.hub").setLevel(logging.WARNING)
     code = run(cfg)
     if code:
         sys.exit(code)
@@ -180,9 +240,9 @@ def _hydra_entry(cfg) -> None:
 
 def main() -> None:
     """The ``diloco-master`` console script."""
-    import hydra
+    from diloco_lightning.cli import run_app
 
-    hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="master")(_hydra_entry)()
+    run_app("diloco-master", "master", _hydra_entry)
 
 
 if __name__ == "__main__":

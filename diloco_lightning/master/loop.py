@@ -275,6 +275,12 @@ class MasterOuterLoop:
         return rec.outer_state_file if rec is not None else None
 
     @property
+    def has_state(self) -> bool:
+        """Whether the master holds a global state yet (given, adopted from the hub, or bootstrapped
+        from a worker's ``init.safetensors``)."""
+        return self.run.state is not None
+
+    @property
     def is_leader(self) -> bool:
         """Whether this master held the lease at its last round (always True without a lease)."""
         return self._lease is None or self._lease.held

@@ -87,6 +87,15 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    def parameter_count(self) -> int:
+        """Parameters of a model of this geometry, from the config alone (nothing is built):
+        embedding V*C; per block wq, wo (C*C each), wk, wv (C*Hkv*D each), w1, w2, w3 (C*F each)
+        and two RMSNorm gains; the final norm; the output head V*C unless tied."""
+        c, kv = self.d_model, self.n_kv_heads * self.head_dim
+        per_block = 2 * c * c + 2 * c * kv + 3 * c * self.ffn_hidden + 2 * c
+        head = 0 if self.tie_embeddings else self.vocab_size * c
+        return self.vocab_size * c + self.n_layers * per_block + c + head
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -12,7 +12,8 @@ from diloco_lightning.worker.core import (
     module_state,
     parse_delta_dtype,
 )
-from diloco_lightning.worker.sync import resolve_delay
+from diloco_lightning.worker.claim import NodeIdTakenError
+from diloco_lightning.worker.sync import WorkerStopped, resolve_delay
 
 __all__ = [
     "DiLoCoWorker",
@@ -21,6 +22,8 @@ __all__ = [
     "UploadReport",
     "WorkerError",
     "WaitTimeoutError",
+    "WorkerStopped",
+    "NodeIdTakenError",
     "SYNC_MODES",
     "DELTA_DTYPES",
     "module_state",

@@ -4,7 +4,10 @@ rank), broadcast installed weights from rank 0, and sum the token count over the
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +18,77 @@ from diloco_lightning.names import InvalidNameError, validate_node_id
 from diloco_lightning.worker.core import SYNC_MODES, parse_delta_dtype
 from diloco_lightning.worker.sync import resolve_delay
 
-__all__ = ["broadcast_params", "check_hub_arg", "check_worker_args", "run_on_rank0", "sum_tokens_over_ranks"]
+__all__ = [
+    "SIGTERM_EXIT",
+    "SigtermWatch",
+    "broadcast_params",
+    "check_hub_arg",
+    "check_worker_args",
+    "ensure_console_logging",
+    "format_bytes",
+    "run_on_rank0",
+    "sum_tokens_over_ranks",
+]
+
+#: exit status of a worker stopped by SIGTERM before its work was done (128 + SIGTERM, as a shell reports it)
+SIGTERM_EXIT = 128 + int(signal.SIGTERM)
+#: seconds a worker stopped by SIGTERM spends uploading what is pending (schedulers wait ~30 s before SIGKILL)
+SIGTERM_FLUSH_SECONDS = 20.0
+
+
+def format_bytes(n: float) -> str:
+    """``5.2 kB``, ``12.4 MB``, ``1.3 GB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale * 0.95:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def ensure_console_logging() -> None:
+    """Make the library's INFO lines (waits, syncs) visible in a script that configured no logging,
+    as Lightning does for its own messages: a stderr handler on the ``diloco_lightning`` logger when
+    neither it nor the root logger has one."""
+    lib = logging.getLogger("diloco_lightning")
+    if lib.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    lib.addHandler(handler)
+    if lib.level == logging.NOTSET or lib.level > logging.INFO:
+        lib.setLevel(logging.INFO)
+
+
+class SigtermWatch:
+    """While installed (main thread only), SIGTERM first calls ``on_sigterm()`` (the adapter asks its
+    worker to stop waiting), then the handler that was there before (Lightning's sets
+    ``trainer.received_sigterm``; the default one is not called: the adapter ends the process itself,
+    after uploading what is pending). :meth:`uninstall` puts the previous handler back."""
+
+    def __init__(self, on_sigterm: Callable[[], None]) -> None:
+        self.on_sigterm = on_sigterm
+        self.received = False
+        self._previous: Any = None
+        self._installed = False
+
+    def install(self) -> None:
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._handle)
+        self._installed = True
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = True
+        self.on_sigterm()
+        if callable(self._previous):
+            self._previous(signum, frame)
+
+    def uninstall(self) -> None:
+        if not self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) == self._handle:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+        self._installed = False
 
 
 def check_hub_arg(hub: Any) -> None:

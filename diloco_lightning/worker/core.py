@@ -37,6 +37,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,10 +61,13 @@ from diloco_lightning.names import validate_node_id
 from diloco_lightning.signing import RunKey, load_run_key
 from diloco_lightning.statefile import save_weights_file
 from diloco_lightning.stheader import LayoutError, read_layout
+from diloco_lightning.waiting import Patience
+from diloco_lightning.worker.claim import ClaimKeeper
 from diloco_lightning.worker.sync import (
     GlobalFetcher,
     WaitTimeoutError,
     WorkerError,
+    WorkerStopped,
     load_version,
     resolve_delay,
 )
@@ -197,6 +201,10 @@ class DiLoCoWorker:
             before ``WaitTimeoutError``; keep it below a DDP process-group timeout.
         poll_interval: seconds between manifest reads while waiting, and of the async prefetcher.
         spool_dir: where delta files are written before upload (default: a temporary folder).
+        claim: claim ``node_id`` on the hub at start (``nodes/<node_id>/claim.json``), so a second
+            live worker with the same id refuses to start (:mod:`diloco_lightning.worker.claim`).
+        claim_ttl: seconds the claim lives without a heartbeat (None: 60 on a folder hub, 900 on
+            ``hf://``); the heartbeat runs every ``claim_ttl / 2``.
     """
 
     def __init__(
@@ -214,6 +222,8 @@ class DiLoCoWorker:
         wait_timeout: float = 1200.0,
         poll_interval: float = 1.0,
         spool_dir: str | os.PathLike | None = None,
+        claim: bool = True,
+        claim_ttl: float | None = None,
     ) -> None:
         self.node_id = validate_node_id(node_id)
         if sync not in SYNC_MODES:
@@ -268,6 +278,8 @@ class DiLoCoWorker:
         self._started = False
         self._closed = False
         self._newest_seen = -1
+        self._stop = threading.Event()
+        self._claim_keeper = ClaimKeeper(self.hub, self.node_id, ttl=claim_ttl) if claim else None
 
     # ------------------------------------------------------------------ properties
 
@@ -303,9 +315,22 @@ class DiLoCoWorker:
     def _deadline(self, timeout: float | None = None) -> float:
         return time.monotonic() + (self.wait_timeout if timeout is None else timeout)
 
+    def request_stop(self) -> None:
+        """End every blocking wait (bootstrap, lockstep, hub retries) with ``WorkerStopped``: what an
+        adapter calls on SIGTERM. Uploading what is pending (``flush``, ``close``) still runs."""
+        self._stop.set()
+
+    def _pause(self, seconds: float, waiting_for: str) -> None:
+        if self._stop.wait(seconds):
+            raise WorkerStopped(f"node {self.node_id}: stopped while waiting for {waiting_for} on {self.hub.url}")
+
+    def _patience(self, what: str) -> Patience:
+        return Patience(what, self.hub.url, limit=self.wait_timeout, say=lambda line: log.info("node %s: %s", self.node_id, line))
+
     def _retry(self, what: str, fn, deadline: float):
         """``fn()``, retried every ``poll_interval`` on hub errors until ``deadline``."""
         first = True
+        patience = self._patience(f"the hub to answer ({what})")
         while True:
             try:
                 return fn()
@@ -321,7 +346,8 @@ class DiLoCoWorker:
                     log.warning("node %s: cannot %s on %s (%s: %s); retrying", self.node_id, what, self.hub.url,
                                 type(e).__name__, e)
                     first = False
-                time.sleep(self.poll_interval)
+                patience.tick(f"; last error: {type(e).__name__}: {e}")
+                self._pause(self.poll_interval, f"the hub to answer ({what})")
 
     def _hub_high_step(self) -> int:
         refs = self.hub.list_deltas(after={self.node_id: -1})
@@ -376,6 +402,9 @@ class DiLoCoWorker:
         if self._started:
             return None
         deadline = self._deadline()
+        if self._claim_keeper is not None and self._claim_keeper.claim is None and self._claim_keeper.supported:
+            # before anything is offered or sent: a second live worker with this node_id stops here
+            self._retry("claim the node id", self._claim_keeper.acquire, deadline)
         sweep_owned_dirs(self._spool_parent, "diloco-", SPOOL_MAX_AGE)
         manifest = self._retry("read the manifest", self._read_manifest, deadline)
         if manifest is not None:
@@ -460,8 +489,9 @@ class DiLoCoWorker:
             save_weights_file(path, tensors, metadata=md)
             del tensors
             hub_path = self._retry("offer the initial weights", lambda: self.hub.upload_init(path, self.node_id), deadline)
-        log.info("node %s: no global version on %s yet; offered %s, waiting for outer step 0", self.node_id,
-                 self.hub.url, hub_path)
+        log.info("node %s: no global version on %s yet; offered %s, waiting for a master to publish outer step 0",
+                 self.node_id, self.hub.url, hub_path)
+        patience = self._patience("a master to publish outer step 0")
         while True:
             m = self._retry("read the manifest", self._read_manifest, deadline)
             if m is not None:
@@ -472,7 +502,8 @@ class DiLoCoWorker:
                     f"node {self.node_id}: no master published outer step 0 on {self.hub.url} within "
                     f"{self.wait_timeout:g} s (is a master running on this hub?)"
                 )
-            time.sleep(self.poll_interval)
+            patience.tick(" (is a master running on this hub?)")
+            self._pause(self.poll_interval, "a master to publish outer step 0")
 
     # ------------------------------------------------------------------ install
 
@@ -594,6 +625,8 @@ class DiLoCoWorker:
         boundary (optional; goes in the delta header)."""
         if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0):
             raise ValueError(f"num_tokens must be a non-negative integer or None, got {num_tokens!r}")
+        if self._claim_keeper is not None:
+            self._claim_keeper.check()  # another process took this node id over: never send under it
         self.start()
         t0 = time.perf_counter()
         r = self.boundaries + 1
@@ -669,6 +702,7 @@ class DiLoCoWorker:
             self._uploader.submit(Job(fresh=part), not_before=r - 1)
         target = max(0, r - self.delay)
         first = True
+        patience = self._patience(f"global version {target} (lockstep boundary {r}, delay {self.delay})")
         while True:
             self._collect_into(reports)
             m = None
@@ -689,7 +723,8 @@ class DiLoCoWorker:
                     f"{' and this node could not upload its deltas' if self.totals['upload_failures_total'] else ''}. "
                     f"Is the master running, with min_deltas equal to the number of workers?"
                 )
-            time.sleep(self.poll_interval)
+            patience.tick(f"; the hub has {m.outer_step if m is not None else 'no version'}")
+            self._pause(self.poll_interval, f"global version {target}")
 
     # ------------------------------------------------------------------ flush / close
 
@@ -732,6 +767,8 @@ class DiLoCoWorker:
                 self._fetcher.close(timeout=5.0)
             if self._spool is not None:
                 shutil.rmtree(self._spool, ignore_errors=True)
+        if self._claim_keeper is not None:
+            self._claim_keeper.release()
         self._closed = True
         return ok
 

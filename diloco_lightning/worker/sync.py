@@ -30,7 +30,7 @@ from diloco_lightning.signing import RunKey
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerError", "WaitTimeoutError", "GlobalFetcher", "resolve_delay", "node_index_of", "load_version"]
+__all__ = ["WorkerError", "WaitTimeoutError", "WorkerStopped", "GlobalFetcher", "resolve_delay", "node_index_of", "load_version"]
 
 
 class WorkerError(RuntimeError):
@@ -39,6 +39,10 @@ class WorkerError(RuntimeError):
 
 class WaitTimeoutError(WorkerError, TimeoutError):
     """A bounded wait (bootstrap, lockstep) ran past ``wait_timeout``."""
+
+
+class WorkerStopped(WorkerError):
+    """A wait ended because the worker was asked to stop (``DiLoCoWorker.request_stop``: SIGTERM)."""
 
 
 # ----------------------------------------------------------------------------- delays

@@ -1,0 +1,105 @@
+"""A node's claim on its id: ``nodes/<node_id>/claim.json``.
+
+Two workers started with the same ``node_id`` would write into one ledger entry and the
+master would merge them into one node. So a worker claims its id on the hub when it
+starts (compare-and-swap: ``Hub.write_claim``), renews the claim's heartbeat while it
+lives, and releases it on a clean close; a second live claimant refuses to start, and a
+dead one's claim expires ``ttl`` seconds after its last heartbeat
+(:class:`diloco_lightning.worker.claim.ClaimKeeper`).
+
+```json
+{
+  "format": "diloco-claim/1",
+  "node_id": "w3",
+  "holder": "host:pid:random",
+  "epoch": 2,
+  "claimed_at": 1764430000.0,
+  "renewed_at": 1764430450.0,
+  "expires_at": 1764431350.0,
+  "info": {}
+}
+```
+
+``epoch`` grows at each takeover. ``info`` is a free JSON object for what a live node
+reports about itself (a later membership layer: step rate, tokens/s, last local step);
+readers ignore keys they do not know, so the document can grow without a new format.
+A claim file is untrusted input like every hub byte: at most :data:`MAX_CLAIM_BYTES`,
+strict types, and its ``node_id`` must be the path's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from diloco_lightning.names import InvalidNameError, validate_node_id
+
+__all__ = ["NodeClaim", "ClaimError", "CLAIM_FORMAT", "MAX_CLAIM_BYTES"]
+
+CLAIM_FORMAT = "diloco-claim/1"
+MAX_CLAIM_BYTES = 64 * 1024
+
+
+class ClaimError(ValueError):
+    """A claim document that is malformed, too large, or for another node."""
+
+
+@dataclass(frozen=True)
+class NodeClaim:
+    """``holder`` owns ``node_id`` until ``expires_at`` (unix seconds) unless it renews."""
+
+    node_id: str
+    holder: str
+    epoch: int
+    claimed_at: float
+    renewed_at: float
+    expires_at: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) >= self.expires_at
+
+    def to_json(self) -> str:
+        doc = asdict(self)
+        doc["format"] = CLAIM_FORMAT
+        try:
+            text = json.dumps(doc, sort_keys=True, allow_nan=False) + "\n"
+        except (TypeError, ValueError) as e:
+            raise ClaimError(f"claim of {self.node_id!r} is not JSON-serialisable: {e}") from None
+        if len(text.encode()) > MAX_CLAIM_BYTES:
+            raise ClaimError(f"claim of {self.node_id!r} exceeds {MAX_CLAIM_BYTES} bytes")
+        return text
+
+    @classmethod
+    def from_json(cls, data: str | bytes, *, node_id: str, source: str = "claim") -> "NodeClaim":
+        """Parse and check a claim read from ``nodes/<node_id>/claim.json``."""
+        if len(data) > MAX_CLAIM_BYTES:
+            raise ClaimError(f"{source}: {len(data)} bytes, more than a claim may hold ({MAX_CLAIM_BYTES})")
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ClaimError(f"{source}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != CLAIM_FORMAT:
+            raise ClaimError(f"{source}: not a {CLAIM_FORMAT} document")
+        try:
+            validate_node_id(doc.get("node_id"))
+        except InvalidNameError as e:
+            raise ClaimError(f"{source}: {e}") from None
+        if doc["node_id"] != node_id:
+            raise ClaimError(f"{source}: claims node {doc['node_id']!r}, but it is {node_id!r}'s file")
+        holder = doc.get("holder")
+        if not isinstance(holder, str) or not 0 < len(holder) <= 256:
+            raise ClaimError(f"{source}: 'holder' must be a string of 1 to 256 characters")
+        epoch = doc.get("epoch")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ClaimError(f"{source}: 'epoch' must be a non-negative integer, got {epoch!r}")
+        times = [doc.get(k) for k in ("claimed_at", "renewed_at", "expires_at")]
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in times):
+            raise ClaimError(f"{source}: 'claimed_at', 'renewed_at', 'expires_at' must be numbers")
+        info = doc.get("info", {})
+        if not isinstance(info, dict):
+            raise ClaimError(f"{source}: 'info' must be an object")
+        return cls(doc["node_id"], holder, epoch, float(times[0]), float(times[1]), float(times[2]), info)
