@@ -8,7 +8,8 @@ synthetic`` by Gaussian noise. Then, per encoding:
 
 - bytes: a real safetensors file of every encoded part (safetensors.torch.save_file, header
   included), and its ratio to the plain FP32 file;
-- encode GB/s (``encode``, and ``encode_with_residual`` as a worker with error feedback runs it)
+- encode GB/s (``encode``, and ``encode_with_residual`` into reused residual buffers, as a worker
+  with error feedback runs it)
   and decode GB/s (``decode_add_`` into an FP32 sum, the master's path, and plain ``decode``),
   in FP32 bytes of the delta per second, median of ``--repeats`` runs;
 - the relative error ``||delta - decode(encode(delta))|| / ||delta||`` over the whole state.
@@ -106,7 +107,9 @@ def bench_model(preset: str, args: argparse.Namespace) -> None:
             size = fp32_bytes if label == "float32" else file_bytes(delta, spec, folder)
             encs = {k: encode(t, spec) for k, t in delta.items()}
             t_enc = median_time(lambda: [encode(t, spec) for t in delta.values()], args.repeats)
-            t_res = median_time(lambda: [encode_with_residual(t, spec) for t in delta.values()], args.repeats)
+            residual = {k: torch.empty_like(t) for k, t in delta.items()}  # a worker's error-feedback buffers
+            t_res = median_time(lambda: [encode_with_residual(t, spec, out=residual[k]) for k, t in delta.items()],
+                                args.repeats)
             sums = {k: torch.zeros_like(t) for k, t in delta.items()}
             t_add = median_time(lambda: [decode_add_(sums[k], e, 0.5) for k, e in encs.items()], args.repeats)
             t_dec = median_time(lambda: [decode(e) for e in encs.values()], args.repeats)

@@ -233,6 +233,21 @@ def test_matches_reference_across_pages_and_chunks():
         assert np.array_equal(decode(enc).numpy(), ref_decode(ref, spec, t.numel()))
 
 
+def test_topk_matches_reference_when_magnitudes_are_alike():
+    # an Adam-like update (every entry about +-lr) puts most magnitudes into the threshold's
+    # radix bin; subnormals and zeros share the lowest bin
+    gen = torch.Generator().manual_seed(4)
+    x = torch.sign(torch.randn(3000, generator=gen)) * 1e-3 * (1 + 1e-3 * torch.rand(3000, generator=gen))
+    x[::7] = 1e-3
+    x[::11] = 0.0
+    x[5:40] = torch.tensor(1e-40) * torch.arange(35)
+    for fraction in (0.01, 0.2, 0.8, 0.95, 1.0):
+        spec = EncodingSpec("topk", topk=fraction, block_size=16)
+        enc, ref = encode(x, spec), ref_encode(x, spec)
+        for p in ref:
+            assert np.array_equal(enc.parts[p].numpy().view(np.uint8), ref[p].view(np.uint8)), (fraction, p)
+
+
 def test_rounding_is_half_to_even():
     # amax 127 -> scale exactly 1.0, so x / s is x: the .5 cases round to the even neighbour
     x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 126.5, -126.5])
@@ -393,6 +408,26 @@ def test_error_feedback_sends_everything_eventually(spec):
     # and the total sent is closer to the truth than without error feedback (losses add up there)
     plain = sum(decode(encode(d, spec)).double() for d in deltas)
     assert 0 < (sent - total).norm() < (plain - total).norm()
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=spec_id)
+def test_residual_into_a_given_buffer_or_the_input_itself(spec):
+    for complex_ in (False, True):
+        t = sample((CHUNK + 77,) if not complex_ else (5, 9), complex=complex_, seed=12)
+        want_enc, want = encode_with_residual(t, spec)
+        buf = torch.full_like(want, 7.0)
+        enc, res = encode_with_residual(t, spec, out=buf)
+        assert res is buf and torch.equal(bits(buf), bits(want))
+        assert_same_parts(enc, want_enc)
+        x = t.clone()
+        enc, res = encode_with_residual(x, spec, out=x)  # the error-feedback buffer, updated in place
+        assert res is x and torch.equal(bits(x), bits(want))
+        assert_same_parts(enc, want_enc)
+    t = torch.randn(4, 6)
+    bad = (torch.zeros(4, 6, dtype=torch.float64), torch.zeros(24), torch.zeros(6, 4).t(), torch.zeros(4, 6).bfloat16())
+    for out in bad:
+        with pytest.raises(ValueError, match="out must be"):
+            encode_with_residual(t, spec, out=out)
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=spec_id)
