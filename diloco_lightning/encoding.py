@@ -399,13 +399,18 @@ def _encode(t: Tensor, spec: EncodingSpec, with_residual: bool, out: Tensor | No
             raise ValueError(f"out must be a contiguous {'complex64' if is_complex else 'float32'} tensor "
                              f"of shape {list(shape)} on {flat.device}")
         res = (torch.view_as_real(out) if is_complex else out).view(-1)
-    if spec.name in CAST_DTYPES:
+    if spec.name in CAST_DTYPES:  # a copy even for float32: the caller may reuse its tensor
         q = torch.empty(real_shape, dtype=CAST_DTYPES[spec.name], device=flat.device)
-        q.view(-1).copy_(flat)  # a copy in any case: the caller may reuse its tensor
-        if not bool(torch.isfinite(q).all()):
+        finite = torch.ones((), dtype=torch.bool, device=flat.device)
+        for start in range(0, flat.numel(), CHUNK):  # in cache: cast, check, residual
+            part = slice(start, start + CHUNK)
+            xc = flat[part].to(torch.float32)  # float64 is rounded to FP32 first, as everywhere
+            qc = q.view(-1)[part].copy_(xc)
+            finite &= torch.isfinite(qc).all()
+            if res is not None:
+                torch.sub(xc, qc, out=res[part])  # a 16-bit float widens to FP32 exactly
+        if not bool(finite):
             raise ValueError("cannot encode a tensor with NaN or inf values (or beyond the dtype's range)")
-        if res is not None:
-            torch.sub(flat.to(torch.float32), q.view(-1).to(torch.float32), out=res)
         parts = {"q": q}
     elif spec.name in LEVELS:
         q, scale = _quantize(flat, spec.name, spec.block_size, res)

@@ -274,10 +274,13 @@ def test_every_shape_class(spec, complex_):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
 def test_other_input_dtypes_encode_their_fp32_value(dtype):
-    t = sample((3, 100), dtype=dtype)
-    for spec in QUANTIZED:
-        assert_same_parts(encode(t, spec), encode(t.to(torch.float32), spec))
-    assert torch.equal(decode(encode(t, EncodingSpec("float32"))), t.to(torch.float32))
+    t = sample((3, 100), dtype=torch.float64) * (1 + 1e-9)  # float64 values between two FP32 ones
+    t = t.to(dtype)
+    for spec in ALL_SPECS:
+        enc, res = encode_with_residual(t, spec)
+        want_enc, want_res = encode_with_residual(t.to(torch.float32), spec)
+        assert_same_parts(enc, want_enc)
+        assert torch.equal(bits(res), bits(want_res))
 
 
 def _positions(enc: EncodedTensor) -> np.ndarray:
