@@ -1,17 +1,19 @@
 """The master's options: one definition (:class:`MasterConfig`), one validation.
 
-``MasterOuterLoop`` takes them as keywords, ``diloco-master`` and ``train.py`` compose them
-into their Hydra schema (``diloco_lightning/config.py``); nothing else lists them.
+``MasterOuterLoop`` takes them as keywords; ``diloco-master`` and ``train.py`` compose the
+same fields into their Hydra schema (``diloco_lightning.app.config``), with the help text
+written here, and validate them here. Nothing else lists them.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["AGGREGATIONS", "WEIGHTINGS", "MasterConfig", "MasterConfigError"]
+from diloco_lightning.options import OptionError, check_choice, check_number, option
+
+__all__ = ["AGGREGATIONS", "WEIGHTINGS", "MasterConfig", "MasterConfigError", "OptionError"]
 
 #: ``round``: one outer step per round over every accepted delta; ``arrival``: one per delta
 AGGREGATIONS = ("round", "arrival")
@@ -26,92 +28,76 @@ class MasterConfigError(ValueError):
 
 @dataclass
 class MasterConfig:
-    """Everything that shapes the master's behaviour (the keywords of :class:`MasterOuterLoop`,
-    documented there)."""
+    """Everything that shapes the master's behaviour: the keywords of :class:`MasterOuterLoop`.
 
-    outer_optimizer: str = "nesterov"
-    outer_options: dict[str, Any] = field(default_factory=dict)
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    aggregation: str = "round"
-    weighting: str = "equal"
-    poll_interval: float = 60.0
-    min_deltas: int = 1
-    max_wait: float | None = None
-    max_staleness: int | None = None
-    max_delta_norm: float | None = None
-    norm_global_ratio: float | None = 100.0
-    norm_ratio: float | None = 10.0
-    norm_window: int = 32
-    norm_min_history: int = 4
-    download_workers: int = 4
-    prefetch: int = 4
-    max_download_attempts: int = 3
-    arrival_batch: int = 64
-    keep_globals: int = 4
-    lease: bool = True
-    lease_ttl: float | None = None
-    gc_every: int = 16
-    retry_max_delay: float = 300.0
-    torch_threads: int | None = None
-    sweep_age: float = 3600.0
+    The outer optimizer (``outer_*``) keeps Speedtronic's constructor names; the Hydra schema
+    takes it from its own ``outer`` group instead.
+    """
+
+    outer_optimizer: str = option("nesterov", "outer optimizer by name (diloco_lightning.outer)")
+    outer_options: dict[str, Any] = option(help="the outer optimizer's options (override outer_lr/outer_momentum)", factory=dict)
+    outer_lr: float = option(0.7, "the outer optimizer's lr (Speedtronic's Nesterov lr)")
+    outer_momentum: float = option(0.9, "the momentum of the Nesterov family")
+    aggregation: str = option("round", "round: one outer step per round | arrival: one per accepted delta")
+    weighting: str = option("equal", "equal | tokens (weight each delta by its num_tokens)")
+    poll_interval: float = option(60.0, "seconds between the master's rounds")
+    min_deltas: int = option(1, "quorum: accepted deltas before a round is applied")
+    max_wait: float | None = option(None, "seconds after the first pending delta before applying below the quorum")
+    max_staleness: int | None = option(None, "reject deltas staler than this (null: only the optimizer's gate decides)")
+    max_delta_norm: float | None = option(None, "reject a delta whose L2 norm exceeds this")
+    norm_global_ratio: float | None = option(
+        100.0, "reject a delta whose norm exceeds this x max(||global||, 0.01 sqrt(n)), from the first one (null: off)"
+    )
+    norm_ratio: float | None = option(10.0, "reject a delta above this x the median norm of recent ones (null: off)")
+    norm_window: int = option(32, "accepted norms the median of norm_ratio is taken over")
+    norm_min_history: int = option(4, "norm_ratio engages once this many norms are known")
+    download_workers: int = option(4, "parallel delta downloads")
+    prefetch: int = option(4, "deltas downloaded ahead of the one being read")
+    max_download_attempts: int = option(3, "a delta failing to download this many times is rejected")
+    arrival_batch: int = option(64, "arrival mode: at most this many deltas per round")
+    keep_globals: int = option(4, "older global versions kept on the hub (lockstep with delay d needs d + 2)")
+    lease: bool = option(True, "one master at a time: a second one stands by")
+    lease_ttl: float | None = option(None, "seconds the master's lease lives without renewal (null: max(3 x poll_interval, 30))")
+    gc_every: int = option(16, "publications between garbage collections of orphans and leftovers")
+    retry_max_delay: float = option(300.0, "the longest pause after failed rounds (backoff with jitter)")
+    torch_threads: int | None = option(None, "torch threads of the master (the round is memory-bound; null: torch's default)")
+    sweep_age: float = option(3600.0, "seconds after which temporary files of dead writers on other hosts are swept")
 
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
     def validate(self) -> "MasterConfig":
-        """Raise ``ValueError`` naming the first option out of range; returns ``self``."""
-
-        def bad(name: str, want: str) -> None:
-            raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
-
-        def num(name: str, *, low: float, strict: bool = False, optional: bool = False, integer: bool = False) -> None:
-            v = getattr(self, name)
-            if v is None and optional:
-                return
-            ok = (
-                not isinstance(v, bool)
-                and isinstance(v, (int, float))
-                and (not integer or isinstance(v, int))
-                and math.isfinite(v)
-                and (v > low if strict else v >= low)
-            )
-            if not ok:
-                bad(name, f"{'an integer' if integer else 'a number'} {'>' if strict else '>='} {low}"
-                          + (" or None" if optional else ""))
-
+        """Raise :class:`~diloco_lightning.options.OptionError` naming the first option out of range."""
         if not isinstance(self.outer_optimizer, str) or not self.outer_optimizer:
-            bad("outer_optimizer", "an optimizer name")
+            raise OptionError("outer_optimizer", f"must be an optimizer name, got {self.outer_optimizer!r}")
         if not isinstance(self.outer_options, Mapping):
-            bad("outer_options", "a mapping of option names to values")
-        if self.aggregation not in AGGREGATIONS:
-            bad("aggregation", f"one of {list(AGGREGATIONS)}")
-        if self.weighting not in WEIGHTINGS:
-            bad("weighting", f"one of {list(WEIGHTINGS)}")
+            raise OptionError("outer_options", f"must be a mapping of option names to values, got {self.outer_options!r}")
+        check_choice(self, "aggregation", AGGREGATIONS)
+        check_choice(self, "weighting", WEIGHTINGS)
         if not isinstance(self.lease, bool):
-            bad("lease", "True or False")
-        num("outer_lr", low=0.0, strict=True)
-        num("outer_momentum", low=0.0)
-        num("poll_interval", low=0.0, strict=True)
-        num("min_deltas", low=1, integer=True)
-        num("max_wait", low=0.0, optional=True)
-        num("max_staleness", low=0, integer=True, optional=True)
-        num("max_delta_norm", low=0.0, strict=True, optional=True)
-        num("norm_global_ratio", low=0.0, strict=True, optional=True)
-        num("norm_ratio", low=1.0, strict=True, optional=True)
-        num("norm_window", low=1, integer=True)
-        num("norm_min_history", low=1, integer=True)
-        num("download_workers", low=1, integer=True)
-        num("prefetch", low=1, integer=True)
-        num("max_download_attempts", low=1, integer=True)
-        num("arrival_batch", low=1, integer=True)
-        num("keep_globals", low=0, integer=True)
-        num("lease_ttl", low=0.0, strict=True, optional=True)
-        num("gc_every", low=1, integer=True)
-        num("retry_max_delay", low=0.0, strict=True)
-        num("torch_threads", low=1, integer=True, optional=True)
-        num("sweep_age", low=0.0, strict=True)
+            raise OptionError("lease", f"must be True or False, got {self.lease!r}")
+        check_number(self, "outer_lr", low=0.0, strict=True)
+        check_number(self, "outer_momentum", low=0.0)
+        check_number(self, "poll_interval", low=0.0, strict=True)
+        check_number(self, "min_deltas", low=1, integer=True)
+        check_number(self, "max_wait", low=0.0, optional=True)
+        check_number(self, "max_staleness", low=0, integer=True, optional=True)
+        check_number(self, "max_delta_norm", low=0.0, strict=True, optional=True)
+        check_number(self, "norm_global_ratio", low=0.0, strict=True, optional=True)
+        check_number(self, "norm_ratio", low=1.0, strict=True, optional=True)
+        check_number(self, "norm_window", low=1, integer=True)
+        check_number(self, "norm_min_history", low=1, integer=True)
+        check_number(self, "download_workers", low=1, integer=True)
+        check_number(self, "prefetch", low=1, integer=True)
+        check_number(self, "max_download_attempts", low=1, integer=True)
+        check_number(self, "arrival_batch", low=1, integer=True)
+        check_number(self, "keep_globals", low=0, integer=True)
+        check_number(self, "lease_ttl", low=0.0, strict=True, optional=True)
+        check_number(self, "gc_every", low=1, integer=True)
+        check_number(self, "retry_max_delay", low=0.0, strict=True)
+        check_number(self, "torch_threads", low=1, integer=True, optional=True)
+        check_number(self, "sweep_age", low=0.0, strict=True)
         return self
 
     def optimizer_options(self) -> dict[str, Any]:

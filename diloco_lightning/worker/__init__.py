@@ -1,8 +1,6 @@
 """The framework-free DiLoCo worker: :class:`DiLoCoWorker` (see ``core.py``)."""
 
 from diloco_lightning.worker.core import (
-    DELTA_DTYPES,
-    SYNC_MODES,
     BoundaryResult,
     DiLoCoWorker,
     InstallResult,
@@ -10,13 +8,14 @@ from diloco_lightning.worker.core import (
     WaitTimeoutError,
     WorkerError,
     module_state,
-    parse_delta_dtype,
 )
+from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, WorkerOptions, parse_delta_dtype
 from diloco_lightning.worker.claim import NodeIdTakenError
 from diloco_lightning.worker.sync import WorkerStopped, resolve_delay
 
 __all__ = [
     "DiLoCoWorker",
+    "WorkerOptions",
     "BoundaryResult",
     "InstallResult",
     "UploadReport",

@@ -15,8 +15,7 @@ import torch
 
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.names import InvalidNameError, validate_node_id
-from diloco_lightning.worker.core import SYNC_MODES, parse_delta_dtype
-from diloco_lightning.worker.sync import resolve_delay
+from diloco_lightning.worker.options import WorkerOptions
 
 __all__ = [
     "SIGTERM_EXIT",
@@ -100,22 +99,19 @@ def check_hub_arg(hub: Any) -> None:
 def check_worker_args(
     node_id: Any, inner_steps: Any, sync: Any, delay: Any, node_index: int | None, delta_dtype: Any
 ) -> tuple[str, int, torch.dtype]:
-    """Check an adapter's ``node_id``, ``inner_steps`` and ``sync`` (in that order); return
-    ``(node_id, resolved delay, delta dtype)``. Errors are ``ValueError("DiLoCo: ...")``."""
+    """Check an adapter's ``node_id`` and its :class:`~diloco_lightning.worker.options.WorkerOptions`
+    (``inner_steps``, ``sync``, ``delay``, ``delta_dtype``); return ``(node_id, resolved delay, delta
+    dtype)``. Errors are ``ValueError("DiLoCo: ...")``."""
     try:
         checked_id = validate_node_id(node_id)
     except InvalidNameError as e:
         raise ValueError(f"DiLoCo: node_id: {e}") from None
-    if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
-        raise ValueError(f"DiLoCo: inner_steps must be a positive integer, got {inner_steps!r}")
-    if sync not in SYNC_MODES:
-        raise ValueError(f"DiLoCo: sync must be one of {SYNC_MODES}, got {sync!r}")
+    opts = WorkerOptions(inner_steps=inner_steps, sync=sync, delay=delay, delta_dtype=delta_dtype)
     try:
-        resolved_delay = resolve_delay(delay, node_id, node_index)
-        dtype = parse_delta_dtype(delta_dtype)
+        opts.validate(checked_id, node_index)
+        return checked_id, opts.resolved_delay(checked_id, node_index), opts.dtype
     except ValueError as e:
         raise ValueError(f"DiLoCo: {e}") from None
-    return checked_id, resolved_delay, dtype
 
 
 def run_on_rank0(

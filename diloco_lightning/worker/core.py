@@ -63,6 +63,7 @@ from diloco_lightning.statefile import save_weights_file
 from diloco_lightning.stheader import LayoutError, read_layout
 from diloco_lightning.waiting import Patience
 from diloco_lightning.worker.claim import ClaimKeeper
+from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, parse_delta_dtype
 from diloco_lightning.worker.sync import (
     GlobalFetcher,
     WaitTimeoutError,
@@ -94,27 +95,9 @@ __all__ = [
     "module_state",
 ]
 
-SYNC_MODES = ("async", "lockstep")
-DELTA_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 STATE_VERSION = 1
 #: spool folders of dead workers (of another host, or without an owner tag) are removed once this old
 SPOOL_MAX_AGE = 24 * 3600.0
-
-
-def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> torch.dtype:
-    """``"float32"``/``"bfloat16"``/``"float16"`` (or the torch dtype) -> torch dtype."""
-    if isinstance(value, torch.dtype) and value in DELTA_DTYPES.values():
-        return value
-    if isinstance(value, str) and value.lower().removeprefix("torch.") in DELTA_DTYPES:
-        return DELTA_DTYPES[value.lower().removeprefix("torch.")]
-    raise ValueError(f"{argname} must be one of 'float32', 'bfloat16', 'float16', got {value!r}")
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
