@@ -1,7 +1,7 @@
 """Packaging details pyproject.toml cannot express: the top-level ``configs/`` and ``recipes/``
 folders (where users read and edit them in a checkout) ship inside the wheel as the package
 data ``diloco_lightning/configs`` and ``diloco_lightning/recipes``: one copy, two places to
-find it (``diloco_lightning.config._data_dir``)."""
+find it (``diloco_lightning.app.config._data_dir``)."""
 
 from setuptools import find_packages, setup
 

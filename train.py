@@ -6,11 +6,11 @@
     python train.py recipe=llama1b_tau8 role=master run_id=exp1 hub=hf hub.url=hf://org/exp1 hub.create=true
     python train.py --help                            # every group and key, with its current value
 
-All logic lives in ``diloco_lightning.launch`` (what runs) and ``diloco_lightning.cli`` (errors,
+All logic lives in ``diloco_lightning.app.run`` (what runs) and ``diloco_lightning.app.cli`` (errors,
 signals, --help); configs in ``configs/``, recipes in ``recipes/``.
 """
 
-from diloco_lightning.cli import train_main
+from diloco_lightning.app.cli import train_main
 
 if __name__ == "__main__":
     train_main()

@@ -67,7 +67,8 @@ from diloco_lightning.worker.adapter import (
     run_on_rank0,
     sum_tokens_over_ranks,
 )
-from diloco_lightning.worker.core import DiLoCoWorker, module_state
+from diloco_lightning.worker.core import DiLoCoWorker
+from diloco_lightning.worker.params import module_state
 from diloco_lightning.worker.sync import WorkerStopped
 
 log = logging.getLogger(__name__)

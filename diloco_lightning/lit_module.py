@@ -172,14 +172,14 @@ class LlamaLightningModule(L.LightningModule):
         return self.model(tokens)
 
     @staticmethod
-    def _inputs_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(batch, (tuple, list)):
             x, y = batch
             return x, y
         return batch[:, :-1], batch[:, 1:]  # (B, T) each, from (B, T + 1)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = self._inputs_targets(batch)
+        x, y = self.inputs_targets(batch)
         loss = self.model.loss(x, y)
         self.tokens_seen += x.numel()
         self.log("train/loss", loss, prog_bar=True, batch_size=x.shape[0])
@@ -189,7 +189,7 @@ class LlamaLightningModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = self._inputs_targets(batch)
+        x, y = self.inputs_targets(batch)
         loss = self.model.loss(x, y)
         self.log("val/loss", loss, prog_bar=True, on_epoch=True, sync_dist=True, batch_size=x.shape[0])
         return loss

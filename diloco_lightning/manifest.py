@@ -171,7 +171,7 @@ class Manifest:
         if not isinstance(ledger_doc, dict):
             raise ManifestError(f"{source}: 'ledger' must be an object")
         ledger = {}
-        for node, step in ledger_doc.items():
+        for node in ledger_doc:
             try:
                 validate_node_id(node)
             except InvalidNameError as e:

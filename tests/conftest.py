@@ -1,4 +1,13 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files.
+
+* Every test runs without a run key, crash points or offline mode from the caller's shell
+  (``clean_env``, automatic), and with Hugging Face telemetry, progress bars and implicit
+  tokens off (set once for the session, subprocesses inherit it).
+* ``hydra_configs``: the schema and recipes registered in Hydra's ConfigStore (what
+  ``train.py`` does at start), for tests that compose a configuration in-process.
+* ``hf_server``: the loopback fake Hugging Face Hub (``tests/hf_server.py``).
+* ``s3_endpoint``: a real S3 server on loopback (moto).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,40 @@ import logging
 import os
 
 import pytest
+
+for _k in ("HF_HUB_DISABLE_TELEMETRY", "HF_HUB_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_IMPLICIT_TOKEN"):
+    os.environ.setdefault(_k, "1")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No run key, crash point or offline mode leaks in from the environment of the caller."""
+    for k in ("DILOCO_RUN_KEY", "DILOCO_RUN_KEY_FILE", "DILOCO_FAULTS", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(k, raising=False)
+    try:
+        import huggingface_hub.constants as c
+
+        monkeypatch.setattr(c, "HF_HUB_OFFLINE", False, raising=False)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+@pytest.fixture(scope="session")
+def hydra_configs():
+    """The schema and recipes registered in Hydra's ConfigStore; yields the config folder."""
+    from diloco_lightning.app.config import CONFIG_DIR, register_configs
+
+    register_configs()
+    return CONFIG_DIR
+
+
+@pytest.fixture
+def hf_server():
+    """A fresh loopback fake Hugging Face Hub (``tests/hf_server.py``)."""
+    from hf_server import FakeHubServer
+
+    with FakeHubServer() as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

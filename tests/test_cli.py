@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from diloco_lightning.cli import configuration_markdown, short_message
-from diloco_lightning.config import (
+from diloco_lightning.app.cli import configuration_markdown, short_message
+from diloco_lightning.app.config import (
     CONFIG_DIR,
     ConfigError,
     MasterCommandConf,
@@ -47,7 +47,7 @@ def _train(tmp_path: Path, *args: str, timeout: float = 120, **env) -> subproces
 
 
 def _master(tmp_path: Path, *args: str, timeout: float = 120, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diloco_lightning.master.cli", *args],
+    return subprocess.run([sys.executable, "-m", "diloco_lightning.app.master", *args],
                           cwd=tmp_path, env=_env(tmp_path, **env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -119,7 +119,7 @@ def test_master_checks_what_train_checks(tmp_path, args, key):
 def test_verbose_and_hydra_full_error_show_the_traceback(tmp_path):
     for proc in (_train(tmp_path, "diloco.inner_steps=0", "-v"), _train(tmp_path, "diloco.inner_steps=0", HYDRA_FULL_ERROR="1")):
         assert proc.returncode != 0
-        assert "Traceback" in proc.stderr and "ConfigError: diloco.inner_steps: H must be >= 1, got 0" in proc.stderr
+        assert "Traceback" in proc.stderr and "ConfigError: diloco.inner_steps: must be an integer >= 1, got 0" in proc.stderr
 
 
 def test_hub_errors_at_the_command_line_are_short(tmp_path):
@@ -188,7 +188,7 @@ def test_every_key_has_help_and_the_configuration_doc_is_current():
         missing = [k for k, _, h in describe(schema) if not h]
         assert not missing, f"keys without help: {missing}"
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    assert doc == configuration_markdown(), "docs/configuration.md is stale: python -m diloco_lightning.cli --write-docs"
+    assert doc == configuration_markdown(), "docs/configuration.md is stale: python -m diloco_lightning.app.cli --write-docs"
     for schema in (TrainConf, MasterCommandConf):
         for f in dataclasses.fields(schema):
             assert f"`{f.name}" in doc or f"`{f.name}." in doc

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from diloco_lightning.config import CONFIG_DIR, RECIPE_DIR, ConfigError, register_configs, run_id_from_overrides, validate
+from diloco_lightning.app.config import CONFIG_DIR, RECIPE_DIR, ConfigError, register_configs, run_id_from_overrides, validate
 from diloco_lightning.outer import OUTER_OPTIMIZERS, build_outer_optimizer
 
 register_configs()
@@ -32,7 +32,7 @@ def test_required_recipes_exist():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_composes_and_instantiates(recipe):
-    from diloco_lightning.launch import model_config, outer_options
+    from diloco_lightning.app.build import model_config, outer_options
     from diloco_lightning.models.llama import Llama
 
     cfg = validate(_compose(f"recipe={recipe}"))
@@ -57,7 +57,7 @@ def test_recipe_composes_and_instantiates(recipe):
 
 @pytest.mark.parametrize("outer", sorted(p.stem for p in (CONFIG_DIR / "outer").glob("*.yaml")))
 def test_every_outer_config_builds(outer):
-    from diloco_lightning.launch import outer_options
+    from diloco_lightning.app.build import outer_options
 
     cfg = validate(_compose("recipe=tiny", f"outer={outer}"))
     assert cfg.outer.name in OUTER_OPTIMIZERS
@@ -121,7 +121,7 @@ def test_run_id_is_deterministic_and_ignores_per_process_keys():
 
 
 def test_heterogeneous_delays_are_per_worker_and_seeded():
-    from diloco_lightning.launch import regime, tau_label, worker_delay
+    from diloco_lightning.app.build import regime, tau_label, worker_delay
 
     cfg = validate(_compose("recipe=tiny", "workers=4", "diloco.delay=[0,2,4,8]"))
     assert [worker_delay(cfg, i) for i in range(4)] == [0, 2, 4, 8]

@@ -23,9 +23,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-os.environ.setdefault("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
 
 from diloco_lightning import faults  # noqa: E402
 from diloco_lightning.deltafile import (  # noqa: E402
@@ -62,18 +59,6 @@ def dt(value: float = 0.5) -> dict[str, torch.Tensor]:
     return {"w": torch.full((4, 3), float(value)), "b": torch.full((3,), float(value))}
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.delenv("DILOCO_RUN_KEY", raising=False)
-    monkeypatch.delenv("DILOCO_RUN_KEY_FILE", raising=False)
-    monkeypatch.delenv("DILOCO_FAULTS", raising=False)
-    try:
-        import huggingface_hub.constants as c
-
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.setattr(c, "HF_HUB_OFFLINE", False, raising=False)
-    except ImportError:  # pragma: no cover
-        pass
 
 
 class Hubs:
@@ -574,7 +559,7 @@ def test_defaults_refuse_an_absurd_first_delta_and_accept_honest_ones(tmp_path):
 def test_cli_default_bound_is_on():
     from hydra import compose, initialize_config_dir
 
-    from diloco_lightning.config import CONFIG_DIR, register_configs
+    from diloco_lightning.app.config import CONFIG_DIR, register_configs
 
     register_configs()
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):  # the schema holds the default, as composed

@@ -19,9 +19,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-os.environ.setdefault("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
 
 from diloco_lightning import faults  # noqa: E402
 from diloco_lightning.deltafile import model_fingerprint, write_delta  # noqa: E402
@@ -52,17 +49,6 @@ def dt(value: float = 1.0) -> dict[str, torch.Tensor]:
     return {"w": torch.full((4, 3), float(value)), "b": torch.full((3,), float(value))}
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.delenv("DILOCO_RUN_KEY", raising=False)
-    monkeypatch.delenv("DILOCO_RUN_KEY_FILE", raising=False)
-    try:
-        import huggingface_hub.constants as c
-
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.setattr(c, "HF_HUB_OFFLINE", False, raising=False)
-    except ImportError:  # pragma: no cover
-        pass
 
 
 class Hubs:
@@ -566,7 +552,7 @@ def test_background_loop_logs_and_retries(fhubs, tmp_path, caplog):
             raise OSError("disk full")
 
     faults.install(hub, fault)
-    with caplog.at_level(logging.ERROR, logger="diloco_lightning.master.loop"):
+    with caplog.at_level(logging.ERROR, logger="diloco_lightning.master"):
         m.start()
         deadline = time.monotonic() + 10
         while m.outer_step < 1 and time.monotonic() < deadline:
@@ -1004,10 +990,10 @@ def _cli_hub(tmp_path: Path, n: int = 2) -> Path:
     return tmp_path / "hub"
 
 
-def test_cli_runs_rounds_prints_progress_and_writes_metrics(tmp_path, capsys):
+def test_cli_runs_rounds_prints_progress_and_writes_metrics(tmp_path, capsys, hydra_configs):
     from hydra import compose, initialize_config_dir
 
-    from diloco_lightning.master.cli import CONFIG_DIR, run
+    from diloco_lightning.app.master import CONFIG_DIR, run
 
     hub_dir = _cli_hub(tmp_path)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
@@ -1027,9 +1013,9 @@ def test_cli_runs_rounds_prints_progress_and_writes_metrics(tmp_path, capsys):
     assert torch.equal(state["w"], torch.full((4, 3), -2.0))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(config_name="master", overrides=[f"hub.url={hub_dir}", "outer.name=nesterov", "max_rounds=0"])
-    from diloco_lightning.master.cli import _outer
+    from diloco_lightning.app.config import outer_options
 
-    assert _outer(cfg) == ("nesterov", {"lr": float(cfg.outer.lr)})  # cgad's options dropped for another optimizer
+    assert outer_options(cfg.outer) == {"lr": float(cfg.outer.lr)}  # cgad's options dropped for another optimizer
 
 
 def test_cli_subprocess_drains_on_sigterm(tmp_path):
@@ -1040,7 +1026,7 @@ def test_cli_subprocess_drains_on_sigterm(tmp_path):
     hub_dir = _cli_hub(tmp_path, n=2)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diloco_lightning.master.cli", f"hub.url={hub_dir}", "outer=adam", "outer.lr=0.1",
+        [sys.executable, "-m", "diloco_lightning.app.master", f"hub.url={hub_dir}", "outer=adam", "outer.lr=0.1",
          "min_deltas=5", "poll_interval=0.05", f"node_state_dir={tmp_path / 'st'}", "lease_ttl=5", "norm_global_ratio=null"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )

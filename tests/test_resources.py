@@ -12,10 +12,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from diloco_lightning.config import CONFIG_DIR, RECIPE_DIR, register_configs, validate
-from diloco_lightning.launch import model_config
+from diloco_lightning.app.config import CONFIG_DIR, RECIPE_DIR, register_configs, validate
+from diloco_lightning.app.build import model_config
 from diloco_lightning.models.llama import Llama
-from diloco_lightning.resources import GB, Machine, ResourceError, check_resources, estimate
+from diloco_lightning.app.resources import GB, Machine, ResourceError, check_resources, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()

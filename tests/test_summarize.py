@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from diloco_lightning.summarize import load_results, markdown_table, summarize
+from diloco_lightning.app.summarize import load_results, markdown_table, summarize
 
 
 def _result(root: Path, seed: int, outer: str, final: float) -> None:
@@ -40,7 +40,7 @@ def test_summary_table_and_eval_band_figure(tmp_path):
 
 
 def test_the_figure_plots_eval_loss_with_a_seed_band_on_a_linear_axis(tmp_path):
-    from diloco_lightning.summarize import _series, loss_figure
+    from diloco_lightning.app.summarize import _series, loss_figure
 
     for seed, final in ((0, 5.0), (1, 5.4)):
         _result(tmp_path, seed, "cgad", final)

@@ -120,7 +120,7 @@ def test_a_plugin_worker_without_a_master_says_so_and_stops_on_sigterm(tmp_path,
 def test_a_master_on_an_empty_hub_says_so_and_stops_on_sigterm(tmp_path):
     hub = tmp_path / "hub"
     hub.mkdir()
-    proc = _popen([sys.executable, "-m", "diloco_lightning.master.cli", f"hub.url={hub}", "poll_interval=0.1",
+    proc = _popen([sys.executable, "-m", "diloco_lightning.app.master", f"hub.url={hub}", "poll_interval=0.1",
                    "lease_ttl=30"], tmp_path)
     try:
         out = _read_until(proc, "[master] waiting for a worker's initial weights")

@@ -79,7 +79,7 @@ def venv(tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
 def test_the_wheel_carries_the_package_configs_and_recipes(venv):
     bin_dir, env, cwd = venv
     out = _ok(_run([str(bin_dir / "python"), "-c", textwrap.dedent("""
-        import diloco_lightning, diloco_lightning.config as c
+        import diloco_lightning, diloco_lightning.app.config as c
         print(diloco_lightning.__file__); print(c.CONFIG_DIR); print(sorted(p.stem for p in c.RECIPE_DIR.glob('*.yaml')))
     """)], cwd, env)).stdout.splitlines()
     venv_root = str(bin_dir.parent)

@@ -206,7 +206,7 @@ class TextDataModule(L.LightningDataModule):
     # -- Lightning hooks ----------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        self.token_path  # builds tokenizer and token cache once per machine
+        _ = self.token_path  # builds tokenizer and token cache once per machine
 
     def setup(self, stage: str | None = None) -> None:
         if self._val_ds is not None:

@@ -172,6 +172,8 @@ class Hub(abc.ABC):
     url: str
     #: local folder for downloads; files inside are named by their hub path
     cache_dir: Path
+    #: the folder of a hub that is a local folder (None for remote transports)
+    local_root: Path | None = None
     #: whether what :meth:`download` returns is this process's own copy (a remote hub's cache),
     #: which no other writer can change while it is read; the folder hub returns files in place
     private_downloads: bool = True
@@ -303,7 +305,7 @@ class Hub(abc.ABC):
         seconds; never a live writer's file. Returns what was removed (for the log)."""
         return sweep_temporaries(self.cache_dir, max_age, recursive=True)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most transports hold nothing to release
         """Release resources (HTTP sessions, thread pools)."""
 
     def __enter__(self) -> "Hub":

@@ -91,6 +91,7 @@ class FileHub(Hub):
         if not root.is_absolute():
             root = Path.cwd() / root
         self.root = root
+        self.local_root = root
         if create:
             (root / NODES_DIR).mkdir(parents=True, exist_ok=True)
             (root / GLOBAL_DIR).mkdir(parents=True, exist_ok=True)

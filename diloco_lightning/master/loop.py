@@ -66,9 +66,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Container, Mapping
@@ -77,28 +75,19 @@ from typing import Any
 
 import torch
 
-from diloco_lightning import faults
-from diloco_lightning.deltafile import DeltaFileError, is_synced
 from diloco_lightning.globals import UnauthenticatedVersionError, verify_manifest
 from diloco_lightning.hub import open_hub
-from diloco_lightning.hub.base import DeltaRef, Hub, PublishConflictError
+from diloco_lightning.hub.base import Hub, PublishConflictError
 from diloco_lightning.manifest import GlobalVersion, ManifestError
 from diloco_lightning.master import localstate
-from diloco_lightning.master.aggregation import (
-    NonFiniteAggregate,
-    OpenRound,
-    RoundSum,
-    arrival_order,
-    cap_round_robin,
-    merge_marks,
-)
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig, MasterConfigError
 from diloco_lightning.master.intake import Intake
 from diloco_lightning.master.lease import LeaseKeeper, default_holder
 from diloco_lightning.master.metrics import MetricsSink, RoundMetrics
 from diloco_lightning.master.publication import LeaseLost, Publisher
+from diloco_lightning.master.rounds import Rounds
 from diloco_lightning.master.runstate import RunState, check_state, cpu_clone
-from diloco_lightning.master.validation import Accepted, DeltaRejected, DeltaValidator, max_abs, state_norm
+from diloco_lightning.master.validation import DeltaValidator
 from diloco_lightning.names import MANIFEST_PATH, parse_delta_path
 from diloco_lightning.signing import RunKey, load_run_key
 
@@ -222,13 +211,12 @@ class MasterOuterLoop:
         self.intake = Intake(self.hub, self.config)
         self.validator = DeltaValidator(self.config, key, self.hub.private_downloads)
         self.publisher = Publisher(self.hub, self.config, self.node_state_dir, key, self.holder, self._lease, owner=self)
+        self.rounds = Rounds(self)
 
         self._round_lock = threading.RLock()  # one round at a time
         self._thread_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
-        self._open: OpenRound | None = None
-        self._arrival_wait_since: float | None = None
         self._last_metrics: RoundMetrics | None = None
         self._waiting_logged = False
 
@@ -384,18 +372,9 @@ class MasterOuterLoop:
     # ================================================================== background thread
 
     def _run(self) -> None:
-        failures = 0
-        stop = self._stop_event
-        while not stop.is_set():
-            try:
-                self.sync_once()
-                failures = 0
-                delay = self.config.poll_interval
-            except Exception:  # noqa: BLE001 - logged and retried, with backoff and jitter
-                failures += 1
-                delay = backoff_delay(failures, self.config.poll_interval, self.config.retry_max_delay)
-                log.exception("master round failed (%d in a row); retrying in %.1fs", failures, delay)
-            stop.wait(delay)
+        from diloco_lightning.master.serve import serve
+
+        serve(self, stop=self._stop_event)  # the one serve loop (errors reported, retried with backoff)
 
     # ================================================================== one round
 
@@ -410,9 +389,9 @@ class MasterOuterLoop:
         if not self._reconcile(m):
             return
         if self.config.aggregation == "round":
-            self._round(m, force)
+            self.rounds.round(m, force)
         else:
-            self._arrival(m, force)
+            self.rounds.arrival(m, force)
 
     def _published_epoch(self) -> int:
         """The lease epoch in the hub's manifest (a new lease's epoch is above it)."""
@@ -508,212 +487,6 @@ class MasterOuterLoop:
         self._notify()
         return True
 
-    # ------------------------------------------------------------------ fetching and checking
-
-    def _marks(self) -> dict[str, int]:
-        return merge_marks(self.run.ledger, self._open.marks if self._open else {})
-
-    def _limits(self) -> tuple[int, int]:
-        assert self.run.state is not None and self.run.fingerprint is not None
-        return self.validator.size_limits(self.run.state, self.run.fingerprint)
-
-    def _check(self, ref: DeltaRef, path: Path, outer_step: int):
-        run = self.run
-        return self.validator.check(ref, path, state=run.state, fingerprint=run.fingerprint, outer_step=outer_step,
-                                    gate=run.opt.gate)
-
-    # ------------------------------------------------------------------ round mode
-
-    def _round(self, m: RoundMetrics, force: bool) -> None:
-        run = self.run
-        if self._open is None or self._open.outer_step != run.outer_step:
-            self._open = OpenRound(run.outer_step, RoundSum(run.state, run.take_sum_storage()))
-        rnd = self._open
-        max_bytes, _ = self._limits()
-        refs = self.intake.list_new(self._marks(), max_bytes, m)
-        faults.point("listed", self)
-        blocked: set[str] = set()
-        pa = self.config.outer_optimizer == "pa_cgad"
-        for ref, path in self.intake.fetch(refs, blocked, max_bytes, m):
-            try:
-                try:
-                    delta, acc = self._check(ref, path, rnd.outer_step)
-                except (DeltaRejected, DeltaFileError) as e:
-                    self.intake.refuse(ref, e.reason, getattr(e, "detail", str(e)), m)
-                    continue
-                try:
-                    # PA-CGAD gates each fragment itself: its deltas are averaged ungated
-                    rnd.acc.add(delta.tensors, acc.weight, 1.0 if pa else acc.gate)
-                except BaseException:
-                    self._open = None  # a partial sum is worthless: the round starts over
-                    raise
-                del delta
-                rnd.accepted.append(acc)
-                rnd.marks[ref.node_id] = max(ref.local_step, rnd.marks.get(ref.node_id, -1))
-                if rnd.first_at is None:
-                    rnd.first_at = time.monotonic()
-            finally:
-                self.intake.release(path)
-        faults.point("downloaded", self)
-        m.pending = len(rnd.accepted)
-        if not rnd.accepted:
-            return
-        waited = time.monotonic() - (rnd.first_at or time.monotonic())
-        quorum = len(rnd.accepted) >= self.config.min_deltas
-        timed_out = self.config.max_wait is not None and waited >= self.config.max_wait
-        if not (force or quorum or timed_out):
-            m.waiting = True
-            log.debug("waiting for the quorum: %d of %d deltas", len(rnd.accepted), self.config.min_deltas)
-            return
-        self._commit_round(rnd, m, pa)
-
-    def _commit_round(self, rnd: OpenRound, m: RoundMetrics, pa: bool) -> None:
-        self._open = None
-        accepted = list(rnd.accepted)
-        try:
-            mean = rnd.acc.take_mean()
-        except NonFiniteAggregate as e:
-            self._refuse_round(accepted, str(e), m)
-            return
-        tau_max = max(a.staleness for a in accepted)
-        # the only reference to the mean is popped by the step, so it is freed before the
-        # optimizer state is copied for publication (the round's peak stays one buffer lower)
-        box = [mean]
-        del mean
-        opt = self.run.opt
-        if pa:  # gated per fragment on max(tau_max, age_f)
-            def step(buf):
-                return opt.step(buf, box.pop(), staleness=tau_max)
-        else:
-            def step(buf):
-                return opt.step(buf, box.pop(), staleness=0, gated=True)
-        new_ledger = merge_marks(self.run.ledger, rnd.marks)
-        processed = self.intake.pending + [a.ref.path for a in accepted]
-        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted):
-            for a in accepted:
-                m.apply(a.ident, a.staleness)
-
-    def _refuse_round(self, accepted: list[Accepted], detail: str, m: RoundMetrics) -> None:
-        log.error("refusing the %d delta(s) of this round (%s): %s; nothing is published",
-                  len(accepted), ", ".join(a.ident for a in accepted[:8]), detail)
-        for a in accepted:
-            self.intake.refuse(a.ref, "non_finite_update", detail, m)
-
-    # ------------------------------------------------------------------ arrival mode
-
-    def _arrival(self, m: RoundMetrics, force: bool) -> None:
-        run = self.run
-        max_bytes, _ = self._limits()
-        refs = self.intake.list_new(self._marks(), max_bytes, m)
-        faults.point("listed", self)
-        if not refs:
-            self._arrival_wait_since = None
-            return
-        if not force and len(refs) < self.config.min_deltas:
-            now = time.monotonic()
-            if self._arrival_wait_since is None:
-                self._arrival_wait_since = now
-            if self.config.max_wait is None or now - self._arrival_wait_since < self.config.max_wait:
-                m.waiting, m.pending = True, len(refs)
-                return
-        self._arrival_wait_since = None
-        refs = cap_round_robin(refs, self.config.arrival_batch)
-        blocked: set[str] = set()
-        fetched: list[tuple[DeltaRef, Path, int]] = []
-        try:
-            for ref, path in self.intake.fetch(refs, blocked, max_bytes, m):
-                fetched.append((ref, path, self.validator.header_base(path, run.state, run.fingerprint)))
-            faults.point("downloaded", self)
-            for ref, path, _ in arrival_order(fetched):
-                if ref.node_id in blocked:
-                    continue
-                try:
-                    delta, acc = self._check(ref, path, run.outer_step)
-                except (DeltaRejected, DeltaFileError) as e:
-                    self.intake.refuse(ref, e.reason, getattr(e, "detail", str(e)), m)
-                    continue
-                tensors = delta.tensors
-                del delta
-                new_ledger = merge_marks(run.ledger, {ref.node_id: ref.local_step})
-                processed = self.intake.pending + [ref.path]
-                opt = run.opt
-
-                def step(buf, t=tensors, tau=acc.staleness):
-                    return opt.step(buf, t, staleness=tau)
-
-                ok = self._apply_and_publish(step, new_ledger, processed, [acc.norm], m, [acc])
-                del tensors, step
-                if not ok:
-                    break
-                m.apply(acc.ident, acc.staleness)
-                self.intake.release(path)
-        finally:
-            for _, path, _ in fetched:
-                self.intake.release(path)
-
-    # ------------------------------------------------------------------ apply + publish
-
-    def _apply_and_publish(
-        self,
-        step: Callable[[dict[str, torch.Tensor]], bool],
-        new_ledger: dict[str, int],
-        processed: list[str],
-        norms: list[float],
-        m: RoundMetrics,
-        accepted: list[Accepted],
-    ) -> bool:
-        """One outer step on a copy of the state, then publication; rollback of everything on failure."""
-        run = self.run
-        new_step = run.outer_step + 1
-        buf = run.spare_buffer()
-        backup = None if run.committed_outer_file is not None else run.opt.state_dict()
-
-        def roll_back() -> None:
-            run.give_back(buf)
-            run.restore_optimizer(backup)
-            self._discard()
-
-        try:
-            applied = step(buf)
-            if applied is False:  # fully gated (e.g. PA-CGAD fragments all too old): nothing changed
-                run.give_back(buf)
-                for a in accepted:
-                    self.intake.refuse(a.ref, "too_stale", "the optimizer gated the whole step to 0", m)
-                return False
-            # one pass: the new state is finite (its L2 norm is) and the norm bounds the next deltas
-            norm, numel = state_norm(buf)
-            if not math.isfinite(norm):
-                bad = next((k for k, t in buf.items() if is_synced(t) and not math.isfinite(max_abs(t))), "?")
-                run.give_back(buf)
-                run.restore_optimizer(backup)
-                self._refuse_round(accepted, f"the outer step made key {bad!r} of the state non-finite", m)
-                return False
-            faults.point("stepped", self)
-            window = self.validator.norms.norms + [float(n) for n in norms if math.isfinite(n)]
-            payload = {"norms": window[-self.config.norm_window :], "aggregation": self.config.aggregation,
-                       "weighting": self.config.weighting}
-            manifest, record = self.publisher.publish(run, buf, new_step, new_ledger, processed, payload)
-        except PublishConflictError as e:
-            log.warning("%s; discarding this round and re-reading the hub", e)
-            m.conflict = True
-            roll_back()
-            return False
-        except LeaseLost:
-            m.standby = True
-            roll_back()
-            return False
-        except BaseException:
-            roll_back()
-            raise
-        run.committed(buf, new_step, new_ledger, manifest, record)
-        self.validator.load_state_dict(payload)
-        self.validator.note_global(buf, new_step, norm, numel)
-        self.intake.published(new_ledger)
-        faults.point("swapped", self)
-        m.published += 1
-        self._notify()
-        return True
-
     def _notify(self) -> None:
         cb = self.on_global_update
         if cb is None:
@@ -726,13 +499,6 @@ class MasterOuterLoop:
 
     def _discard(self) -> None:
         """Forget everything processed but not published (it will be processed again)."""
-        self._open = None
+        self.rounds.open = None
         self.intake.pending = []
-        self._arrival_wait_since = None
-
-
-def backoff_delay(failures: int, base: float, cap: float) -> float:
-    """The pause after ``failures`` failed rounds in a row: exponential from ``base``, at most
-    ``max(cap, base)``, jittered to 50-100 % (so a fleet of masters never retries in step)."""
-    delay = min(base * 2 ** min(failures - 1, 16), max(cap, base))
-    return delay * random.uniform(0.5, 1.0)
+        self.rounds.arrival_wait_since = None

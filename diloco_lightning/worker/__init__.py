@@ -7,8 +7,8 @@ from diloco_lightning.worker.core import (
     UploadReport,
     WaitTimeoutError,
     WorkerError,
-    module_state,
 )
+from diloco_lightning.worker.params import copy_into, module_state
 from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, WorkerOptions, parse_delta_dtype
 from diloco_lightning.worker.claim import NodeIdTakenError
 from diloco_lightning.worker.sync import WorkerStopped, resolve_delay
@@ -26,6 +26,7 @@ __all__ = [
     "SYNC_MODES",
     "DELTA_DTYPES",
     "module_state",
+    "copy_into",
     "parse_delta_dtype",
     "resolve_delay",
 ]

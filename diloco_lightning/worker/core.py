@@ -37,38 +37,35 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from diloco_lightning import faults
 from diloco_lightning.deltafile import (
-    DeltaFileError,
-    max_delta_bytes,
     model_fingerprint,
-    read_delta_header,
     synced_keys,
 )
 from diloco_lightning.fileio import make_owned_dir, owner_tag, sweep_owned_dirs
 from diloco_lightning.globals import read_verified_manifest
-from diloco_lightning.hub import DeltaRef, Hub, HubNotFoundError, open_hub
+from diloco_lightning.hub import Hub, HubNotFoundError, open_hub
 from diloco_lightning.manifest import Manifest
 from diloco_lightning.names import validate_node_id
 from diloco_lightning.signing import RunKey, load_run_key
 from diloco_lightning.statefile import save_weights_file
-from diloco_lightning.stheader import LayoutError, read_layout
-from diloco_lightning.waiting import Patience
 from diloco_lightning.worker.claim import ClaimKeeper
+from diloco_lightning.worker.checkpoint import STATE_VERSION, pack_unsent, step_offset_of, unpack_unsent
 from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, parse_delta_dtype
+from diloco_lightning.worker.params import copy_into, module_state
+from diloco_lightning.worker.results import BoundaryResult, InstallResult
+from diloco_lightning.worker.waits import Waits
+from diloco_lightning.worker.restart import drop_delivered, hub_high_step, hub_seen_high, is_authentic
 from diloco_lightning.worker.sync import (
     GlobalFetcher,
     WaitTimeoutError,
     WorkerError,
-    WorkerStopped,
     load_version,
     resolve_delay,
 )
@@ -95,69 +92,8 @@ __all__ = [
     "module_state",
 ]
 
-STATE_VERSION = 1
 #: spool folders of dead workers (of another host, or without an owner tag) are removed once this old
 SPOOL_MAX_AGE = 24 * 3600.0
-
-
-def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors a worker syncs and installs into: ``named_parameters()`` (tied weights once,
-    under their first name) and the persistent buffers (``state_dict`` ones). These keys are the
-    global state's keys."""
-    out: dict[str, torch.Tensor] = dict(module.named_parameters())
-    persistent = set(module.state_dict(keep_vars=True))
-    for name, buf in module.named_buffers():
-        if name in persistent and name not in out:
-            out[name] = buf
-    return out
-
-
-@dataclass
-class InstallResult:
-    """A global version copied into the model."""
-
-    outer_step: int
-    #: how many versions behind the newest one the worker had seen it was (0: the newest)
-    staleness: int
-    previous_outer_step: int | None
-    seconds: float
-
-
-@dataclass
-class BoundaryResult:
-    """What one boundary did (``metrics()`` flattens it for a logger)."""
-
-    boundary: int
-    base_outer_step: int
-    outer_step: int
-    installed: InstallResult | None = None
-    uploads: list[UploadReport] = field(default_factory=list)
-    pending_phases: int = 0
-    wait_seconds: float = 0.0
-    seconds: float = 0.0
-
-    def metrics(self, prefix: str = "diloco/") -> dict[str, float]:
-        m = {
-            "outer_step": float(self.outer_step),
-            "boundary": float(self.boundary),
-            "boundary_seconds": self.seconds,
-            "pending_phases": float(self.pending_phases),
-        }
-        if self.wait_seconds:
-            m["wait_seconds"] = self.wait_seconds
-        if self.installed is not None:
-            m["installed_outer_step"] = float(self.installed.outer_step)
-            m["install_staleness"] = float(self.installed.staleness)
-            m["install_seconds"] = self.installed.seconds
-        done = [u for u in self.uploads if u.ok and u.local_step is not None]
-        if done:
-            m["delta_norm"] = float(done[-1].delta_norm or 0.0)
-            m["upload_bytes"] = float(sum(u.nbytes for u in done))
-            m["upload_seconds"] = float(sum(u.seconds for u in done))
-        failed = [u for u in self.uploads if not u.ok]
-        if failed:
-            m["upload_failures"] = float(len(failed))
-        return {prefix + k: v for k, v in m.items()}
 
 
 class DiLoCoWorker:
@@ -261,7 +197,7 @@ class DiLoCoWorker:
         self._started = False
         self._closed = False
         self._newest_seen = -1
-        self._stop = threading.Event()
+        self._waits = Waits(self)
         self._claim_keeper = ClaimKeeper(self.hub, self.node_id, ttl=claim_ttl) if claim else None
 
     # ------------------------------------------------------------------ properties
@@ -295,81 +231,18 @@ class DiLoCoWorker:
 
     # ------------------------------------------------------------------ start
 
-    def _deadline(self, timeout: float | None = None) -> float:
-        return time.monotonic() + (self.wait_timeout if timeout is None else timeout)
-
     def request_stop(self) -> None:
         """End every blocking wait (bootstrap, lockstep, hub retries) with ``WorkerStopped``: what an
         adapter calls on SIGTERM. Uploading what is pending (``flush``, ``close``) still runs."""
-        self._stop.set()
-
-    def _pause(self, seconds: float, waiting_for: str) -> None:
-        if self._stop.wait(seconds):
-            raise WorkerStopped(f"node {self.node_id}: stopped while waiting for {waiting_for} on {self.hub.url}")
-
-    def _patience(self, what: str) -> Patience:
-        return Patience(what, self.hub.url, limit=self.wait_timeout, say=lambda line: log.info("node %s: %s", self.node_id, line))
-
-    def _retry(self, what: str, fn, deadline: float):
-        """``fn()``, retried every ``poll_interval`` on hub errors until ``deadline``."""
-        first = True
-        patience = self._patience(f"the hub to answer ({what})")
-        while True:
-            try:
-                return fn()
-            except (WorkerError, ValueError):
-                raise
-            except Exception as e:
-                if time.monotonic() >= deadline:
-                    raise WaitTimeoutError(
-                        f"node {self.node_id}: could not {what} on {self.hub.url} within {self.wait_timeout:g} s "
-                        f"(last error: {type(e).__name__}: {e})"
-                    ) from e
-                if first:
-                    log.warning("node %s: cannot %s on %s (%s: %s); retrying", self.node_id, what, self.hub.url,
-                                type(e).__name__, e)
-                    first = False
-                patience.tick(f"; last error: {type(e).__name__}: {e}")
-                self._pause(self.poll_interval, f"the hub to answer ({what})")
+        self._waits.stop()
 
     def _hub_high_step(self) -> int:
-        refs = self.hub.list_deltas(after={self.node_id: -1})
-        return max((r.local_step for r in refs if r.node_id == self.node_id), default=-1)
-
-    def _authentic(self, ref: DeltaRef) -> bool:
-        """Whether the hub's ``ref`` is a delta this node really wrote: its header names it, and
-        in a signed run its signature (checked by streaming, in bounded memory) is the run key's."""
-        limit = max_delta_bytes({k: self.params[k] for k in self.synced})
-        path = self.hub.download(ref.path, max_bytes=limit)
-        try:
-            header = read_delta_header(path)
-            if header.node_id != self.node_id or header.local_step != ref.local_step:
-                return False
-            if self.signing_key is not None:
-                layout = read_layout(path)
-                return self.signing_key.verify_file(layout.metadata.get("signature"), path, layout)
-            return True
-        except (DeltaFileError, LayoutError, OSError):
-            return False
+        return hub_high_step(self.hub, self.node_id)
 
     def _hub_seen_high(self, authenticate: bool = True) -> int:
-        """The highest local_step the hub has seen of this node: its highest (``authenticate``:
-        authentic) delta on the hub, or the ledger (what the master accepted and may have deleted
-        since). The ledger is read again after the listing, so a delta processed and deleted in
-        between is not missed."""
-        before = self._read_manifest()
-        floor = before.ledger.get(self.node_id, -1) if before is not None else -1
-        refs = sorted((r for r in self.hub.list_deltas(after={self.node_id: floor}) if r.node_id == self.node_id),
-                      reverse=True)
-        after = self._read_manifest()
-        high = max(floor, after.ledger.get(self.node_id, -1) if after is not None else -1)
-        for ref in refs:
-            if ref.local_step <= high:
-                break
-            if not authenticate or self._authentic(ref):
-                return ref.local_step
-            log.warning("node %s: %s on %s is not a delta of this node (ignored)", self.node_id, ref.path, self.hub.url)
-        return high
+        synced = {k: self.params[k] for k in self.synced}
+        check = (lambda ref: is_authentic(self.hub, ref, self.node_id, synced, self.signing_key)) if authenticate else None
+        return hub_seen_high(self.hub, self.node_id, self._read_manifest, check)
 
     def start(self) -> InstallResult | None:
         """Connect to the hub and get the starting weights (idempotent; ``boundary`` calls it).
@@ -384,17 +257,17 @@ class DiLoCoWorker:
             raise WorkerError("this worker is closed")
         if self._started:
             return None
-        deadline = self._deadline()
+        deadline = self._waits.deadline()
         if self._claim_keeper is not None and self._claim_keeper.claim is None and self._claim_keeper.supported:
             # before anything is offered or sent: a second live worker with this node_id stops here
-            self._retry("claim the node id", self._claim_keeper.acquire, deadline)
+            self._waits.retry("claim the node id", self._claim_keeper.acquire, deadline)
         sweep_owned_dirs(self._spool_parent, "diloco-", SPOOL_MAX_AGE)
-        manifest = self._retry("read the manifest", self._read_manifest, deadline)
+        manifest = self._waits.retry("read the manifest", self._read_manifest, deadline)
         if manifest is not None:
             self._check_fingerprint(manifest)
         installed = None
         if self._restored:
-            seen = self._retry("read what the hub has of this node", self._hub_seen_high, deadline)
+            seen = self._waits.retry("read what the hub has of this node", self._hub_seen_high, deadline)
             self.delivered_until = seen
             if seen >= self.boundaries + 1 + self.step_offset:
                 log.warning(
@@ -402,10 +275,10 @@ class DiLoCoWorker:
                     "delta_%d): the inner steps replayed up to boundary %d will not be sent again",
                     self.node_id, seen, self.boundaries + 1 + self.step_offset, seen - self.step_offset,
                 )
-            self._drop_delivered(seen)
+            self._unsent = drop_delivered(self._unsent, seen, self.step_offset, self.node_id)
         else:
             # a fresh start numbers its deltas after anything the hub has (or had) of this node
-            seen = self._retry("read what the hub has of this node", lambda: self._hub_seen_high(False), deadline)
+            seen = self._waits.retry("read what the hub has of this node", lambda: self._hub_seen_high(False), deadline)
             self.step_offset = max(self.step_offset, seen - self.boundaries)
             if manifest is None:
                 manifest = self._bootstrap(deadline)
@@ -437,23 +310,6 @@ class DiLoCoWorker:
                  self.next_local_step, self.sync, f", delay={self.delay}" if self.sync == "lockstep" else "")
         return installed
 
-    def _drop_delivered(self, seen: int) -> None:
-        """Forget the checkpoint's undelivered work that the hub already holds (delivered by the
-        process that died): a doubtful upload at or below ``seen``, fresh content whose last
-        boundary maps to a step at or below it."""
-        job = self._unsent
-        if job is None:
-            return
-        doubt, fresh = job.doubt, job.fresh
-        if doubt is not None and doubt[0] <= seen:
-            log.info("node %s: the checkpoint's doubtful delta_%d is on the hub; not sending it again", self.node_id, doubt[0])
-            doubt = None
-        if fresh is not None and fresh.boundary + self.step_offset <= seen:
-            log.info("node %s: the checkpoint's undelivered %d phase(s) are on the hub; not sending them again",
-                     self.node_id, fresh.phases)
-            fresh = None
-        self._unsent = None if doubt is None and fresh is None else Job(fresh=fresh, doubt=doubt)
-
     def _check_fingerprint(self, manifest: Manifest) -> None:
         if manifest.model_fingerprint != self.fingerprint:
             raise WorkerError(
@@ -471,12 +327,12 @@ class DiLoCoWorker:
                 md["signature"] = self.signing_key.sign(md, tensors)
             save_weights_file(path, tensors, metadata=md)
             del tensors
-            hub_path = self._retry("offer the initial weights", lambda: self.hub.upload_init(path, self.node_id), deadline)
+            hub_path = self._waits.retry("offer the initial weights", lambda: self.hub.upload_init(path, self.node_id), deadline)
         log.info("node %s: no global version on %s yet; offered %s, waiting for a master to publish outer step 0",
                  self.node_id, self.hub.url, hub_path)
-        patience = self._patience("a master to publish outer step 0")
+        patience = self._waits.patience("a master to publish outer step 0")
         while True:
-            m = self._retry("read the manifest", self._read_manifest, deadline)
+            m = self._waits.retry("read the manifest", self._read_manifest, deadline)
             if m is not None:
                 self._check_fingerprint(m)
                 return m
@@ -486,7 +342,7 @@ class DiLoCoWorker:
                     f"{self.wait_timeout:g} s (is a master running on this hub?)"
                 )
             patience.tick(" (is a master running on this hub?)")
-            self._pause(self.poll_interval, "a master to publish outer step 0")
+            self._waits.pause(self.poll_interval, "a master to publish outer step 0")
 
     # ------------------------------------------------------------------ install
 
@@ -502,23 +358,14 @@ class DiLoCoWorker:
     def install_state(self, outer_step: int, state: Mapping[str, torch.Tensor], *, newest: int | None = None) -> InstallResult:
         """Copy a global state into the params in place; the anchor becomes its FP32 copy."""
         t0 = time.perf_counter()
-        missing = [k for k in self.synced if k not in state]
-        if missing:
-            raise WorkerError(f"global version {outer_step} lacks key(s) {missing[:5]} of this model")
-        for k, t in self.params.items():
-            src = state.get(k)
-            if src is not None and tuple(src.shape) != tuple(t.shape):
-                raise WorkerError(
-                    f"global version {outer_step}: key {k!r} has shape {list(src.shape)}, the model's is {list(t.shape)}"
-                )
-        with torch.no_grad():
-            for k, t in self.params.items():
-                src = state.get(k)
-                if src is None:
-                    log.warning("node %s: global version %d has no %r (an integer buffer); keeping the local one",
-                                self.node_id, outer_step, k)
-                    continue
-                t.data.copy_(src, non_blocking=src.is_pinned())
+        try:
+            kept = copy_into(self.params, {k: v for k, v in state.items() if k in self.params},
+                             what=f"global version {outer_step}", required=self.synced)
+        except ValueError as e:
+            raise WorkerError(str(e)) from None
+        for k in kept:
+            log.warning("node %s: global version %d has no %r (an integer buffer); keeping the local one",
+                        self.node_id, outer_step, k)
         self._anchor = {k: self._anchor_copy(state[k]) for k in self.synced}
         previous, self.outer_step = self.outer_step, outer_step
         self._newest_seen = max(self._newest_seen, outer_step, -1 if newest is None else newest)
@@ -536,7 +383,7 @@ class DiLoCoWorker:
             except HubNotFoundError:  # collected while being read: re-read the manifest
                 if time.monotonic() >= deadline:
                     raise
-                manifest = self._retry("read the manifest", self._read_manifest, deadline)
+                manifest = self._waits.retry("read the manifest", self._read_manifest, deadline)
 
     # ------------------------------------------------------------------ boundary
 
@@ -679,13 +526,13 @@ class DiLoCoWorker:
         ``r - 1 - delay`` and is applied at outer step ``r - 1``: staleness exactly ``delay``
         (``r - 1`` for the first ``delay`` boundaries, which start from version 0)."""
         t0 = time.perf_counter()
-        deadline = self._deadline()
+        deadline = self._waits.deadline()
         reports: list[UploadReport] = []
         if part is not None:
             self._uploader.submit(Job(fresh=part), not_before=r - 1)
         target = max(0, r - self.delay)
         first = True
-        patience = self._patience(f"global version {target} (lockstep boundary {r}, delay {self.delay})")
+        patience = self._waits.patience(f"global version {target} (lockstep boundary {r}, delay {self.delay})")
         while True:
             self._collect_into(reports)
             m = None
@@ -707,7 +554,7 @@ class DiLoCoWorker:
                     f"Is the master running, with min_deltas equal to the number of workers?"
                 )
             patience.tick(f"; the hub has {m.outer_step if m is not None else 'no version'}")
-            self._pause(self.poll_interval, f"global version {target}")
+            self._waits.pause(self.poll_interval, f"global version {target}")
 
     # ------------------------------------------------------------------ flush / close
 
@@ -715,7 +562,7 @@ class DiLoCoWorker:
         """Upload everything exported so far, retrying failures; True when nothing is left."""
         if not self._started:
             return self._unsent is None
-        deadline = self._deadline(timeout)
+        deadline = self._waits.deadline(timeout)
         self._collect()
         if self.pending_phases:
             log.info("node %s: waiting (up to %g s) for %d inner phase(s) to reach %s", self.node_id,
@@ -788,7 +635,7 @@ class DiLoCoWorker:
         if state.get("outer_step") is not None:
             self.outer_step = int(state["outer_step"])
         if same_node:
-            self.step_offset = max(self.step_offset, _offset_of(state))
+            self.step_offset = max(self.step_offset, step_offset_of(state))
             for k, v in (state.get("totals") or {}).items():
                 if k in self.totals:
                     self.totals[k] = type(self.totals[k])(v)
@@ -811,28 +658,7 @@ class DiLoCoWorker:
                             "the phases it carries are not in the checkpoint", self.node_id)
         if self._pin:
             torch.cuda.synchronize()
-        unsent = None
-        if self._unsent is not None and not self._unsent.empty:
-            unsent = {}
-            if self._unsent.fresh is not None:
-                f = self._unsent.fresh
-                unsent["fresh"] = {
-                    "base_outer_step": f.base_outer_step,
-                    "num_tokens": f.num_tokens,
-                    "phases": f.phases,
-                    "boundary": f.boundary,
-                    "tensors": f.materialize(),
-                }
-            if self._unsent.doubt is not None:
-                step, d = self._unsent.doubt
-                unsent["doubt"] = {
-                    "local_step": step,
-                    "base_outer_step": d.base_outer_step,
-                    "num_tokens": d.num_tokens,
-                    "phases": d.phases,
-                    "boundary": d.boundary,
-                    "tensors": d.materialize(),
-                }
+        unsent = pack_unsent(self._unsent)
         return {
             "version": STATE_VERSION,
             "node_id": self.node_id,
@@ -872,25 +698,7 @@ class DiLoCoWorker:
                         self.node_id, state.get("node_id"))
             return
         self._restored = True
-        self.step_offset = _offset_of(state)
-        unsent = state.get("unsent")
-        if unsent:
-            job = Job()
-            if unsent.get("fresh"):
-                f = unsent["fresh"]
-                job.fresh = Part(int(f["base_outer_step"]), f["num_tokens"], int(f["phases"]),
-                                 residual={k: v.float() if not v.is_complex() else v for k, v in f["tensors"].items()},
-                                 boundary=int(f.get("boundary", self.boundaries)))
-            if unsent.get("doubt"):
-                d = unsent["doubt"]
-                step = int(d["local_step"])
-                job.doubt = (step, Part(int(d["base_outer_step"]), d["num_tokens"], int(d["phases"]),
-                                        residual=dict(d["tensors"]), boundary=int(d.get("boundary", step - self.step_offset))))
+        self.step_offset = step_offset_of(state)
+        job = unpack_unsent(state.get("unsent"), boundaries=self.boundaries, step_offset=self.step_offset)
+        if job is not None:
             self._unsent = job
-
-
-def _offset_of(state: Mapping[str, Any]) -> int:
-    """The checkpoint's ``step_offset`` (derived for checkpoints written before it was recorded)."""
-    if state.get("step_offset") is not None:
-        return int(state["step_offset"])
-    return max(0, int(state.get("next_local_step", 1)) - int(state.get("boundaries", 0)) - 1)

@@ -79,9 +79,11 @@ class WorkerOptions:
         check_number(self, "claim_ttl", low=0.0, strict=True, optional=True)
         try:
             resolve_delay(self.delay, node_id, node_index if node_index is not None else (0 if _no_index(node_id) else None))
-        except ValueError as e:
+        except ValueError as e:  # "delay must be ...", "delay[1] must be ...", "delay: unknown ..."
             msg = str(e)
-            raise OptionError("delay", msg.split(" ", 1)[-1] if msg.startswith("delay ") else msg, msg) from None
+            head, _, rest = msg.partition(" ")
+            name = head.rstrip(":") if head.startswith("delay") else "delay"
+            raise OptionError(name, rest if head.startswith("delay") else msg, msg) from None
         return self
 
     def resolved_delay(self, node_id: str, node_index: int | None = None) -> int:

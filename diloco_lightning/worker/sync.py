@@ -75,7 +75,7 @@ def resolve_delay(delay: Any, node_id: str, node_index: int | None = None) -> in
     * an int >= 0: the same for every worker;
     * a list of ints: ``delay[index % len(delay)]`` (per-node delays);
     * a mapping, a seeded distribution drawn once per worker (``random.Random(f"{seed}:{index}")``,
-      the same draw as ``diloco_lightning.launch.worker_delay``):
+      the draw ``train.py`` makes for each worker):
       ``{"distribution": "uniform", "low": 0, "high": 8, "seed": 0}`` (inclusive bounds; the
       default distribution when ``high`` is given) or
       ``{"distribution": "choice", "values": [0, 4, 8], "weights": [2, 1, 1], "seed": 0}``.

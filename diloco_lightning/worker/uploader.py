@@ -402,7 +402,7 @@ class Uploader:
         tensors = {
             k: (d if d.is_complex() or d.dtype == self.delta_dtype else d.to(self.delta_dtype)) for k, d in delta.items()
         }
-        for attempt in range(3):
+        for _attempt in range(3):
             step = fresh.boundary + self.step_offset
             local = self.spool_dir / f"delta_{step}.safetensors"
             nbytes = 0

@@ -2,18 +2,18 @@
 
 * **Errors a user can fix end in one or two lines** on stderr (``<prog>: error: ...`` and a
   hint), exit status 2 for a configuration error, 1 for the others: configuration values
-  (:class:`~diloco_lightning.config.ConfigError`, Hydra's composition errors), the hub
+  (:class:`~diloco_lightning.app.config.ConfigError`, Hydra's composition errors), the hub
   (``HubError``: missing folder, authentication, a hub that stays down), the worker and
   master (``WorkerError``, ``MasterConfigError``), the machine
-  (:class:`~diloco_lightning.resources.ResourceError`) and a failed run
-  (:class:`~diloco_lightning.launch.RunError`, with the failing worker's log tail). Anything
+  (:class:`~diloco_lightning.app.resources.ResourceError`) and a failed run
+  (:class:`~diloco_lightning.app.errors.RunError`, with the failing worker's log tail). Anything
   else is a bug and keeps its traceback. ``-v`` (or ``HYDRA_FULL_ERROR=1``) shows the
   traceback of every error.
-* **Signals**: :class:`~diloco_lightning.launch.Interrupted` (Ctrl-C, SIGTERM) ends with one
+* **Signals**: :class:`~diloco_lightning.app.errors.Interrupted` (Ctrl-C, SIGTERM) ends with one
   line and status ``128 + signal`` (130, 143).
 * **--help** lists the command's groups (with their options) and one line per key: its
   current value (with the overrides given) and what it does, from the schema
-  (:mod:`diloco_lightning.config`), the same text as ``docs/configuration.md``.
+  (:mod:`diloco_lightning.app.config`), the same text as ``docs/configuration.md``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _HELP_FLAGS = ("-h", "--help")
 
 
 def _schema(name: str) -> type:
-    from diloco_lightning import config
+    from diloco_lightning.app import config
 
     return getattr(config, _COMMANDS[name][0])
 
@@ -58,11 +58,11 @@ def is_user_error(e: BaseException) -> bool:
     from hydra.errors import CompactHydraException
     from omegaconf.errors import MissingMandatoryValue
 
-    from diloco_lightning.config import ConfigError
+    from diloco_lightning.app.config import ConfigError
     from diloco_lightning.hub.base import HubError
     from diloco_lightning.manifest import ManifestError
     from diloco_lightning.names import InvalidNameError
-    from diloco_lightning.resources import ResourceError
+    from diloco_lightning.app.resources import ResourceError
 
     kinds: tuple[type[BaseException], ...] = (
         ConfigError, CompactHydraException, MissingMandatoryValue, HubError, ManifestError, InvalidNameError, ResourceError,
@@ -70,8 +70,8 @@ def is_user_error(e: BaseException) -> bool:
     if isinstance(e, kinds):
         return True
     mod = sys.modules
-    for module, name in (("diloco_lightning.worker.sync", "WorkerError"), ("diloco_lightning.master.loop", "MasterConfigError"),
-                         ("diloco_lightning.launch", "RunError")):
+    for module, name in (("diloco_lightning.worker.sync", "WorkerError"), ("diloco_lightning.master.config", "MasterConfigError"),
+                         ("diloco_lightning.app.errors", "RunError")):
         cls = getattr(mod.get(module), name, None)
         if cls is not None and isinstance(e, cls):
             return True
@@ -82,7 +82,7 @@ def _is_config_error(e: BaseException) -> bool:
     from hydra.errors import CompactHydraException
     from omegaconf.errors import MissingMandatoryValue
 
-    from diloco_lightning.config import ConfigError
+    from diloco_lightning.app.config import ConfigError
 
     return isinstance(e, (ConfigError, CompactHydraException, MissingMandatoryValue))
 
@@ -124,7 +124,7 @@ def short_message(e: BaseException) -> str:
 
 
 def _report(prog: str, e: BaseException) -> int:
-    from diloco_lightning.launch import RunError
+    from diloco_lightning.app.errors import RunError
 
     config = _is_config_error(e)
     if isinstance(e, RunError):  # a failed run: its message carries the failing worker's log tail
@@ -142,7 +142,7 @@ def _report(prog: str, e: BaseException) -> int:
 def _compose(config_name: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from diloco_lightning.config import CONFIG_DIR, register_configs
+    from diloco_lightning.app.config import CONFIG_DIR, register_configs
 
     register_configs()
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
@@ -152,7 +152,7 @@ def _compose(config_name: str, overrides: list[str]):
 def _key_lines(config_name: str, cfg) -> list[tuple[str, str, str]]:
     from omegaconf import OmegaConf
 
-    from diloco_lightning.config import describe, format_value
+    from diloco_lightning.app.config import describe, format_value
 
     raw = OmegaConf.to_container(cfg, resolve=False) if cfg is not None else None
     rows = []
@@ -167,7 +167,7 @@ def _key_lines(config_name: str, cfg) -> list[tuple[str, str, str]]:
 
 def help_text(config_name: str, prog: str, overrides: list[str] | None = None) -> str:
     """``--help`` of a command: its groups (with options) and one line per key."""
-    from diloco_lightning.config import group_options
+    from diloco_lightning.app.config import group_options
 
     _, groups, about = _COMMANDS[config_name]
     cfg = _compose(config_name, list(overrides or []))
@@ -199,13 +199,13 @@ def help_text(config_name: str, prog: str, overrides: list[str] | None = None) -
 
 def configuration_markdown() -> str:
     """``docs/configuration.md``: every key of both commands, its default and its meaning."""
-    from diloco_lightning.config import group_options
+    from diloco_lightning.app.config import group_options
 
     out = [
         "# Configuration",
         "",
         "Generated from the schema (`diloco_lightning/config.py`) by "
-        "`python -m diloco_lightning.cli --write-docs`; `tests/test_cli.py` checks it is current.",
+        "`python -m diloco_lightning.app.cli --write-docs`; `tests/test_cli.py` checks it is current.",
         "Each key is set on the command line as `key=value`; a group is chosen as `group=option`.",
         "`python train.py --help` and `diloco-master --help` print the same lines with the values in effect.",
         "",
@@ -235,7 +235,7 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
     """Run ``task`` as the Hydra app ``config_name`` with this module's error, signal and help handling."""
     import hydra
 
-    from diloco_lightning.config import CONFIG_DIR, register_configs
+    from diloco_lightning.app.config import CONFIG_DIR, register_configs
 
     args = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in _VERBOSE_FLAGS for a in args) or os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -251,7 +251,7 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
         return
     sys.argv = [sys.argv[0]] + args
     register_configs()
-    from diloco_lightning.launch import Interrupted
+    from diloco_lightning.app.errors import Interrupted
 
     caught: list[BaseException] = []
 
@@ -289,7 +289,7 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
 
 
 def _train_task(cfg) -> float | None:
-    from diloco_lightning.launch import run
+    from diloco_lightning.app.run import run
 
     results = run(cfg)
     # the return value is what Hydra sweepers optimise: the final eval loss
@@ -303,7 +303,7 @@ def train_main() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m diloco_lightning.cli --write-docs [PATH]``: regenerate ``docs/configuration.md``."""
+    """``python -m diloco_lightning.app.cli --write-docs [PATH]``: regenerate ``docs/configuration.md``."""
     import argparse
     from pathlib import Path
 

@@ -27,6 +27,7 @@ import hashlib
 import logging
 import math
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -35,9 +36,13 @@ import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig
+from diloco_lightning.options import OptionError
+from diloco_lightning.worker.options import SYNC_MODES, WorkerOptions
+
 log = logging.getLogger(__name__)
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 #: a checkout (plain or editable install) has the configs beside the package
 REPO_ROOT = PACKAGE_DIR.parent
 
@@ -52,14 +57,12 @@ CONFIG_DIR = _data_dir("configs")
 RECIPE_DIR = _data_dir("recipes")
 
 ROLES = ("all", "worker", "master")
-SYNC_MODES = ("async", "lockstep")
-DELTA_DTYPES = ("float32", "bfloat16")
 INNER_OPTIMIZERS = ("adamw", "adamw8bit")
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
-AGGREGATIONS = ("round", "arrival")
-WEIGHTINGS = ("equal", "tokens")
 LAUNCH_KINDS = ("local", "submitit")
+__all__ = ["SYNC_MODES", "AGGREGATIONS", "WEIGHTINGS", "ConfigError", "TrainConf", "MasterCommandConf", "validate",
+           "validate_master_command", "register_configs"]
 
 
 def opt(default: Any = None, help: str = "", *, factory: Any = None) -> Any:  # noqa: A002 - the key's help text
@@ -67,6 +70,47 @@ def opt(default: Any = None, help: str = "", *, factory: Any = None) -> Any:  # 
     if factory is not None:
         return field(default_factory=factory, metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def compose_section(
+    name: str,
+    options: type,
+    *,
+    exclude: tuple[str, ...] = (),
+    defaults: dict[str, Any] | None = None,
+    retype: dict[str, tuple[Any, Any, str]] | None = None,
+    extra: list[tuple[str, Any, Any, str]] | None = None,
+    doc: str | None = None,
+) -> type:
+    """A schema section made of a library option class's fields (their types, defaults and help),
+    with the product's ``defaults`` on top, a few fields given another type (``retype``: name ->
+    (type, default, help)) and ``extra`` keys of the product's own. The option class stays the one
+    definition: adding an option there adds the key here."""
+    hints = typing.get_type_hints(options)
+    defaults = defaults or {}
+    retype = retype or {}
+    unknown = sorted(set(defaults) - {f.name for f in dataclasses.fields(options)})
+    if unknown:
+        raise TypeError(f"{name}: no option(s) {unknown} in {options.__name__}")
+    specs: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(options):
+        if f.name in exclude:
+            continue
+        if f.name in retype:
+            t, default, help_ = retype[f.name]
+            specs.append((f.name, t, field(default=default, metadata={"help": help_})))
+        elif f.name in defaults:
+            specs.append((f.name, hints[f.name], field(default=defaults[f.name], metadata=f.metadata)))
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            specs.append((f.name, hints[f.name], field(default_factory=f.default_factory, metadata=f.metadata)))
+        else:
+            specs.append((f.name, hints[f.name], field(default=f.default, metadata=f.metadata)))
+    for key, t, default, help_ in extra or []:
+        specs.append((key, t, field(default=default, metadata={"help": help_})))
+    cls = dataclasses.make_dataclass(name, specs)
+    cls.__module__ = __name__
+    cls.__doc__ = doc or f"{options.__name__}'s options (diloco_lightning), as schema keys."
+    return cls
 
 
 @dataclass
@@ -111,18 +155,12 @@ class OptimConf:
     min_lr_ratio: float = opt(0.1, "final lr as a fraction of the peak")
 
 
-@dataclass
-class DiLoCoConf:
-    inner_steps: int = opt(8, "H: inner optimizer steps between two deltas")
-    sync: str = opt("lockstep", "async (install the newest global, never wait) | lockstep (install exactly version r - delay)")
-    delay: Any = opt(0, "lockstep staleness tau: an int, a per-worker list, or {distribution: uniform, low, high[, seed]}")
-    delta_dtype: str = opt("float32", "pseudo-gradient dtype on the wire: float32 | bfloat16")
-    reset_inner_optimizer: bool = opt(False, "clear the inner optimizer state after each install")
-    wait_timeout: float = opt(600.0, "seconds a worker waits for the master (bootstrap, lockstep) before giving up")
-    poll_interval: float = opt(0.05, "seconds between a worker's reads of the hub while waiting")
-    claim_ttl: Optional[float] = opt(
-        None, "seconds a worker's claim on its node id lives without a heartbeat (null: 60 on a folder, 900 on hf://)"
-    )
+# The ``diloco`` and ``master`` sections are the library's own option classes (WorkerOptions,
+# MasterConfig: their defaults, types and help text), with the product's defaults on top.
+DiLoCoConf = compose_section(
+    "DiLoCoConf", WorkerOptions,
+    defaults={"inner_steps": 8, "sync": "lockstep", "wait_timeout": 600.0, "poll_interval": 0.05},
+)
 
 
 @dataclass
@@ -132,30 +170,15 @@ class OuterConf:
     options: Dict[str, Any] = opt(help="the optimizer's other options (momentum, alpha, tau_cut, betas, eps ...)", factory=dict)
 
 
-@dataclass
-class MasterConf:
-    """The master's behaviour: ``master.*`` in a training run, the top level of ``diloco-master``."""
-
-    poll_interval: float = opt(0.05, "seconds between the master's rounds")
-    aggregation: str = opt("round", "round: one outer step per round | arrival: one per accepted delta")
-    weighting: str = opt("equal", "equal | tokens (weight each delta by its num_tokens)")
-    min_deltas: Optional[int] = opt(
-        None, "quorum: accepted deltas before a round is applied (null: every worker in lockstep, else 1)"
-    )
-    max_wait: Optional[float] = opt(None, "seconds after the first pending delta before applying below the quorum")
-    max_staleness: Optional[int] = opt(None, "reject deltas staler than this (null: only the optimizer's gate decides)")
-    max_delta_norm: Optional[float] = opt(None, "reject a delta whose L2 norm exceeds this")
-    norm_global_ratio: Optional[float] = opt(
-        100.0, "reject a delta whose norm exceeds this x max(||global||, 0.01 sqrt(n)), from the first one (null: off)"
-    )
-    norm_ratio: Optional[float] = opt(10.0, "reject a delta above this x the median norm of recent ones (null: off)")
-    sweep_age: float = opt(3600.0, "seconds after which temporary files of dead writers on other hosts are swept")
-    download_workers: int = opt(4, "parallel delta downloads")
-    keep_globals: int = opt(20, "older global versions kept on the hub (lockstep with delay d needs d + 2)")
-    lease: bool = opt(True, "one master at a time: a second one stands by")
-    lease_ttl: Optional[float] = opt(60.0, "seconds the master's lease lives without renewal")
-    holder: Optional[str] = opt(None, "this master's id in the lease (default host:pid:random)")
-    torch_threads: Optional[int] = opt(1, "torch threads of the master (the round is memory-bound; null: torch's default)")
+MasterConf = compose_section(
+    "MasterConf", MasterConfig,
+    exclude=("outer_optimizer", "outer_options", "outer_lr", "outer_momentum"),  # the ``outer`` group
+    defaults={"poll_interval": 0.05, "keep_globals": 20, "lease_ttl": 60.0, "torch_threads": 1},
+    retype={"min_deltas": (Optional[int], None, "quorum: accepted deltas before a round is applied "
+                                                 "(null: every worker in lockstep, else 1)")},
+    extra=[("holder", Optional[str], None, "this master's id in the lease (default host:pid:random)")],
+    doc="The master's behaviour: ``master.*`` in a training run, the top level of ``diloco-master``.",
+)
 
 
 @dataclass
@@ -164,7 +187,9 @@ class HubConf:
         "???", "file:///abs/path, a plain path, or hf://org/repo (required by diloco-master and hub=hf; train.py's "
         "hub=file: null is <run_dir>/hub)"
     )
-    create: bool = opt(False, "create the hub folder / hf:// repository if it does not exist (else it is an error; an S3 bucket is never created)")
+    create: bool = opt(
+        False, "create the hub folder / hf:// repository if it does not exist (else it is an error; an S3 bucket is never created)"
+    )
     endpoint: Optional[str] = opt(
         None, "hf://: the Hub's URL (default https://huggingface.co or $HF_ENDPOINT); s3://: the store's endpoint_url (MinIO, R2 ...)"
     )
@@ -307,25 +332,31 @@ def validate_hub(h: DictConfig, prefix: str = "hub.", *, required: bool = False)
            f"applies to hf:// and s3:// hubs only (hub.url is {url!r})")
 
 
+def _section(node: DictConfig, names: list[str]) -> dict[str, Any]:
+    return {k: OmegaConf.to_container(node[k], resolve=True) if isinstance(node[k], (DictConfig, ListConfig)) else node[k]
+            for k in names if k in node}
+
+
 def validate_master_section(m: DictConfig, prefix: str = "master.") -> None:
-    """The master's behaviour (``master.*`` of a training run, the top level of ``diloco-master``)."""
-    _check(_number(m.poll_interval) and m.poll_interval > 0, f"{prefix}poll_interval", f"must be > 0, got {m.poll_interval}")
-    _check(m.aggregation in AGGREGATIONS, f"{prefix}aggregation", f"must be one of {list(AGGREGATIONS)}, got {m.aggregation!r}")
-    _check(m.weighting in WEIGHTINGS, f"{prefix}weighting", f"must be one of {list(WEIGHTINGS)}, got {m.weighting!r}")
-    _check(m.min_deltas is None or m.min_deltas >= 1, f"{prefix}min_deltas", f"must be >= 1, got {m.min_deltas}")
-    _check(m.max_wait is None or (_number(m.max_wait) and m.max_wait >= 0), f"{prefix}max_wait", f"must be >= 0, got {m.max_wait}")
-    _check(m.max_staleness is None or m.max_staleness >= 0, f"{prefix}max_staleness", f"must be >= 0, got {m.max_staleness}")
-    _check(m.max_delta_norm is None or (_number(m.max_delta_norm) and m.max_delta_norm > 0), f"{prefix}max_delta_norm",
-           f"must be > 0, got {m.max_delta_norm}")
-    _check(m.norm_ratio is None or (_number(m.norm_ratio) and m.norm_ratio > 1), f"{prefix}norm_ratio",
-           f"must be > 1 (or null: off), got {m.norm_ratio}")
-    _check(m.norm_global_ratio is None or (_number(m.norm_global_ratio) and m.norm_global_ratio > 0),
-           f"{prefix}norm_global_ratio", f"must be > 0 (or null: off), got {m.norm_global_ratio}")
-    _check(_number(m.sweep_age) and m.sweep_age > 0, f"{prefix}sweep_age", f"must be > 0, got {m.sweep_age}")
-    _check(m.download_workers >= 1, f"{prefix}download_workers", f"must be >= 1, got {m.download_workers}")
-    _check(m.keep_globals >= 1, f"{prefix}keep_globals", f"must be >= 1, got {m.keep_globals}")
-    _check(m.lease_ttl is None or (_number(m.lease_ttl) and m.lease_ttl > 0), f"{prefix}lease_ttl", f"must be > 0, got {m.lease_ttl}")
-    _check(m.torch_threads is None or m.torch_threads >= 1, f"{prefix}torch_threads", f"must be >= 1, got {m.torch_threads}")
+    """The master's behaviour (``master.*`` of a training run, the top level of ``diloco-master``):
+    :meth:`MasterConfig.validate`, the one validation, with the key's full name in the error."""
+    _check(m.min_deltas is None or (isinstance(m.min_deltas, int) and m.min_deltas >= 1), f"{prefix}min_deltas",
+           f"must be >= 1, got {m.min_deltas}")
+    values = _section(m, [n for n in MasterConfig.names() if n in m and n != "min_deltas"])
+    try:
+        MasterConfig(**values).validate()
+    except OptionError as e:
+        raise ConfigError(f"{prefix}{e.option}", e.detail) from None
+
+
+def validate_diloco_section(d: DictConfig, workers: int, prefix: str = "diloco.") -> None:
+    """The workers' options: :meth:`WorkerOptions.validate` (``delay`` resolved for every worker)."""
+    opts = WorkerOptions(**_section(d, WorkerOptions.names()))
+    try:
+        for i in range(max(1, workers)):
+            opts.validate(f"w{i}", i)
+    except OptionError as e:
+        raise ConfigError(f"{prefix}{e.option}", e.detail) from None
 
 
 # ----------------------------------------------------------------------------- the two commands
@@ -340,27 +371,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     if cfg.run_id is not None:
         _check(re.fullmatch(r"[A-Za-z0-9._=,+-]{1,200}", cfg.run_id) is not None, "run_id",
                f"must be 1-200 characters of [A-Za-z0-9._=,+-], got {cfg.run_id!r}")
-    d = cfg.diloco
-    _check(d.inner_steps >= 1, "diloco.inner_steps", f"H must be >= 1, got {d.inner_steps}")
-    _check(d.sync in SYNC_MODES, "diloco.sync", f"must be one of {list(SYNC_MODES)}, got {d.sync!r}")
-    _check(d.delta_dtype in DELTA_DTYPES, "diloco.delta_dtype", f"must be one of {list(DELTA_DTYPES)}, got {d.delta_dtype!r}")
-    delay = d.delay
-    if isinstance(delay, (ListConfig, list)):
-        _check(len(delay) > 0, "diloco.delay", "an empty list")
-        for i, v in enumerate(delay):
-            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"diloco.delay[{i}]",
-                   f"tau must be a non-negative integer, got {v!r}")
-    elif isinstance(delay, (DictConfig, dict)):
-        _check(set(delay) <= {"distribution", "low", "high", "seed"} and delay.get("distribution") == "uniform",
-               "diloco.delay", "a distribution must be {distribution: uniform, low: int, high: int[, seed: int]}")
-        _check(0 <= int(delay.get("low", 0)) <= int(delay.get("high", -1)), "diloco.delay",
-               "need 0 <= low <= high (tau cannot be negative)")
-    else:
-        _check(isinstance(delay, int) and not isinstance(delay, bool) and delay >= 0, "diloco.delay",
-               f"tau must be a non-negative integer, got {delay!r}")
-    _check(d.wait_timeout > 0, "diloco.wait_timeout", "must be > 0")
-    _check(d.poll_interval > 0, "diloco.poll_interval", "must be > 0")
-    _check(d.claim_ttl is None or d.claim_ttl > 0, "diloco.claim_ttl", "must be > 0")
+    validate_diloco_section(cfg.diloco, cfg.workers)
     o = cfg.optim
     _check(o.name in INNER_OPTIMIZERS, "optim.name", f"must be one of {list(INNER_OPTIMIZERS)}, got {o.name!r}")
     _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
@@ -443,6 +454,20 @@ def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool |
         raise ConfigError(f"{prefix}url", str(e)) from None
     except OSError as e:  # a folder hub that cannot be created or read (permissions, a file in the way)
         raise ConfigError(f"{prefix}url", f"cannot open the hub folder {url}: {e.strerror or e}") from None
+
+
+def master_config(section: DictConfig, outer: DictConfig, *, min_deltas: int | None = None) -> MasterConfig:
+    """The :class:`MasterConfig` a master section and the ``outer`` group describe (``min_deltas``:
+    the value when the section leaves it null)."""
+    values = _section(section, [n for n in MasterConfig.names() if n in section])
+    if values.get("min_deltas") is None:
+        values["min_deltas"] = min_deltas or 1
+    return MasterConfig(outer_optimizer=str(outer.name), outer_options=outer_options(outer), **values).validate()
+
+
+def worker_options(section: DictConfig) -> dict[str, Any]:
+    """The :class:`WorkerOptions` keywords a ``diloco`` section gives (``delay`` as written)."""
+    return _section(section, WorkerOptions.names())
 
 
 # ----------------------------------------------------------------------------- help and docs

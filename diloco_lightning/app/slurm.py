@@ -4,7 +4,7 @@
     python train.py recipe=llama1b_tau8 launch=submitit launch.submitit.partition=gpu \\
         hub=hf hub.url=hf://org/llama1b-tau8
 
-Each job runs ``python -m diloco_lightning.launch --config <run_dir>/config.yaml
+Each job runs ``python -m diloco_lightning.app.worker --config <run_dir>/config.yaml
 --node-index i``, exactly what ``role=all`` runs locally, so a SLURM run and a local
 run of the same recipe differ only in where the workers execute. The run folder must be
 on a filesystem the compute nodes see (or use an ``hf://`` hub and a shared
@@ -28,7 +28,9 @@ def run_submitit(cfg: DictConfig) -> dict[str, Any] | None:
         import submitit
     except ImportError:
         raise RuntimeError("launch=submitit needs the submitit package: pip install submitit") from None
-    from diloco_lightning.launch import _print_round, _worker_command, build_master, open_run_hub, run_dir
+    from diloco_lightning.app.build import build_master, open_run_hub, run_dir
+    from diloco_lightning.app.local import print_round
+    from diloco_lightning.app.worker import worker_command
 
     rdir = run_dir(cfg)
     rdir.mkdir(parents=True, exist_ok=True)
@@ -44,14 +46,14 @@ def run_submitit(cfg: DictConfig) -> dict[str, Any] | None:
         **({"slurm_partition": partition} if partition else {}), **params,
     )
     hub = open_run_hub(cfg)
-    master = build_master(cfg, hub, on_round=_print_round)
+    master = build_master(cfg, hub, on_round=print_round)
     master.start()
     jobs = []
     with executor.batch():
         for i in range(cfg.workers):
-            cmd = _worker_command(config_path, i)
+            cmd = worker_command(config_path, i)
             if gpus > 1:
-                cmd = ["torchrun", f"--nproc_per_node={gpus}", "-m", "diloco_lightning.launch"] + cmd[3:]
+                cmd = ["torchrun", f"--nproc_per_node={gpus}", "-m", "diloco_lightning.app.worker"] + cmd[3:]
             jobs.append(executor.submit(submitit.helpers.CommandFunction(cmd)))
     log.info("submitted %d worker jobs: %s", len(jobs), [j.job_id for j in jobs])
     try:

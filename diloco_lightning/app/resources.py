@@ -128,7 +128,7 @@ def _precision_bytes(precision: str) -> tuple[float, float, float]:
 
 def estimate(cfg: Any) -> Estimate:
     """The memory a run of ``cfg`` (a composed ``train.py`` config) needs."""
-    from diloco_lightning.launch import model_config
+    from diloco_lightning.app.build import model_config
 
     vocab = cfg.model.vocab_size or cfg.data.vocab_size
     mc = model_config(cfg, vocab)

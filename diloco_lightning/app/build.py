@@ -1,0 +1,211 @@
+"""The pieces of a run, from its configuration: folders and the hub, the data, the model, the
+master, and the evaluation of a global model. Every part of the product builds them here.
+
+Run folders derive from ``run_id`` (itself derived from the command line), never from
+timestamps, and nothing relies on Hydra changing the working directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from diloco_lightning.app.config import hub_options as _section_hub_options
+from diloco_lightning.app.config import master_config, open_configured_hub
+from diloco_lightning.app.config import outer_options as _section_outer_options
+from diloco_lightning.worker.params import copy_into, module_state
+
+log = logging.getLogger(__name__)
+
+RESULTS_FILE = "results.json"
+
+
+def recipe_name() -> str | None:
+    """The ``recipe=`` chosen on the command line (None outside a Hydra app or without one)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.choices.get("recipe")
+    except (ValueError, ImportError, AttributeError):
+        return None
+
+
+def run_dir(cfg: DictConfig) -> Path:
+    """``cfg.run_dir`` (the Hydra job's output dir, set by :func:`run`), else ``<run_root>/<run_id>``."""
+    if OmegaConf.select(cfg, "run_dir"):
+        return Path(cfg.run_dir).resolve()
+    return (Path(cfg.run_root) / cfg.run_id).resolve()
+
+
+def resolve_run_dir(cfg: DictConfig) -> None:
+    """Pin ``cfg.run_dir`` once, so every process of the run (workers read the saved config) agrees."""
+    if OmegaConf.select(cfg, "run_dir"):
+        return
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        out = HydraConfig.get().runtime.output_dir
+    except (ValueError, ImportError):
+        out = None
+    with open_dict_safe(cfg):
+        cfg.run_dir = str(Path(out).resolve()) if out else str((Path(cfg.run_root) / cfg.run_id).resolve())
+
+
+def open_dict_safe(cfg: DictConfig):
+    from omegaconf import open_dict
+
+    return open_dict(cfg)
+
+
+def hub_url(cfg: DictConfig) -> str:
+    return cfg.hub.url or (run_dir(cfg) / "hub").as_uri()
+
+
+def hub_options(cfg: DictConfig) -> dict[str, Any]:
+    """``open_hub`` options of a worker: the hub must exist (the role=all parent creates its folder
+    first) unless ``hub.create=true``."""
+    return _section_hub_options(cfg.hub, hub_url(cfg))
+
+
+def open_run_hub(cfg: DictConfig):
+    """The run's hub for the master / the role=all parent: ``<run_dir>/hub`` (created), or ``hub.url``
+    (it must exist unless ``hub.create=true``)."""
+    if cfg.hub.url:
+        return open_configured_hub(cfg.hub)
+    return open_configured_hub(cfg.hub, hub_url(cfg), create=True)
+
+
+def hub_label(cfg: DictConfig) -> str:
+    """The hub as users read it: a folder path, or the URL."""
+    return cfg.hub.url or str(run_dir(cfg) / "hub")
+
+
+def node_id(index: int) -> str:
+    return f"w{index}"
+
+
+def worker_delay(cfg: DictConfig, index: int) -> int:
+    """This worker's staleness tau: :func:`~diloco_lightning.worker.resolve_delay` (the one draw), a
+    distribution seeded by ``seed`` unless it names its own."""
+    from diloco_lightning.worker import resolve_delay
+
+    delay = cfg.diloco.delay
+    if isinstance(delay, (DictConfig, dict)):
+        delay = {"seed": cfg.seed, **(OmegaConf.to_container(delay) if isinstance(delay, DictConfig) else delay)}
+    elif OmegaConf.is_list(delay):
+        delay = list(delay)
+    return resolve_delay(delay, node_id(index), index)
+
+
+def regime(cfg: DictConfig) -> str:
+    delay = cfg.diloco.delay
+    return "fixed" if isinstance(delay, int) and not isinstance(delay, bool) else "heterogeneous"
+
+
+def tau_label(cfg: DictConfig) -> str:
+    delay = cfg.diloco.delay
+    if isinstance(delay, int) and not isinstance(delay, bool):
+        return str(delay)
+    if OmegaConf.is_list(delay) or isinstance(delay, list):
+        return str(max(int(x) for x in delay))
+    return str(max(int(x) for x in delay["values"]) if "values" in delay else int(delay["high"]))
+
+
+def build_datamodule(cfg: DictConfig, node_rank: int = 0, num_nodes: int = 1):
+    from diloco_lightning.data import TextDataModule
+
+    d = cfg.data
+    kwargs: dict[str, Any] = dict(
+        seq_len=d.seq_len, batch_size=d.batch_size, val_fraction=d.val_fraction,
+        node_rank=node_rank, num_nodes=num_nodes, seed=cfg.seed, cache_dir=d.cache_dir,
+    )
+    if d.source == "tokens":
+        kwargs.update(token_file=d.paths, token_dtype=d.token_dtype,
+                      tokenizer=None if d.tokenizer in ("bpe", None) else d.tokenizer,
+                      vocab_size=cfg.model.vocab_size or d.vocab_size)
+    else:
+        kwargs.update(text_files=d.paths if d.source == "text" else None, tokenizer=d.tokenizer,
+                      vocab_size=d.vocab_size if d.tokenizer != "byte" else None, max_bytes=d.max_bytes)
+    return TextDataModule(**kwargs)
+
+
+def model_config(cfg: DictConfig, vocab_size: int):
+    from diloco_lightning.models.llama import LlamaConfig
+
+    m = OmegaConf.to_container(cfg.model, resolve=True)
+    m.pop("preset")
+    m["vocab_size"] = m.get("vocab_size") or vocab_size
+    return LlamaConfig(**m, seed=cfg.seed)
+
+
+def build_module(cfg: DictConfig, vocab_size: int):
+    from diloco_lightning.lit_module import LlamaLightningModule
+
+    o = cfg.optim
+    return LlamaLightningModule(
+        model_config(cfg, vocab_size), optimizer=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+        weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, total_steps=cfg.trainer.max_steps,
+        min_lr_ratio=o.min_lr_ratio,
+    )
+
+
+def outer_options(cfg: DictConfig) -> dict[str, Any]:
+    """The outer optimizer's options (``lr`` included): :func:`diloco_lightning.app.config.outer_options`."""
+    return _section_outer_options(cfg.outer)
+
+
+def build_master(cfg: DictConfig, hub, *, on_round=None):
+    from diloco_lightning.master import MasterOuterLoop
+
+    config = master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if cfg.diloco.sync == "lockstep" else 1)
+    return MasterOuterLoop(
+        hub, None, node_state_dir=str(run_dir(cfg) / "master"), config=config, holder=cfg.master.holder,
+        metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"), logger=on_round,
+    )
+
+
+class Evaluator:
+    """Held-out loss of a global state: one module and the validation split, built once."""
+
+    def __init__(self, cfg: DictConfig, dm) -> None:
+        self.cfg, self.dm = cfg, dm
+        self.module = None
+
+    def loss(self, state: dict) -> float:
+        import torch
+
+        if self.module is None:
+            self.module = build_module(self.cfg, self.dm.vocab_size)
+            self.module.eval()
+            self.dm.setup("validate")
+        copy_into(module_state(self.module), state, what="the global state")
+        losses = []
+        with torch.no_grad():
+            for i, batch in enumerate(self.dm.val_dataloader()):
+                if i >= self.cfg.data.val_batches:
+                    break
+                x, y = self.module.inputs_targets(batch)
+                losses.append(float(self.module.model.loss(x, y)))
+        return sum(losses) / len(losses) if losses else math.nan
+
+
+def evaluate_global(cfg: DictConfig, hub, dm, evaluator: Evaluator | None = None) -> tuple[int, float]:
+    """(outer_step, mean held-out loss) of the newest published global model."""
+    from diloco_lightning.globals import load_global
+
+    manifest, state = load_global(hub)
+    return manifest.outer_step, (evaluator or Evaluator(cfg, dm)).loss(state)
+
+
+def eval_points(cfg: DictConfig) -> list[int]:
+    """Outer steps at which the role=all parent evaluates the global model: 0, then ``eval_points``
+    evenly spaced ones up to the expected last (``max_steps / inner_steps`` rounds)."""
+    n = int(cfg.launch.eval_points)
+    if n <= 0:
+        return []
+    total = max(1, cfg.trainer.max_steps // cfg.diloco.inner_steps)
+    return sorted({0} | {max(1, round(k * total / n)) for k in range(1, n + 1)})

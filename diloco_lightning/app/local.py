@@ -1,0 +1,320 @@
+"""``role=all``: a whole run on this machine. Prepares the data once, starts the master in this
+process and ``workers`` worker processes (:mod:`diloco_lightning.app.worker`) sharing a folder
+hub in ``<run_root>/<run_id>/hub``, prints one progress line per outer round and worker
+progress at least every minute, evaluates the global model along the way and at the end, and
+writes ``results.json`` in the run folder.
+
+A run whose ``results.json`` says it is finished says so and keeps its results (an interrupted
+one resumes from its checkpoints). Ctrl-C or SIGTERM stops the workers (each uploads what is
+pending) and the master, and ends with :class:`~diloco_lightning.app.errors.Interrupted`; a
+failed worker ends the run with :class:`~diloco_lightning.app.errors.RunError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from diloco_lightning.app.build import (
+    RESULTS_FILE,
+    Evaluator,
+    build_datamodule,
+    build_master,
+    eval_points,
+    evaluate_global,
+    hub_label,
+    node_id,
+    open_run_hub,
+    recipe_name,
+    regime,
+    run_dir,
+    tau_label,
+    worker_delay,
+)
+from diloco_lightning.app.errors import Interrupted, RunError, Signal, terminate_as_exception
+from diloco_lightning.app.worker import worker_command
+
+log = logging.getLogger(__name__)
+
+#: progress lines of the role=all parent: at most this often when there is news, and at least this often
+PROGRESS_EVERY, HEARTBEAT_EVERY = 10.0, 60.0
+
+
+def is_round(metrics: dict) -> bool:
+    """A poll that published or rejected something (idle polls are not printed)."""
+    return bool(metrics.get("published") or metrics.get("accepted") or metrics.get("rejected_by_reason"))
+
+
+def print_round(metrics: dict) -> None:
+    """The same progress line as ``diloco-master``'s (:func:`diloco_lightning.master.metrics.format_progress`)."""
+    from diloco_lightning.master.metrics import format_progress
+
+    print(f"[master] {format_progress(metrics)}", flush=True)
+
+
+def _read_progress(path: Path) -> list[tuple[int, float]]:
+    return [(step, loss) for step, loss, _ in _read_progress_timed(path)]
+
+
+def _read_progress_timed(path: Path) -> list[tuple[int, float, float | None]]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            d = json.loads(line)
+            t = d.get("time")
+            out.append((int(d["step"]), float(d["loss"]), float(t) if isinstance(t, (int, float)) else None))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
+def _progress_line(cfg: DictConfig, rdir: Path, elapsed: float) -> tuple[str, tuple]:
+    """``[  42s] w0 step 30/160 loss 6.53 (0.3 s/step, ~39 s left) | w1 ...`` and a key that changes with news."""
+    from diloco_lightning.waiting import format_duration
+
+    parts, key = [], []
+    total = cfg.trainer.max_steps
+    for i in range(cfg.workers):
+        prog = _read_progress_timed(rdir / "nodes" / node_id(i) / "progress.jsonl")
+        if not prog:
+            parts.append(f"{node_id(i)} starting")
+            key.append(-1)
+            continue
+        step, loss, t = prog[-1]
+        key.append(step)
+        text = f"{node_id(i)} step {step}/{total} loss {loss:.3f}"
+        first = next(((s, tt) for s, _, tt in prog if tt is not None), None)
+        if first and t is not None and step > first[0] and t > first[1]:
+            rate = (t - first[1]) / (step - first[0])
+            text += f" ({rate:.2g} s/step, ~{format_duration(rate * (total - step))} left)"
+        parts.append(text)
+    return f"[{elapsed:6.0f}s] " + " | ".join(parts), tuple(key)
+
+
+def finished_results(cfg: DictConfig, rdir: Path) -> dict[str, Any] | None:
+    """The results of this run if a previous invocation finished it (as many workers, at least as many steps)."""
+    path = rdir / RESULTS_FILE
+    try:
+        done = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(done, dict):
+        return None
+    if int(done.get("max_steps") or -1) >= cfg.trainer.max_steps and int(done.get("workers") or -1) == cfg.workers:
+        return done
+    return None
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        hint = " (the kernel's out-of-memory killer sends SIGKILL: see `dmesg`)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with status {code}"
+
+
+def run_all(cfg: DictConfig) -> dict[str, Any]:
+    rdir = run_dir(cfg)
+    label = recipe_name()
+    done = finished_results(cfg, rdir)
+    if done is not None:
+        print(
+            f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {done.get('eval_loss', math.nan):.3f} "
+            f"after {done.get('outer_steps')} outer steps). Nothing to do: to train further raise trainer.max_steps "
+            f"(it resumes); to start again use another run_id=... or delete {rdir}.",
+            flush=True,
+        )
+        return done
+    rdir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    named = f" (recipe {label})" if label and f"recipe={label}" not in str(cfg.run_id) else ""
+    print(f"run {cfg.run_id}{named}: {cfg.workers} workers, model {cfg.model.preset}, "
+          f"outer {cfg.outer.name} (lr {cfg.outer.lr}), H={cfg.diloco.inner_steps}, sync {cfg.diloco.sync}, "
+          f"tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps; hub {hub_label(cfg)}", flush=True)
+    dm = build_datamodule(cfg)
+    dm.prepare_data()  # tokenizer + token cache built once here, not raced by the workers
+    config_path = rdir / "config.yaml"
+    OmegaConf.save(cfg, config_path, resolve=True)
+
+    hub = open_run_hub(cfg)
+    rounds: list[dict] = []
+    master = build_master(cfg, hub, on_round=lambda m: (rounds.append(m), print_round(m)) if is_round(m) else None)
+    master.start()
+
+    devices = _device_list(cfg)
+    threads = cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // cfg.workers)
+    procs: list[subprocess.Popen] = []
+    logs = []
+    evaluator = Evaluator(cfg, dm)
+    points = eval_points(cfg)
+    eval_curve: list[list[float]] = []
+    interrupted: int | None = None
+    failed: tuple[int, Any] | None = None
+    try:
+        with terminate_as_exception():
+            for i in range(cfg.workers):
+                env = dict(os.environ)
+                env["OMP_NUM_THREADS"] = str(threads)
+                # the package is importable in workers even when train.py runs from a checkout without install
+                pkg_root = str(Path(__file__).resolve().parents[1])
+                env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+                if devices:
+                    env["CUDA_VISIBLE_DEVICES"] = devices[i % len(devices)]
+                log_path = rdir / "nodes" / node_id(i) / "worker.log"
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                fh = open(log_path, "ab")
+                logs.append((fh, log_path))
+                procs.append(subprocess.Popen(worker_command(config_path, i), env=env, stdout=fh, stderr=subprocess.STDOUT))
+            failed = _watch(cfg, rdir, procs, master, evaluator, points, eval_curve, started)
+    except (KeyboardInterrupt, Signal) as e:
+        interrupted = e.signum if isinstance(e, Signal) else int(signal.SIGINT)
+    finally:
+        if failed or interrupted:
+            # each worker gets SIGTERM: it uploads what is pending and exits (status 143)
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout=40)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        for fh, _ in logs:
+            fh.close()
+        master.stop(drain=not (failed or interrupted))
+    if interrupted:
+        hub.close()
+        name = signal.Signals(interrupted).name
+        raise Interrupted(
+            interrupted,
+            f"interrupted by {name}{' (Ctrl-C)' if interrupted == signal.SIGINT else ''}: stopped the master at outer_step "
+            f"{master.outer_step} and {len(procs)} worker(s); checkpoints in {rdir / 'nodes'}. The same command resumes "
+            f"the run.",
+        )
+    if failed:
+        i, code = failed
+        hub.close()
+        if i < 0:
+            raise RunError(f"run {cfg.run_id} {code}; see the worker logs in {rdir / 'nodes'}")
+        tail = "\n".join("    " + line for line in logs[i][1].read_text(errors="replace").splitlines()[-25:])
+        raise RunError(
+            f"worker {node_id(i)} {_describe_exit(code)}; the other workers were stopped. Last lines of "
+            f"{logs[i][1]}:\n{tail or '    (empty)'}"
+        )
+
+    outer_step, eval_loss = evaluate_global(cfg, hub, dm, evaluator)
+    hub.close()
+    if not eval_curve or eval_curve[-1][0] != outer_step:
+        eval_curve.append([outer_step, eval_loss])
+    wall = time.perf_counter() - started
+    summaries = [json.loads((rdir / "nodes" / node_id(i) / "summary.json").read_text()) for i in range(cfg.workers)]
+    curves = [_read_progress(rdir / "nodes" / node_id(i) / "progress.jsonl") for i in range(cfg.workers)]
+    train_curve = _mean_curve(curves)
+    chance = math.log(dm.vocab_size)
+    accepted = sum(int(r.get("accepted", 0)) for r in rounds)
+    rejected = sum(sum((r.get("rejected_by_reason") or {}).values()) for r in rounds)
+    final_train = [s["final_train_loss"] for s in summaries]
+    final_train_loss = sum(final_train) / len(final_train)
+    diverged = not math.isfinite(eval_loss) or eval_loss > chance
+    tokens = sum(s["tokens"] for s in summaries)
+    results = {
+        "run_id": cfg.run_id,
+        "recipe": label,
+        "outer": cfg.outer.name,
+        "outer_lr": cfg.outer.lr,
+        "tau": tau_label(cfg),
+        "regime": regime(cfg),
+        "delays": [worker_delay(cfg, i) for i in range(cfg.workers)],
+        "precision": f"{cfg.trainer.precision}/{cfg.optim.name}",
+        "seed": cfg.seed,
+        "workers": cfg.workers,
+        "inner_steps": cfg.diloco.inner_steps,
+        "max_steps": cfg.trainer.max_steps,
+        "outer_steps": outer_step,
+        "final_train_loss": final_train_loss,
+        "eval_loss": eval_loss,
+        "chance_loss": chance,
+        "diverged": diverged,
+        "wall_seconds": wall,
+        "tokens": tokens,
+        "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+        "bytes_sent": sum(s["bytes_sent"] for s in summaries),
+        "deltas_accepted": accepted,
+        "deltas_rejected": rejected,
+        "train_curve": train_curve,
+        "eval_curve": eval_curve,
+        "workers_summary": summaries,
+    }
+    (rdir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+    print(
+        f"done in {wall:.0f}s: {outer_step} outer steps, {accepted} deltas accepted, {rejected} rejected, "
+        f"{results['bytes_sent'] / 1e6:.1f} MB sent, {results['tokens_per_second']:.0f} tokens/s | "
+        f"train loss {curves[0][0][1] if curves and curves[0] else float('nan'):.3f} -> {final_train_loss:.3f} | "
+        f"eval loss of the global model {eval_loss:.3f} (chance {chance:.2f}){' DIVERGED' if diverged else ''} | "
+        f"{rdir / RESULTS_FILE}",
+        flush=True,
+    )
+    return results
+
+
+def _watch(cfg, rdir, procs, master, evaluator, points, eval_curve, started) -> tuple[int, Any] | None:
+    """Poll the workers until all are done (None) or one failed (``(index, exit code)``; index -1: the
+    run's timeout); print progress lines; evaluate the global model at the outer steps in ``points``."""
+    last_print, last_key = time.perf_counter(), None
+    points = list(points)
+    while True:
+        codes = [p.poll() for p in procs]
+        bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            return bad[0]
+        if all(c == 0 for c in codes):
+            return None
+        now = time.perf_counter()
+        if now - started > cfg.launch.timeout:
+            return (-1, f"ran past launch.timeout={cfg.launch.timeout:g} s")
+        if points and master.has_state and master.outer_step >= points[0]:
+            step, state = master.snapshot()
+            while points and points[0] <= step:
+                points.pop(0)
+            eval_curve.append([step, evaluator.loss(state)])
+        line, key = _progress_line(cfg, rdir, now - started)
+        first = any(k >= 0 for k in key) and not (last_key and any(k >= 0 for k in last_key))
+        if first or (key != last_key and now - last_print >= PROGRESS_EVERY) or now - last_print >= HEARTBEAT_EVERY:
+            print(line, flush=True)  # the first progress at once, news every 10 s, a heartbeat every minute
+            last_print, last_key = now, key
+        time.sleep(0.2)
+
+
+def _mean_curve(curves: list[list[tuple[int, float]]]) -> list[list[float]]:
+    by_step: dict[int, list[float]] = {}
+    for c in curves:
+        for s, v in c:
+            by_step.setdefault(s, []).append(v)
+    return [[s, sum(v) / len(v)] for s, v in sorted(by_step.items())]
+
+
+def _device_list(cfg: DictConfig) -> list[str]:
+    if cfg.launch.devices:
+        return [str(d) for d in cfg.launch.devices]
+    if cfg.trainer.accelerator in ("gpu", "cuda", "auto"):
+        try:
+            import torch
+
+            return [str(i) for i in range(torch.cuda.device_count())]
+        except Exception:
+            return []
+    return []

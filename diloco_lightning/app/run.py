@@ -1,0 +1,68 @@
+"""What ``train.py`` runs: a whole run on this machine, one worker, or one master.
+
+``role=all`` (default): :mod:`diloco_lightning.app.local` (or one SLURM job per worker with
+``launch=submitit``: :mod:`diloco_lightning.app.slurm`). ``role=worker`` / ``role=master`` run
+one part against a shared hub (``hub=hf hub.url=hf://org/run``) for multi-machine runs; a
+multi-GPU worker is one ``torchrun`` (or SLURM) job running ``train.py role=worker ...``.
+
+Before anything heavy starts, :func:`run` refuses a run this machine cannot hold
+(:mod:`diloco_lightning.app.resources`), unless the run is already finished.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from omegaconf import DictConfig
+
+from diloco_lightning.app.build import build_master, open_run_hub, recipe_name, resolve_run_dir, run_dir
+from diloco_lightning.app.config import validate
+from diloco_lightning.app.errors import Interrupted, RunError
+from diloco_lightning.app.local import finished_results, run_all
+from diloco_lightning.app.worker import run_worker
+
+__all__ = ["run", "run_master", "Interrupted", "RunError"]
+
+log = logging.getLogger(__name__)
+
+
+def run_master(cfg: DictConfig) -> int:
+    """role=master: serve rounds until Ctrl-C / SIGTERM (a final round is drained); the exit status
+    of :func:`diloco_lightning.app.master.serve_command`."""
+    from diloco_lightning.app.serving import serve_command
+
+    hub = open_run_hub(cfg)
+    return serve_command(build_master(cfg, hub, on_round=lambda m: None))
+
+
+def _quiet_hub_logs() -> None:
+    """The console shows one line per round (the master's progress line): the hub's own INFO lines
+    (one per publication, the lease) would repeat it."""
+    for name in ("diloco_lightning.hub", "diloco_lightning.master.lease", "botocore", "boto3", "urllib3", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run(cfg: DictConfig) -> dict[str, Any] | None:
+    """Validate, refuse what this machine cannot run, then dispatch on ``cfg.role``."""
+    validate(cfg)
+    resolve_run_dir(cfg)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    finished = cfg.role == "all" and cfg.launch.kind == "local" and finished_results(cfg, run_dir(cfg)) is not None
+    if cfg.launch.check_resources and not finished:  # a finished run starts nothing: run_all only says so
+        from diloco_lightning.app.resources import check_resources
+
+        check_resources(cfg, label=recipe_name())
+    _quiet_hub_logs()
+    if cfg.launch.kind == "submitit" and cfg.role == "all":
+        from diloco_lightning.app.slurm import run_submitit
+
+        return run_submitit(cfg)
+    if cfg.role == "worker":
+        return run_worker(cfg)
+    if cfg.role == "master":
+        code = run_master(cfg)
+        if code:
+            raise SystemExit(code)
+        return None
+    return run_all(cfg)

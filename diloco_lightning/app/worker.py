@@ -1,0 +1,129 @@
+"""One worker of a run: a Lightning ``Trainer`` with the ``DiLoCo`` callback, a checkpoint at
+every boundary (resumed from when it exists) and a progress file the whole-run parent reads.
+
+    python -m diloco_lightning.app.worker --config <run_dir>/config.yaml --node-index i
+
+is what ``train.py`` (role=all) and SLURM jobs start for each worker. Exit status 143 when
+SIGTERM stopped it (after uploading what was pending).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from diloco_lightning.app.build import build_datamodule, build_module, hub_options, hub_url, node_id, run_dir, worker_delay
+from diloco_lightning.app.config import worker_options
+
+log = logging.getLogger(__name__)
+
+
+class ProgressFile:
+    """Appends ``{"step", "loss", "time"}`` lines to ``progress.jsonl`` (read by the role=all parent):
+    at step 1 (so the first progress shows early, even when a step takes a minute), then every
+    ``every`` steps, at least every ``seconds`` when steps are slow, and at the last one."""
+
+    def __init__(self, path: Path, every: int, seconds: float = 30.0) -> None:
+        self.path, self.every, self.seconds = path, max(1, every), seconds
+        self.last = 0.0
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def callback(self):
+        import lightning as L
+
+        outer = self
+
+        class ProgressCallback(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                step = trainer.global_step
+                now = time.time()
+                if step == 1 or step % outer.every == 0 or step == trainer.max_steps or now - outer.last >= outer.seconds:
+                    loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+                    if loss is None:
+                        return
+                    outer.last = now
+                    with open(outer.path, "a") as f:
+                        f.write(json.dumps({"step": step, "loss": float(loss), "time": now}) + "\n")
+
+        return ProgressCallback()
+
+
+def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
+    """Train one worker to ``trainer.max_steps`` with the DiLoCo callback; returns its summary."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from diloco_lightning import DiLoCo
+
+    index = cfg.node_index if index is None else index
+    nid = node_id(index)
+    out = run_dir(cfg) / "nodes" / nid
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(int(cfg.trainer.num_threads))
+    L.seed_everything(cfg.seed + 1000 * index, workers=True, verbose=False)
+    dm = build_datamodule(cfg, node_rank=index, num_nodes=cfg.workers)
+    module = build_module(cfg, dm.vocab_size)
+    d = cfg.diloco
+    callback = DiLoCo(hub=hub_url(cfg), node_id=nid, hub_options=hub_options(cfg),
+                      **{**worker_options(d), "delay": worker_delay(cfg, index)})
+    ckpt_dir = out / "checkpoints"
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=d.inner_steps)
+    t = cfg.trainer
+    trainer = L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, precision=t.precision, max_steps=t.max_steps,
+        gradient_clip_val=t.gradient_clip_val, log_every_n_steps=t.log_every_n_steps,
+        val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
+        limit_val_batches=cfg.data.val_batches if t.val_check_interval else 0,
+        logger=CSVLogger(out, name="logs"),
+        callbacks=[callback, checkpoint, ProgressFile(out / "progress.jsonl", t.log_every_n_steps).callback()],
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+    )
+    last = ckpt_dir / "last.ckpt"
+    started = time.perf_counter()
+    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.is_file() else None)
+    summary = {
+        "node_id": nid,
+        "delay": worker_delay(cfg, index),
+        "wall_seconds": time.perf_counter() - started,
+        "steps": trainer.global_step,
+        "tokens": int(getattr(module, "tokens_seen", 0)),
+        "final_train_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
+        "bytes_sent": int(callback.metrics.get("bytes_uploaded_total", 0)),
+        "deltas_sent": int(callback.metrics.get("deltas_uploaded_total", 0)),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def worker_command(config_path: Path, index: int) -> list[str]:
+    return [sys.executable, "-m", "diloco_lightning.app.worker", "--config", str(config_path), "--node-index", str(index)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m diloco_lightning.app.worker --config run_dir/config.yaml --node-index i``: one worker.
+
+    Exit status 143 when SIGTERM stopped it (after uploading what was pending)."""
+    ap = argparse.ArgumentParser(description="run one DiLoCo worker from a resolved run config")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--node-index", type=int, required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = OmegaConf.load(args.config)
+    cfg.role = "worker"
+    cfg.node_index = args.node_index
+    run_worker(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""A round's procedure: list, fetch, check, aggregate, apply, publish, in either aggregation.
+
+* ``round`` (SPEC.md, "Master round"): the accepted deltas of a round, gated by their own
+  staleness, make one weighted mean (:class:`~diloco_lightning.master.aggregation.RoundSum`,
+  kept across polls until the quorum), then one outer step with ``gated=True``, then one
+  publication. ``pa_cgad`` averages the deltas ungated and gates each fragment itself on
+  ``max(tau_max, age_f)``, ``tau_max`` the round's largest staleness.
+* ``arrival``: every accepted delta is its own outer step and its own published version, with
+  its own staleness, taken in :func:`~diloco_lightning.master.aggregation.arrival_order`.
+
+Every step is taken on a second buffer and published before it is swapped in; anything that
+fails rolls the optimizer back and forgets what was processed but not published (it will be
+processed again). A non-finite result publishes nothing and refuses the round's deltas.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from diloco_lightning import faults
+from diloco_lightning.deltafile import DeltaFileError, is_synced
+from diloco_lightning.hub.base import DeltaRef, PublishConflictError
+from diloco_lightning.master.aggregation import (
+    NonFiniteAggregate,
+    OpenRound,
+    RoundSum,
+    arrival_order,
+    cap_round_robin,
+    merge_marks,
+)
+from diloco_lightning.master.metrics import RoundMetrics
+from diloco_lightning.master.publication import LeaseLost
+from diloco_lightning.master.validation import Accepted, DeltaRejected, max_abs, state_norm
+
+if TYPE_CHECKING:  # pragma: no cover
+    from diloco_lightning.master.loop import MasterOuterLoop
+
+__all__ = ["Rounds"]
+
+log = logging.getLogger(__name__)
+
+
+class Rounds:
+    """The round procedures of one master (its parts: ``master.run``, ``intake``, ``validator``,
+    ``publisher``); ``open`` is the round being gathered, kept across polls until its quorum."""
+
+    def __init__(self, master: "MasterOuterLoop") -> None:
+        self.master = master
+        self.open: OpenRound | None = None
+        self.arrival_wait_since: float | None = None
+
+
+    def _marks(self) -> dict[str, int]:
+        return merge_marks(self.master.run.ledger, self.open.marks if self.open else {})
+
+    def _limits(self) -> tuple[int, int]:
+        assert self.master.run.state is not None and self.master.run.fingerprint is not None
+        return self.master.validator.size_limits(self.master.run.state, self.master.run.fingerprint)
+
+    def _check(self, ref: DeltaRef, path: Path, outer_step: int):
+        run = self.master.run
+        return self.master.validator.check(ref, path, state=run.state, fingerprint=run.fingerprint, outer_step=outer_step,
+                                    gate=run.opt.gate)
+
+    # ------------------------------------------------------------------ round mode
+
+    def round(self, m: RoundMetrics, force: bool) -> None:
+        run = self.master.run
+        if self.open is None or self.open.outer_step != run.outer_step:
+            self.open = OpenRound(run.outer_step, RoundSum(run.state, run.take_sum_storage()))
+        rnd = self.open
+        max_bytes, _ = self._limits()
+        refs = self.master.intake.list_new(self._marks(), max_bytes, m)
+        faults.point("listed", self.master)
+        blocked: set[str] = set()
+        pa = self.master.config.outer_optimizer == "pa_cgad"
+        for ref, path in self.master.intake.fetch(refs, blocked, max_bytes, m):
+            try:
+                try:
+                    delta, acc = self._check(ref, path, rnd.outer_step)
+                except (DeltaRejected, DeltaFileError) as e:
+                    self.master.intake.refuse(ref, e.reason, getattr(e, "detail", str(e)), m)
+                    continue
+                try:
+                    # PA-CGAD gates each fragment itself: its deltas are averaged ungated
+                    rnd.acc.add(delta.tensors, acc.weight, 1.0 if pa else acc.gate)
+                except BaseException:
+                    self.open = None  # a partial sum is worthless: the round starts over
+                    raise
+                del delta
+                rnd.accepted.append(acc)
+                rnd.marks[ref.node_id] = max(ref.local_step, rnd.marks.get(ref.node_id, -1))
+                if rnd.first_at is None:
+                    rnd.first_at = time.monotonic()
+            finally:
+                self.master.intake.release(path)
+        faults.point("downloaded", self.master)
+        m.pending = len(rnd.accepted)
+        if not rnd.accepted:
+            return
+        waited = time.monotonic() - (rnd.first_at or time.monotonic())
+        quorum = len(rnd.accepted) >= self.master.config.min_deltas
+        timed_out = self.master.config.max_wait is not None and waited >= self.master.config.max_wait
+        if not (force or quorum or timed_out):
+            m.waiting = True
+            log.debug("waiting for the quorum: %d of %d deltas", len(rnd.accepted), self.master.config.min_deltas)
+            return
+        self._commit_round(rnd, m, pa)
+
+    def _commit_round(self, rnd: OpenRound, m: RoundMetrics, pa: bool) -> None:
+        self.open = None
+        accepted = list(rnd.accepted)
+        try:
+            mean = rnd.acc.take_mean()
+        except NonFiniteAggregate as e:
+            self._refuse_round(accepted, str(e), m)
+            return
+        tau_max = max(a.staleness for a in accepted)
+        # the only reference to the mean is popped by the step, so it is freed before the
+        # optimizer state is copied for publication (the round's peak stays one buffer lower)
+        box = [mean]
+        del mean
+        opt = self.master.run.opt
+        if pa:  # gated per fragment on max(tau_max, age_f)
+            def step(buf):
+                return opt.step(buf, box.pop(), staleness=tau_max)
+        else:
+            def step(buf):
+                return opt.step(buf, box.pop(), staleness=0, gated=True)
+        new_ledger = merge_marks(self.master.run.ledger, rnd.marks)
+        processed = self.master.intake.pending + [a.ref.path for a in accepted]
+        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted):
+            for a in accepted:
+                m.apply(a.ident, a.staleness)
+
+    def _refuse_round(self, accepted: list[Accepted], detail: str, m: RoundMetrics) -> None:
+        log.error("refusing the %d delta(s) of this round (%s): %s; nothing is published",
+                  len(accepted), ", ".join(a.ident for a in accepted[:8]), detail)
+        for a in accepted:
+            self.master.intake.refuse(a.ref, "non_finite_update", detail, m)
+
+    # ------------------------------------------------------------------ arrival mode
+
+    def arrival(self, m: RoundMetrics, force: bool) -> None:
+        run = self.master.run
+        max_bytes, _ = self._limits()
+        refs = self.master.intake.list_new(self._marks(), max_bytes, m)
+        faults.point("listed", self.master)
+        if not refs:
+            self.arrival_wait_since = None
+            return
+        if not force and len(refs) < self.master.config.min_deltas:
+            now = time.monotonic()
+            if self.arrival_wait_since is None:
+                self.arrival_wait_since = now
+            if self.master.config.max_wait is None or now - self.arrival_wait_since < self.master.config.max_wait:
+                m.waiting, m.pending = True, len(refs)
+                return
+        self.arrival_wait_since = None
+        refs = cap_round_robin(refs, self.master.config.arrival_batch)
+        blocked: set[str] = set()
+        fetched: list[tuple[DeltaRef, Path, int]] = []
+        try:
+            for ref, path in self.master.intake.fetch(refs, blocked, max_bytes, m):
+                fetched.append((ref, path, self.master.validator.header_base(path, run.state, run.fingerprint)))
+            faults.point("downloaded", self.master)
+            for ref, path, _ in arrival_order(fetched):
+                if ref.node_id in blocked:
+                    continue
+                try:
+                    delta, acc = self._check(ref, path, run.outer_step)
+                except (DeltaRejected, DeltaFileError) as e:
+                    self.master.intake.refuse(ref, e.reason, getattr(e, "detail", str(e)), m)
+                    continue
+                tensors = delta.tensors
+                del delta
+                new_ledger = merge_marks(run.ledger, {ref.node_id: ref.local_step})
+                processed = self.master.intake.pending + [ref.path]
+                def step(buf, t=tensors, tau=acc.staleness, opt=run.opt):
+                    return opt.step(buf, t, staleness=tau)
+
+                ok = self._apply_and_publish(step, new_ledger, processed, [acc.norm], m, [acc])
+                del tensors, step
+                if not ok:
+                    break
+                m.apply(acc.ident, acc.staleness)
+                self.master.intake.release(path)
+        finally:
+            for _, path, _ in fetched:
+                self.master.intake.release(path)
+
+    # ------------------------------------------------------------------ apply + publish
+
+    def _apply_and_publish(
+        self,
+        step: Callable[[dict[str, torch.Tensor]], bool],
+        new_ledger: dict[str, int],
+        processed: list[str],
+        norms: list[float],
+        m: RoundMetrics,
+        accepted: list[Accepted],
+    ) -> bool:
+        """One outer step on a copy of the state, then publication; rollback of everything on failure."""
+        run = self.master.run
+        new_step = run.outer_step + 1
+        buf = run.spare_buffer()
+        backup = None if run.committed_outer_file is not None else run.opt.state_dict()
+
+        def roll_back() -> None:
+            run.give_back(buf)
+            run.restore_optimizer(backup)
+            self.master._discard()
+
+        try:
+            applied = step(buf)
+            if applied is False:  # fully gated (e.g. PA-CGAD fragments all too old): nothing changed
+                run.give_back(buf)
+                for a in accepted:
+                    self.master.intake.refuse(a.ref, "too_stale", "the optimizer gated the whole step to 0", m)
+                return False
+            # one pass: the new state is finite (its L2 norm is) and the norm bounds the next deltas
+            norm, numel = state_norm(buf)
+            if not math.isfinite(norm):
+                bad = next((k for k, t in buf.items() if is_synced(t) and not math.isfinite(max_abs(t))), "?")
+                run.give_back(buf)
+                run.restore_optimizer(backup)
+                self._refuse_round(accepted, f"the outer step made key {bad!r} of the state non-finite", m)
+                return False
+            faults.point("stepped", self.master)
+            window = self.master.validator.norms.norms + [float(n) for n in norms if math.isfinite(n)]
+            payload = {"norms": window[-self.master.config.norm_window :], "aggregation": self.master.config.aggregation,
+                       "weighting": self.master.config.weighting}
+            manifest, record = self.master.publisher.publish(run, buf, new_step, new_ledger, processed, payload)
+        except PublishConflictError as e:
+            log.warning("%s; discarding this round and re-reading the hub", e)
+            m.conflict = True
+            roll_back()
+            return False
+        except LeaseLost:
+            m.standby = True
+            roll_back()
+            return False
+        except BaseException:
+            roll_back()
+            raise
+        run.committed(buf, new_step, new_ledger, manifest, record)
+        self.master.validator.load_state_dict(payload)
+        self.master.validator.note_global(buf, new_step, norm, numel)
+        self.master.intake.published(new_ledger)
+        faults.point("swapped", self.master)
+        m.published += 1
+        self.master._notify()
+        return True
