@@ -227,7 +227,7 @@ def validate_parts(parts: Mapping[str, Tensor], shape: Sequence[int], spec: Enco
         if not bool(torch.isfinite(parts["q"]).all()):
             raise EncodingError(key, "values contain NaN or inf")
         return
-    levels = LEVELS[spec.value_encoding]
+    levels = LEVELS[spec.value_encoding or "int8"]
     scale, q = parts["scale"], parts["q"]
     # fl(levels * s) is the largest decoded magnitude of the block: it must be finite
     if not bool((scale >= 0).all()) or not bool(torch.isfinite(scale * levels).all()):
@@ -479,7 +479,7 @@ def _encode_topk(flat: Tensor, spec: EncodingSpec, res: Tensor | None) -> dict[s
     low = (idx & 0xFFFF).to(torch.int32)
     low = torch.where(low >= 1 << 15, low - (1 << 16), low).to(torch.int16)  # same 16 bits, as int16
     if res is not None:  # vals were gathered above: res may be the input tensor itself
-        res.copy_(x)[idx] = res_vals
+        res.copy_(x)[idx] = res_vals  # type: ignore[index]  # res_vals is set whenever res is
     return {"q": q, "scale": scale, "idx": low, "count": count}
 
 
@@ -502,7 +502,9 @@ def encode_with_residual(t: Tensor, spec: EncodingSpec, out: Tensor | None = Non
     error-feedback buffer this way allocates (and page-faults) nothing per round. When encoding
     fails (NaN or inf values) ``out`` may already be partly overwritten.
     """
-    return _encode(t, spec, with_residual=True, out=out)
+    enc, residual = _encode(t, spec, with_residual=True, out=out)
+    assert residual is not None
+    return enc, residual
 
 
 def _decoded_chunks(enc: EncodedTensor, device: torch.device) -> Iterator[tuple[slice | Tensor, Tensor]]:

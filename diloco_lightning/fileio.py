@@ -83,7 +83,7 @@ def sweep_temporaries(folder: str | os.PathLike, max_age: float, *, recursive: b
     are never followed. Returns the removed paths."""
     removed: list[str] = []
     now = time.time()
-    for root, dirs, files in os.walk(folder, followlinks=False):
+    for root, dirs, files in os.walk(os.fspath(folder), followlinks=False):
         if not recursive:
             dirs.clear()
         for name in files:
@@ -110,7 +110,7 @@ def make_owned_dir(parent: str | os.PathLike | None, prefix: str) -> str:
 def sweep_owned_dirs(parent: str | os.PathLike | None, prefix: str, max_age: float) -> list[str]:
     """Remove folders made by :func:`make_owned_dir` (or older untagged ones starting with
     ``prefix``) whose owner is dead, or unchanged for ``max_age`` seconds."""
-    parent = parent if parent is not None else tempfile.gettempdir()
+    parent = os.fspath(parent) if parent is not None else tempfile.gettempdir()
     removed: list[str] = []
     now = time.time()
     try:
@@ -165,7 +165,7 @@ def atomic_write(dest: str | os.PathLike, write: Callable[[Path], None]) -> Path
 
 
 def atomic_write_bytes(dest: str | os.PathLike, data: bytes) -> Path:
-    return atomic_write(dest, lambda p: p.write_bytes(data))
+    return atomic_write(dest, lambda p: None if p.write_bytes(data) else None)
 
 
 def atomic_write_json(dest: str | os.PathLike, obj: object) -> Path:

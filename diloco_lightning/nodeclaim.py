@@ -102,4 +102,5 @@ class NodeClaim:
         info = doc.get("info", {})
         if not isinstance(info, dict):
             raise ClaimError(f"{source}: 'info' must be an object")
-        return cls(doc["node_id"], holder, epoch, float(times[0]), float(times[1]), float(times[2]), info)
+        claimed, renewed, expires = (float(t) for t in times)  # type: ignore[arg-type]  # checked finite numbers above
+        return cls(doc["node_id"], holder, epoch, claimed, renewed, expires, info)

@@ -114,8 +114,8 @@ def read_layout(
     file larger than ``max_file_bytes`` or a header larger than ``max_header_bytes``.
     """
     if isinstance(source, (str, os.PathLike)):
-        with open(source, "rb") as f:
-            return read_layout(f, max_header_bytes=max_header_bytes, max_file_bytes=max_file_bytes)
+        with open(source, "rb") as opened:
+            return read_layout(opened, max_header_bytes=max_header_bytes, max_file_bytes=max_file_bytes)
     f = source
     f.seek(0)
     size = os.fstat(f.fileno()).st_size
@@ -145,10 +145,10 @@ def read_layout(
         raise LayoutError("header '__metadata__' must map strings to strings")
     data_start = 8 + n
     entries: list[tuple[int, int, str, str, tuple[int, ...]]] = []
-    for name, e in doc.items():
-        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+    for name, entry in doc.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise LayoutError(f"tensor entry {name[:80]!r} must have exactly dtype, shape and data_offsets")
-        dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+        dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in DTYPE_SIZES:
             raise LayoutError(f"tensor {name[:80]!r} has unknown dtype {str(dtype)[:20]!r}")
         if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_int(d) and 0 <= d <= MAX_DIM for d in shape):
@@ -195,11 +195,11 @@ def read_tensor(f: BinaryIO, info: TensorInfo):
         raise LayoutError(f"tensor {info.name[:80]!r}: dtype {info.dtype} is not supported by this torch")
     t = torch.empty(info.shape, dtype=dtype)
     if info.nbytes:
-        buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
         f.seek(info.start)
         got = 0
         while got < info.nbytes:
-            n = f.readinto(buf[got:])
+            n = f.readinto(buf[got:])  # type: ignore[attr-defined]  # a binary file opened for reading
             if not n:
                 raise LayoutError(f"file ended inside tensor {info.name[:80]!r} (changed while it was read?)")
             got += n
