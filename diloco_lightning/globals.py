@@ -223,6 +223,7 @@ def load_global(
             manifest = hub.read_manifest()
             if manifest is None:
                 raise NothingPublishedError(f"nothing published on {hub.url} yet (no global/manifest.json)")
+        assert manifest is not None
         verify_manifest(manifest, signing_key, hub.url)
         try:
             (state, _), local = _load_verified(hub, manifest.weights, manifest.weights_sha256, verify, load_weights_file)

@@ -195,8 +195,9 @@ class LlamaLightningModule(L.LightningModule):
         return loss
 
     def _total_steps(self) -> int | None:
-        if self.hparams.total_steps is not None:
-            return self.hparams.total_steps
+        hp: Any = self.hparams
+        if hp.total_steps is not None:
+            return hp.total_steps
         if self._trainer is None:
             return None
         if self.trainer.max_steps and self.trainer.max_steps > 0:
@@ -204,8 +205,8 @@ class LlamaLightningModule(L.LightningModule):
         est = self.trainer.estimated_stepping_batches
         return int(est) if est is not None and math.isfinite(est) else None
 
-    def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
+    def configure_optimizers(self) -> Any:
+        hp: Any = self.hparams
         decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
         groups = [

@@ -71,23 +71,26 @@ def _int(doc: dict, key: str, where: str) -> int:
     return v
 
 
-def _sha(doc: dict, key: str, where: str, optional: bool = False) -> str | None:
+def _sha(doc: dict, key: str, where: str) -> str:
     v = doc.get(key)
-    if v is None and optional:
-        return None
     if not isinstance(v, str) or len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
         raise ManifestError(f"{where}: {key!r} must be a SHA-256 hex digest, got {v!r}")
     return v
 
 
-def _gpath(doc: dict, key: str, where: str, optional: bool = False) -> str | None:
-    v = doc.get(key)
-    if v is None and optional:
-        return None
+def _gpath(doc: dict, key: str, where: str) -> str:
     try:
-        return validate_global_data_path(v)
+        return validate_global_data_path(doc.get(key))
     except InvalidNameError as e:
         raise ManifestError(f"{where}: {key!r}: {e}") from None
+
+
+def _sha_or_none(doc: dict, key: str, where: str) -> str | None:
+    return None if doc.get(key) is None else _sha(doc, key, where)
+
+
+def _gpath_or_none(doc: dict, key: str, where: str) -> str | None:
+    return None if doc.get(key) is None else _gpath(doc, key, where)
 
 
 @dataclass(frozen=True)
@@ -188,9 +191,9 @@ class Manifest:
                 GlobalVersion(
                     _int(h, "outer_step", where),
                     _gpath(h, "weights", where),
-                    _gpath(h, "outer_state", where, True),
-                    _sha(h, "weights_sha256", where, True),
-                    _sha(h, "outer_state_sha256", where, True),
+                    _gpath_or_none(h, "outer_state", where),
+                    _sha_or_none(h, "weights_sha256", where),
+                    _sha_or_none(h, "outer_state_sha256", where),
                 )
             )
         optimizer = doc.get("optimizer") or {}
@@ -212,8 +215,8 @@ class Manifest:
             weights_sha256=_sha(doc, "weights_sha256", source),
             model_fingerprint=fp,
             ledger=ledger,
-            outer_state=_gpath(doc, "outer_state", source, True),
-            outer_state_sha256=_sha(doc, "outer_state_sha256", source, True),
+            outer_state=_gpath_or_none(doc, "outer_state", source),
+            outer_state_sha256=_sha_or_none(doc, "outer_state_sha256", source),
             optimizer=optimizer,
             history=history,
             master=master,
@@ -288,4 +291,4 @@ class Lease:
         signature = doc.get("signature")
         if signature is not None and not isinstance(signature, str):
             raise ManifestError(f"{source}: 'signature' must be a string")
-        return cls(holder, _int(doc, "epoch", source), float(exp), float(ren), signature)
+        return cls(holder, _int(doc, "epoch", source), float(exp), float(ren), signature)  # type: ignore[arg-type]

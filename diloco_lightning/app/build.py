@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from diloco_lightning.app.config import hub_options as _section_hub_options
-from diloco_lightning.app.config import master_config, open_configured_hub
+from diloco_lightning.app.config import master_config, open_configured_hub, to_container
 from diloco_lightning.app.config import outer_options as _section_outer_options
 from diloco_lightning.worker.params import copy_into, module_state
 
@@ -95,7 +95,7 @@ def worker_delay(cfg: DictConfig, index: int) -> int:
 
     delay = cfg.diloco.delay
     if isinstance(delay, (DictConfig, dict)):
-        delay = {"seed": cfg.seed, **(OmegaConf.to_container(delay) if isinstance(delay, DictConfig) else delay)}
+        delay = {"seed": cfg.seed, **to_container(delay)}
     elif OmegaConf.is_list(delay):
         delay = list(delay)
     return resolve_delay(delay, node_id(index), index)
@@ -136,7 +136,7 @@ def build_datamodule(cfg: DictConfig, node_rank: int = 0, num_nodes: int = 1):
 def model_config(cfg: DictConfig, vocab_size: int):
     from diloco_lightning.models.llama import LlamaConfig
 
-    m = OmegaConf.to_container(cfg.model, resolve=True)
+    m = to_container(cfg.model)
     m.pop("preset")
     m["vocab_size"] = m.get("vocab_size") or vocab_size
     return LlamaConfig(**m, seed=cfg.seed)
@@ -173,7 +173,7 @@ class Evaluator:
 
     def __init__(self, cfg: DictConfig, dm) -> None:
         self.cfg, self.dm = cfg, dm
-        self.module = None
+        self.module: Any = None
 
     def loss(self, state: dict) -> float:
         import torch

@@ -235,16 +235,16 @@ class TrainConf:
     model: ModelConf = opt(help="", factory=ModelConf)
     data: DataConf = opt(help="", factory=DataConf)
     optim: OptimConf = opt(help="", factory=OptimConf)
-    diloco: DiLoCoConf = opt(help="", factory=DiLoCoConf)
+    diloco: DiLoCoConf = opt(help="", factory=DiLoCoConf)  # type: ignore[valid-type]  # made by compose_section
     outer: OuterConf = opt(help="", factory=OuterConf)
-    master: MasterConf = opt(help="", factory=MasterConf)
+    master: MasterConf = opt(help="", factory=MasterConf)  # type: ignore[valid-type]
     hub: HubConf = opt(help="", factory=HubConf)
     trainer: TrainerConf = opt(help="", factory=TrainerConf)
     launch: LaunchConf = opt(help="", factory=LaunchConf)
 
 
 @dataclass
-class MasterCommandConf(MasterConf):
+class MasterCommandConf(MasterConf):  # type: ignore[valid-type,misc]
     """``diloco-master``: the :class:`MasterConf` keys at the top level, plus the hub, the outer
     optimizer and what a standalone process needs."""
 
@@ -300,8 +300,8 @@ def outer_options(o: DictConfig, prefix: str = "outer.") -> dict[str, Any]:
     with a warning, so ``outer.name=X`` works on top of another group's options."""
     from diloco_lightning.outer import outer_optimizer_options
 
-    opts = OmegaConf.to_container(o.options, resolve=True) if isinstance(o.options, DictConfig) else dict(o.options or {})
-    opts = dict(opts or {})
+    raw = OmegaConf.to_container(o.options, resolve=True) if isinstance(o.options, DictConfig) else dict(o.options or {})
+    opts: dict[str, Any] = {str(k): v for k, v in (raw or {}).items()}  # type: ignore[union-attr]
     opts["lr"] = float(o.lr)
     accepted = outer_optimizer_options(str(o.name))
     dropped = sorted(k for k in opts if k not in accepted)
@@ -583,5 +583,8 @@ def register_configs() -> None:
         cs.store(group="recipe", name=path.stem, node=node, package="_global_")
 
 
-def to_container(cfg: DictConfig) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+def to_container(cfg: DictConfig | dict | None) -> dict[str, Any]:
+    """A mapping section as a plain, resolved dict (``{}`` for None)."""
+    if cfg is None:
+        return {}
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)  # type: ignore[return-value]

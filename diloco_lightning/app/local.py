@@ -151,7 +151,13 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
 
     hub = open_run_hub(cfg)
     rounds: list[dict] = []
-    master = build_master(cfg, hub, on_round=lambda m: (rounds.append(m), print_round(m)) if is_round(m) else None)
+
+    def on_round(m: dict) -> None:
+        if is_round(m):
+            rounds.append(m)
+            print_round(m)
+
+    master = build_master(cfg, hub, on_round=on_round)
     master.start()
 
     devices = _device_list(cfg)

@@ -69,7 +69,7 @@ class Machine:
         bf16 = bool(majors) and min(majors) >= 8  # bfloat16 compute: Ampere (sm_80) and newer
         ram = available_ram()
         stated = available_memory_gb is not None
-        if stated:
+        if available_memory_gb is not None:
             ram = float(available_memory_gb) * GB
             gpus = [float(available_memory_gb) * GB for _ in gpus]
         return cls(ram, gpus, names, bf16, torch.version.cuda is not None, stated)

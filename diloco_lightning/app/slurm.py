@@ -29,6 +29,7 @@ def run_submitit(cfg: DictConfig) -> dict[str, Any] | None:
     except ImportError:
         raise RuntimeError("launch=submitit needs the submitit package: pip install submitit") from None
     from diloco_lightning.app.build import build_master, open_run_hub, run_dir
+    from diloco_lightning.app.config import to_container
     from diloco_lightning.app.local import print_round
     from diloco_lightning.app.worker import worker_command
 
@@ -36,7 +37,7 @@ def run_submitit(cfg: DictConfig) -> dict[str, Any] | None:
     rdir.mkdir(parents=True, exist_ok=True)
     config_path = rdir / "config.yaml"
     OmegaConf.save(cfg, config_path, resolve=True)
-    opts = OmegaConf.to_container(cfg.launch.submitit, resolve=True) or {}
+    opts = to_container(cfg.launch.submitit)
     gpus = int(opts.pop("gpus_per_node", 1) or 0)
     executor = submitit.AutoExecutor(folder=str(rdir / "slurm"))
     params = {k: v for k, v in opts.items() if v is not None}

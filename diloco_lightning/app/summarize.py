@@ -68,8 +68,10 @@ def summarize(results: list[dict]) -> list[dict]:
         rs = groups[key]
         # A diverged run has no meaningful loss: it counts in `diverged`, and its loss is reported as inf
         # in the mean (so a method that diverges cannot look good by dropping its failures).
-        evals = [r.get("eval_loss") for r in rs]
-        evals = [x if (x is not None and math.isfinite(x) and not r.get("diverged")) else math.inf for x, r in zip(evals, rs)]
+        evals: list[float] = [
+            float(x) if (x is not None and math.isfinite(x) and not r.get("diverged")) else math.inf
+            for x, r in ((r.get("eval_loss"), r) for r in rs)
+        ]
         finite = _finite(evals)
         mean = statistics.fmean(evals) if evals and len(finite) == len(evals) else math.inf
         if len(evals) > 1 and len(finite) == len(evals):

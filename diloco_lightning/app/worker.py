@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = OmegaConf.load(args.config)
+    assert isinstance(cfg, DictConfig), f"{args.config} must hold a mapping"
     cfg.role = "worker"
     cfg.node_index = args.node_index
     run_worker(cfg)

@@ -85,9 +85,9 @@ class TextDataModule(L.LightningDataModule):
         ):
             _check_int(name, value, minimum)
         optional = (("val_batch_size", val_batch_size, 1), ("max_bytes", max_bytes, 1), ("vocab_size", vocab_size, 2))
-        for name, value, minimum in optional:
-            if value is not None:
-                _check_int(name, value, minimum)
+        for name, given, minimum in optional:
+            if given is not None:
+                _check_int(name, given, minimum)
         if node_rank >= num_nodes:
             raise ValueError(f"node_rank must be < num_nodes={num_nodes}, got {node_rank}")
         if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
@@ -183,6 +183,7 @@ class TextDataModule(L.LightningDataModule):
         if self.tokenizer_spec == "bpe":
             return self._vocab_size_arg or DEFAULT_VOCAB_SIZE
         if self.tokenizer_spec is None:
+            assert self._vocab_size_arg is not None  # required with token_file and no tokenizer (__init__)
             return self._vocab_size_arg
         return max(self.tokenizer.vocab_size, self._vocab_size_arg or 0)
 
@@ -233,6 +234,7 @@ class TextDataModule(L.LightningDataModule):
 
     def val_dataset(self) -> HeldOutDataset:
         self.setup()
+        assert self._val_ds is not None
         return self._val_ds
 
     def train_dataloader(self) -> DataLoader:

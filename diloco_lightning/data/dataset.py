@@ -50,6 +50,7 @@ class _TokenFileMixin:
 
     path: Path
     dtype: np.dtype
+    seq_len: int
     _tokens: np.memmap | None
 
     def _data(self) -> np.memmap:
@@ -120,7 +121,7 @@ class ShardedTokenDataset(_TokenFileMixin, IterableDataset):
                 f"fewer than num_nodes={num_nodes}; use more data, a smaller seq_len or fewer nodes"
             )
         self.position = 0
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
     # -- deterministic addressing ------------------------------------------------------
 

@@ -349,7 +349,7 @@ class FileHub(Hub):
         for p in manifest.files():
             if p not in files and not (self.root / p).is_file():
                 raise HubError(f"manifest names {p} but it is neither uploaded now nor on {self.url}")
-        written: list[Path] = []
+        written: list[str] = []
         ok = False
         try:
             for hub_path, src in files.items():

@@ -91,7 +91,7 @@ class LeaseKeeper:
         void = current is not None and (
             current.unreadable is not None or (self.signing_key is not None and not current.verify(self.signing_key))
         )
-        if void and current.unreadable is None:
+        if void and current is not None and current.unreadable is None:
             log.warning("the lease on %s (holder %r) is not signed with the run key; ignoring it", self.hub.url,
                         current.holder)
         ours = (
@@ -99,6 +99,7 @@ class LeaseKeeper:
             and (self._mine is None or current.epoch == self._mine.epoch)
         )
         if ours:
+            assert current is not None
             if self._mine is not None and current.expires_at - now > self.ttl / 2:
                 self._mine = current  # ours and fresh: no write (on the HF Hub each write is a commit)
                 self.other = None

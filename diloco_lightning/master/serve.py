@@ -158,6 +158,6 @@ def serve(
             m = master.last_metrics or {}
             if report.signals and m.get("published"):
                 speak(f"[master] {format_progress(m)}")
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return report

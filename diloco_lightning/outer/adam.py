@@ -109,7 +109,7 @@ class _AdamBase(OuterOptimizer):
         "exp_avg_scales": ("scale", 0.0),
         "exp_avg_sq_scales": ("scale", 0.0),
     }
-    STATE_KINDS = ("cgad", "adam_decay", "adam")
+    STATE_KINDS: ClassVar[tuple[str, ...]] = ("cgad", "adam_decay", "adam")
 
     def __init__(
         self,

@@ -94,16 +94,16 @@ def _known_answer(name: str) -> bool:
             m0 = [torch.randn(s, generator=g) for s in shapes]
             v0 = [torch.rand(s, generator=g) for s in shapes]
             runs = []
-            for fn in (_adam_fused, _adam_public):
+            for adam in (_adam_fused, _adam_public):
                 p, m, v = [t.clone() for t in args[0]], [t.clone() for t in m0], [t.clone() for t in v0]
-                fn(p, args[1], m, v, 0.01, 0.9, 0.95, 1e-8)
+                adam(p, args[1], m, v, 0.01, 0.9, 0.95, 1e-8)
                 runs.append(p + m + v)
         else:
             args = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
             runs = []
-            for fn in (_sgd_fused, _sgd_public):
+            for sgd in (_sgd_fused, _sgd_public):
                 p, b = [t.clone() for t in args[0]], [t.clone() for t in args[2]]
-                fn(p, args[1], b, 0.9, 0.1, 0.25)
+                sgd(p, args[1], b, 0.9, 0.1, 0.25)
                 runs.append(p + b)
         return all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(*runs))
     except Exception as e:  # noqa: BLE001 - absent or changed: the public formula serves
