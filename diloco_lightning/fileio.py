@@ -131,6 +131,23 @@ def sweep_owned_dirs(parent: str | os.PathLike | None, prefix: str, max_age: flo
     return removed
 
 
+#: The one environment variable that moves every cache of the package (tokenizer, token files,
+#: hub downloads). ``DILOCO_CACHE`` (older name, hub downloads only) is still honoured.
+CACHE_ENV = "DILOCO_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """``$DILOCO_CACHE_DIR``, else ``$XDG_CACHE_HOME/diloco_lightning`` (``~/.cache/...``), else, where
+    that cannot be created (a read-only home), ``<tmp>/diloco_lightning``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                        "diloco_lightning")
+    if not os.path.isdir(root) and not os.access(os.path.dirname(root) or ".", os.W_OK):
+        root = os.path.join(tempfile.gettempdir(), "diloco_lightning")
+    return Path(root)
+
+
 @contextlib.contextmanager
 def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``dest``; on success fsync it and ``os.replace`` it onto ``dest``.

@@ -765,3 +765,20 @@ def test_lease_race_threads(hub):
         t.join()
     assert results.count("WIN") == 1
     assert hub.read_lease().holder == f"m{results.index('WIN')}"
+
+
+def test_one_cache_variable_moves_every_cache(tmp_path, monkeypatch):
+    """``$DILOCO_CACHE_DIR`` moves the data cache and the hub downloads; ``$DILOCO_CACHE`` (the older,
+    downloads-only name) still wins for the downloads when set."""
+    from diloco_lightning.data.cache import default_cache_dir as data_cache
+    from diloco_lightning.hub.base import default_cache_dir as hub_cache
+
+    monkeypatch.delenv("DILOCO_CACHE", raising=False)
+    monkeypatch.setenv("DILOCO_CACHE_DIR", str(tmp_path / "c"))
+    assert data_cache() == tmp_path / "c"
+    assert hub_cache("hf://org/run").parent == tmp_path / "c"
+    assert hub_cache("hf://org/run") != hub_cache("hf://org/other")
+    monkeypatch.setenv("DILOCO_CACHE", str(tmp_path / "old"))
+    assert hub_cache("hf://org/run").parent == tmp_path / "old"
+    assert data_cache() == tmp_path / "c"
+    assert data_cache(tmp_path / "given") == tmp_path / "given"

@@ -195,7 +195,7 @@ class HubConf:
     )
     revision: Optional[str] = opt(None, "hf:// only: the branch (default main)")
     private: bool = opt(True, "hf:// only: a created repository is private")
-    cache_dir: Optional[str] = opt(None, "downloads (default $DILOCO_CACHE or ~/.cache/diloco_lightning/<hash of the url>)")
+    cache_dir: Optional[str] = opt(None, "downloads (default $DILOCO_CACHE_DIR or ~/.cache/diloco_lightning, then <hash of the url>)")
 
 
 @dataclass

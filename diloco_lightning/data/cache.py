@@ -1,43 +1,17 @@
-"""Cache directory and atomic file writes (several workers may build the same cache at once)."""
+"""Where the tokenizer and token files are cached; written atomically (several workers may
+build the same cache at once: each writes its own temporary file and the last rename wins, with
+identical contents)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["default_cache_dir", "atomic_path"]
+from diloco_lightning.fileio import CACHE_ENV, atomic_path, cache_root
 
-#: Environment variable that overrides the default cache location.
-CACHE_ENV = "DILOCO_CACHE_DIR"
+__all__ = ["default_cache_dir", "atomic_path", "CACHE_ENV"]
 
 
 def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """``cache_dir`` if given, else ``$DILOCO_CACHE_DIR``, else ``$XDG_CACHE_HOME/diloco_lightning``."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "diloco_lightning"
-
-
-@contextlib.contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
-    """Yield a temporary path next to ``final``; on success rename it over ``final``.
-
-    Readers therefore see either no file or a complete one. Concurrent builders each
-    write their own temporary file and the last rename wins (contents are identical).
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """``cache_dir`` if given, else :func:`~diloco_lightning.fileio.cache_root` (``$DILOCO_CACHE_DIR``)."""
+    return Path(cache_dir).expanduser() if cache_dir is not None else cache_root()

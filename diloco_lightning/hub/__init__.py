@@ -41,7 +41,7 @@ __all__ = [
 def open_hub(url: str | os.PathLike | Hub, **options) -> Hub:
     """Open the hub at ``url``.
 
-    Options (all transports): ``cache_dir=`` (downloads; default ``$DILOCO_CACHE`` or
+    Options (all transports): ``cache_dir=`` (downloads; default ``$DILOCO_CACHE_DIR`` (or the older ``$DILOCO_CACHE``) or
     ``~/.cache/diloco_lightning``, one folder per hub URL).
 
     ``file://`` / a plain path: ``create=`` (create the folder, default True).

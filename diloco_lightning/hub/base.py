@@ -32,12 +32,11 @@ import abc
 import hashlib
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from diloco_lightning.fileio import sweep_temporaries
+from diloco_lightning.fileio import cache_root, sweep_temporaries
 from diloco_lightning.manifest import Lease, Manifest
 from diloco_lightning.nodeclaim import NodeClaim
 from diloco_lightning.names import (
@@ -115,13 +114,10 @@ class DeltaRef:
 
 
 def default_cache_dir(url: str) -> Path:
-    """``$DILOCO_CACHE`` or ``~/.cache/diloco_lightning``, then one folder per hub URL."""
-    root = os.environ.get("DILOCO_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "diloco_lightning"
-    )
-    if not os.access(os.path.dirname(root) or ".", os.W_OK) and not os.path.isdir(root):
-        root = os.path.join(tempfile.gettempdir(), "diloco_lightning")
-    return Path(root) / hashlib.sha256(url.encode()).hexdigest()[:16]
+    """One folder per hub URL under ``$DILOCO_CACHE`` (the older, downloads-only name) or
+    :func:`~diloco_lightning.fileio.cache_root` (``$DILOCO_CACHE_DIR``, ``~/.cache/diloco_lightning``)."""
+    root = Path(os.environ["DILOCO_CACHE"]).expanduser() if os.environ.get("DILOCO_CACHE") else cache_root()
+    return root / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 def check_publication(
