@@ -65,14 +65,27 @@ class Hubs:
     """Handles on one hub, each with its own cache (separate machines); ``put`` writes a raw file
     as any hub writer could, bypassing every check of the client."""
 
-    def __init__(self, kind: str, tmp: Path, server: FakeHubServer | None = None) -> None:
-        self.kind, self.tmp, self.server, self.n = kind, tmp, server, 0
+    def __init__(self, kind: str, tmp: Path, server: FakeHubServer | None = None, s3: str | None = None) -> None:
+        self.kind, self.tmp, self.server, self.s3, self.n = kind, tmp, server, s3, 0
         self.root = tmp / "hub"
+        if kind == "s3":
+            import uuid
+
+            import boto3
+
+            self.client = boto3.client("s3", endpoint_url=s3, region_name="us-east-1")
+            self.bucket = f"h-{uuid.uuid4().hex[:16]}"
+            self.client.create_bucket(Bucket=self.bucket)
 
     def open(self):
         self.n += 1
         if self.kind == "file":
             return FileHub(self.root, cache_dir=self.tmp / f"cache{self.n}")
+        if self.kind == "s3":
+            from diloco_lightning.hub.s3 import S3Hub
+
+            return S3Hub(self.bucket, "run", endpoint_url=self.s3, addressing_style="path", max_retries=2,
+                         retry_base_delay=0.01, retry_max_delay=0.05, timeout=10, cache_dir=self.tmp / f"s3cache{self.n}")
         from diloco_lightning.hub.hf import HFHub
 
         return HFHub(REPO, endpoint=self.server.endpoint, token=TOKEN, cache_dir=self.tmp / f"hfcache{self.n}",
@@ -80,12 +93,16 @@ class Hubs:
 
     @property
     def url(self) -> str:
+        if self.kind == "s3":
+            return f"s3://{self.bucket}/run"
         return self.root.as_uri() if self.kind == "file" else f"hf://{REPO}"
 
     @property
     def options(self) -> dict:
         if self.kind == "file":
             return {}
+        if self.kind == "s3":
+            return {"endpoint_url": self.s3, "addressing_style": "path", "cache_dir": str(self.tmp / "worker-cache")}
         return {"endpoint": self.server.endpoint, "token": TOKEN, "cache_dir": str(self.tmp / "worker-cache")}
 
     def put(self, path: str, data: bytes) -> None:
@@ -93,23 +110,39 @@ class Hubs:
             p = self.root / path
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(data)
+        elif self.kind == "s3":
+            self.client.put_object(Bucket=self.bucket, Key=f"run/{path}", Body=data)
         else:
             self.server.commit_files(REPO, adds={path: data})
 
     def delete(self, path: str) -> None:
         if self.kind == "file":
             (self.root / path).unlink()
+        elif self.kind == "s3":
+            self.client.delete_object(Bucket=self.bucket, Key=f"run/{path}")
         else:
             self.server.commit_files(REPO, deletes=[path])
 
 
-@pytest.fixture(params=["file", "hf"])
-def hubs(request, tmp_path):
+def _hubs(request, tmp_path):
     if request.param == "file":
         yield Hubs("file", tmp_path)
+    elif request.param == "s3":
+        yield Hubs("s3", tmp_path, s3=request.getfixturevalue("s3_endpoint"))
     else:
         with FakeHubServer() as server:
             yield Hubs("hf", tmp_path, server)
+
+
+@pytest.fixture(params=["file", "hf", "s3"])
+def hubs(request, tmp_path):
+    yield from _hubs(request, tmp_path)
+
+
+@pytest.fixture(params=["file", "hf", pytest.param("s3", marks=pytest.mark.slow)])
+def crash_hubs(request, tmp_path):
+    """The kill -9 matrix: on S3 (~30 s a case, subprocess workers) it runs with ``-m slow`` (CI's second line)."""
+    yield from _hubs(request, tmp_path)
 
 
 def delta_bytes(tmp: Path, node: str, step: int, base: int = 0, tensors=None, **kw) -> bytes:
@@ -433,17 +466,17 @@ def _run_worker(cfg: dict, faults: str | None, timeout: float = 180) -> subproce
 
 
 @pytest.mark.parametrize("point", ["worker.exported", "worker.uploading", "worker.uploaded"])
-def test_worker_progress_is_applied_exactly_once_across_kill_9(hubs, tmp_path, point):
+def test_worker_progress_is_applied_exactly_once_across_kill_9(crash_hubs, tmp_path, point):
     """kill -9 at the 3rd boundary (of 10): before the delta is sent, while it is sent, and after
     it reached the hub but before the checkpoint that follows. The resumed worker replays from the
     previous checkpoint. No master runs meanwhile, so every delta is still on the hub when the worker
     restarts (a master that already processed one is the other test below); then a master applies
     them all. The global must end at exactly 10 + 20 steps of progress."""
-    hub = hubs.open()
+    hub = crash_hubs.open()
     m = MasterOuterLoop(hub, {"p": torch.full((8,), 10.0)}, node_state_dir=tmp_path / "m", outer_lr=1.0,
                         outer_momentum=0.0, aggregation="arrival", lease_ttl=30)
     assert m.sync_once()  # outer step 0: what the worker installs
-    cfg = dict(hub=hubs.url, hub_options=hubs.options, ckpt_dir=str(tmp_path / "ckpt"), max_steps=20, inner_steps=2)
+    cfg = dict(hub=crash_hubs.url, hub_options=crash_hubs.options, ckpt_dir=str(tmp_path / "ckpt"), max_steps=20, inner_steps=2)
     first = _run_worker(cfg, f"{point}:3")
     assert first.returncode == -9, first.stderr[-3000:]
     second = _run_worker(cfg, None)
