@@ -2,6 +2,7 @@
 
     python benchmarks/master_round.py                 # N = 1 4 8 16 32, Nesterov, folder hub in a temp dir
     python benchmarks/master_round.py --n 8 --repeat 3 --optimizer cgad
+    python benchmarks/master_round.py --n 8 --repeat 3 --compat speedtronic   # + Speedtronic's global/ view
 
 The state has Llama tensor shapes (d_model 320, 6 layers, 5 heads, FFN 864, tied embeddings,
 vocabulary 55,424: 25.2M FP32 parameters, 101 MB). The parent writes 32 deltas once (FP32,
@@ -105,7 +106,7 @@ def child(args: argparse.Namespace) -> None:
     master = MasterOuterLoop(
         hub, state, node_state_dir=work / "state", outer_optimizer=args.optimizer,
         outer_lr=0.7, outer_momentum=0.9, lease_ttl=600.0, norm_ratio=None,
-        torch_threads=args.threads or None,
+        torch_threads=args.threads or None, compat=args.compat,
     )
     del state
 
@@ -150,6 +151,7 @@ def main() -> None:
     ap.add_argument("--optimizer", default="nesterov", help="outer optimizer name")
     ap.add_argument("--threads", type=int, default=1,
                     help="the master's torch_threads (1, as diloco-master runs; 0: torch's default)")
+    ap.add_argument("--compat", default=None, help="the master's compat mode (speedtronic: also write its global/ view)")
     ap.add_argument("--workdir", default=None, help="where the hubs and the delta pool go (default: a temp dir)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pool", default=None, help=argparse.SUPPRESS)
@@ -164,7 +166,8 @@ def main() -> None:
     t = time.perf_counter()
     write_pool(pool, max(args.n))
     print(f"# {sum(1 for _ in pool.iterdir()) - 1} deltas of 25.2M FP32 parameters in {pool} ({time.perf_counter() - t:.1f}s)")
-    print(f"# optimizer {args.optimizer}; torch_threads {args.threads or 'default'}; folder hub; one fresh process per measurement")
+    print(f"# optimizer {args.optimizer}; torch_threads {args.threads or 'default'}; compat {args.compat}; folder hub; "
+          "one fresh process per measurement")
     print(f"# load average before: {os.getloadavg()[0]:.2f} (a shared machine: the best of --repeat runs is the round's cost)")
     print(f"{'N':>4} {'best s':>9} {'median s':>9} {'peak RSS MB':>12} {'RSS before MB':>14} {'x Speedtronic time':>19} {'x Speedtronic RSS':>18}")
     os.sync()  # the pool's dirty pages would otherwise be flushed during the first measurements
@@ -175,7 +178,8 @@ def main() -> None:
                 work = root / f"n{n}_r{r}"
                 shutil.rmtree(work, ignore_errors=True)
                 cmd = [sys.executable, __file__, "--child", "--n", str(n), "--pool", str(pool), "--workdir", str(work),
-                       "--optimizer", args.optimizer, "--threads", str(args.threads)]
+                       "--optimizer", args.optimizer, "--threads", str(args.threads)] + (
+                           ["--compat", args.compat] if args.compat else [])
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True)
                 results[n].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 shutil.rmtree(work, ignore_errors=True)

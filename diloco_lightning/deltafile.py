@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 from safetensors.torch import save_file
@@ -70,6 +70,8 @@ __all__ = [
     "write_delta",
     "read_delta",
     "read_delta_header",
+    "parse_header",
+    "HeaderParser",
 ]
 
 
@@ -178,6 +180,8 @@ class DeltaHeader:
     model_fingerprint: str | None = None
     signature: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
+    #: the tensor dtypes this header's format allows for real keys (None: float32, bfloat16, float16)
+    dtypes: tuple[torch.dtype, ...] | None = None
 
     def to_metadata(self) -> dict[str, str]:
         md = dict(self.extra)
@@ -224,7 +228,11 @@ _KNOWN_KEYS = {"format", "node_id", "local_step", "base_outer_step", "num_tokens
 def _parse_header(path: str | Path, md: Mapping[str, str] | None) -> DeltaHeader:
     if not md or md.get("format") != FORMAT:
         got = None if not md else md.get("format")
-        raise FormatError(path, f"header 'format' is {got!r}, expected {FORMAT!r}")
+        hint = ""
+        if got is None and md and "base_outer_step" in md:
+            hint = " (a Speedtronic delta? a master started with compat=speedtronic takes them)"
+        shown = got if got is None or len(got) <= 40 else f"{got[:20]}...({len(got)} characters)"
+        raise FormatError(path, f"header 'format' is {shown!r}, expected {FORMAT!r}{hint}")
     for k in ("node_id", "local_step", "base_outer_step"):
         if k not in md:
             raise HeaderError(path, f"header has no {k!r}")
@@ -253,6 +261,14 @@ def _parse_header(path: str | Path, md: Mapping[str, str] | None) -> DeltaHeader
         raise HeaderError(path, f"header 'model_fingerprint' is not a SHA-256 hex digest: {fp!r}")
     extra = {k: v for k, v in md.items() if k not in _KNOWN_KEYS}
     return DeltaHeader(node_id, local_step, base, num_tokens, fp, md.get("signature") or None, extra)
+
+
+#: ``(path, header metadata) -> DeltaHeader``, raising a :class:`DeltaFileError`: how a reader
+#: parses a header (default :func:`parse_header`; a master in a compatibility mode passes its own)
+HeaderParser = Callable[[Union[str, Path], Optional[Mapping[str, str]]], DeltaHeader]
+
+#: the header of a ``diloco-delta/1`` file (SPEC.md), checked
+parse_header: HeaderParser = _parse_header
 
 
 # ----------------------------------------------------------------------------- write
@@ -356,9 +372,9 @@ def _layout(source, path: str | Path, *, max_header: int, max_file: int | None):
         raise UnreadableDeltaError(path, f"cannot open ({type(e).__name__}: {e.strerror or e})") from None
 
 
-def read_delta_header(path: str | Path, *, max_header: int = 100 << 20) -> DeltaHeader:
+def read_delta_header(path: str | Path, *, max_header: int = 100 << 20, header_parser: HeaderParser | None = None) -> DeltaHeader:
     """Parse and check the header only (no tensor byte is read; the file's layout is checked)."""
-    return _parse_header(path, _layout(path, path, max_header=max_header, max_file=None).metadata)
+    return (header_parser or _parse_header)(path, _layout(path, path, max_header=max_header, max_file=None).metadata)
 
 
 def read_delta(
@@ -372,6 +388,7 @@ def read_delta(
     clone: bool = True,
     max_file_bytes: int | None = None,
     copy: bool = True,
+    header_parser: HeaderParser | None = None,
 ) -> Delta:
     """Read and validate a delta file, checking everything it can before reading tensor data.
 
@@ -414,6 +431,8 @@ def read_delta(
         clone: kept for compatibility (see ``copy``).
         max_file_bytes: refuse larger files (default: :func:`max_delta_bytes` of ``reference``).
         copy: read the tensors into owned memory (True) or map the file (False); see above.
+        header_parser: parses and checks the header (default :func:`parse_header`); the dtypes
+            its :class:`DeltaHeader` allows (``dtypes``) replace float32/bfloat16/float16.
     """
     del clone
     path_str = str(path)
@@ -431,14 +450,15 @@ def read_delta(
         raise UnreadableDeltaError(path, f"cannot open ({type(e).__name__}: {e.strerror or e})") from None
     with f:
         return _read_open_delta(f, path, path_str, want, reference, max_header, max_file_bytes, hub_path,
-                                expected_fingerprint, signing_key, check_finite, copy)
+                                expected_fingerprint, signing_key, check_finite, copy, header_parser or _parse_header)
 
 
 def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_bytes, hub_path,
-                     expected_fingerprint, signing_key, check_finite, copy) -> Delta:
+                     expected_fingerprint, signing_key, check_finite, copy, header_parser) -> Delta:
     layout = _layout(f, path, max_header=max_header, max_file=max_file_bytes)
     raw_md = layout.metadata
-    header = _parse_header(path, raw_md)
+    header = header_parser(path, raw_md)
+    real_dtypes = header.dtypes or DELTA_DTYPES
     ident = None
     if hub_path is not None:
         ident = parse_delta_path(hub_path)
@@ -470,9 +490,9 @@ def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_by
                 path, f"key {name!r} has shape {list(info.shape)}, global state has {list(reference[name].shape)}"
             )
         if reference is None:
-            allowed = DELTA_DTYPES + COMPLEX_DELTA_DTYPES
+            allowed = real_dtypes + COMPLEX_DELTA_DTYPES
         else:
-            allowed = COMPLEX_DELTA_DTYPES if reference[name].is_complex() else DELTA_DTYPES
+            allowed = COMPLEX_DELTA_DTYPES if reference[name].is_complex() else real_dtypes
         if _ST_DTYPES.get(info.dtype) not in allowed:
             raise DtypeError(
                 path,

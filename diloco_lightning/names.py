@@ -29,6 +29,13 @@ CLAIM_NAME = "claim.json"  # nodes/<node_id>/claim.json: the node's claim on its
 GLOBAL_DIR = "global"
 MANIFEST_PATH = "global/manifest.json"
 LEASE_PATH = "global/lease.json"
+#: Speedtronic's fixed-name view of the current version: its workers read these two files. A
+#: master in ``compat="speedtronic"`` replaces them with each publication (``Hub.publish``'s
+#: ``mirrors``), after the manifest; see diloco_lightning.master.compat.
+LATEST_WEIGHTS_PATH = "global/latest.safetensors"
+STEP_COUNT_PATH = "global/step_count.json"
+#: the only global files a publication replaces in place (every other global file has a unique name)
+MIRROR_PATHS = frozenset({LATEST_WEIGHTS_PATH, STEP_COUNT_PATH})
 
 
 class InvalidNameError(ValueError):

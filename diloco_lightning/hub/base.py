@@ -9,11 +9,15 @@ A hub holds (SPEC.md, "Hub layout")::
     global/outer_state_<outer_step>_<token>.safetensors  the outer optimizer state of that version
     global/lease.json                                which master may publish (holder, epoch, expiry)
     nodes/<node_id>/claim.json                       which worker runs node_id now (diloco_lightning.nodeclaim)
+    global/latest.safetensors, global/step_count.json   compat="speedtronic" only: Speedtronic's view
 
 Rules every transport keeps:
 
 * Writers never overwrite a delta (``DeltaExistsError``); global files have a unique
-  token in their names, so nothing a reader may hold open is ever rewritten.
+  token in their names, so nothing a reader may hold open is ever rewritten. The one
+  exception, the *mirrors* (``names.MIRROR_PATHS``: Speedtronic's fixed-name files, written
+  only in ``compat="speedtronic"``), are replaced by a rename or a commit, never rewritten in
+  place, and always after the manifest that publishes their version.
 * ``publish`` is one atomic step guarded by compare-and-swap on the manifest's
   ``outer_step``: of two masters publishing version N+1 over N, exactly one wins and
   the other gets ``PublishConflictError``. A crash at any point leaves the old version
@@ -34,13 +38,14 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Union
 
 from diloco_lightning.fileio import cache_root, sweep_temporaries
 from diloco_lightning.manifest import Lease, Manifest
 from diloco_lightning.nodeclaim import NodeClaim
 from diloco_lightning.names import (
     MANIFEST_PATH,
+    MIRROR_PATHS,
     RESERVED_GLOBAL_PATHS,
     DeltaId,
     InvalidNameError,
@@ -49,6 +54,10 @@ from diloco_lightning.names import (
 )
 
 log = logging.getLogger(__name__)
+
+
+#: what a mirror is made from: a local file, or its bytes
+MirrorSource = Union[str, os.PathLike, bytes]
 
 
 class HubError(RuntimeError):
@@ -161,6 +170,25 @@ def check_publication(
     return files, delete
 
 
+def check_mirrors(
+    mirrors: Mapping[str, MirrorSource] | None, files: Iterable[str] = (), delete: Iterable[str] = ()
+) -> dict[str, MirrorSource]:
+    """The checks of ``Hub.publish``'s ``mirrors``, before anything is written: each is one of
+    ``names.MIRROR_PATHS`` and its local file exists; no mirror path is among the publication's
+    unique-name ``files`` or its deletions (``InvalidNameError``, ``FileNotFoundError``).
+    Returns the mirrors as a dict, in their order."""
+    out = dict(mirrors or {})
+    for hub_path, src in out.items():
+        if hub_path not in MIRROR_PATHS:
+            raise InvalidNameError(f"refusing mirror {hub_path!r}: mirrors are {sorted(MIRROR_PATHS)}")
+        if not isinstance(src, bytes) and not os.path.isfile(src):
+            raise FileNotFoundError(f"publish: local file {os.fspath(src)!r} for {hub_path} does not exist")
+    for p in [*files, *delete]:
+        if p in MIRROR_PATHS:
+            raise InvalidNameError(f"refusing {p!r} as a file or a deletion of a publication: it is a mirror")
+    return out
+
+
 class Hub(abc.ABC):
     """A transport. Thread-safe: the worker's uploader thread and the master's download pool share one."""
 
@@ -237,6 +265,7 @@ class Hub(abc.ABC):
         expected_outer_step: int | None,
         delete: Iterable[str] = (),
         expected_digest: str | None = None,
+        mirrors: Mapping[str, MirrorSource] | None = None,
     ) -> None:
         """Publish ``manifest`` and upload ``files`` (``hub path -> local file``, all under
         ``global/``) as one atomic step, if and only if the hub's current manifest has
@@ -249,6 +278,14 @@ class Hub(abc.ABC):
 
         ``delete`` (hub paths) are removed in the same publication where the transport
         can (Hugging Face: the same commit), else right after the manifest swap.
+
+        ``mirrors`` (``hub path -> local file or bytes``, paths of ``names.MIRROR_PATHS``)
+        replace those fixed-name files in the same publication, *after* the manifest and in
+        the given order: in the same commit on the Hugging Face Hub; on a folder, renamed into
+        place under the publication lock right after the manifest; on S3, written right after
+        the manifest's conditional PUT. A mirror that fails after the manifest is in place is
+        logged, not raised (the version is published; the next publication writes the mirrors
+        again).
 
         ``manifest.outer_step`` must exceed ``expected_outer_step``. Every check of
         :func:`check_publication` runs first: a refused publication writes nothing.

@@ -18,13 +18,15 @@ compare-and-swap:
   has the expected ``outer_step`` (only worker commits happened) retry on the new head
   (bounded, jittered); else ``PublishConflictError``. The commit is the single atomic
   point: a crash before it leaves the old version, after it the new one.
+  Mirrors (``compat="speedtronic"``: ``global/latest.safetensors``, ``global/step_count.json``)
+  are replaced in that same commit.
 * ``write_lease``: the same scheme on ``global/lease.json``.
 * Listing reads the repo tree of ``nodes/`` (or ``global/``) only; nothing is downloaded.
 * ``download`` streams ``GET .../resolve`` into ``cache_dir / hub_path`` (temp file +
   ``os.replace``, length and ETag checked), so two nodes' same-named files never share
   a cache file and two processes sharing the cache never see a partial one. Hub files
   are immutable, so a cached copy is reused; the mutable ones (manifest, lease,
-  ``init.safetensors``) are always fetched again. Files named by the last manifest read
+  ``init.safetensors``, the mirrors) are always fetched again. Files named by the last manifest read
   are fetched at the commit that manifest was read at (a later publication deleting
   them cannot pull them away mid-download).
 
@@ -74,6 +76,7 @@ from diloco_lightning.hub.base import (
     HubFileTooLargeError,
     HubNotFoundError,
     LeaseConflictError,
+    check_mirrors,
     check_publication,
     PublishConflictError,
     default_cache_dir,
@@ -84,6 +87,7 @@ from diloco_lightning.names import (
     GLOBAL_DIR,
     LEASE_PATH,
     MANIFEST_PATH,
+    MIRROR_PATHS,
     NODES_DIR,
     InvalidNameError,
     claim_path,
@@ -706,7 +710,7 @@ class HFHub(Hub):
     def download(self, hub_path: str, *, max_bytes: int | None = None) -> Path:
         hub_path = validate_hub_path(hub_path)
         dest = self.cache_dir / hub_path
-        mutable = hub_path in (MANIFEST_PATH, LEASE_PATH) or parse_init_path(hub_path) is not None
+        mutable = hub_path in (MANIFEST_PATH, LEASE_PATH) or hub_path in MIRROR_PATHS or parse_init_path(hub_path) is not None
         if not mutable and dest.is_file():
             if max_bytes is not None and dest.stat().st_size > max_bytes:
                 raise HubFileTooLargeError(f"{hub_path} on {self.url} is more than the {max_bytes} bytes allowed")
@@ -744,6 +748,7 @@ class HFHub(Hub):
         expected_outer_step: int | None,
         delete: Iterable[str] = (),
         expected_digest: str | None = None,
+        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
     ) -> None:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
@@ -752,6 +757,7 @@ class HFHub(Hub):
             manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
             expected_digest=expected_digest,
         )
+        mirrors = check_mirrors(mirrors, files, delete)
         delete = sorted(set(delete))
         text = manifest.to_json()
         named = manifest.files()
@@ -782,6 +788,9 @@ class HFHub(Hub):
             if taken:
                 raise HubError(f"{taken} already exist on {self.url}; global file names must be unique")
             ops = [*big, CommitOperationAdd(path_in_repo=MANIFEST_PATH, path_or_fileobj=data)]
+            # the mirrors ride in the same commit: the new manifest and Speedtronic's view appear together
+            ops += [CommitOperationAdd(path_in_repo=p, path_or_fileobj=src if isinstance(src, bytes) else str(src))
+                    for p, src in mirrors.items()]
             ops += [CommitOperationDelete(path_in_repo=p) for p in delete if p in present]
             # upload everything that must be uploaded first (LFS/Xet content on the real Hub); the commit
             # below is then the single atomic step

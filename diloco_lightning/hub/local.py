@@ -15,6 +15,9 @@ honours ``flock`` (NFSv4, Lustre, local disks).
   takes the same lock, and the manifest's files are checked under it just before the
   swap, so a concurrent garbage collection can never leave a manifest naming a
   missing file.
+* Mirrors (``compat="speedtronic"``: ``global/latest.safetensors`` and ``step_count.json``) are
+  written under temporary names (the weights hard-linked to the staged file) before the lock,
+  then renamed over their fixed names, in order, under the lock right after the manifest swap.
 * ``download`` returns files in place (every file is immutable once visible) and
   refuses symbolic links and anything resolving outside the hub folder.
 * Nothing is ever written or deleted through a symbolic link: files are created and
@@ -54,6 +57,7 @@ from diloco_lightning.hub.base import (
     HubNotFoundError,
     LeaseConflictError,
     PublishConflictError,
+    check_mirrors,
     check_publication,
     default_cache_dir,
 )
@@ -159,6 +163,34 @@ class FileHub(Hub):
                     out.seek(sent)
                     shutil.copyfileobj(inp, out, 8 << 20)
 
+    def _write_temp(self, src: str | os.PathLike | bytes, dfd: int, tmp: str, *, link: bool) -> None:
+        """Create ``tmp`` in the folder ``dfd`` holding ``src`` (a file, or bytes), fsynced; never
+        through a symbolic link. ``link``: hard-link the file instead of copying it when both are
+        on one filesystem (``src`` must then never change again)."""
+        if link and not isinstance(src, bytes):
+            try:
+                os.link(src, tmp, dst_dir_fd=dfd, follow_symlinks=False)
+                fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+                try:
+                    os.fsync(fd)  # durable before the manifest names it, as a copy would be
+                finally:
+                    os.close(fd)
+                return
+            except OSError as e:  # another filesystem, or no hard links: copy
+                if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
+        try:
+            if isinstance(src, bytes):
+                view = memoryview(src)
+                while view:
+                    view = view[os.write(fd, view):]
+            else:
+                self._copy_into(src, fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def _place_new(self, src: str | os.PathLike, hub_path: str, *, link: bool = False) -> bool:
         """Copy ``src`` to ``hub_path`` if nothing is there; atomic, never overwrites, never through
         a symbolic link. False if ``hub_path`` existed. ``link``: hard-link ``src`` instead of
@@ -167,26 +199,7 @@ class FileHub(Hub):
         dfd = self._open_dir(folders, create=True)
         tmp = f"{temp_prefix(name)}{secrets.token_hex(4)}.tmp"
         try:
-            linked = False
-            if link:
-                try:
-                    os.link(src, tmp, dst_dir_fd=dfd, follow_symlinks=False)
-                    linked = True
-                    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
-                    try:
-                        os.fsync(fd)  # durable before the manifest names it, as a copy would be
-                    finally:
-                        os.close(fd)
-                except OSError as e:  # another filesystem, or no hard links: copy
-                    if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                        raise
-            if not linked:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
-                try:
-                    self._copy_into(src, fd)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            self._write_temp(src, dfd, tmp, link=link)
             faults.point("hub.placing")
             try:
                 os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
@@ -207,6 +220,58 @@ class FileHub(Hub):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=dfd)
             os.close(dfd)
+
+    def _stage_mirrors(self, mirrors: Mapping[str, str | os.PathLike | bytes]) -> list[tuple[str, str]]:
+        """Each mirror written (linked when it is a file) under a temporary name in ``global/``:
+        ``[(hub path, temporary name)]``, renamed into place by :meth:`_install_mirrors`."""
+        out: list[tuple[str, str]] = []
+        if not mirrors:
+            return out
+        dfd = self._open_dir([GLOBAL_DIR], create=True)
+        try:
+            for hub_path, src in mirrors.items():
+                tmp = f"{temp_prefix(hub_path.rsplit('/', 1)[-1])}{secrets.token_hex(4)}.tmp"
+                self._write_temp(src, dfd, tmp, link=True)
+                out.append((hub_path, tmp))
+        except BaseException:
+            self._drop_temps(out)
+            raise
+        finally:
+            os.close(dfd)
+        return out
+
+    def _install_mirrors(self, staged: list[tuple[str, str]]) -> None:
+        """Rename the staged mirrors over their fixed names, in order (called under the lock,
+        right after the manifest): a reader sees the old file or the new one, never a part. The
+        version is published already, so a failure is logged, not raised, and the later mirrors
+        are not written (the metadata never advertises weights that failed to land)."""
+        if not staged:
+            return
+        dfd = self._open_dir([GLOBAL_DIR], create=True)
+        try:
+            for hub_path, tmp in staged:
+                try:
+                    os.replace(tmp, hub_path.rsplit("/", 1)[-1], src_dir_fd=dfd, dst_dir_fd=dfd)
+                except OSError as e:
+                    log.warning("could not replace %s on %s (%s); the next publication writes it again", hub_path, self.url, e)
+                    return
+                self._fault(f"mirror:{hub_path}")
+            with contextlib.suppress(OSError):
+                os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _drop_temps(self, staged: list[tuple[str, str]]) -> None:
+        if not staged:
+            return
+        with contextlib.suppress(OSError, HubError):
+            dfd = self._open_dir([GLOBAL_DIR], create=False)
+            try:
+                for _, tmp in staged:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp, dir_fd=dfd)
+            finally:
+                os.close(dfd)
 
     def _unlink(self, hub_path: str) -> None:
         """Remove ``hub_path``, never through a symbolic link (a missing file is fine)."""
@@ -340,16 +405,19 @@ class FileHub(Hub):
         expected_outer_step: int | None,
         delete: Iterable[str] = (),
         expected_digest: str | None = None,
+        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
     ) -> None:
         # every check first: a bad publication writes nothing
         files, delete = check_publication(
             manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
             expected_digest=expected_digest,
         )
+        mirrors = check_mirrors(mirrors, files, delete)
         for p in manifest.files():
             if p not in files and not (self.root / p).is_file():
                 raise HubError(f"manifest names {p} but it is neither uploaded now nor on {self.url}")
         written: list[str] = []
+        staged_mirrors: list[tuple[str, str]] = []
         ok = False
         try:
             for hub_path, src in files.items():
@@ -358,6 +426,7 @@ class FileHub(Hub):
                     raise HubError(f"{hub_path} already exists on {self.url}; global file names must be unique")
                 written.append(hub_path)
                 self._fault(f"file:{hub_path}")
+            staged_mirrors = self._stage_mirrors(mirrors)
             self._fault("files")
             with self._locked():
                 self._fault("locked")
@@ -378,11 +447,13 @@ class FileHub(Hub):
                 atomic_write_bytes(self.root / MANIFEST_PATH, manifest.to_json().encode())
                 ok = True
                 self._fault("manifest")
+                self._install_mirrors(staged_mirrors)
         finally:
             if not ok:
                 for p in written:
                     with contextlib.suppress(OSError, HubError):
                         self._unlink(p)
+            self._drop_temps(staged_mirrors)
         log.info("published outer_step %d on %s (%d file(s), %d deletion(s))", manifest.outer_step, self.url, len(files), len(delete))
         for hub_path in delete:
             try:

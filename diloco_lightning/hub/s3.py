@@ -36,6 +36,11 @@ How each rule of ``diloco_lightning.hub.base`` is kept:
   lock: a garbage collection of ``global/`` running beside a publication is caught by the second
   listing, except in the moment between that listing and the swap (the master only ever
   deletes files older than the version it just published).
+* Mirrors (``compat="speedtronic"``: ``global/latest.safetensors``, ``global/step_count.json``)
+  follow the swap, in order: the weights copied on the store from the file just uploaded (no
+  second upload), then the metadata put. S3 has no multi-object transaction: a reader may see
+  the new manifest before the mirrors, never mirrors ahead of the manifest; a failure is logged
+  and the next publication writes them again.
 * The lease uses the same conditional writes on ``global/lease.json``; releasing it writes an
   empty object (read back as "no lease") instead of deleting it, so no conditional DELETE is
   needed. A CAS whose answer was lost is recognised by reading back exactly the bytes written.
@@ -83,6 +88,7 @@ from diloco_lightning.hub.base import (
     HubNotFoundError,
     LeaseConflictError,
     PublishConflictError,
+    check_mirrors,
     check_publication,
     default_cache_dir,
 )
@@ -93,6 +99,7 @@ from diloco_lightning.names import (
     GLOBAL_DIR,
     LEASE_PATH,
     MANIFEST_PATH,
+    MIRROR_PATHS,
     NODES_DIR,
     RESERVED_GLOBAL_PATHS,
     InvalidNameError,
@@ -217,7 +224,7 @@ class S3Hub(Hub):
     def download(self, hub_path: str, *, max_bytes: int | None = None) -> Path:
         hub_path = validate_hub_path(hub_path)
         dest = self.cache_dir / hub_path
-        mutable = hub_path in RESERVED_GLOBAL_PATHS or parse_init_path(hub_path) is not None
+        mutable = hub_path in RESERVED_GLOBAL_PATHS or hub_path in MIRROR_PATHS or parse_init_path(hub_path) is not None
         if not mutable and dest.is_file():
             if max_bytes is not None and dest.stat().st_size > max_bytes:
                 raise HubFileTooLargeError(f"{hub_path} on {self.url} is more than the {max_bytes} bytes allowed")
@@ -261,17 +268,20 @@ class S3Hub(Hub):
         expected_outer_step: int | None,
         delete: Iterable[str] = (),
         expected_digest: str | None = None,
+        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
     ) -> None:
         files, delete = check_publication(
             manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
             expected_digest=expected_digest,
         )
+        mirrors = check_mirrors(mirrors, files, delete)
         delete = list(dict.fromkeys(delete))
         data = manifest.to_json().encode()
         current, etag = self.store.read_small(MANIFEST_PATH)
         if current == data:
             log.info("outer_step %d is already published on %s (an earlier attempt landed)", manifest.outer_step,
                      self.url)
+            self._write_mirrors(mirrors, manifest, files)
             self._delete_after_swap(delete)
             return
         if expected_digest is not None:  # replacing a manifest that is malformed or not authentic
@@ -323,7 +333,27 @@ class S3Hub(Hub):
                         log.warning("could not remove %s of an unpublished version from %s: %s", hub_path, self.url, e)
         log.info("published outer_step %d on %s (%d file(s), %d deletion(s))", manifest.outer_step, self.url,
                  len(files), len(delete))
+        self._write_mirrors(mirrors, manifest, files)
         self._delete_after_swap(delete)
+
+    def _write_mirrors(self, mirrors: Mapping[str, str | os.PathLike | bytes], manifest: Manifest,
+                       files: Mapping[str, str | os.PathLike]) -> None:
+        """The mirrors, after the swap and in order (see the module docstring). A mirror made from
+        a file of this publication is copied from it on the store. A failure is logged, not raised
+        (the version is live), and the later mirrors are not written."""
+        uploaded = {os.fspath(src): hub_path for hub_path, src in files.items()}
+        what = f"publish outer_step {manifest.outer_step}"
+        for hub_path, src in mirrors.items():
+            try:
+                origin = None if isinstance(src, bytes) else uploaded.get(os.fspath(src))
+                if origin is not None:
+                    self.store.copy(origin, hub_path, what)
+                else:
+                    self.store.put(hub_path, src, what)
+            except (HubError, OSError) as e:
+                log.warning("could not replace %s on %s (%s); the next publication writes it again", hub_path, self.url, e)
+                return
+            self._fault(f"mirror:{hub_path}")
 
     def _delete_after_swap(self, paths: list[str]) -> None:
         """The deletions of a publication, after its swap: a failure is logged (the files are left

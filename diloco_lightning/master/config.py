@@ -13,12 +13,14 @@ from typing import Any
 
 from diloco_lightning.options import OptionError, check_choice, check_number, option
 
-__all__ = ["AGGREGATIONS", "WEIGHTINGS", "MasterConfig", "MasterConfigError", "OptionError"]
+__all__ = ["AGGREGATIONS", "COMPAT_MODES", "WEIGHTINGS", "MasterConfig", "MasterConfigError", "OptionError"]
 
 #: ``round``: one outer step per round over every accepted delta; ``arrival``: one per delta
 AGGREGATIONS = ("round", "arrival")
 #: ``equal``: every delta weighs 1; ``tokens``: a delta weighs its header's ``num_tokens``
 WEIGHTINGS = ("equal", "tokens")
+#: ``speedtronic``: also speak Speedtronic 2.0's hub layout (diloco_lightning.master.compat)
+COMPAT_MODES = ("speedtronic",)
 _MOMENTUM_OPTIMIZERS = ("nesterov", "poly_nesterov", "delayed_nesterov")
 
 
@@ -62,6 +64,10 @@ class MasterConfig:
     retry_max_delay: float = option(300.0, "the longest pause after failed rounds (backoff with jitter)")
     torch_threads: int | None = option(None, "torch threads of the master (the round is memory-bound; null: torch's default)")
     sweep_age: float = option(3600.0, "seconds after which temporary files of dead writers on other hosts are swept")
+    compat: str | None = option(
+        None, "speedtronic: also take Speedtronic's deltas, write its global/latest.safetensors + step_count.json, "
+        "and adopt a run its master served (null: off)"
+    )
 
     @classmethod
     def names(cls) -> list[str]:
@@ -98,6 +104,13 @@ class MasterConfig:
         check_number(self, "retry_max_delay", low=0.0, strict=True)
         check_number(self, "torch_threads", low=1, integer=True, optional=True)
         check_number(self, "sweep_age", low=0.0, strict=True)
+        if self.compat is not None:
+            if self.compat not in COMPAT_MODES:
+                raise OptionError("compat", f"must be null or one of {list(COMPAT_MODES)}, got {self.compat!r}")
+            if self.weighting != "equal":
+                raise OptionError(
+                    "compat", f"needs weighting='equal': Speedtronic's deltas carry no num_tokens (weighting is {self.weighting!r})"
+                )
         return self
 
     def optimizer_options(self) -> dict[str, Any]:

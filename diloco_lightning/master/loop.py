@@ -57,6 +57,9 @@
 * **Bootstrap without model code.** With no global version on the hub and no initial
   state, the master adopts the first worker's ``nodes/<node>/init.safetensors`` (sorted by
   node id) as outer step 0 and publishes it.
+* **Coming from Speedtronic** (``compat="speedtronic"``, :mod:`diloco_lightning.master.compat`):
+  Speedtronic's deltas are taken too, each version is also written where Speedtronic's
+  workers read it, and a hub that Speedtronic's master served is adopted mid-run.
 
 References: DiLoCo (Douillard et al. 2023, arXiv 2311.08105); CGAD (Shah & Sun 2026, arXiv
 2605.09126); asynchronous Local-SGD / Delayed Nesterov (Liu et al. 2024, arXiv 2401.09135).
@@ -80,6 +83,7 @@ from diloco_lightning.hub import open_hub
 from diloco_lightning.hub.base import Hub, PublishConflictError
 from diloco_lightning.manifest import GlobalVersion, ManifestError
 from diloco_lightning.master import localstate
+from diloco_lightning.master.compat import make_compat
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig, MasterConfigError
 from diloco_lightning.master.intake import Intake
 from diloco_lightning.master.lease import LeaseKeeper, default_holder
@@ -160,6 +164,9 @@ class MasterOuterLoop:
         sweep_age: temporary files of writers on other hosts (or of unknown owner) older than
             this many seconds are removed by the litter sweep (same-host ones as soon as their
             process is gone).
+        compat: ``"speedtronic"`` to also speak Speedtronic 2.0's hub layout: take its workers'
+            deltas, write ``global/latest.safetensors`` and ``global/step_count.json`` with each
+            version, adopt a run its master served (:mod:`diloco_lightning.master.compat`).
         torch_threads: if set, ``torch.set_num_threads(torch_threads)`` (process-wide). The round
             is memory-bound; on a machine whose cores are shared, multi-threaded ops stall on
             OpenMP barriers (measured: 5x slower rounds at 2 threads on 2 busy cores), so a
@@ -202,6 +209,8 @@ class MasterOuterLoop:
         self.holder = holder or default_holder()
         key = load_run_key(signing_key)
         self._key = key
+        #: the compatibility mode (None, or master.compat.SpeedtronicCompat): what it changes is there
+        self.compat = make_compat(self.config.compat, self.hub, key)
         self._sink = MetricsSink(metrics_path, logger)
         self._lease = (
             LeaseKeeper(self.hub, self.holder, self.config.effective_lease_ttl(), signing_key=key) if self.config.lease else None
@@ -209,8 +218,10 @@ class MasterOuterLoop:
         # the parts (each owns its state; see docs/design.md for the map)
         self.run = RunState(self.config, self.hub, self.node_state_dir, key)
         self.intake = Intake(self.hub, self.config)
-        self.validator = DeltaValidator(self.config, key, self.hub.private_downloads)
-        self.publisher = Publisher(self.hub, self.config, self.node_state_dir, key, self.holder, self._lease, owner=self)
+        self.validator = DeltaValidator(self.config, key, self.hub.private_downloads,
+                                        header_parser=self.compat.parse_header if self.compat is not None else None)
+        self.publisher = Publisher(self.hub, self.config, self.node_state_dir, key, self.holder, self._lease, owner=self,
+                                   compat=self.compat)
         self.rounds = Rounds(self)
 
         self._round_lock = threading.RLock()  # one round at a time
@@ -417,7 +428,12 @@ class MasterOuterLoop:
             return self._replace_forged(str(e), m)
         if hm is None:
             run.hub_manifest = None
-            if run.state is None and not self._bootstrap():
+            if self.compat is not None and self.compat.adopt(run, self.validator):  # a hub Speedtronic's master served
+                self._discard()
+                self.validator.load_state_dict(None)
+                self.publisher.collect_soon()
+                m.adopted = run.outer_step
+            elif run.state is None and not self._bootstrap():
                 return False
             # Nothing on the hub: publish our current version (outer step 0, or a restart on a wiped hub).
             if self._republish(m, history=[]):

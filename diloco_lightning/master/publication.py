@@ -74,6 +74,7 @@ class Publisher:
         holder: str,
         lease: LeaseKeeper | None,
         owner: Any = None,
+        compat: Any = None,
     ) -> None:
         self.hub = hub
         self.config = config
@@ -82,6 +83,8 @@ class Publisher:
         self.holder = holder
         self.lease = lease
         self.owner = owner
+        #: a compatibility mode (master/compat.py) whose mirrors ride with each publication
+        self.compat = compat
         self.gc_countdown = 0  # 0: the next publication collects garbage too
         self.swept = False
 
@@ -129,12 +132,16 @@ class Publisher:
             if self.signing_key is not None:
                 manifest = manifest.signed(self.signing_key)
             delete = self._deletions(manifest, prev, processed, ledger)
+            extra: dict[str, Any] = {}
+            if self.compat is not None:  # e.g. Speedtronic's latest.safetensors + step_count.json, after the manifest
+                extra["mirrors"] = self.compat.mirrors(manifest, staged.files[staged.weights])
             self.hub.publish(
                 manifest,
                 staged.files,
                 expected_outer_step=prev.outer_step if prev is not None else None,
                 delete=delete,
                 expected_digest=expected_digest,
+                **extra,
             )
         except BaseException:
             _remove(local_files)

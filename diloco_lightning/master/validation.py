@@ -14,7 +14,8 @@ Reasons, in the order the checks run:
                        header is: refused before it is downloaded, or while it is
 ``download``           the download failed ``max_download_attempts`` times in a row
 ``unreadable``         not a safetensors file (truncated, garbage, inconsistent offsets)
-``format``             header ``format`` is not ``diloco-delta/1``
+``format``             header ``format`` is not ``diloco-delta/1`` (with ``compat="speedtronic"``, a header
+                       without ``format`` is Speedtronic's, checked by :mod:`~diloco_lightning.master.compat`)
 ``header``             a header field missing or malformed
 ``node_id``            header ``node_id`` is not a valid node id
 ``path_mismatch``      header ``node_id`` / ``local_step`` differ from the file's hub path
@@ -73,6 +74,7 @@ import torch
 from diloco_lightning.deltafile import (
     Delta,
     DeltaFileError,
+    HeaderParser,
     max_delta_bytes,
     max_header_bytes,
     read_delta,
@@ -290,10 +292,13 @@ class DeltaValidator:
     published optimizer state: :meth:`state_dict` / :meth:`load_state_dict`).
     """
 
-    def __init__(self, config: "MasterConfig", signing_key: RunKey | None, private_downloads: bool = True) -> None:
+    def __init__(self, config: "MasterConfig", signing_key: RunKey | None, private_downloads: bool = True,
+                 header_parser: HeaderParser | None = None) -> None:
         self.config = config
         self.signing_key = signing_key
         self.private_downloads = private_downloads
+        #: how a header is parsed and checked (None: ``diloco-delta/1`` only; see master/compat.py)
+        self.header_parser = header_parser
         self.norms = NormGuard(config.max_delta_norm, config.norm_ratio, config.norm_window, config.norm_min_history,
                                config.norm_global_ratio)
         self._global_for: tuple[int, int] | None = None  # (id of the state, outer_step) the global bound is for
@@ -325,7 +330,8 @@ class DeltaValidator:
         """The header's ``base_outer_step`` (arrival mode sorts by it), or -1 if the header is bad
         (the delta is then rejected with the reader's reason when its turn comes)."""
         try:
-            return read_delta_header(path, max_header=self.size_limits(state, fingerprint)[1]).base_outer_step
+            return read_delta_header(path, max_header=self.size_limits(state, fingerprint)[1],
+                                     header_parser=self.header_parser).base_outer_step
         except DeltaFileError:
             return -1
 
@@ -355,7 +361,7 @@ class DeltaValidator:
 
     def _check(self, ref, path, state, fingerprint, outer_step, gate) -> tuple[Delta, Accepted]:
         max_bytes, max_header = self.size_limits(state, fingerprint)
-        header = read_delta_header(path, max_header=max_header)
+        header = read_delta_header(path, max_header=max_header, header_parser=self.header_parser)
         if header.node_id != ref.node_id or header.local_step != ref.local_step:
             raise DeltaRejected(
                 "path_mismatch",
@@ -379,6 +385,7 @@ class DeltaValidator:
             max_file_bytes=max_bytes,
             # mapped, not copied, unless a signature must hold for bytes someone else can rewrite
             copy=self.signing_key is not None and not self.private_downloads,
+            header_parser=self.header_parser,
         )
         norm = delta_norm(delta.tensors)
         if self._global_for != (id(state), outer_step):  # the global-relative bound: once per version
