@@ -20,6 +20,7 @@ from diloco_lightning.hub.base import (
     HubAuthError,
     HubError,
     HubNotFoundError,
+    HubUnavailableError,
     LeaseConflictError,
     PublishConflictError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "HubError",
     "HubAuthError",
     "HubNotFoundError",
+    "HubUnavailableError",
     "DeltaExistsError",
     "PublishConflictError",
     "LeaseConflictError",

@@ -89,6 +89,16 @@ class HubAuthError(HubError):
     """401/403 from a remote hub: missing or insufficient token. Never retried."""
 
 
+class HubUnavailableError(HubError):
+    """A remote hub kept answering 429/5xx or timing out after every retry, or asked for a pause
+    longer than a retry may wait. ``retry_after``: the seconds the server asked for (None if it
+    did not say); whoever retries later waits at least that long."""
+
+    def __init__(self, msg: str, retry_after: float | None = None) -> None:
+        super().__init__(msg)
+        self.retry_after = retry_after
+
+
 class HubFileTooLargeError(HubError):
     """A download was stopped: the file is larger than the reader allows (``max_bytes``)."""
 
@@ -285,6 +295,14 @@ class Hub(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
 
     # ------------------------------------------------------------------ common
+
+    def commit_wait(self, node_id: str | None = None) -> float:
+        """Seconds to wait before the next write for ``node_id`` (None: the master's publication)
+        stays within the transport's write rate limit; 0 means now. A writer that can wait (a
+        worker with a delta to send, a master with a round to publish) holds its work back and
+        merges it with what comes next instead of meeting the limit. Transports without a
+        limit: always 0."""
+        return 0.0
 
     def download_delta(self, ref: DeltaRef) -> Path:
         return self.download(ref.path)

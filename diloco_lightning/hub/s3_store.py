@@ -49,8 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_lightning.fileio import atomic_path
-from diloco_lightning.hub.base import HubAuthError, HubError, HubFileTooLargeError, HubNotFoundError
-from diloco_lightning.hub.hf import HubUnavailableError  # one "kept failing after retries" error for every remote hub
+from diloco_lightning.hub.base import HubAuthError, HubError, HubFileTooLargeError, HubNotFoundError, HubUnavailableError
 
 log = logging.getLogger(__name__)
 
