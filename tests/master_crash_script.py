@@ -47,7 +47,7 @@ def open_hub(spec: dict):
 
     return HFHub(
         spec["repo"], endpoint=spec["endpoint"], token=spec.get("token"), cache_dir=spec.get("cache_dir"),
-        max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05,
+        max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, commits_per_hour=0,
     )
 
 

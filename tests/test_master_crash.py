@@ -161,7 +161,7 @@ def test_kill9_on_the_hugging_face_hub(tmp_path, tmp_path_factory, crash, occurr
         def open_hub():
             n[0] += 1
             return HFHub("org/crash", endpoint=server.endpoint, token=TOKEN, cache_dir=tmp_path / f"c{n[0]}",
-                         max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, timeout=10)
+                         max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, timeout=10, commits_per_hour=0)
 
         spec = {"kind": "hf", "endpoint": server.endpoint, "repo": "org/crash", "token": TOKEN,
                 "cache_dir": str(tmp_path / "script_cache")}

@@ -184,6 +184,9 @@ class Hub(abc.ABC):
     cache_dir: Path
     #: the folder of a hub that is a local folder (None for remote transports)
     local_root: Path | None = None
+    #: whether every write is a commit the transport rate-limits (the Hugging Face Hub): periodic
+    #: writes (the master's lease, a worker's claim) then default to long intervals
+    rate_limited_writes: bool = False
     #: whether what :meth:`download` returns is this process's own copy (a remote hub's cache),
     #: which no other writer can change while it is read; the folder hub returns files in place
     private_downloads: bool = True
@@ -210,6 +213,11 @@ class Hub(abc.ABC):
         ``after`` is a ledger: a delta of node n with ``local_step <= after[n]`` is left out.
         Files under ``nodes/`` that are not valid delta paths are ignored (and logged once).
         """
+
+    def list_node_deltas(self, node_id: str, after: int = -1) -> list[DeltaRef]:
+        """``node_id``'s deltas with ``local_step > after``, sorted (what a worker asks about itself);
+        a transport may list that node's files only."""
+        return [r for r in self.list_deltas(after={node_id: after}) if r.node_id == node_id]
 
     @abc.abstractmethod
     def list_inits(self) -> list[str]:

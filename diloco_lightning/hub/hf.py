@@ -69,6 +69,7 @@ from diloco_lightning.hub.hf_http import (
     _Precondition,
     _retry_after,  # noqa: F401 - importable from here, as before
 )
+from diloco_lightning.hub.pacing import DEFAULT_COMMITS_PER_HOUR, CommitBudget
 from diloco_lightning.manifest import Lease, Manifest
 from diloco_lightning.nodeclaim import ClaimError, NodeClaim
 from diloco_lightning.names import (
@@ -85,6 +86,7 @@ from diloco_lightning.names import (
     parse_init_path,
     validate_global_path,
     validate_hub_path,
+    validate_node_id,
 )
 
 log = logging.getLogger(__name__)
@@ -107,8 +109,14 @@ class HFHub(HFRequests, Hub):
     (retries of one HTTP call on 429/5xx/timeouts, default 5), ``retry_base_delay`` /
     ``retry_max_delay`` (seconds; backoff ``min(max, base * 2**n)``, jittered to 50-100 %),
     ``timeout`` (seconds per connect/read/write, default 120), ``max_cas_attempts``
-    (rounds of re-read + commit when the head keeps moving, default 20).
+    (rounds of re-read + commit when the head keeps moving, default 20), ``commits_per_hour``
+    / ``commit_burst`` (this handle's :class:`~diloco_lightning.hub.pacing.CommitBudget` for
+    the repository, default 128 an hour, the Hub's limit for a free account; 0: none; when
+    several processes commit to one repository, give each its share).
+    ``create=None`` neither creates nor checks the repository at open (no request).
     """
+
+    rate_limited_writes = True
 
     def __init__(
         self,
@@ -118,13 +126,15 @@ class HFHub(HFRequests, Hub):
         token: str | bool | None = None,
         cache_dir: str | os.PathLike | None = None,
         revision: str | None = None,
-        create: bool = True,
+        create: bool | None = True,
         private: bool | None = None,
         max_retries: int | None = None,
         retry_base_delay: float | None = None,
         retry_max_delay: float | None = None,
         timeout: float | None = 120.0,
         max_cas_attempts: int | None = None,
+        commits_per_hour: float | None = DEFAULT_COMMITS_PER_HOUR,
+        commit_burst: int | None = None,
     ) -> None:
         from huggingface_hub import HfApi, constants
 
@@ -152,9 +162,12 @@ class HFHub(HFRequests, Hub):
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._plain_transient = _plain_transient_types()
+        self.commit_budget = CommitBudget(commits_per_hour, commit_burst)
+        #: the hub whose crash points this one's are (a per-node hub's repositories report as it)
+        self.fault_owner: Hub | None = None
         if create:
             self._call("create the repository", self._api.create_repo, self.repo_id, private=private, exist_ok=True)
-        else:
+        elif create is not None:
             self._call("open the repository", self._api.repo_info, self.repo_id, revision=self.revision)
 
     @staticmethod
@@ -172,7 +185,8 @@ class HFHub(HFRequests, Hub):
     # ------------------------------------------------------------------ HTTP plumbing
 
     def _fault(self, label: str) -> None:
-        faults.point(label, self)  # crash points for tests (diloco_lightning.faults)
+        # crash points for tests (diloco_lightning.faults), reached by the hub that owns this one if any
+        faults.point(label, self.fault_owner or self)
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         with self._lock:
@@ -185,10 +199,13 @@ class HFHub(HFRequests, Hub):
 
     # ------------------------------------------------------------------ workers
 
-    def _put_new(self, local_file: str | os.PathLike, hub_path: str, what: str) -> bool:
+    def _put_new(self, local_file: str | os.PathLike, hub_path: str, what: str, delete: Iterable[str] = ()) -> bool:
         """Commit ``local_file`` as ``hub_path`` unless it exists. True if written (or the same
-        bytes are already there: an earlier attempt of ours), False if another file is there."""
-        from huggingface_hub import CommitOperationAdd
+        bytes are already there: an earlier attempt of ours), False if another file is there.
+        ``delete``: files removed in the same commit (those still there at its parent)."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        delete = sorted({validate_hub_path(p) for p in delete} - {hub_path})
 
         local = Path(local_file)
         if not local.is_file():
@@ -205,8 +222,11 @@ class HFHub(HFRequests, Hub):
                         return self._same_file(hub_path, local, head)
             else:
                 return self._same_file(hub_path, local, None, etag=meta.etag)
+            ops = [op]
+            if delete:
+                ops += [CommitOperationDelete(path_in_repo=p) for p in sorted(self._paths_present(delete, head))]
             try:
-                self._commit([op], head, f"{what}: {hub_path}")
+                self._commit(ops, head, f"{what}: {hub_path}" + (f" (and delete {len(ops) - 1})" if len(ops) > 1 else ""))
                 return True
             except _Precondition:
                 log.debug("%s: the head of %s moved; checking %s again", what, self.url, hub_path)
@@ -229,9 +249,11 @@ class HFHub(HFRequests, Hub):
             return _git_blob_sha1(local) == etag
         return False
 
-    def upload_delta(self, local_file: str | os.PathLike, node_id: str, local_step: int) -> str:
+    def upload_delta(self, local_file: str | os.PathLike, node_id: str, local_step: int, *,
+                     delete: Iterable[str] = ()) -> str:
+        """See :meth:`Hub.upload_delta`; ``delete``: files removed in the same commit (no extra commit)."""
         hub_path = delta_path(node_id, local_step)
-        if not self._put_new(local_file, hub_path, "upload delta"):
+        if not self._put_new(local_file, hub_path, "upload delta", delete):
             raise DeltaExistsError(f"{hub_path} already exists on {self.url}; deltas are never rewritten")
         return hub_path
 
@@ -243,11 +265,13 @@ class HFHub(HFRequests, Hub):
 
     # ------------------------------------------------------------------ listing
 
-    def _tree(self, folder: str, recursive: bool) -> list[tuple[str, int | None, str | None]]:
+    def _tree(self, folder: str, recursive: bool, revision: str | None = None) -> list[tuple[str, int | None, str | None]]:
+        """``(path, size, blob id)`` of the files under ``folder`` (at ``revision``, default the branch)."""
         from huggingface_hub.hf_api import RepoFile
 
         def run() -> list[tuple[str, int | None, str | None]]:
-            items = self._api.list_repo_tree(self.repo_id, path_in_repo=folder, recursive=recursive, revision=self.revision)
+            items = self._api.list_repo_tree(self.repo_id, path_in_repo=folder, recursive=recursive,
+                                             revision=revision or self.revision)
             return [(x.path, x.size, getattr(x, "blob_id", None)) for x in items if isinstance(x, RepoFile)]
 
         try:
@@ -272,6 +296,13 @@ class HFHub(HFRequests, Hub):
             out.append(DeltaRef(ident.node_id, ident.local_step, path, size, blob))
         out.sort()
         return out
+
+    def list_node_deltas(self, node_id: str, after: int = -1) -> list[DeltaRef]:
+        """One node's deltas: a listing of ``nodes/<node_id>/`` only."""
+        folder = f"{NODES_DIR}/{validate_node_id(node_id)}"
+        out = [DeltaRef(i.node_id, i.local_step, p, size, blob) for p, size, blob in self._tree(folder, recursive=True)
+               if (i := parse_delta_path(p)) is not None and i.node_id == node_id and i.local_step > after]
+        return sorted(out)
 
     def list_inits(self) -> list[str]:
         return sorted({n for n in (parse_init_path(p) for p, _, _ in self._node_files()) if n is not None})
@@ -483,6 +514,10 @@ class HFHub(HFRequests, Hub):
             except _Precondition:
                 self._cas_pause(attempt)
         raise HubError(f"write_claim: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
+
+    def commit_wait(self, node_id: str | None = None) -> float:
+        """Seconds until this repository's commit budget allows the next commit (every write here is one)."""
+        return self.commit_budget.wait()
 
     def __repr__(self) -> str:
         return f"HFHub({self.url!r}, endpoint={self.endpoint!r}, revision={self.revision!r})"

@@ -43,6 +43,7 @@ from diloco_lightning.hub.base import (
     HubNotFoundError,
     HubUnavailableError,
 )
+from diloco_lightning.hub.pacing import CommitBudget, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -85,22 +86,10 @@ _GUARD: contextvars.ContextVar[_GuardOptions | None] = contextvars.ContextVar("d
 _GUARD_LOCK = threading.Lock()
 
 
-_RATELIMIT_RE = re.compile(r"r\s*=\s*(\d+)\s*;\s*t\s*=\s*(\d+)")
-
-
 def _retry_after(headers: Any) -> float | None:
-    """Seconds the server asked us to wait: ``Retry-After``, or the Hub's ``RateLimit: "api";r=0;t=N``."""
-    try:
-        value = headers.get("Retry-After")
-        ratelimit = headers.get("RateLimit")
-    except Exception:
-        return None
-    if value and str(value).strip().isdigit():
-        return float(str(value).strip())
-    m = _RATELIMIT_RE.search(str(ratelimit or ""))
-    if m and m.group(1) == "0":
-        return float(m.group(2))
-    return None
+    """Seconds the server asked us to wait (``Retry-After`` in seconds or as an HTTP date, or the
+    Hub's ``RateLimit: "api";r=0;t=N``); see :func:`diloco_lightning.hub.pacing.retry_after`."""
+    return retry_after(headers)
 
 
 def _guarded_send(request: Any, send: Callable[[], Any], transient_exc: tuple[type[BaseException], ...]) -> Any:
@@ -267,6 +256,7 @@ class HFRequests:
     _api: Any
     _guard_opts: _GuardOptions
     _plain_transient: tuple[type[BaseException], ...]
+    commit_budget: CommitBudget
 
     def _scrub(self, text: str) -> str:
         tok = self._token
@@ -275,14 +265,23 @@ class HFRequests:
         return text
 
     def _backoff(self, attempt: int, retry_after: float | None = None) -> float:
+        """The pause before retry ``attempt``: ``min(max, base * 2**(attempt-1))`` jittered to 50-100 %,
+        and never shorter than the server's ``Retry-After``."""
         d = min(self.retry_max_delay, self.retry_base_delay * (2 ** (attempt - 1)))
         d = d * (0.5 + 0.5 * random.random())
         if retry_after is not None:
-            d = max(d, min(retry_after, self.retry_max_delay))
+            d = max(d, retry_after)
         return d
 
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one ``huggingface_hub`` call; retry 429/5xx/timeouts/connection errors; map the rest."""
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, budget: CommitBudget | None = None,
+              **kwargs: Any) -> Any:
+        """Run one ``huggingface_hub`` call; retry 429/5xx/timeouts/connection errors; map the rest.
+
+        A ``Retry-After`` is honoured: the retry waits at least that long, and when the server asks
+        for more than ``retry_max_delay`` the call does not wait inside: it raises
+        ``HubUnavailableError`` with ``retry_after`` at once, for a caller that can do something
+        better meanwhile (a worker merges its deltas, a master keeps gathering its round). A 429 on
+        a commit (``budget``) also pauses that repository's :class:`CommitBudget`."""
         from huggingface_hub.errors import HfHubHTTPError
 
         try:
@@ -297,7 +296,7 @@ class HFRequests:
             try:
                 return fn(*args, **kwargs)
             except _TransientError as e:
-                reason, retry_after = str(e), e.retry_after
+                reason, retry_after, status = str(e), e.retry_after, e.status
             except OfflineModeIsEnabled as e:  # type: ignore[misc]
                 raise HubError(f"{what} on {self.url}: HF_HUB_OFFLINE is set; unset it to use an hf:// hub") from e
             except HfHubHTTPError as e:
@@ -307,16 +306,24 @@ class HFRequests:
                     raise self._map_http_error(e, status, what) from e
                 reason, retry_after = f"HTTP {status}", _retry_after(getattr(response, "headers", {}))
             except self._plain_transient as e:  # only reached when the guard is absent
-                reason, retry_after = f"{type(e).__name__}: {e}", None
+                reason, retry_after, status = f"{type(e).__name__}: {e}", None, None
             finally:
                 _GUARD.reset(token)
             attempt += 1
             reason = self._scrub(reason)
+            delay = self._backoff(attempt, retry_after)
+            if budget is not None and status == 429:
+                budget.block(delay)  # the repository's commits wait too, not only this one
+            if retry_after is not None and retry_after > self.retry_max_delay:
+                raise HubUnavailableError(
+                    f"{what} on {self.url} ({self.endpoint}): {reason}, the server asks to wait {retry_after:.0f}s "
+                    "before trying again", retry_after=retry_after,
+                )
             if attempt > self.max_retries:
                 raise HubUnavailableError(
-                    f"{what} on {self.url} ({self.endpoint}) failed after {attempt} attempt(s): {reason}"
+                    f"{what} on {self.url} ({self.endpoint}) failed after {attempt} attempt(s): {reason}",
+                    retry_after=retry_after,
                 )
-            delay = self._backoff(attempt, retry_after)
             log.warning("%s on %s: %s; retry %d/%d in %.2fs", what, self.url, reason, attempt, self.max_retries, delay)
             time.sleep(delay)
 
@@ -405,6 +412,20 @@ class HFRequests:
         return present
 
     def _commit(self, operations: list, parent: str, message: str) -> str:
+        """One ``create_commit`` with ``parent_commit``, within the repository's commit budget: a
+        wait up to ``retry_max_delay`` is slept here, a longer one is the caller's
+        (``HubUnavailableError`` with ``retry_after``; nothing was sent)."""
+        budget = self.commit_budget
+        wait = budget.wait()
+        if wait > self.retry_max_delay:
+            raise HubUnavailableError(
+                f"commit ({message}) on {self.url}: the commit budget of this repository "
+                f"({budget.per_hour or 0:g} an hour; commits_per_hour=) or the Hub's Retry-After allows the next "
+                f"commit in {wait:.0f}s", retry_after=wait,
+            )
+        if wait > 0:
+            log.info("commit (%s) on %s: waiting %.1fs for the commit budget", message, self.url, wait)
+            budget.acquire()
         info = self._call(
             f"commit ({message})",
             self._api.create_commit,
@@ -413,7 +434,9 @@ class HFRequests:
             commit_message=message,
             revision=self.revision,
             parent_commit=parent,
+            budget=budget,
         )
+        budget.record()
         return getattr(info, "oid", None) or ""
 
     def _cas_pause(self, attempt: int) -> None:
