@@ -66,6 +66,7 @@ class Request:
     path: str
     status: int
     repo: str | None = None
+    at: float = field(default_factory=time.monotonic)  # when it arrived (time.monotonic)
 
 
 @dataclass
