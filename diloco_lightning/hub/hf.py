@@ -28,12 +28,17 @@ compare-and-swap:
   are fetched at the commit that manifest was read at (a later publication deleting
   them cannot pull them away mid-download).
 
-Errors, retries and the requests themselves: :mod:`diloco_lightning.hub.hf_http`.
+Every commit goes through this repository's commit budget
+(:class:`~diloco_lightning.hub.pacing.CommitBudget`, ``commits_per_hour``, default 128: the Hub's
+limit for a free account); :meth:`HFHub.commit_wait` tells a writer how long until the next one
+fits. The layout with a repository per node (so that each has its own budget) is
+:mod:`diloco_lightning.hub.hf_nodes`, built on this class.
+
+Errors, retries (``Retry-After`` included) and the requests themselves: :mod:`diloco_lightning.hub.hf_http`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -62,9 +67,7 @@ from diloco_lightning.hub.hf_http import (
     _COMMIT_RE,
     HFRequests,
     _EntryMissing,
-    _git_blob_sha1,
     _GuardOptions,
-    _norm_etag,
     _plain_transient_types,
     _Precondition,
     _retry_after,  # noqa: F401 - importable from here, as before
@@ -199,56 +202,6 @@ class HFHub(HFRequests, Hub):
 
     # ------------------------------------------------------------------ workers
 
-    def _put_new(self, local_file: str | os.PathLike, hub_path: str, what: str, delete: Iterable[str] = ()) -> bool:
-        """Commit ``local_file`` as ``hub_path`` unless it exists. True if written (or the same
-        bytes are already there: an earlier attempt of ours), False if another file is there.
-        ``delete``: files removed in the same commit (those still there at its parent)."""
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
-        delete = sorted({validate_hub_path(p) for p in delete} - {hub_path})
-
-        local = Path(local_file)
-        if not local.is_file():
-            raise FileNotFoundError(f"{what}: local file {local} does not exist")
-        op = CommitOperationAdd(path_in_repo=hub_path, path_or_fileobj=str(local))
-        for attempt in range(self.max_cas_attempts):
-            try:
-                meta = self._call(f"check {hub_path}", self._api.get_hf_file_metadata, url=self._file_url(hub_path, self.revision))
-            except _EntryMissing as e:
-                head = e.commit if e.commit and _COMMIT_RE.fullmatch(e.commit) else None
-                if head is None:  # no X-Repo-Commit: resolve the head, then check at it
-                    head = self._head_commit()
-                    if hub_path in self._paths_present([hub_path], head):
-                        return self._same_file(hub_path, local, head)
-            else:
-                return self._same_file(hub_path, local, None, etag=meta.etag)
-            ops = [op]
-            if delete:
-                ops += [CommitOperationDelete(path_in_repo=p) for p in sorted(self._paths_present(delete, head))]
-            try:
-                self._commit(ops, head, f"{what}: {hub_path}" + (f" (and delete {len(ops) - 1})" if len(ops) > 1 else ""))
-                return True
-            except _Precondition:
-                log.debug("%s: the head of %s moved; checking %s again", what, self.url, hub_path)
-                self._cas_pause(attempt)
-        raise HubError(f"{what}: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
-
-    def _same_file(self, hub_path: str, local: Path, revision: str | None, etag: str | None = None) -> bool:
-        if etag is None:
-            with contextlib.suppress(HubError):
-                meta = self._call(
-                    f"check {hub_path}", self._api.get_hf_file_metadata, url=self._file_url(hub_path, revision or self.revision)
-                )
-                etag = meta.etag
-        etag = _norm_etag(etag)
-        if etag and len(etag) == 64:
-            from diloco_lightning.fileio import sha256_file
-
-            return sha256_file(local) == etag
-        if etag and len(etag) == 40:
-            return _git_blob_sha1(local) == etag
-        return False
-
     def upload_delta(self, local_file: str | os.PathLike, node_id: str, local_step: int, *,
                      delete: Iterable[str] = ()) -> str:
         """See :meth:`Hub.upload_delta`; ``delete``: files removed in the same commit (no extra commit)."""
@@ -264,20 +217,6 @@ class HFHub(HFRequests, Hub):
         return hub_path
 
     # ------------------------------------------------------------------ listing
-
-    def _tree(self, folder: str, recursive: bool, revision: str | None = None) -> list[tuple[str, int | None, str | None]]:
-        """``(path, size, blob id)`` of the files under ``folder`` (at ``revision``, default the branch)."""
-        from huggingface_hub.hf_api import RepoFile
-
-        def run() -> list[tuple[str, int | None, str | None]]:
-            items = self._api.list_repo_tree(self.repo_id, path_in_repo=folder, recursive=recursive,
-                                             revision=revision or self.revision)
-            return [(x.path, x.size, getattr(x, "blob_id", None)) for x in items if isinstance(x, RepoFile)]
-
-        try:
-            return self._call(f"list {folder}/", run)
-        except _EntryMissing:
-            return []
 
     def _node_files(self) -> list[tuple[str, int | None, str | None]]:
         return self._tree(NODES_DIR, recursive=True)

@@ -6,32 +6,21 @@ it), 404 -> ``HubNotFoundError``, 409/412 -> the CAS conflict of the operation. 
 429, 5xx, timeouts and connection errors are retried, with jittered exponential backoff
 (``max_retries``, ``retry_base_delay``, ``retry_max_delay``); nothing else is.
 
-``huggingface_hub`` retries some calls on its own (``http_backoff``: preupload, tree
-pages, downloads; up to 5 times, sleeping 1-8 s). So that its retries do not multiply
-ours, a pass-through wrapper is put around the transport of its shared HTTP client: while
-one of this module's calls runs (a context variable, so other users of the client are
-untouched) a retryable status or a network error is raised at once as
-``_TransientError``, which ``huggingface_hub`` does not retry and this module does; the
-wrapper also gives those calls a timeout (``timeout=``; the shared client has none). On a
-``huggingface_hub`` whose client cannot be wrapped, its own retries stay (bounded:
-at most ``6 * (max_retries + 1)`` requests per call).
+``huggingface_hub``'s own retries are kept from multiplying ours by a guard on its shared HTTP
+client: :mod:`diloco_lightning.hub.hf_guard`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
-import importlib
 import logging
 import os
 import random
 import re
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,24 +32,25 @@ from diloco_lightning.hub.base import (
     HubNotFoundError,
     HubUnavailableError,
 )
-from diloco_lightning.hub.pacing import CommitBudget, retry_after
+from diloco_lightning.hub.hf_guard import (
+    _GUARD,
+    _RETRY_STATUS,
+    _ensure_guard,
+    _GuardOptions,
+    _is_requests_session,
+    _plain_transient_types,
+    _retry_after,
+    _TransientError,
+)
+from diloco_lightning.hub.pacing import CommitBudget
+from diloco_lightning.names import validate_hub_path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HFRequests", "HubUnavailableError"]
+__all__ = ["HFRequests", "HubUnavailableError", "_GuardOptions", "_plain_transient_types", "_retry_after"]
 
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504}) | frozenset(range(500, 600))
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 _CHUNK = 8 << 20
-
-class _TransientError(Exception):
-    """A retryable failure (429, 5xx, timeout, connection error) seen under our guard."""
-
-    def __init__(self, reason: str, status: int | None = None, retry_after: float | None = None) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.retry_after = retry_after
-
 
 class _EntryMissing(HubNotFoundError):
     """404 on a file or folder of an existing repository; ``commit`` is the revision's head if the Hub said."""
@@ -72,151 +62,6 @@ class _EntryMissing(HubNotFoundError):
 
 class _Precondition(HubError):
     """409/412 on a commit: the branch head is not the ``parent_commit`` we gave."""
-
-
-# ----------------------------------------------------------------------------- guard on the shared client
-
-
-@dataclass(frozen=True)
-class _GuardOptions:
-    timeout: float | None
-
-
-_GUARD: contextvars.ContextVar[_GuardOptions | None] = contextvars.ContextVar("diloco_hf_guard", default=None)
-_GUARD_LOCK = threading.Lock()
-
-
-def _retry_after(headers: Any) -> float | None:
-    """Seconds the server asked us to wait (``Retry-After`` in seconds or as an HTTP date, or the
-    Hub's ``RateLimit: "api";r=0;t=N``); see :func:`diloco_lightning.hub.pacing.retry_after`."""
-    return retry_after(headers)
-
-
-def _guarded_send(request: Any, send: Callable[[], Any], transient_exc: tuple[type[BaseException], ...]) -> Any:
-    """``send()`` the request under the guard (httpx and requests alike): a network error in
-    ``transient_exc`` or a 429/5xx answer (closed) raises ``_TransientError``."""
-    try:
-        response = send()
-    except transient_exc as e:
-        raise _TransientError(f"{type(e).__name__} on {request.method} {request.url}: {e}") from e
-    if response.status_code in _RETRY_STATUS:
-        retry_after = _retry_after(response.headers)
-        with contextlib.suppress(Exception):
-            response.close()
-        raise _TransientError(
-            f"HTTP {response.status_code} on {request.method} {request.url}", response.status_code, retry_after
-        )
-    return response
-
-
-def _make_guard_transport(httpx_mod: Any, inner: Any) -> Any:
-    base = httpx_mod.BaseTransport
-    transient_exc = (httpx_mod.TimeoutException, httpx_mod.NetworkError, httpx_mod.RemoteProtocolError)
-
-    class _GuardTransport(base):  # type: ignore[misc, valid-type]
-        """Pass-through unless a diloco call is running: then 429/5xx and network errors raise
-        ``_TransientError`` (which ``huggingface_hub`` does not retry), and a timeout is set."""
-
-        _diloco_guard = True
-
-        def __init__(self, inner_transport: Any) -> None:
-            self._inner = inner_transport
-
-        def handle_request(self, request: Any) -> Any:
-            opts = _GUARD.get()
-            if opts is None:
-                return self._inner.handle_request(request)
-            t = request.extensions.get("timeout")
-            if opts.timeout is not None and (not t or all(v is None for v in t.values())):
-                request.extensions["timeout"] = {k: opts.timeout for k in ("connect", "read", "write", "pool")}
-            return _guarded_send(request, lambda: self._inner.handle_request(request), transient_exc)
-
-        def close(self) -> None:
-            self._inner.close()
-
-    return _GuardTransport(inner)
-
-
-def _make_requests_guard_adapter(requests_mod: Any, inner: Any) -> Any:
-    """The same guard for ``huggingface_hub < 1.0``, whose shared session is a ``requests.Session``."""
-    transient_exc = (requests_mod.Timeout, requests_mod.ConnectionError)
-
-    class _GuardAdapter(requests_mod.adapters.BaseAdapter):  # type: ignore[misc, name-defined]
-        _diloco_guard = True
-
-        def __init__(self, inner_adapter: Any) -> None:
-            super().__init__()
-            self._inner = inner_adapter
-
-        def send(self, request: Any, stream: bool = False, timeout: Any = None, **kwargs: Any) -> Any:
-            opts = _GUARD.get()
-            if opts is None:
-                return self._inner.send(request, stream=stream, timeout=timeout, **kwargs)
-            if timeout is None:
-                timeout = opts.timeout
-            return _guarded_send(
-                request, lambda: self._inner.send(request, stream=stream, timeout=timeout, **kwargs), transient_exc
-            )
-
-        def close(self) -> None:
-            self._inner.close()
-
-    return _GuardAdapter(inner)
-
-
-def _is_requests_session(session: Any) -> bool:
-    return type(session).__module__.split(".")[0] == "requests"
-
-
-def _ensure_guard() -> None:
-    """Wrap the transport(s) of ``huggingface_hub``'s shared client once (see the module docstring)."""
-    from huggingface_hub.utils import get_session
-
-    client = get_session()
-    if getattr(client, "_diloco_guarded", False):
-        return
-    with _GUARD_LOCK:
-        if getattr(client, "_diloco_guarded", False):
-            return
-        try:
-            mod = importlib.import_module(type(client).__module__.split(".")[0])
-            if _is_requests_session(client):
-                for prefix, adapter in list(client.adapters.items()):
-                    if not getattr(adapter, "_diloco_guard", False):
-                        client.adapters[prefix] = _make_requests_guard_adapter(mod, adapter)
-                client._diloco_guarded = True
-                return
-            base = getattr(mod, "BaseTransport", None)
-            transport = getattr(client, "_transport", None)
-            if base is not None and isinstance(transport, base):
-                client._transport = _make_guard_transport(mod, transport)
-                mounts = getattr(client, "_mounts", None)
-                if isinstance(mounts, dict):
-                    for key, value in list(mounts.items()):
-                        if isinstance(value, base) and not getattr(value, "_diloco_guard", False):
-                            mounts[key] = _make_guard_transport(mod, value)
-            else:
-                log.debug("huggingface_hub client %s cannot be guarded; its own retries stay", type(client).__name__)
-        except Exception as e:  # never fail an operation because the guard could not be installed
-            log.debug("could not guard the huggingface_hub client: %s", e)
-        with contextlib.suppress(Exception):
-            client._diloco_guarded = True
-
-
-def _plain_transient_types() -> tuple[type[BaseException], ...]:
-    """Network exceptions of the HTTP library ``huggingface_hub`` uses (when the guard is absent)."""
-    out: list[type[BaseException]] = []
-    for name, attrs in (
-        ("httpx2", ("TimeoutException", "NetworkError", "RemoteProtocolError")),
-        ("httpx", ("TimeoutException", "NetworkError", "RemoteProtocolError")),
-        ("requests", ("Timeout", "ConnectionError")),
-    ):
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        out.extend(getattr(mod, a) for a in attrs if isinstance(getattr(mod, a, None), type))
-    return tuple(out)
 
 
 def _git_blob_sha1(path: str | os.PathLike) -> str:
@@ -252,6 +97,7 @@ class HFRequests:
     max_retries: int
     retry_base_delay: float
     retry_max_delay: float
+    max_cas_attempts: int
     _token: str | bool | None
     _api: Any
     _guard_opts: _GuardOptions
@@ -495,3 +341,67 @@ class HFRequests:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    def _put_new(self, local_file: str | os.PathLike, hub_path: str, what: str, delete: Iterable[str] = ()) -> bool:
+        """Commit ``local_file`` as ``hub_path`` unless it exists. True if written (or the same
+        bytes are already there: an earlier attempt of ours), False if another file is there.
+        ``delete``: files removed in the same commit (those still there at its parent)."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        delete = sorted({validate_hub_path(p) for p in delete} - {hub_path})
+
+        local = Path(local_file)
+        if not local.is_file():
+            raise FileNotFoundError(f"{what}: local file {local} does not exist")
+        op = CommitOperationAdd(path_in_repo=hub_path, path_or_fileobj=str(local))
+        for attempt in range(self.max_cas_attempts):
+            try:
+                meta = self._call(f"check {hub_path}", self._api.get_hf_file_metadata, url=self._file_url(hub_path, self.revision))
+            except _EntryMissing as e:
+                head = e.commit if e.commit and _COMMIT_RE.fullmatch(e.commit) else None
+                if head is None:  # no X-Repo-Commit: resolve the head, then check at it
+                    head = self._head_commit()
+                    if hub_path in self._paths_present([hub_path], head):
+                        return self._same_file(hub_path, local, head)
+            else:
+                return self._same_file(hub_path, local, None, etag=meta.etag)
+            ops: list[Any] = [op]
+            if delete:
+                ops += [CommitOperationDelete(path_in_repo=p) for p in sorted(self._paths_present(delete, head))]
+            try:
+                self._commit(ops, head, f"{what}: {hub_path}" + (f" (and delete {len(ops) - 1})" if len(ops) > 1 else ""))
+                return True
+            except _Precondition:
+                log.debug("%s: the head of %s moved; checking %s again", what, self.url, hub_path)
+                self._cas_pause(attempt)
+        raise HubError(f"{what}: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
+
+    def _same_file(self, hub_path: str, local: Path, revision: str | None, etag: str | None = None) -> bool:
+        if etag is None:
+            with contextlib.suppress(HubError):
+                meta = self._call(
+                    f"check {hub_path}", self._api.get_hf_file_metadata, url=self._file_url(hub_path, revision or self.revision)
+                )
+                etag = meta.etag
+        etag = _norm_etag(etag)
+        if etag and len(etag) == 64:
+            from diloco_lightning.fileio import sha256_file
+
+            return sha256_file(local) == etag
+        if etag and len(etag) == 40:
+            return _git_blob_sha1(local) == etag
+        return False
+
+    def _tree(self, folder: str, recursive: bool, revision: str | None = None) -> list[tuple[str, int | None, str | None]]:
+        """``(path, size, blob id)`` of the files under ``folder`` (at ``revision``, default the branch)."""
+        from huggingface_hub.hf_api import RepoFile
+
+        def run() -> list[tuple[str, int | None, str | None]]:
+            items = self._api.list_repo_tree(self.repo_id, path_in_repo=folder, recursive=recursive,
+                                             revision=revision or self.revision)
+            return [(x.path, x.size, getattr(x, "blob_id", None)) for x in items if isinstance(x, RepoFile)]
+
+        try:
+            return self._call(f"list {folder}/", run)
+        except _EntryMissing:
+            return []
