@@ -295,3 +295,21 @@ def test_a_short_retry_after_is_slept_inside_the_call(server, tmp_path):
     t0 = time.monotonic()
     assert hub.list_deltas() == []
     assert time.monotonic() - t0 >= 1.0 and server.count("models") == 2
+
+
+def test_after_a_long_retry_after_no_request_is_sent_until_it_passes(server, tmp_path):
+    """A read answered 429 with a Retry-After longer than a retry may wait: the call raises at once with
+    ``retry_after``, and the next calls raise too without sending anything until that time has passed."""
+    from diloco_lightning.hub import HubUnavailableError
+
+    hub = _open(server, tmp_path, "m", retry_max_delay=0.05)
+    server.reset_log()
+    server.inject("resolve", 429, count=1, headers={"Retry-After": "1"})
+    with pytest.raises(HubUnavailableError) as ei:
+        hub.read_manifest()
+    assert 0.9 <= ei.value.retry_after <= 1.0 and server.count("resolve") == 1
+    with pytest.raises(HubUnavailableError, match="left of its Retry-After"):
+        hub.read_lease()
+    assert server.count() == 1  # nothing was sent
+    time.sleep(1.0)
+    assert hub.read_manifest() is None and server.count("resolve") == 2

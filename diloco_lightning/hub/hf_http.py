@@ -103,6 +103,8 @@ class HFRequests:
     _guard_opts: _GuardOptions
     _plain_transient: tuple[type[BaseException], ...]
     commit_budget: CommitBudget
+    #: no request before this time.monotonic() (the last 429/503 Retry-After)
+    _pause_until: float = 0.0
 
     def _scrub(self, text: str) -> str:
         tok = self._token
@@ -137,6 +139,7 @@ class HFRequests:
 
         attempt = 0
         while True:
+            self._wait_for_server(what)
             _ensure_guard()
             token = _GUARD.set(self._guard_opts)
             try:
@@ -160,6 +163,8 @@ class HFRequests:
             delay = self._backoff(attempt, retry_after)
             if budget is not None and status == 429:
                 budget.block(delay)  # the repository's commits wait too, not only this one
+            if retry_after is not None and status in (429, 503):  # no request of ours before the server's time
+                self._pause_until = max(self._pause_until, time.monotonic() + retry_after)
             if retry_after is not None and retry_after > self.retry_max_delay:
                 raise HubUnavailableError(
                     f"{what} on {self.url} ({self.endpoint}): {reason}, the server asks to wait {retry_after:.0f}s "
@@ -172,6 +177,18 @@ class HFRequests:
                 )
             log.warning("%s on %s: %s; retry %d/%d in %.2fs", what, self.url, reason, attempt, self.max_retries, delay)
             time.sleep(delay)
+
+    def _wait_for_server(self, what: str) -> None:
+        """Honour the last ``Retry-After`` (429/503) before sending anything: sleep it when short, else
+        raise at once without a request (the caller waits, see :meth:`_call`)."""
+        left = self._pause_until - time.monotonic()
+        if left > self.retry_max_delay:
+            raise HubUnavailableError(
+                f"{what} on {self.url} ({self.endpoint}): the Hub asked to wait; {left:.0f}s left of its Retry-After",
+                retry_after=left,
+            )
+        if left > 0:
+            time.sleep(left)
 
     def _map_http_error(self, e: Exception, status: int | None, what: str) -> HubError:
         from huggingface_hub.errors import (
