@@ -358,11 +358,11 @@ def validate_hub(h: DictConfig, prefix: str = "hub.", *, required: bool = False)
     _check(layout in ("shared", "per_node"), f"{prefix}layout", f"must be shared or per_node, got {layout!r}")
     _check(scheme == "hf" or layout == "shared", f"{prefix}layout", f"per_node applies to hf:// hubs only (hub.url is {url!r})")
     if scheme == "hf" and layout == "per_node":
-        from diloco_lightning.hub.hf_nodes import _split_pattern
+        from diloco_lightning.hub.hf_nodes import parse_node_repo
 
         try:
             org, _, name = url[len("hf://"):].strip("/").partition("/")
-            _split_pattern(h.node_repo, org, name)
+            parse_node_repo(h.node_repo, org, name)
         except ValueError as e:
             raise ConfigError(f"{prefix}node_repo", str(e)) from None
     cph = h.get("commits_per_hour", 128.0)

@@ -83,7 +83,7 @@ from diloco_lightning.signing import load_run_key
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HFNodesHub", "DEFAULT_NODE_REPO", "LAYOUTS"]
+__all__ = ["HFNodesHub", "DEFAULT_NODE_REPO", "LAYOUTS", "parse_node_repo"]
 
 DEFAULT_NODE_REPO = "{repo}-{node}"
 LAYOUTS = ("shared", "per_node")
@@ -91,7 +91,7 @@ LAYOUTS = ("shared", "per_node")
 _Files = list[tuple[str, "int | None", "str | None"]]
 
 
-def _split_pattern(pattern: str, org: str, repo: str) -> tuple[str, str, str]:
+def parse_node_repo(pattern: str, org: str, repo: str) -> tuple[str, str, str]:
     """``(namespace, prefix, suffix)`` of a node repository pattern: ``<ns>/<prefix>{node}<suffix>``."""
     if not isinstance(pattern, str) or pattern.count("{node}") != 1:
         raise ValueError(f"node_repo {pattern!r} must contain {{node}} exactly once, as in '{DEFAULT_NODE_REPO}'")
@@ -145,7 +145,7 @@ class HFNodesHub(Hub):
         self.cache_dir = self.master.cache_dir  # hub paths never collide across the run's repositories
         self.node_repo = node_repo or DEFAULT_NODE_REPO
         self._org, self._name = self.repo_id.split("/")
-        self._ns, self._prefix, self._suffix = _split_pattern(self.node_repo, self._org, self._name)
+        self._ns, self._prefix, self._suffix = parse_node_repo(self.node_repo, self._org, self._name)
         self.rescan_interval = float(rescan_interval)
         self.list_workers = int(list_workers)
         self._private = private
