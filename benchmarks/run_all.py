@@ -20,6 +20,9 @@ the document with fresh figures for those sections and cached ones for the rest)
   and by writing one delta file of the 25M-parameter geometry with ``deltafile.write_delta`` in
   float32, bfloat16 and float16 (float16: writable by ``DiLoCo(delta_dtype="float16")``, not in the
   Hydra schema); compression relative to FP32.
+* ``hub_scale``: ``benchmarks/hub_scale.py``: the real master against 64 and 256 simulated workers
+  on the folder, the loopback Hugging Face Hub (one repository, and one per node) and a loopback
+  S3 server: deltas applied per second, requests per round, listing cost, ledger check.
 * ``e2e``: end-to-end tokens per second of ``python train.py recipe=tiny`` with 1, 2 and 4 workers
   (``tokens / wall``, the wall clock including process start-up and the final evaluation; and the
   training-only rate, tokens over the slowest worker's ``Trainer.fit`` time).
@@ -41,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SECTIONS = ("outer_step", "master_round", "worker_overhead", "bytes", "e2e")
+SECTIONS = ("outer_step", "master_round", "worker_overhead", "bytes", "e2e", "hub_scale")
 
 
 def machine() -> str:
@@ -108,6 +111,17 @@ def run_worker_overhead(args) -> dict:
     if args.quick:
         cmd += ["--steps", "60", "--repeats", "1", "--h", "8"]
     return sh(cmd)
+
+
+def run_hub_scale(args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="perf-hub-scale-") as tmp:
+        out = Path(tmp) / "hub_scale.json"
+        cmd = [sys.executable, "benchmarks/hub_scale.py", "--json", str(out)]
+        if args.quick:
+            cmd += ["--workers", "16", "--rounds", "2", "--period", "1"]
+        r = sh(cmd, timeout=3600)
+        r.update(json.loads(out.read_text()))
+    return r
 
 
 def _shapes_25m() -> dict[str, tuple[int, ...]]:
@@ -328,6 +342,11 @@ def write_doc(data: dict, out: Path, mach: str) -> None:
               "they share the same cores, so more workers bring more tokens per round, not more tokens per second. "
               "DiLoCo's gain is across machines, which one machine cannot show.")
         w("")
+    if "hub_scale" in data:
+        from hub_scale import render_markdown
+
+        d = data["hub_scale"]
+        w(render_markdown(d["results"], d["command"], d["when"], tuple(d["load"])))
     out.write_text("\n".join(L))
 
 

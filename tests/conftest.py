@@ -6,7 +6,8 @@
 * ``hydra_configs``: the schema and recipes registered in Hydra's ConfigStore (what
   ``train.py`` does at start), for tests that compose a configuration in-process.
 * ``hf_server``: the loopback fake Hugging Face Hub (``tests/hf_server.py``).
-* ``s3_endpoint``: a real S3 server on loopback (moto).
+* ``s3_endpoint``: a real S3 server on loopback (moto); ``s3_proxy``: the fault-injecting proxy in
+  front of it (tests/s3_proxy.py); ``s3_bucket``: a fresh bucket there.
 """
 
 from __future__ import annotations
@@ -76,3 +77,25 @@ def s3_endpoint():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def s3_proxy(s3_endpoint):
+    """The loopback proxy of tests/s3_proxy.py in front of ``s3_endpoint``: it serialises writes, which gives
+    moto's conditional writes S3's atomicity (races between writers need it), and can inject faults."""
+    from s3_proxy import S3Proxy
+
+    with S3Proxy(s3_endpoint) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh bucket on ``s3_endpoint`` (its name)."""
+    import uuid
+
+    import boto3
+
+    name = f"t-{uuid.uuid4().hex[:16]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return name

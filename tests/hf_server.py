@@ -4,6 +4,7 @@ Hub's HTTP API that ``huggingface_hub.HfApi`` uses for the ``hf://`` transport.
 Routes (model repositories, one branch ``main``, a linear history per repo)::
 
     POST      /api/repos/create                                 create_repo
+    GET       /api/models?author=&search=&expand=               list_models (``id``, ``sha`` = head; paginated)
     GET       /api/models/{ns}/{name}[/revision/{rev}]          repo_info / model_info (``sha`` = head)
     POST      /api/models/{ns}/{name}/preupload/{rev}           preupload (always ``uploadMode: regular``)
     POST      /api/models/{ns}/{name}/commit/{rev}              create_commit (NDJSON; ``parentCommit`` -> 412 if stale)
@@ -35,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit
 
 __all__ = ["Commit", "FakeHubServer", "Request", "git_blob_sha1"]
 
@@ -65,6 +66,7 @@ class Request:
     path: str
     status: int
     repo: str | None = None
+    at: float = field(default_factory=time.monotonic)  # when it arrived (time.monotonic)
 
 
 @dataclass
@@ -349,6 +351,8 @@ class _Handler(BaseHTTPRequestHandler):
         s = [unquote(x) for x in segs]
         if method == "POST" and s[:3] == ["api", "repos", "create"]:
             return "create", None, self._create
+        if method == "GET" and s == ["api", "models"]:
+            return "models", None, self._models
         if len(s) >= 4 and s[:2] == ["api", "models"]:
             repo_id = f"{s[2]}/{s[3]}"
             rest = s[4:]
@@ -400,6 +404,24 @@ class _Handler(BaseHTTPRequestHandler):
             msg = "You already created this model repo"
             return self._json(409, {"error": msg, "url": f"{self.hub.endpoint}/{repo_id}"}, {"X-Error-Message": msg})
         self._json(200, {"url": f"{self.hub.endpoint}/{repo_id}", "name": repo_id, "id": repo_id})
+
+    def _models(self, method, segs, query, body, repo_id):
+        author = (query.get("author") or [None])[0]
+        search = (query.get("search") or [""])[0].lower()
+        with self.hub._lock:
+            repos = sorted(self.hub.repos.items())
+        items = [{"id": rid, "modelId": rid, "sha": repo.head.oid, "private": repo.private}
+                 for rid, repo in repos
+                 if (author is None or rid.split("/")[0] == author) and search in rid.split("/")[1].lower()]
+        start = int((query.get("cursor") or ["0"])[0])
+        page = items[start : start + self.hub.page_size]
+        headers = {}
+        if start + self.hub.page_size < len(items):
+            host = self.headers.get("Host") or f"127.0.0.1:{self.server.server_address[1]}"
+            rest = urlencode([(k, v) for k, vs in query.items() if k != "cursor" for v in vs]
+                             + [("cursor", start + self.hub.page_size)])
+            headers["Link"] = f'<http://{host}/api/models?{rest}>; rel="next"'
+        self._json(200, page, headers)
 
     def _info(self, method, segs, query, body, repo_id):
         repo = self._repo(repo_id)

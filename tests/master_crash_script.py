@@ -3,8 +3,9 @@ crash tests in tests/test_master_crash.py. Not a test module (no ``test_`` prefi
 
     python tests/master_crash_script.py '<json config>'
 
-Config keys: ``hub`` ({"kind": "file", "path": ...} or {"kind": "hf", "endpoint": ...,
-"repo": ..., "token": ..., "cache_dir": ...}), ``state_dir``, ``seed`` (initial state),
+Config keys: ``hub`` ({"kind": "file", "path": ...}, {"kind": "hf" or "hf_nodes" (the per-node
+layout), "endpoint": ..., "repo": ..., "token": ..., "cache_dir": ...} or {"kind": "s3", "url": ...,
+"endpoint": ..., "cache_dir": ...}), ``state_dir``, ``seed`` (initial state),
 ``crash`` (a label of ``MasterOuterLoop.fault`` or of the hub's ``fault``; a label ending in
 ``*`` matches by prefix), ``occurrence`` (kill at the k-th time the label is reached),
 ``master`` (constructor keywords). Without a crash, it runs rounds until nothing is left
@@ -43,11 +44,22 @@ def open_hub(spec: dict):
         from diloco_lightning.hub.local import FileHub
 
         return FileHub(spec["path"], cache_dir=spec.get("cache_dir"))
+    if spec["kind"] == "s3":
+        from diloco_lightning.hub import open_hub as open_url
+
+        return open_url(spec["url"], endpoint_url=spec["endpoint"], addressing_style="path", cache_dir=spec.get("cache_dir"),
+                        max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, check_conditional_writes=False)
+    if spec["kind"] == "hf_nodes":
+        from diloco_lightning.hub import open_hub as open_url
+
+        return open_url(f"hf://{spec['repo']}", layout="per_node", endpoint=spec["endpoint"], token=spec.get("token"),
+                        cache_dir=spec.get("cache_dir"), max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05,
+                        commits_per_hour=0)
     from diloco_lightning.hub.hf import HFHub
 
     return HFHub(
         spec["repo"], endpoint=spec["endpoint"], token=spec.get("token"), cache_dir=spec.get("cache_dir"),
-        max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05,
+        max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, commits_per_hour=0,
     )
 
 

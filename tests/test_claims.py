@@ -68,7 +68,7 @@ def hubs(request, tmp_path):
         def make():
             n[0] += 1
             return open_hub(f"hf://{REPO}", endpoint=server.endpoint, token="hf_x", cache_dir=tmp_path / f"c{n[0]}",
-                            max_retries=2, retry_base_delay=0.001, retry_max_delay=0.01)
+                            max_retries=2, retry_base_delay=0.001, retry_max_delay=0.01, commits_per_hour=0)
 
         yield make
 

@@ -268,15 +268,49 @@ def test_a_killed_worker_is_named_with_how_it_ended(tmp_path):
     assert "Traceback (most recent call last)" not in err.split("Last lines of", 1)[0]
 
 
-def test_diloco_master_on_an_s3_hub(tmp_path, s3_endpoint):
-    """hub.endpoint is the store's endpoint_url on s3:// (hub.create never creates a bucket)."""
+def test_diloco_master_serves_an_s3_run(tmp_path, s3_endpoint, s3_bucket, s3_proxy):
+    """`diloco-master hub.url=s3://bucket/run hub.endpoint_url=...` serves a run: it adopts a worker's initial
+    weights, applies its deltas and exits after max_rounds. hub.endpoint is the older name of hub.endpoint_url;
+    a bucket is never created; a store that ignores conditional writes is refused in one line."""
     import boto3
+    import torch
 
-    bucket = f"cli-{os.getpid()}-{int(time.time() * 1000) % 100000}"
-    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    ok = _master(tmp_path, f"hub.url=s3://{bucket}/run", f"hub.endpoint={s3_endpoint}", "max_seconds=1",
-                 "poll_interval=0.1", f"hub.cache_dir={tmp_path / 'c'}")
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    assert f"on s3://{bucket}/run" in ok.stdout and f"local state in {tmp_path / 'c' / 'master'}" in ok.stdout
+    from diloco_lightning.hub import open_hub
+    from diloco_lightning.worker import DiLoCoWorker
+    from s3_proxy import S3Proxy
+
+    url = f"s3://{s3_bucket}/run"
+    cmd = [sys.executable, "-m", "diloco_lightning.app.master", f"hub.url={url}", f"hub.endpoint_url={s3_endpoint}",
+           "max_rounds=2", "poll_interval=0.1", f"hub.cache_dir={tmp_path / 'c'}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        hub = open_hub(url, endpoint_url=s3_endpoint, cache_dir=tmp_path / "w", check_conditional_writes=False)
+        params = {"w": torch.nn.Parameter(torch.zeros(4, 3))}
+        with DiLoCoWorker(hub, "w0", params, poll_interval=0.05, wait_timeout=60.0) as w:
+            w.start()  # offers its initial weights; waits for the master to publish them as version 0
+            for k in (1, 2):
+                with torch.no_grad():
+                    params["w"].add_(1.0)
+                w.boundary()
+                assert w.flush()
+                deadline = time.monotonic() + 30
+                while hub.read_manifest().outer_step < k and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert f"on {url}" in out and f"local state in {tmp_path / 'c' / 'master'}" in out
+    assert "[master] outer_step 2 | accepted 1" in out, out[-2000:]
+    manifest = hub.read_manifest()
+    assert manifest.outer_step == 2 and manifest.ledger == {"w0": 2} and hub.list_deltas() == []
+
     lines = _short(_master(tmp_path, "hub.url=s3://no-such-bucket-here/run", f"hub.endpoint={s3_endpoint}"), "diloco-master", 2)
     assert lines[0].startswith("diloco-master: error: hub.url:") and "does not exist (create it first" in lines[0]
+    names = [b["Name"] for b in boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").list_buckets()["Buckets"]]
+    assert "no-such-bucket-here" not in names
+    with S3Proxy(s3_endpoint, strip_conditionals=True) as ignoring:
+        lines = _short(_master(tmp_path, f"hub.url={url}", f"hub.endpoint_url={ignoring.endpoint}"), "diloco-master", 1)
+    assert "does not honour conditional writes" in lines[0] and "If-None-Match" in lines[0]

@@ -135,3 +135,41 @@ def test_chance_level_of_the_paper_vocabulary():
     # REFERENCES.md: the CGAD paper's chance-level loss 10.83 = ln(~50.3k)
     cfg = _compose("recipe=llama25m_tau8")
     assert math.log(cfg.model.vocab_size) == pytest.approx(10.83, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["hub.url=s3://b/run", "hub.endpoint_url=http://a:1", "hub.endpoint=http://b:2"], "hub.endpoint_url"),
+        (["hub.url=/tmp/h", "hub.endpoint_url=http://a:1"], "hub.endpoint_url"),
+        (["hub.url=hf://org/run", "hub.region=eu-west-1"], "hub.region"),
+        (["hub.url=s3://b/run", "hub.addressing_style=sideways"], "hub.addressing_style"),
+        (["hub.url=/tmp/h", "hub.layout=per_node"], "hub.layout"),
+        (["hub.url=hf://org/run", "hub.layout=star"], "hub.layout"),
+        (["hub.url=hf://org/run", "hub.layout=per_node", "hub.node_repo='{repo}'"], "hub.node_repo"),
+        (["hub.url=hf://org/run", "hub.commits_per_hour=0.5"], "hub.commits_per_hour"),
+    ],
+)
+def test_hub_options_are_checked_for_their_transport(overrides, key):
+    with pytest.raises(ConfigError) as ei:
+        validate(_compose("recipe=tiny", *overrides))
+    assert ei.value.key == key
+
+
+def test_hub_options_reach_each_transport():
+    """hub.endpoint_url is the one option (hub.endpoint an alias of it); each transport gets what applies to it."""
+    from diloco_lightning.app.config import hub_options
+
+    cfg = validate(_compose("recipe=tiny", "hub.url=s3://b/run", "hub.endpoint_url=http://127.0.0.1:9",
+                            "hub.region=eu-west-1", "hub.addressing_style=path"))
+    assert hub_options(cfg.hub, cfg.hub.url) == {"endpoint_url": "http://127.0.0.1:9", "region": "eu-west-1",
+                                                  "addressing_style": "path"}
+    cfg = validate(_compose("recipe=tiny", "hub.url=s3://b/run", "hub.endpoint=http://127.0.0.1:9"))
+    assert hub_options(cfg.hub, cfg.hub.url) == {"endpoint_url": "http://127.0.0.1:9"}
+    cfg = validate(_compose("recipe=tiny", "hub=hf", "hub.url=hf://org/run", "hub.endpoint_url=http://127.0.0.1:9",
+                            "hub.layout=per_node", "hub.commits_per_hour=64"))
+    assert hub_options(cfg.hub, cfg.hub.url) == {
+        "create": False, "endpoint": "http://127.0.0.1:9", "private": True, "commits_per_hour": 64.0,
+        "layout": "per_node", "node_repo": "{repo}-{node}"}
+    cfg = validate(_compose("recipe=tiny", "hub=s3", "hub.url=s3://b/run"))
+    assert hub_options(cfg.hub, cfg.hub.url) == {}

@@ -89,7 +89,7 @@ class Hubs:
         from diloco_lightning.hub.hf import HFHub
 
         return HFHub(REPO, endpoint=self.server.endpoint, token=TOKEN, cache_dir=self.tmp / f"hfcache{self.n}",
-                     max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, timeout=10)
+                     max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, timeout=10, commits_per_hour=0)
 
     @property
     def url(self) -> str:

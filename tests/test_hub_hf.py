@@ -63,7 +63,7 @@ def make_hub(server, tmp_path):
     def make(**kw) -> HFHub:
         n[0] += 1
         opts = {"endpoint": server.endpoint, "token": TOKEN, "cache_dir": tmp_path / f"cache{n[0]}", "max_retries": 3,
-                "retry_base_delay": 0.001, "retry_max_delay": 0.01}
+                "retry_base_delay": 0.001, "retry_max_delay": 0.01, "commits_per_hour": 0}  # no budget on loopback
         opts.update(kw)
         return open_hub(f"hf://{REPO}", **opts)
 
@@ -434,7 +434,7 @@ def test_backoff_is_jittered_exponential_and_capped(make_hub):
     for attempt, full in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (9, 8.0)]:
         ds = [hub._backoff(attempt) for _ in range(200)]
         assert all(full / 2 <= d <= full for d in ds) and len(set(ds)) > 100
-    assert hub._backoff(1, retry_after=5.0) == 5.0 and hub._backoff(1, retry_after=100.0) == 8.0
+    assert hub._backoff(1, retry_after=5.0) == 5.0 and hub._backoff(1, retry_after=100.0) == 100.0  # honoured
     from diloco_lightning.hub.hf import _retry_after
 
     assert _retry_after({"Retry-After": "7"}) == 7.0 and _retry_after({"RateLimit": '"api";r=0;t=42'}) == 42.0

@@ -589,6 +589,25 @@ def test_bad_publications_write_nothing(store, proxy, hub, tmp_path):
     assert store.hub_paths() == sorted(["global/manifest.json", *s1.files])
 
 
+def test_deletions_go_in_batches_and_fall_back_one_by_one(store, proxy, hub, tmp_path):
+    """A publication's deletions are one DeleteObjects request (not one request per delta); a store that
+    refuses DeleteObjects gets one DeleteObject per object from then on, and nothing is left behind."""
+    s0, m0 = _publish_v0(hub, tmp_path)
+    deltas = [hub.upload_delta(_delta(tmp_path, f"n{i}", 1), f"n{i}", 1) for i in range(6)]
+    s1 = stage_global(tmp_path / "stage1", 1, _state(1))
+    proxy.reset_log()
+    hub.publish(s1.manifest(ledger={f"n{i}": 1 for i in range(6)}), s1.files, expected_outer_step=0,
+                delete=[*s0.files, *deltas])
+    assert proxy.count("DELETE") == 0 and proxy.count("POST", "?delete") == 1
+    assert store.hub_paths() == sorted(["global/manifest.json", *s1.files])
+    more = [hub.upload_delta(_delta(tmp_path, f"m{i}", 1), f"m{i}", 1) for i in range(3)]
+    proxy.reset_log()
+    proxy.inject(501, 1, method="POST", match="?delete", code="NotImplemented")
+    hub.delete([*more, "nodes/m9/delta_1.safetensors"])  # an absent file is no error either way
+    assert proxy.count("POST", "?delete") == 1 and proxy.count("DELETE") == 4 and hub.store.batch_delete is False
+    assert store.hub_paths() == sorted(["global/manifest.json", *s1.files])
+
+
 def _cas_check(store: Store, hub: S3Hub, staged: list, results: list, old_files: list[str]) -> None:
     assert results.count("WIN") == 1, results
     assert all(r == "WIN" or r.startswith("CONFLICT") for r in results), results

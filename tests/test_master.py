@@ -24,6 +24,7 @@ from diloco_lightning import faults  # noqa: E402
 from diloco_lightning.deltafile import model_fingerprint, write_delta  # noqa: E402
 from diloco_lightning.globals import load_global, load_outer_state  # noqa: E402
 from diloco_lightning.hub.base import DeltaRef  # noqa: E402
+from diloco_lightning.hub import open_hub  # noqa: E402
 from diloco_lightning.hub.local import FileHub  # noqa: E402
 from diloco_lightning.manifest import Lease  # noqa: E402
 from diloco_lightning.master import REASONS, MasterConfigError, MasterOuterLoop  # noqa: E402
@@ -54,19 +55,24 @@ def dt(value: float = 1.0) -> dict[str, torch.Tensor]:
 class Hubs:
     """Handles on one hub: each master or worker opens its own (own cache), like separate machines."""
 
-    def __init__(self, kind: str, tmp: Path, server: FakeHubServer | None = None) -> None:
-        self.kind, self.tmp, self.server = kind, tmp, server
+    def __init__(self, kind: str, tmp: Path, server: FakeHubServer | None = None, s3: tuple[str, str] | None = None) -> None:
+        self.kind, self.tmp, self.server, self.s3 = kind, tmp, server, s3
         self.n = 0
 
     def open(self):
         self.n += 1
         if self.kind == "file":
             return FileHub(self.tmp / "hub", cache_dir=self.tmp / f"cache{self.n}")
+        if self.kind == "s3":  # through the proxy, which makes racing conditional writes atomic as on S3
+            endpoint, bucket = self.s3
+            return open_hub(f"s3://{bucket}/run", endpoint_url=endpoint, addressing_style="path",
+                            cache_dir=self.tmp / f"s3cache{self.n}", max_retries=2, retry_base_delay=0.01,
+                            retry_max_delay=0.05, check_conditional_writes=self.n == 1)
         from diloco_lightning.hub.hf import HFHub
 
         return HFHub(
             REPO, endpoint=self.server.endpoint, token=TOKEN, cache_dir=self.tmp / f"hfcache{self.n}",
-            max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, timeout=10,
+            max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, timeout=10, commits_per_hour=0,
         )
 
 
@@ -77,6 +83,19 @@ def hubs(request, tmp_path):
     else:
         with FakeHubServer() as server:
             yield Hubs("hf", tmp_path, server)
+
+
+@pytest.fixture(params=["file", "hf", pytest.param("s3", marks=pytest.mark.slow)])
+def all_hubs(request, tmp_path):
+    """Every transport: the folder, the loopback Hub, S3 (moto behind the proxy; 10-15 s a test, so slow:
+    the S3 transport's own compare-and-swap races run by default in tests/test_hub_s3.py)."""
+    if request.param == "s3":
+        yield Hubs("s3", tmp_path, s3=(request.getfixturevalue("s3_proxy").endpoint, request.getfixturevalue("s3_bucket")))
+    elif request.param == "hf":
+        with FakeHubServer() as server:
+            yield Hubs("hf", tmp_path, server)
+    else:
+        yield Hubs("file", tmp_path)
 
 
 @pytest.fixture
@@ -676,7 +695,8 @@ def test_state_dict_roundtrip_and_no_pickle(fhubs, tmp_path):
 # ============================================================================ one master at a time
 
 
-def test_second_master_stands_by_then_takes_over_bit_exact(hubs, tmp_path):
+def test_second_master_stands_by_then_takes_over_bit_exact(all_hubs, tmp_path):
+    hubs = all_hubs
     batches = [[("a", 0, 1), ("b", 0, 2)], [("a", 1, 3)], [("b", 1, 4), ("c", 0, 5)], [("a", 2, 6)]]
     ref = _reference(tmp_path, batches)
     w = Workers(hubs.open(), tmp_path)
@@ -725,7 +745,8 @@ def test_publication_cas_between_masters_without_lease(fhubs, tmp_path):
     assert m1.outer_step == 2 and torch.equal(m1.snapshot()[1]["w"], torch.full((4, 3), -3.0))
 
 
-def test_two_masters_racing_apply_every_delta_once(hubs, tmp_path):
+def test_two_masters_racing_apply_every_delta_once(all_hubs, tmp_path):
+    hubs = all_hubs
     w = Workers(hubs.open(), tmp_path)
     masters = [
         make_master(hubs.open(), tmp_path, f"m{i}", aggregation="arrival", holder=f"m{i}",

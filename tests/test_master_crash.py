@@ -161,9 +161,55 @@ def test_kill9_on_the_hugging_face_hub(tmp_path, tmp_path_factory, crash, occurr
         def open_hub():
             n[0] += 1
             return HFHub("org/crash", endpoint=server.endpoint, token=TOKEN, cache_dir=tmp_path / f"c{n[0]}",
-                         max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, timeout=10)
+                         max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, timeout=10, commits_per_hour=0)
 
         spec = {"kind": "hf", "endpoint": server.endpoint, "repo": "org/crash", "token": TOKEN,
                 "cache_dir": str(tmp_path / "script_cache")}
         m = _crash_and_restart(tmp_path, spec, open_hub, crash, occurrence, "arrival")
         _assert_same(m, ref, f"hf {crash}#{occurrence}")
+
+
+@pytest.mark.parametrize("crash, occurrence", [pytest.param("files", 3, marks=pytest.mark.slow), ("delete:*", 3)],
+                         ids=["before-swap", "after-swap"])
+def test_kill9_on_s3(tmp_path, tmp_path_factory, s3_endpoint, s3_bucket, crash, occurrence):
+    """A master killed before and after the manifest's conditional PUT on s3://: the restarted master
+    ends bit-exact with the uninterrupted one (orphans and undeleted deltas are collected, never applied)."""
+    from diloco_lightning.hub import open_hub as open_url
+
+    ref = _reference(tmp_path_factory, "arrival")
+    url = f"s3://{s3_bucket}/run"
+    n = [0]
+
+    def open_hub():
+        n[0] += 1
+        return open_url(url, endpoint_url=s3_endpoint, addressing_style="path", cache_dir=tmp_path / f"c{n[0]}",
+                        max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, check_conditional_writes=n[0] == 1)
+
+    spec = {"kind": "s3", "url": url, "endpoint": s3_endpoint, "cache_dir": str(tmp_path / "script_cache")}
+    m = _crash_and_restart(tmp_path, spec, open_hub, crash, occurrence, "arrival")
+    _assert_same(m, ref, f"s3 {crash}#{occurrence}")
+
+
+@pytest.mark.parametrize("crash, occurrence", [("committed", 3), pytest.param("published", 3, marks=pytest.mark.slow)])
+def test_kill9_on_the_per_node_layout(tmp_path, tmp_path_factory, crash, occurrence):
+    """The same on hf:// with a repository per node: the workers' deltas in their own repositories, the
+    master's publication in its own."""
+    from hf_server import FakeHubServer
+
+    from diloco_lightning.hub import open_hub as open_url
+
+    ref = _reference(tmp_path_factory, "arrival")
+    with FakeHubServer() as server:
+        n = [0]
+
+        def open_hub():
+            n[0] += 1
+            return open_url("hf://org/crash", layout="per_node", endpoint=server.endpoint, token=TOKEN,
+                            cache_dir=tmp_path / f"c{n[0]}", max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05,
+                            timeout=10, commits_per_hour=0)
+
+        spec = {"kind": "hf_nodes", "endpoint": server.endpoint, "repo": "org/crash", "token": TOKEN,
+                "cache_dir": str(tmp_path / "script_cache")}
+        m = _crash_and_restart(tmp_path, spec, open_hub, crash, occurrence, "arrival")
+        _assert_same(m, ref, f"hf per-node {crash}#{occurrence}")
+        assert sorted(server.repos) == ["org/crash", "org/crash-a", "org/crash-b", "org/crash-c"]

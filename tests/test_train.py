@@ -97,3 +97,38 @@ def test_resume_continues_run_and_data_position(tmp_path):
     assert "[master]" not in third.stdout  # nothing was started
     assert (run / "results.json").read_bytes() == before
     assert second["recipe"] == "tiny" and math.isfinite(second["final_train_loss"])
+
+
+@pytest.mark.slow
+def test_trains_on_an_s3_bucket(tmp_path, s3_endpoint, s3_bucket):
+    """`python train.py recipe=tiny hub.url=s3://bucket/run hub.endpoint_url=...` against the loopback S3 server:
+    the master and the worker processes meet only through the bucket."""
+    import boto3
+
+    proc = _train(tmp_path, "recipe=tiny", "run_id=s3", f"hub.url=s3://{s3_bucket}/run", f"hub.endpoint_url={s3_endpoint}",
+                  "trainer.max_steps=16", "launch.eval_points=0")
+    r = json.loads((tmp_path / "runs" / "s3" / "results.json").read_text())
+    assert r["outer_steps"] == 2 and r["deltas_accepted"] == 4 and r["deltas_rejected"] == 0, proc.stdout[-2000:]
+    assert math.isfinite(r["eval_loss"]) and f"hub s3://{s3_bucket}/run" in proc.stdout
+    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+            .list_objects_v2(Bucket=s3_bucket, Prefix="run/").get("Contents", [])]
+    assert "run/global/manifest.json" in keys and not (tmp_path / "runs" / "s3" / "hub").exists()
+
+
+@pytest.mark.slow
+def test_trains_on_the_hub_with_a_repository_per_node(tmp_path):
+    """`hub=hf hub.layout=per_node` against the loopback Hub: the master's repository and one per worker."""
+    from hf_server import FakeHubServer
+
+    with FakeHubServer() as server:
+        proc = _train(tmp_path, "recipe=tiny", "run_id=hfnodes", "hub=hf", "hub.url=hf://org/run", "hub.create=true",
+                      "hub.layout=per_node", f"hub.endpoint_url={server.endpoint}", "trainer.max_steps=16",
+                      "launch.eval_points=0")
+        repos = sorted(server.repos)
+        master_files = server.files("org/run")
+        w0_files = server.files("org/run-w0")
+    r = json.loads((tmp_path / "runs" / "hfnodes" / "results.json").read_text())
+    assert r["outer_steps"] == 2 and r["deltas_accepted"] == 4 and r["deltas_rejected"] == 0, proc.stdout[-2000:]
+    assert repos == ["org/run", "org/run-w0", "org/run-w1"]
+    assert "global/manifest.json" in master_files and not any(p.startswith("nodes/") for p in master_files)
+    assert any(p.startswith("nodes/w0/") for p in w0_files) and not any(p.startswith("global/") for p in w0_files)

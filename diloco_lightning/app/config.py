@@ -173,7 +173,7 @@ class OuterConf:
 MasterConf = compose_section(
     "MasterConf", MasterConfig,
     exclude=("outer_optimizer", "outer_options", "outer_lr", "outer_momentum"),  # the ``outer`` group
-    defaults={"poll_interval": 0.05, "keep_globals": 20, "lease_ttl": 60.0, "torch_threads": 1},
+    defaults={"poll_interval": 0.05, "keep_globals": 20, "torch_threads": 1},
     retype={"min_deltas": (Optional[int], None, "quorum: accepted deltas before a round is applied "
                                                  "(null: every worker in lockstep, else 1)")},
     extra=[("holder", Optional[str], None, "this master's id in the lease (default host:pid:random)")],
@@ -184,17 +184,34 @@ MasterConf = compose_section(
 @dataclass
 class HubConf:
     url: Optional[str] = opt(
-        "???", "file:///abs/path, a plain path, or hf://org/repo (required by diloco-master and hub=hf; train.py's "
-        "hub=file: null is <run_dir>/hub)"
+        "???", "file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix (required by diloco-master, hub=hf "
+        "and hub=s3; train.py's hub=file: null is <run_dir>/hub)"
     )
     create: bool = opt(
         False, "create the hub folder / hf:// repository if it does not exist (else it is an error; an S3 bucket is never created)"
     )
-    endpoint: Optional[str] = opt(
-        None, "hf://: the Hub's URL (default https://huggingface.co or $HF_ENDPOINT); s3://: the store's endpoint_url (MinIO, R2 ...)"
+    endpoint_url: Optional[str] = opt(
+        None, "s3://: the store's endpoint URL (MinIO, R2, Ceph ...; default AWS, or $AWS_ENDPOINT_URL_S3); hf://: the "
+        "Hub's URL (default https://huggingface.co or $HF_ENDPOINT)"
     )
+    endpoint: Optional[str] = opt(None, "the same as hub.endpoint_url (an alias: set one of them)")
+    region: Optional[str] = opt(None, "s3:// only: the bucket's region (default boto3's: $AWS_REGION, the profile ...)")
+    addressing_style: Optional[str] = opt(None, "s3:// only: path | virtual | auto (MinIO usually needs path)")
     revision: Optional[str] = opt(None, "hf:// only: the branch (default main)")
     private: bool = opt(True, "hf:// only: a created repository is private")
+    layout: str = opt(
+        "shared", "hf:// only: shared (one repository for the run) | per_node (hub.url is the master's repository, each "
+        "node writes to its own, named by hub.node_repo: a commit budget per node; see the README)"
+    )
+    node_repo: str = opt(
+        "{repo}-{node}", "hf:// with layout=per_node: the node repositories' names ({org} and {repo}: hub.url's parts; "
+        "{node}: the node id; a '/' names another namespace)"
+    )
+    commits_per_hour: float = opt(
+        128.0, "hf:// only: commits this process makes per repository and hour at most (128: the Hub's limit on a free "
+        "account; 0: no limit). A delta beyond it is merged into the next one, a publication waits. With "
+        "layout=shared every process commits to one repository: give each its share"
+    )
     cache_dir: Optional[str] = opt(None, "downloads (default $DILOCO_CACHE_DIR or ~/.cache/diloco_lightning, then <hash of the url>)")
 
 
@@ -318,18 +335,38 @@ def validate_hub(h: DictConfig, prefix: str = "hub.", *, required: bool = False)
     """The hub section (both commands): the URL's form (whether it exists is checked when it is opened)."""
     from omegaconf import MISSING
 
-    _check(not OmegaConf.is_missing(h, "url"), f"{prefix}url", "is required: file:///abs/path, a plain path, or hf://org/repo")
+    _check(not OmegaConf.is_missing(h, "url"), f"{prefix}url", "is required: file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix")
     url = h.url
     if url is None or url == MISSING:
-        _check(not required, f"{prefix}url", "is required: file:///abs/path, a plain path, or hf://org/repo")
+        _check(not required, f"{prefix}url", "is required: file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix")
         return
     _check(isinstance(url, str) and url.strip() != "", f"{prefix}url", f"must be a non-empty string, got {url!r}")
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     _check(scheme in ("", "file", "hf", "s3"), f"{prefix}url",
-           f"unsupported scheme in {url!r}; use file:///abs/path, a plain path or hf://org/repo")
+           f"unsupported scheme in {url!r}; use file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix")
     _check(scheme == "hf" or not h.get("revision"), f"{prefix}revision", f"applies to hf:// hubs only (hub.url is {url!r})")
-    _check(scheme in ("hf", "s3") or not h.get("endpoint"), f"{prefix}endpoint",
-           f"applies to hf:// and s3:// hubs only (hub.url is {url!r})")
+    for key in ("endpoint_url", "endpoint"):
+        _check(scheme in ("hf", "s3") or not h.get(key), f"{prefix}{key}",
+               f"applies to hf:// and s3:// hubs only (hub.url is {url!r})")
+    _check(not (h.get("endpoint") and h.get("endpoint_url") and h.endpoint != h.endpoint_url), f"{prefix}endpoint_url",
+           f"and {prefix}endpoint are the same option and disagree ({h.endpoint_url!r}, {h.endpoint!r}); set one of them")
+    for key in ("region", "addressing_style"):
+        _check(scheme == "s3" or not h.get(key), f"{prefix}{key}", f"applies to s3:// hubs only (hub.url is {url!r})")
+    _check(h.get("addressing_style") in (None, "path", "virtual", "auto"), f"{prefix}addressing_style",
+           f"must be path, virtual or auto, got {h.get('addressing_style')!r}")
+    layout = h.get("layout", "shared")
+    _check(layout in ("shared", "per_node"), f"{prefix}layout", f"must be shared or per_node, got {layout!r}")
+    _check(scheme == "hf" or layout == "shared", f"{prefix}layout", f"per_node applies to hf:// hubs only (hub.url is {url!r})")
+    if scheme == "hf" and layout == "per_node":
+        from diloco_lightning.hub.hf_nodes import parse_node_repo
+
+        try:
+            org, _, name = url[len("hf://"):].strip("/").partition("/")
+            parse_node_repo(h.node_repo, org, name)
+        except ValueError as e:
+            raise ConfigError(f"{prefix}node_repo", str(e)) from None
+    cph = h.get("commits_per_hour", 128.0)
+    _check(_number(cph) and (cph == 0 or cph >= 1), f"{prefix}commits_per_hour", f"must be 0 (no limit) or >= 1, got {cph}")
 
 
 def _section(node: DictConfig, names: list[str]) -> dict[str, Any]:
@@ -424,16 +461,25 @@ def hub_options(h: DictConfig, url: str, *, create: bool | None = None) -> dict[
     opts: dict[str, Any] = {}
     if h.get("cache_dir"):
         opts["cache_dir"] = h.cache_dir
+    endpoint = h.get("endpoint_url") or h.get("endpoint")  # one option, two names
     if url.startswith("s3://"):  # a bucket is never created; a prefix needs no creating
-        if h.get("endpoint"):
-            opts["endpoint_url"] = h.endpoint
+        if endpoint:
+            opts["endpoint_url"] = endpoint
+        for key in ("region", "addressing_style"):
+            if h.get(key):
+                opts[key] = h[key]
         return opts
     opts["create"] = bool(h.create) if create is None else create
     if url.startswith("hf://"):
-        for key in ("endpoint", "revision"):
-            if h.get(key):
-                opts[key] = h[key]
+        if endpoint:
+            opts["endpoint"] = endpoint
+        if h.get("revision"):
+            opts["revision"] = h.revision
         opts["private"] = bool(h.get("private", True))
+        opts["commits_per_hour"] = float(h.get("commits_per_hour", 128.0))
+        if h.get("layout", "shared") == "per_node":
+            opts["layout"] = "per_node"
+            opts["node_repo"] = h.node_repo
     return opts
 
 

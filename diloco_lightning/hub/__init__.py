@@ -1,7 +1,8 @@
 """Hubs: where workers and the master meet. ``open_hub(url)`` picks the transport.
 
 * ``file:///abs/path`` or a plain path: a folder (local disk or a shared network filesystem).
-* ``hf://org/repo``: a Hugging Face Hub model repository (``endpoint=``, ``token=``, ``revision=``).
+* ``hf://org/repo``: a Hugging Face Hub model repository (``endpoint=``, ``token=``, ``revision=``),
+  or, with ``layout="per_node"``, that repository for the master and one per node.
 * ``s3://bucket/prefix``: AWS S3 or an S3-compatible store (``endpoint_url=``, ``region=``); needs
   ``pip install 'diloco-lightning[s3]'``.
 """
@@ -20,6 +21,7 @@ from diloco_lightning.hub.base import (
     HubAuthError,
     HubError,
     HubNotFoundError,
+    HubUnavailableError,
     LeaseConflictError,
     PublishConflictError,
 )
@@ -31,6 +33,7 @@ __all__ = [
     "HubError",
     "HubAuthError",
     "HubNotFoundError",
+    "HubUnavailableError",
     "DeltaExistsError",
     "PublishConflictError",
     "LeaseConflictError",
@@ -50,9 +53,13 @@ def open_hub(url: str | os.PathLike | Hub, **options) -> Hub:
     / the cached login; never logged), ``revision=`` (an existing branch, default
     ``main``), ``create=`` (create the repo if missing, default True), ``private=``,
     ``max_retries=``, ``retry_base_delay=``, ``retry_max_delay=`` (jittered exponential
-    backoff on 5xx, 429, timeouts and connection errors only), ``timeout=`` (seconds per
-    HTTP call, default 120), ``max_cas_attempts=`` (re-reads when only ``nodes/`` moved
-    under a publication).
+    backoff on 5xx, 429, timeouts and connection errors only; a ``Retry-After`` is honoured),
+    ``timeout=`` (seconds per HTTP call, default 120), ``max_cas_attempts=`` (re-reads when
+    only ``nodes/`` moved under a publication), ``commits_per_hour=`` / ``commit_burst=``
+    (the commit budget per repository, default 128 an hour: :mod:`diloco_lightning.hub.pacing`),
+    ``layout=`` (``"shared"``: one repository, the default; ``"per_node"``: the master's
+    repository plus one per node, ``node_repo=`` naming them, default ``"{repo}-{node}"``:
+    :mod:`diloco_lightning.hub.hf_nodes`).
 
     ``s3://bucket/prefix`` (boto3; credentials from its standard chain, never from options):
     ``endpoint_url=`` (MinIO, R2, ...; default boto3's: AWS, or ``$AWS_ENDPOINT_URL_S3``),
@@ -72,8 +79,16 @@ def open_hub(url: str | os.PathLike | Hub, **options) -> Hub:
         raise TypeError(f"open_hub: expected a URL or path string, got {text!r}")
     if text.startswith("hf://"):
         from diloco_lightning.hub.hf import HFHub
+        from diloco_lightning.hub.hf_nodes import LAYOUTS, HFNodesHub
 
         repo_id = text[len("hf://") :].strip("/")
+        layout = options.pop("layout", None) or "shared"
+        if layout not in LAYOUTS:
+            raise ValueError(f"open_hub: layout must be one of {list(LAYOUTS)}, got {layout!r}")
+        if layout == "per_node":
+            return HFNodesHub(repo_id, **options)
+        if options.pop("node_repo", None) is not None:
+            raise ValueError("open_hub: node_repo applies to layout='per_node' only")
         return HFHub(repo_id, **options)
     if text.startswith("s3://"):
         from diloco_lightning.hub.s3 import S3_OPTIONS, S3Hub, parse_s3_url

@@ -97,6 +97,16 @@ class HubAuthError(HubError):
     """401/403 from a remote hub: missing or insufficient token. Never retried."""
 
 
+class HubUnavailableError(HubError):
+    """A remote hub kept answering 429/5xx or timing out after every retry, or asked for a pause
+    longer than a retry may wait. ``retry_after``: the seconds the server asked for (None if it
+    did not say); whoever retries later waits at least that long."""
+
+    def __init__(self, msg: str, retry_after: float | None = None) -> None:
+        super().__init__(msg)
+        self.retry_after = retry_after
+
+
 class HubFileTooLargeError(HubError):
     """A download was stopped: the file is larger than the reader allows (``max_bytes``)."""
 
@@ -198,6 +208,9 @@ class Hub(abc.ABC):
     cache_dir: Path
     #: the folder of a hub that is a local folder (None for remote transports)
     local_root: Path | None = None
+    #: whether every write is a commit the transport rate-limits (the Hugging Face Hub): periodic
+    #: writes (the master's lease, a worker's claim) then default to long intervals
+    rate_limited_writes: bool = False
     #: whether what :meth:`download` returns is this process's own copy (a remote hub's cache),
     #: which no other writer can change while it is read; the folder hub returns files in place
     private_downloads: bool = True
@@ -224,6 +237,11 @@ class Hub(abc.ABC):
         ``after`` is a ledger: a delta of node n with ``local_step <= after[n]`` is left out.
         Files under ``nodes/`` that are not valid delta paths are ignored (and logged once).
         """
+
+    def list_node_deltas(self, node_id: str, after: int = -1) -> list[DeltaRef]:
+        """``node_id``'s deltas with ``local_step > after``, sorted (what a worker asks about itself);
+        a transport may list that node's files only."""
+        return [r for r in self.list_deltas(after={node_id: after}) if r.node_id == node_id]
 
     @abc.abstractmethod
     def list_inits(self) -> list[str]:
@@ -318,6 +336,14 @@ class Hub(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
 
     # ------------------------------------------------------------------ common
+
+    def commit_wait(self, node_id: str | None = None) -> float:
+        """Seconds to wait before the next write for ``node_id`` (None: the master's publication)
+        stays within the transport's write rate limit; 0 means now. A writer that can wait (a
+        worker with a delta to send, a master with a round to publish) holds its work back and
+        merges it with what comes next instead of meeting the limit. Transports without a
+        limit: always 0."""
+        return 0.0
 
     def download_delta(self, ref: DeltaRef) -> Path:
         return self.download(ref.path)

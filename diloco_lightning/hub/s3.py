@@ -52,7 +52,8 @@ How each rule of ``diloco_lightning.hub.base`` is kept:
   ledger's can sort anywhere before it (``delta_100`` < ``delta_25``); a listing that started
   after ``delta_<ledger>`` would miss new deltas, and none that starts later than ``delta_1``
   is complete. What keeps the listing short is the master deleting processed deltas with each
-  publication. One listing of all of ``nodes/`` is also fewer requests than one per node.
+  publication (one ``DeleteObjects`` request per 1000 files after the swap). One listing of all of
+  ``nodes/`` is also fewer requests than one per node.
 * ``download`` streams into ``cache_dir/<hub path>`` (temporary file + ``os.replace``, length
   checked; botocore validates the store's checksum when there is one), so two nodes'
   same-named files never share a cache file and a partial file is never seen. Immutable files
@@ -66,7 +67,6 @@ What a crash can leave behind besides orphans: incomplete multipart uploads (inv
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import hashlib
 import inspect
@@ -356,15 +356,18 @@ class S3Hub(Hub):
             self._fault(f"mirror:{hub_path}")
 
     def _delete_after_swap(self, paths: list[str]) -> None:
-        """The deletions of a publication, after its swap: a failure is logged (the files are left
-        to a later garbage collection), never raised, since the new version is already live."""
-        for hub_path in paths:
+        """The deletions of a publication, after its swap, in batches (``S3Store.delete_many``): a
+        failure is logged (the files are left to a later garbage collection), never raised, since the
+        new version is already live. The crash points ``delete:<path>`` follow each batch."""
+        for i in range(0, len(paths), 1000):
+            batch = paths[i : i + 1000]
             try:
-                self.store.delete(hub_path)
+                self.store.delete_many(batch)
             except HubError as e:
-                log.warning("published, but could not delete %s from %s (left for garbage collection): %s",
-                            hub_path, self.url, e)
-            self._fault(f"delete:{hub_path}")
+                log.warning("published, but could not delete some of %d file(s) from %s (left for garbage "
+                            "collection): %s", len(batch), self.url, e)
+            for hub_path in batch:
+                self._fault(f"delete:{hub_path}")
         self._fault("deleted")
 
     def delete(self, paths: Iterable[str]) -> None:
@@ -372,13 +375,7 @@ class S3Hub(Hub):
         for hub_path in paths:
             if hub_path in RESERVED_GLOBAL_PATHS:
                 raise InvalidNameError(f"refusing to delete {hub_path!r}")
-        if len(paths) <= 1:
-            for hub_path in paths:
-                self.store.delete(hub_path)
-            return
-        with concurrent.futures.ThreadPoolExecutor(min(8, len(paths)), "diloco-s3-delete") as pool:
-            for f in [pool.submit(self.store.delete, p) for p in paths]:
-                f.result()
+        self.store.delete_many(paths)
 
     # ------------------------------------------------------------------ lease
 

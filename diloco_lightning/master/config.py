@@ -59,7 +59,10 @@ class MasterConfig:
     arrival_batch: int = option(64, "arrival mode: at most this many deltas per round")
     keep_globals: int = option(4, "older global versions kept on the hub (lockstep with delay d needs d + 2)")
     lease: bool = option(True, "one master at a time: a second one stands by")
-    lease_ttl: float | None = option(None, "seconds the master's lease lives without renewal (null: max(3 x poll_interval, 30))")
+    lease_ttl: float | None = option(
+        None, "seconds the master's lease lives without renewal (null: max(3 x poll_interval, 30); on hf://, where "
+        "each renewal is a commit, max(3 x poll_interval, 900))"
+    )
     gc_every: int = option(16, "publications between garbage collections of orphans and leftovers")
     retry_max_delay: float = option(300.0, "the longest pause after failed rounds (backoff with jitter)")
     torch_threads: int | None = option(None, "torch threads of the master (the round is memory-bound; null: torch's default)")
@@ -121,5 +124,10 @@ class MasterConfig:
         opts.update(dict(self.outer_options))
         return opts
 
-    def effective_lease_ttl(self) -> float:
-        return self.lease_ttl if self.lease_ttl is not None else max(3.0 * self.poll_interval, 30.0)
+    def effective_lease_ttl(self, rate_limited_writes: bool = False) -> float:
+        """``lease_ttl``, or its default for a hub whose writes are cheap (30 s floor) or rate-limited
+        commits (the Hugging Face Hub: a 900 s floor, so renewals, one every half ttl, cost 8 of the
+        repository's commits an hour instead of 120)."""
+        if self.lease_ttl is not None:
+            return self.lease_ttl
+        return max(3.0 * self.poll_interval, 900.0 if rate_limited_writes else 30.0)

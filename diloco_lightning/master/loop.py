@@ -154,7 +154,8 @@ class MasterOuterLoop:
         arrival_batch: at most this many deltas handled per ``sync_once`` in arrival mode.
         keep_globals: older versions kept on the hub besides the current one.
         lease, lease_ttl, holder: one master at a time (``lease_ttl`` default:
-            ``max(3 * poll_interval, 30)`` seconds; ``holder`` default ``host:pid:random``).
+            ``max(3 * poll_interval, 30)`` seconds, 900 on a hub whose writes are rate-limited
+            commits; ``holder`` default ``host:pid:random``).
         signing_key: the run key (signed runs); default from ``DILOCO_RUN_KEY`` /
             ``DILOCO_RUN_KEY_FILE``, none meaning an unsigned run.
         metrics_path: a JSONL file receiving one line per eventful round.
@@ -213,7 +214,8 @@ class MasterOuterLoop:
         self.compat = make_compat(self.config.compat, self.hub, key)
         self._sink = MetricsSink(metrics_path, logger)
         self._lease = (
-            LeaseKeeper(self.hub, self.holder, self.config.effective_lease_ttl(), signing_key=key) if self.config.lease else None
+            LeaseKeeper(self.hub, self.holder, self.config.effective_lease_ttl(self.hub.rate_limited_writes),
+                        signing_key=key) if self.config.lease else None
         )
         # the parts (each owns its state; see docs/design.md for the map)
         self.run = RunState(self.config, self.hub, self.node_state_dir, key)

@@ -38,6 +38,7 @@ class RoundMetrics:
     bytes_downloaded: int = 0
     pending: int = 0
     waiting: bool = False
+    paced: float = 0.0  #: seconds the hub's commit budget asked to wait before this publication (0: none)
     standby: bool = False
     conflict: bool = False
     adopted: int | None = None
@@ -79,7 +80,9 @@ def format_progress(m: dict[str, Any]) -> str:
     flags = []
     if m.get("standby"):
         flags.append("standby")
-    if m.get("waiting"):
+    if m.get("paced"):
+        flags.append(f"publication paced by the commit budget ({m.get('pending', 0)} pending, next in {m['paced']:.0f}s)")
+    elif m.get("waiting"):
         flags.append(f"waiting for quorum ({m.get('pending', 0)} pending)")
     if m.get("conflict"):
         flags.append("publication conflict")

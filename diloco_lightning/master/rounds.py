@@ -112,7 +112,22 @@ class Rounds:
             m.waiting = True
             log.debug("waiting for the quorum: %d of %d deltas", len(rnd.accepted), self.master.config.min_deltas)
             return
+        if not force and self._paced(m):
+            return  # the round stays open: what arrives meanwhile joins it, one publication for all
         self._commit_round(rnd, m, pa)
+
+    def _paced(self, m: RoundMetrics) -> bool:
+        """Whether the hub's commit budget (or a 429's Retry-After) asks the publication to wait
+        (``Hub.commit_wait``): then the round is not applied yet and gathers more deltas."""
+        try:
+            wait = max(0.0, float(self.master.hub.commit_wait(None)))
+        except Exception as e:  # noqa: BLE001 - pacing is advice
+            log.debug("no commit budget from %s: %s", self.master.hub.url, e)
+            return False
+        if wait > 0:
+            m.waiting, m.paced = True, wait
+            log.debug("publication paced: the commit budget of %s allows it in %.1fs", self.master.hub.url, wait)
+        return wait > 0
 
     def _commit_round(self, rnd: OpenRound, m: RoundMetrics, pa: bool) -> None:
         self.open = None
@@ -150,6 +165,8 @@ class Rounds:
 
     def arrival(self, m: RoundMetrics, force: bool) -> None:
         run = self.master.run
+        if not force and self._paced(m):  # each delta is a publication: none before the budget allows
+            return
         max_bytes, _ = self._limits()
         refs = self.master.intake.list_new(self._marks(), max_bytes, m)
         faults.point("listed", self.master)

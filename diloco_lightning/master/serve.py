@@ -106,6 +106,8 @@ def serve(
             except Exception as e:  # noqa: BLE001 - reported, retried with backoff
                 failures += 1
                 delay = backoff_delay(failures, delay, master.config.retry_max_delay)
+                # a hub that asked for a pause (429 Retry-After, a spent commit budget) gets it
+                delay = max(delay, float(getattr(e, "retry_after", None) or 0.0))
                 if say is None:  # the library's thread: the log is the only place it shows, traceback included
                     log.error("master round failed (%d in a row); retrying in %.1fs", failures, delay, exc_info=True)
                 else:
@@ -130,6 +132,8 @@ def serve(
             elif not m.get("standby") and failures == 0:
                 if not master.has_state:
                     what = "a worker's initial weights (nodes/<node_id>/init.safetensors) or a published version"
+                elif m.get("paced"):
+                    what = f"the commit budget of the hub ({m.get('pending', 0)} delta(s) pending)"
                 elif m.get("waiting"):
                     what = f"the quorum of {master.config.min_deltas} deltas ({m.get('pending', 0)} pending)"
                 else:

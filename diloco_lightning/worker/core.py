@@ -186,6 +186,7 @@ class DiLoCoWorker:
             "bytes_uploaded_total": 0,
             "phases_delivered_total": 0,
             "upload_failures_total": 0,
+            "uploads_paced_total": 0,  # boundaries whose delta was held back for the hub's commit budget
             "installs_total": 0,
             "wait_seconds_total": 0.0,
             "boundaries_total": 0,
@@ -442,12 +443,30 @@ class DiLoCoWorker:
                                 self.node_id, rep.error, self.totals["upload_failures_total"])
         return reports
 
-    def _pump(self) -> None:
+    def _pump(self, force: bool = False) -> None:
+        """Hand what is unsent to the uploader when it is free, unless the hub's commit budget asks
+        to wait (``Hub.commit_wait``): then it stays held and the next boundary's delta is merged
+        into it, instead of the upload meeting the hub's rate limit. ``force`` (a flush) sends
+        anyway: the transport then waits for the budget itself."""
         if self._unsent is not None and not self._unsent.empty and not self._uploader.busy:
+            if not force:
+                wait = self._commit_wait()
+                if wait > 0:
+                    self.totals["uploads_paced_total"] += 1
+                    log.debug("node %s: the commit budget of %s allows the next upload in %.1fs; %d phase(s) held and "
+                              "merged with the next delta", self.node_id, self.hub.url, wait, self._unsent.phases)
+                    return
             job, self._unsent = self._unsent, None
             self._uploader.submit(job)
         elif self._unsent is not None and self._unsent.empty:
             self._unsent = None
+
+    def _commit_wait(self) -> float:
+        try:
+            return max(0.0, float(self.hub.commit_wait(self.node_id)))
+        except Exception as e:  # noqa: BLE001 - pacing is advice: never a reason to lose a boundary
+            log.debug("node %s: no commit budget from %s: %s", self.node_id, self.hub.url, e)
+            return 0.0
 
     def boundary(self, num_tokens: int | None = None) -> BoundaryResult:
         """End an inner phase: export ``anchor - local``, hand it to the uploader, install a
@@ -509,9 +528,10 @@ class DiLoCoWorker:
                     f"node {self.node_id}: could not upload its pending delta(s) to {self.hub.url} within "
                     f"{self.wait_timeout:g} s ({what})"
                 )
-            if failed:
-                time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
-            self._pump()
+            if failed:  # not before the hub's commit budget or Retry-After allows the next attempt
+                pause = max(self.poll_interval, self._commit_wait())
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            self._pump(force=True)
             self._uploader.wait_idle(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
 
     def _collect_into(self, reports: list[UploadReport]) -> list[UploadReport]:

@@ -30,8 +30,7 @@ log = logging.getLogger(__name__)
 
 def hub_high_step(hub: Hub, node_id: str) -> int:
     """The highest step of the node's deltas listed on the hub (-1: none), authentic or not."""
-    refs = hub.list_deltas(after={node_id: -1})
-    return max((r.local_step for r in refs if r.node_id == node_id), default=-1)
+    return max((r.local_step for r in hub.list_node_deltas(node_id)), default=-1)
 
 
 def is_authentic(hub: Hub, ref: DeltaRef, node_id: str, synced: Mapping[str, torch.Tensor],
@@ -61,7 +60,7 @@ def hub_seen_high(hub: Hub, node_id: str, read_manifest: Callable[[], Manifest |
     deleted in between is not missed."""
     before = read_manifest()
     floor = before.ledger.get(node_id, -1) if before is not None else -1
-    refs = sorted((r for r in hub.list_deltas(after={node_id: floor}) if r.node_id == node_id), reverse=True)
+    refs = sorted(hub.list_node_deltas(node_id, floor), reverse=True)
     after = read_manifest()
     high = max(floor, after.ledger.get(node_id, -1) if after is not None else -1)
     for ref in refs:

@@ -26,6 +26,11 @@ succeeded):
   absent -> merged into what is sent next. While it cannot be resolved nothing new is
   attempted, so at most one doubtful delta and one merged pending delta are ever held.
 
+A hub with a write rate limit (the Hugging Face Hub's commits: ``Hub.commit_wait``) paces this:
+the worker holds a delta back while the budget asks to wait and merges the next boundary's into
+it (the same merge as after a failure), and a failed ``lockstep`` upload is retried no sooner
+than the budget or the server's ``Retry-After`` allows.
+
 A ``DeltaExistsError`` on a fresh ``local_step`` means another writer uses this node id (or
 a file was put there by someone else): the uploader raises ``step_offset`` past the hub's
 highest step, warns, and retries at once.
@@ -353,13 +358,20 @@ class Uploader:
                 self._results.append(report)
                 self._active = False
                 self._cond.notify_all()
-            if retry and not self._sleep(self.retry_interval):
+            if retry and not self._sleep(max(self.retry_interval, self._commit_wait())):
                 return
+
+    def _commit_wait(self) -> float:
+        """Seconds before the hub's commit budget (or a Retry-After) allows this node's next write."""
+        try:
+            return max(0.0, float(self.hub.commit_wait(self.node_id)))
+        except Exception:  # noqa: BLE001 - advice only
+            return 0.0
 
     def _landed(self, local_step: int) -> bool | None:
         """Whether ``nodes/<node>/delta_<local_step>`` is on the hub; None when the hub cannot say."""
         try:
-            refs = self.hub.list_deltas(after={self.node_id: local_step - 1})
+            refs = self.hub.list_node_deltas(self.node_id, local_step - 1)
         except Exception as e:
             log.debug("cannot list deltas on %s: %s", self.hub.url, e)
             return None

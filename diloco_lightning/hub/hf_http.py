@@ -1,0 +1,424 @@
+"""HTTP plumbing of the Hugging Face Hub transport (``diloco_lightning.hub.hf``): one call,
+retried or mapped to the hub's errors, and the requests that read or commit at a known head.
+
+Errors: 401/403 -> ``HubAuthError`` (the message says to check the token, never shows
+it), 404 -> ``HubNotFoundError``, 409/412 -> the CAS conflict of the operation. Only
+429, 5xx, timeouts and connection errors are retried, with jittered exponential backoff
+(``max_retries``, ``retry_base_delay``, ``retry_max_delay``); nothing else is.
+
+``huggingface_hub``'s own retries are kept from multiplying ours by a guard on its shared HTTP
+client: :mod:`diloco_lightning.hub.hf_guard`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import random
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from diloco_lightning.fileio import temp_prefix
+from diloco_lightning.hub.base import (
+    HubAuthError,
+    HubError,
+    HubFileTooLargeError,
+    HubNotFoundError,
+    HubUnavailableError,
+)
+from diloco_lightning.hub.hf_guard import (
+    _GUARD,
+    _RETRY_STATUS,
+    _ensure_guard,
+    _GuardOptions,
+    _is_requests_session,
+    _plain_transient_types,
+    _retry_after,
+    _TransientError,
+)
+from diloco_lightning.hub.pacing import CommitBudget
+from diloco_lightning.names import validate_hub_path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HFRequests", "HubUnavailableError", "_GuardOptions", "_plain_transient_types", "_retry_after"]
+
+_COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+_CHUNK = 8 << 20
+
+class _EntryMissing(HubNotFoundError):
+    """404 on a file or folder of an existing repository; ``commit`` is the revision's head if the Hub said."""
+
+    def __init__(self, msg: str, commit: str | None = None) -> None:
+        super().__init__(msg)
+        self.commit = commit
+
+
+class _Precondition(HubError):
+    """409/412 on a commit: the branch head is not the ``parent_commit`` we gave."""
+
+
+def _git_blob_sha1(path: str | os.PathLike) -> str:
+    size = os.path.getsize(path)
+    h = hashlib.sha1(b"blob %d\0" % size)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _norm_etag(value: str | None) -> str | None:
+    if not value:
+        return None
+    value = value.strip()
+    value = value.removeprefix("W/")
+    return value.strip('"').lower() or None
+
+
+
+# ----------------------------------------------------------------------------- requests of one repository
+
+
+class HFRequests:
+    """The requests of :class:`~diloco_lightning.hub.hf.HFHub` (a mixin: it reads the hub's
+    ``repo_id``, ``revision``, ``endpoint``, ``url``, ``_token``, ``_api``, ``_guard_opts``,
+    ``_plain_transient`` and the retry options)."""
+
+    url: str
+    repo_id: str
+    revision: str
+    endpoint: str
+    max_retries: int
+    retry_base_delay: float
+    retry_max_delay: float
+    max_cas_attempts: int
+    _token: str | bool | None
+    _api: Any
+    _guard_opts: _GuardOptions
+    _plain_transient: tuple[type[BaseException], ...]
+    commit_budget: CommitBudget
+    #: no request before this time.monotonic() (the last 429/503 Retry-After)
+    _pause_until: float = 0.0
+
+    def _scrub(self, text: str) -> str:
+        tok = self._token
+        if isinstance(tok, str) and tok:
+            text = text.replace(tok, "<token>")
+        return text
+
+    def _backoff(self, attempt: int, retry_after: float | None = None) -> float:
+        """The pause before retry ``attempt``: ``min(max, base * 2**(attempt-1))`` jittered to 50-100 %,
+        and never shorter than the server's ``Retry-After``."""
+        d = min(self.retry_max_delay, self.retry_base_delay * (2 ** (attempt - 1)))
+        d = d * (0.5 + 0.5 * random.random())
+        if retry_after is not None:
+            d = max(d, retry_after)
+        return d
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, budget: CommitBudget | None = None,
+              **kwargs: Any) -> Any:
+        """Run one ``huggingface_hub`` call; retry 429/5xx/timeouts/connection errors; map the rest.
+
+        A ``Retry-After`` is honoured: the retry waits at least that long, and when the server asks
+        for more than ``retry_max_delay`` the call does not wait inside: it raises
+        ``HubUnavailableError`` with ``retry_after`` at once, for a caller that can do something
+        better meanwhile (a worker merges its deltas, a master keeps gathering its round). A 429 on
+        a commit (``budget``) also pauses that repository's :class:`CommitBudget`."""
+        from huggingface_hub.errors import HfHubHTTPError
+
+        try:
+            from huggingface_hub.errors import OfflineModeIsEnabled
+        except ImportError:  # pragma: no cover - old huggingface_hub
+            OfflineModeIsEnabled = ()  # type: ignore[assignment]
+
+        attempt = 0
+        while True:
+            self._wait_for_server(what)
+            _ensure_guard()
+            token = _GUARD.set(self._guard_opts)
+            try:
+                return fn(*args, **kwargs)
+            except _TransientError as e:
+                reason, retry_after, status = str(e), e.retry_after, e.status
+            except OfflineModeIsEnabled as e:  # type: ignore[misc]
+                raise HubError(f"{what} on {self.url}: HF_HUB_OFFLINE is set; unset it to use an hf:// hub") from e
+            except HfHubHTTPError as e:
+                response = getattr(e, "response", None)
+                status = getattr(response, "status_code", None)
+                if status not in _RETRY_STATUS:
+                    raise self._map_http_error(e, status, what) from e
+                reason, retry_after = f"HTTP {status}", _retry_after(getattr(response, "headers", {}))
+            except self._plain_transient as e:  # only reached when the guard is absent
+                reason, retry_after, status = f"{type(e).__name__}: {e}", None, None
+            finally:
+                _GUARD.reset(token)
+            attempt += 1
+            reason = self._scrub(reason)
+            delay = self._backoff(attempt, retry_after)
+            if budget is not None and status == 429:
+                budget.block(delay)  # the repository's commits wait too, not only this one
+            if retry_after is not None and status in (429, 503):  # no request of ours before the server's time
+                self._pause_until = max(self._pause_until, time.monotonic() + retry_after)
+            if retry_after is not None and retry_after > self.retry_max_delay:
+                raise HubUnavailableError(
+                    f"{what} on {self.url} ({self.endpoint}): {reason}, the server asks to wait {retry_after:.0f}s "
+                    "before trying again", retry_after=retry_after,
+                )
+            if attempt > self.max_retries:
+                raise HubUnavailableError(
+                    f"{what} on {self.url} ({self.endpoint}) failed after {attempt} attempt(s): {reason}",
+                    retry_after=retry_after,
+                )
+            log.warning("%s on %s: %s; retry %d/%d in %.2fs", what, self.url, reason, attempt, self.max_retries, delay)
+            time.sleep(delay)
+
+    def _wait_for_server(self, what: str) -> None:
+        """Honour the last ``Retry-After`` (429/503) before sending anything: sleep it when short, else
+        raise at once without a request (the caller waits, see :meth:`_call`)."""
+        left = self._pause_until - time.monotonic()
+        if left > self.retry_max_delay:
+            raise HubUnavailableError(
+                f"{what} on {self.url} ({self.endpoint}): the Hub asked to wait; {left:.0f}s left of its Retry-After",
+                retry_after=left,
+            )
+        if left > 0:
+            time.sleep(left)
+
+    def _map_http_error(self, e: Exception, status: int | None, what: str) -> HubError:
+        from huggingface_hub.errors import (
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        server = self._scrub(str(getattr(e, "server_message", None) or "")).strip()
+        detail = f" (server said: {server[:300]})" if server else ""
+        if status in (401, 403):
+            return HubAuthError(
+                f"{what} on {self.url} ({self.endpoint}): HTTP {status}, not authorized. Check the token (token= or "
+                f"$HF_TOKEN): it must be valid and have {'write' if status == 403 else 'read/write'} access to "
+                f"{self.repo_id}; a private or missing repository also answers 401{detail}"
+            )
+        if status == 404 or isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError)):
+            if isinstance(e, RevisionNotFoundError):
+                return HubNotFoundError(f"{what}: revision {self.revision!r} of {self.url} not found on {self.endpoint}")
+            if isinstance(e, RepositoryNotFoundError):
+                return HubNotFoundError(
+                    f"{what}: repository {self.repo_id} not found on {self.endpoint} (open it with create=True to create it)"
+                )
+            response = getattr(e, "response", None)
+            commit = None
+            with contextlib.suppress(Exception):
+                commit = response.headers.get("X-Repo-Commit")
+            return _EntryMissing(f"{what}: not found on {self.url}{detail}", commit)
+        if status in (409, 412):
+            return _Precondition(f"{what} on {self.url}: HTTP {status}, the branch head moved{detail}")
+        return HubError(f"{what} on {self.url} ({self.endpoint}) failed: HTTP {status}{detail}")
+
+    def _headers(self) -> dict[str, str]:
+        from huggingface_hub.utils import build_hf_headers
+
+        return build_hf_headers(token=self._token, library_name="diloco_lightning")
+
+    def _file_url(self, hub_path: str, revision: str) -> str:
+        from huggingface_hub import hf_hub_url
+
+        return hf_hub_url(self.repo_id, hub_path, revision=revision, endpoint=self.endpoint)
+
+    def _get_small(self, hub_path: str, revision: str) -> tuple[bytes, str | None]:
+        from huggingface_hub.utils import get_session, hf_raise_for_status
+
+        session = get_session()
+        url = self._file_url(hub_path, revision)
+        if _is_requests_session(session):  # huggingface_hub < 1.0
+            r = session.get(url, headers=self._headers(), allow_redirects=True)
+        else:  # httpx / httpx2
+            r = session.get(url, headers=self._headers(), follow_redirects=True)
+        hf_raise_for_status(r)
+        return r.content, r.headers.get("X-Repo-Commit")
+
+    def _head_commit(self) -> str:
+        info = self._call("read the branch head", self._api.repo_info, self.repo_id, revision=self.revision)
+        if not isinstance(info.sha, str) or not _COMMIT_RE.fullmatch(info.sha):
+            raise HubError(f"{self.url}: the Hub gave no commit id for revision {self.revision!r}")
+        return info.sha
+
+    def _read_head_file(self, hub_path: str) -> tuple[bytes | None, str]:
+        """``hub_path``'s content (None if absent) and the head commit it was read at, consistently."""
+        try:
+            data, commit = self._call(f"read {hub_path}", self._get_small, hub_path, self.revision)
+        except _EntryMissing as e:
+            data, commit = None, e.commit
+        if commit and _COMMIT_RE.fullmatch(commit):
+            return data, commit
+        commit = self._head_commit()  # no X-Repo-Commit: resolve the head, then read at it
+        try:
+            data, _ = self._call(f"read {hub_path}", self._get_small, hub_path, commit)
+        except _EntryMissing:
+            data = None
+        return data, commit
+
+    def _paths_present(self, paths: Iterable[str], revision: str) -> set[str]:
+        from huggingface_hub.hf_api import RepoFile
+
+        paths = sorted(set(paths))
+        present: set[str] = set()
+        for i in range(0, len(paths), 200):
+            batch = paths[i : i + 200]
+            infos = self._call("check files", self._api.get_paths_info, self.repo_id, batch, revision=revision)
+            present.update(x.path for x in infos if isinstance(x, RepoFile))
+        return present
+
+    def _commit(self, operations: list, parent: str, message: str) -> str:
+        """One ``create_commit`` with ``parent_commit``, within the repository's commit budget: a
+        wait up to ``retry_max_delay`` is slept here, a longer one is the caller's
+        (``HubUnavailableError`` with ``retry_after``; nothing was sent)."""
+        budget = self.commit_budget
+        wait = budget.wait()
+        if wait > self.retry_max_delay:
+            raise HubUnavailableError(
+                f"commit ({message}) on {self.url}: the commit budget of this repository "
+                f"({budget.per_hour or 0:g} an hour; commits_per_hour=) or the Hub's Retry-After allows the next "
+                f"commit in {wait:.0f}s", retry_after=wait,
+            )
+        if wait > 0:
+            log.info("commit (%s) on %s: waiting %.1fs for the commit budget", message, self.url, wait)
+            budget.acquire()
+        info = self._call(
+            f"commit ({message})",
+            self._api.create_commit,
+            self.repo_id,
+            operations=operations,
+            commit_message=message,
+            revision=self.revision,
+            parent_commit=parent,
+            budget=budget,
+        )
+        budget.record()
+        return getattr(info, "oid", None) or ""
+
+    def _cas_pause(self, attempt: int) -> None:
+        time.sleep(random.uniform(0, min(1.0, 0.02 * (2 ** min(attempt, 6)))))
+
+    def _stream_to(self, hub_path: str, revision: str, dest: Path, max_bytes: int | None = None) -> None:
+        from huggingface_hub.utils import get_session, hf_raise_for_status
+
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(dest.name), suffix=".part", dir=dest.parent)
+        os.close(fd)
+        try:
+            headers = {**self._headers(), "Accept-Encoding": "identity"}
+            session = get_session()
+            url = self._file_url(hub_path, revision)
+            if _is_requests_session(session):  # huggingface_hub < 1.0
+                cm = contextlib.closing(session.get(url, headers=headers, stream=True, allow_redirects=True))
+            else:  # httpx / httpx2
+                cm = session.stream("GET", url, headers=headers, follow_redirects=True)
+            with cm as r:
+                hf_raise_for_status(r)
+                length = r.headers.get("Content-Length")
+                expected = int(length) if length and length.isdigit() and len(length) <= 18 else None
+                if max_bytes is not None and expected is not None and expected > max_bytes:
+                    raise HubFileTooLargeError(
+                        f"{hub_path} on {self.url} is {expected} bytes, more than the {max_bytes} allowed (not downloaded)"
+                    )
+                linked = None
+                for h in [*getattr(r, "history", []), r]:
+                    linked = linked or _norm_etag(h.headers.get("X-Linked-Etag"))
+                etag = None if getattr(r, "history", None) else _norm_etag(r.headers.get("ETag"))
+                sha256 = hashlib.sha256()
+                sha1 = hashlib.sha1(b"blob %d\0" % expected) if expected is not None else None
+                n = 0
+                chunks = r.iter_bytes(_CHUNK) if hasattr(r, "iter_bytes") else r.iter_content(_CHUNK)
+                with open(tmp, "wb") as f:
+                    for chunk in chunks:
+                        n += len(chunk)
+                        if max_bytes is not None and n > max_bytes:
+                            raise HubFileTooLargeError(
+                                f"{hub_path} on {self.url} is more than the {max_bytes} bytes allowed (download stopped)"
+                            )
+                        f.write(chunk)
+                        sha256.update(chunk)
+                        if sha1 is not None:
+                            sha1.update(chunk)
+                    f.flush()
+                    os.fsync(f.fileno())
+            if expected is not None and n != expected:
+                raise _TransientError(f"download of {hub_path} truncated: {n} of {expected} bytes")
+            if linked and len(linked) == 64 and sha256.hexdigest() != linked:
+                raise _TransientError(f"download of {hub_path}: sha256 does not match the Hub's ({linked[:12]}...)")
+            if etag and len(etag) == 40 and sha1 is not None and sha1.hexdigest() != etag:
+                raise _TransientError(f"download of {hub_path}: git oid does not match the Hub's ETag ({etag[:12]}...)")
+            os.replace(tmp, dest)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def _put_new(self, local_file: str | os.PathLike, hub_path: str, what: str, delete: Iterable[str] = ()) -> bool:
+        """Commit ``local_file`` as ``hub_path`` unless it exists. True if written (or the same
+        bytes are already there: an earlier attempt of ours), False if another file is there.
+        ``delete``: files removed in the same commit (those still there at its parent)."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        delete = sorted({validate_hub_path(p) for p in delete} - {hub_path})
+
+        local = Path(local_file)
+        if not local.is_file():
+            raise FileNotFoundError(f"{what}: local file {local} does not exist")
+        op = CommitOperationAdd(path_in_repo=hub_path, path_or_fileobj=str(local))
+        for attempt in range(self.max_cas_attempts):
+            try:
+                meta = self._call(f"check {hub_path}", self._api.get_hf_file_metadata, url=self._file_url(hub_path, self.revision))
+            except _EntryMissing as e:
+                head = e.commit if e.commit and _COMMIT_RE.fullmatch(e.commit) else None
+                if head is None:  # no X-Repo-Commit: resolve the head, then check at it
+                    head = self._head_commit()
+                    if hub_path in self._paths_present([hub_path], head):
+                        return self._same_file(hub_path, local, head)
+            else:
+                return self._same_file(hub_path, local, None, etag=meta.etag)
+            ops: list[Any] = [op]
+            if delete:
+                ops += [CommitOperationDelete(path_in_repo=p) for p in sorted(self._paths_present(delete, head))]
+            try:
+                self._commit(ops, head, f"{what}: {hub_path}" + (f" (and delete {len(ops) - 1})" if len(ops) > 1 else ""))
+                return True
+            except _Precondition:
+                log.debug("%s: the head of %s moved; checking %s again", what, self.url, hub_path)
+                self._cas_pause(attempt)
+        raise HubError(f"{what}: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
+
+    def _same_file(self, hub_path: str, local: Path, revision: str | None, etag: str | None = None) -> bool:
+        if etag is None:
+            with contextlib.suppress(HubError):
+                meta = self._call(
+                    f"check {hub_path}", self._api.get_hf_file_metadata, url=self._file_url(hub_path, revision or self.revision)
+                )
+                etag = meta.etag
+        etag = _norm_etag(etag)
+        if etag and len(etag) == 64:
+            from diloco_lightning.fileio import sha256_file
+
+            return sha256_file(local) == etag
+        if etag and len(etag) == 40:
+            return _git_blob_sha1(local) == etag
+        return False
+
+    def _tree(self, folder: str, recursive: bool, revision: str | None = None) -> list[tuple[str, int | None, str | None]]:
+        """``(path, size, blob id)`` of the files under ``folder`` (at ``revision``, default the branch)."""
+        from huggingface_hub.hf_api import RepoFile
+
+        def run() -> list[tuple[str, int | None, str | None]]:
+            items = self._api.list_repo_tree(self.repo_id, path_in_repo=folder, recursive=recursive,
+                                             revision=revision or self.revision)
+            return [(x.path, x.size, getattr(x, "blob_id", None)) for x in items if isinstance(x, RepoFile)]
+
+        try:
+            return self._call(f"list {folder}/", run)
+        except _EntryMissing:
+            return []
