@@ -43,7 +43,7 @@ from torch import Tensor
 __all__ = [
     "BLOCK_SIZES", "CHUNK", "DEFAULT_BLOCK_SIZE", "ENCODINGS", "PAGE_SIZE", "PART_SEP", "EncodedTensor",
     "EncodingError", "EncodingSpec", "check_layout", "decode", "decode_add_", "encode", "encode_with_residual",
-    "expected_parts", "part_name", "split_part_name", "topk_count", "validate_parts",
+    "expected_parts", "part_name", "split_part_name", "sum_of_squares", "topk_count", "validate_parts",
 ]
 
 ENCODINGS = ("float32", "bfloat16", "float16", "int8", "int4", "topk")
@@ -562,3 +562,13 @@ def decode_add_(out: Tensor, enc: EncodedTensor, alpha: float = 1.0) -> Tensor:
         else:  # distinct positions: gather, add, scatter (no atomics, deterministic on CUDA too)
             flat[where] = flat[where].add_(vals)
     return out
+
+
+def sum_of_squares(enc: EncodedTensor) -> float:
+    """``||decode(enc)||^2`` (a Python float), from the decoded FP32 values chunk by chunk: no full-size
+    copy. Each chunk's norm is FP32 (as ``torch.linalg.vector_norm`` of a plain tensor), the sum FP64."""
+    total = 0.0
+    for _, vals in _decoded_chunks(enc, enc.parts["q"].device):
+        if vals.numel():
+            total += float(torch.linalg.vector_norm(vals)) ** 2
+    return total

@@ -354,7 +354,7 @@ def test_arguments_are_validated_with_their_names(tmp_path):
         (dict(sync="eventually"), "sync"),
         (dict(delay=-1), "delay"),
         (dict(delay=[1, 2], node_id="worker"), "node_index"),
-        (dict(delta_dtype="int8"), "delta_dtype"),
+        (dict(delta_dtype="int2"), "delta_dtype"),
         (dict(reset_inner_optimizer="yes"), "reset_inner_optimizer"),
         (dict(hub_options=[1]), "hub_options"),
         (dict(signing_key=""), "signing_key"),

@@ -429,7 +429,7 @@ def test_constructor_validation(hub):
     params = make_params()
     for kwargs, msg in (
         (dict(sync="sometimes"), "sync"),
-        (dict(delta_dtype="int8"), "delta_dtype"),
+        (dict(delta_dtype="int2"), "delta_dtype"),
         (dict(wait_timeout=0), "wait_timeout"),
         (dict(poll_interval=-1), "poll_interval"),
     ):
