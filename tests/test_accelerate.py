@@ -168,6 +168,8 @@ def test_accelerate_disabled_and_validation(tmp_path):
         (dict(sync="maybe"), "sync"),
         (dict(reset_inner_optimizer=True), "optimizer"),
         (dict(delta_dtype="int2"), "delta_dtype"),
+        (dict(topk=2), "topk"),
+        (dict(error_feedback=1), "error_feedback"),
     ):
         args = dict(hub=tmp_path / "hub", node_id="w0", inner_steps=2)
         args.update(kwargs)

@@ -88,6 +88,10 @@ def test_bad_config_fails_at_composition(overrides, exc, key):
         ("diloco.delay=-1", "diloco.delay"),
         ("diloco.delay=[0,-2]", "diloco.delay[1]"),
         ("diloco.sync=sometimes", "diloco.sync"),
+        ("diloco.delta_dtype=int2", "diloco.delta_dtype"),
+        ("diloco.topk=0", "diloco.topk"),
+        ("diloco.topk=1.5", "diloco.topk"),
+        ("diloco.topk_values=int2", "diloco.topk_values"),
         ("outer.name=sgd", "outer.name"),
         ("optim.name=lion", "optim.name"),
         ("workers=0", "workers"),
@@ -135,3 +139,15 @@ def test_chance_level_of_the_paper_vocabulary():
     # REFERENCES.md: the CGAD paper's chance-level loss 10.83 = ln(~50.3k)
     cfg = _compose("recipe=llama25m_tau8")
     assert math.log(cfg.model.vocab_size) == pytest.approx(10.83, abs=0.01)
+
+
+def test_encoding_options_compose_into_the_worker_keywords():
+    from diloco_lightning.app.config import worker_options
+    from diloco_lightning.worker.options import WorkerOptions
+
+    cfg = validate(_compose("recipe=tiny", "diloco.delta_dtype=topk", "diloco.topk=0.02", "diloco.topk_values=int4",
+                            "diloco.error_feedback=false"))
+    opts = WorkerOptions(**worker_options(cfg.diloco))
+    assert (opts.encoding.name, opts.encoding.topk, opts.encoding.topk_values, opts.feedback) == ("topk", 0.02, "int4", False)
+    opts = WorkerOptions(**worker_options(validate(_compose("recipe=tiny", "diloco.delta_dtype=int4")).diloco))
+    assert opts.encoding.name == "int4" and opts.feedback is True  # on by default for the quantized encodings
