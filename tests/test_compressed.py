@@ -23,7 +23,6 @@ import json
 import math
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from safetensors.torch import save_file
 
 from diloco_lightning.compression import ErrorFeedback, decode_delta, encode_delta
 from diloco_lightning.deltafile import DeltaHeader, model_fingerprint, read_delta, write_delta
-from diloco_lightning.encoding import EncodedTensor, EncodingSpec, decode, encode
+from diloco_lightning.encoding import EncodingSpec, decode
 from diloco_lightning.hub.local import FileHub
 from diloco_lightning.master import MasterOuterLoop
 from diloco_lightning.signing import RunKey
