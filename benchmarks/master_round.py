@@ -99,7 +99,9 @@ def write_pool(pool: Path, n: int, encoding: str = "float32") -> None:
             continue
         delta = {k: torch.empty(v.shape).normal_(0.0, 1e-3, generator=g) for k, v in state.items()}
         node = "warmup" if i == "warmup" else f"w{i:02d}"
-        sent, _ = encode_delta(delta, EncodingSpec(encoding))
+        name, _, values = encoding.partition("+")  # "topk+int4": top-k with int4 values
+        spec = EncodingSpec(name, topk_values=values) if values else EncodingSpec(name)
+        sent, _ = encode_delta(delta, spec)
         write_delta(dest, sent, node_id=node, local_step=0, base_outer_step=0, num_tokens=4096, model_fingerprint=fp)
         del delta, sent
 
@@ -162,7 +164,8 @@ def main() -> None:
                     help="the master's torch_threads (1, as diloco-master runs; 0: torch's default)")
     ap.add_argument("--workdir", default=None, help="where the hubs and the delta pool go (default: a temp dir)")
     ap.add_argument("--encodings", default="float32",
-                    help="comma-separated delta encodings (float32, bfloat16, int8, int4, topk); the first is the reference")
+                    help="comma-separated delta encodings (float32, bfloat16, int8, int4, topk, topk+int4); the first is the "
+                         "reference")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pool", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
