@@ -130,7 +130,6 @@ def bench_model(preset: str, args: argparse.Namespace) -> list[dict]:
                                 args.repeats)
             fb, work = ErrorFeedback(spec), {k: t.clone() for k, t in delta.items()}
             t_worker = median_time(lambda: fb.encode(work, in_place=True), args.repeats)
-            del fb, work
             sums = {k: torch.zeros_like(t) for k, t in delta.items()}
             t_add = median_time(lambda: [decode_add_(sums[k], e, 0.5) for k, e in encs.items()], args.repeats)
             t_dec = median_time(lambda: [decode(e) for e in encs.values()], args.repeats)

@@ -205,7 +205,8 @@ def main() -> None:
     for e in encodings:
         if len(encodings) > 1:
             print(f"# encoding {e}")
-        print(f"{'N':>4} {'best s':>9} {'median s':>9} {'peak RSS MB':>12} {'RSS before MB':>14} {'x Speedtronic time':>19} {'x Speedtronic RSS':>18}")
+        print(f"{'N':>4} {'best s':>9} {'median s':>9} {'peak RSS MB':>12} {'RSS before MB':>14} "
+              f"{'x Speedtronic time':>19} {'x Speedtronic RSS':>18}")
         for n in args.n:
             runs = sorted(results[(e, n)], key=lambda x: x["seconds"])
             b, median = runs[0], runs[len(runs) // 2]

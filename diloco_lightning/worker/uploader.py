@@ -51,7 +51,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +60,7 @@ import torch
 from diloco_lightning import faults
 from diloco_lightning.compression import ErrorFeedback
 from diloco_lightning.deltafile import write_delta
-from diloco_lightning.encoding import EncodingSpec
+from diloco_lightning.encoding import EncodedTensor, EncodingSpec
 from diloco_lightning.hub.base import DeltaExistsError, Hub
 from diloco_lightning.signing import RunKey
 
@@ -414,7 +414,8 @@ class Uploader:
                 recovered.append(step)
                 recovered_phases += part.phases
                 with self._feedback_lock:  # what its encoding dropped is owed to the next delta
-                    self.feedback.absorb(part.residual if part.anchor is None else part.materialize())
+                    self.feedback.absorb(part.residual if part.anchor is None and part.residual is not None
+                                         else part.materialize())
             else:
                 fresh = merge_parts(part, fresh)
         if fresh is None:
@@ -430,6 +431,7 @@ class Uploader:
                 sq += float(torch.linalg.vector_norm(d).double()) ** 2
         norm = math.sqrt(sq)
         encoded = math.isfinite(norm) or all(bool(torch.isfinite(d).all()) for d in delta.values())
+        tensors: Mapping[str, torch.Tensor | EncodedTensor]
         if encoded:
             with self._feedback_lock:  # delta += residual, in place: what comes back on a failure holds it
                 tensors = self.feedback.encode(delta, in_place=True)
