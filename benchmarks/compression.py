@@ -6,10 +6,11 @@ embedding; ``tiny``: the tiny recipe's 1.25M-parameter model, d 128, 4 layers, f
 token stream (rare tokens' embedding rows move little, as in real text), or with ``--delta
 synthetic`` by Gaussian noise. Then, per encoding:
 
-- bytes: a real safetensors file of every encoded part (safetensors.torch.save_file, header
-  included), and its ratio to the plain FP32 file;
-- encode GB/s (``encode``, and ``encode_with_residual`` into reused residual buffers, as a worker
-  with error feedback runs it)
+- bytes: the real delta file a worker writes (``compression.encode_delta`` + ``deltafile.write_delta``,
+  with the header a worker puts there: identity, tokens, fingerprint, encoding), and its ratio to
+  the FP32 file;
+- encode GB/s (``encode``; ``+resid``: ``encode_with_residual`` into reused residual buffers;
+  ``worker``: ``ErrorFeedback.encode(in_place=True)``, the uploader's whole step, residual added)
   and decode GB/s (``decode_add_`` into an FP32 sum, the master's path, and plain ``decode``),
   in FP32 bytes of the delta per second, median of ``--repeats`` runs;
 - the relative error ``||delta - decode(encode(delta))|| / ||delta||`` over the whole state.
@@ -18,6 +19,7 @@ Usage::
 
     python benchmarks/compression.py                        # both models, real deltas, 7 repeats
     python benchmarks/compression.py --models tiny --delta synthetic --repeats 3
+    python benchmarks/compression.py --json runs/perf/compression_raw.json   # also the figures as JSON
 
 Targets (bytes relative to FP32): int8 <= 0.27x, int4 <= 0.14x, topk 1 % with int4 values
 <= 0.03x; int8 encode and decode each >= 1 GB/s on the 25M state.
@@ -26,6 +28,7 @@ Targets (bytes relative to FP32): int8 <= 0.27x, int4 <= 0.14x, topk 1 % with in
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -34,10 +37,11 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diloco_lightning.compression import ErrorFeedback, encode_delta
+from diloco_lightning.deltafile import model_fingerprint, write_delta
 from diloco_lightning.encoding import EncodingSpec, decode, decode_add_, encode, encode_with_residual
 from diloco_lightning.models.llama import Llama, llama_config
 
@@ -97,23 +101,24 @@ def median_time(fn, repeats: int) -> float:
 
 
 def file_bytes(delta: dict[str, torch.Tensor], spec: EncodingSpec, folder: str) -> int:
-    tensors = {}
-    for key, t in delta.items():
-        tensors.update(encode(t, spec).file_tensors(key))
-    path = os.path.join(folder, "delta.safetensors")
-    save_file(tensors, path, metadata=spec.to_metadata())
-    return os.path.getsize(path)
+    """The size of the delta file a worker writes for ``delta`` (header included)."""
+    sent, _ = encode_delta(delta, spec, error_feedback=False)
+    path = os.path.join(folder, "nodes", "w0", "delta_12.safetensors")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return write_delta(path, sent, node_id="w0", local_step=12, base_outer_step=11, num_tokens=8 * 8 * 128,
+                       model_fingerprint=model_fingerprint(delta), extra_metadata={"phases": "1"})
 
 
-def bench_model(preset: str, args: argparse.Namespace) -> None:
+def bench_model(preset: str, args: argparse.Namespace) -> list[dict]:
     delta = pseudo_gradient(preset, args.delta, args.steps)
     numel = sum(t.numel() for t in delta.values())
     gb = numel * 4 / 1e9
     norm = torch.sqrt(sum(t.double().square().sum() for t in delta.values()))
     print(f"\n{preset}: {numel / 1e6:.2f}M parameters in {len(delta)} tensors, {args.delta} delta "
           f"(rms {norm.item() / numel**0.5:.2e})")
-    print(f"{'encoding':<13} {'bytes':>11} {'vs fp32':>8} {'enc GB/s':>9} {'+resid':>7} {'dec_add':>8} "
+    print(f"{'encoding':<13} {'bytes':>11} {'vs fp32':>8} {'enc GB/s':>9} {'+resid':>7} {'worker':>7} {'dec_add':>8} "
           f"{'decode':>7} {'rel err':>9}  target")
+    rows = []
     with tempfile.TemporaryDirectory() as folder:
         fp32_bytes = file_bytes(delta, ENCODINGS["float32"], folder)
         for label, spec in ENCODINGS.items():
@@ -123,6 +128,8 @@ def bench_model(preset: str, args: argparse.Namespace) -> None:
             residual = {k: torch.empty_like(t) for k, t in delta.items()}  # a worker's error-feedback buffers
             t_res = median_time(lambda: [encode_with_residual(t, spec, out=residual[k]) for k, t in delta.items()],
                                 args.repeats)
+            fb, work = ErrorFeedback(spec), {k: t.clone() for k, t in delta.items()}
+            t_worker = median_time(lambda: fb.encode(work, in_place=True), args.repeats)
             sums = {k: torch.zeros_like(t) for k, t in delta.items()}
             t_add = median_time(lambda: [decode_add_(sums[k], e, 0.5) for k, e in encs.items()], args.repeats)
             t_dec = median_time(lambda: [decode(e) for e in encs.values()], args.repeats)
@@ -134,12 +141,16 @@ def bench_model(preset: str, args: argparse.Namespace) -> None:
             if label == "int8" and preset == "llama25m":
                 fast = min(gb / t_enc, gb / t_add, gb / t_dec) >= SPEED_TARGET
                 verdict.append(f"GB/s >= {SPEED_TARGET:g} {'ok' if fast else 'MISS'}")
-            print(f"{label:<13} {size:>11,} {ratio:>7.4f}x {gb / t_enc:>9.2f} {gb / t_res:>7.2f} {gb / t_add:>8.2f} "
-                  f"{gb / t_dec:>7.2f} {err.item():>9.2e}  {', '.join(verdict)}".rstrip())
+            print(f"{label:<13} {size:>11,} {ratio:>7.4f}x {gb / t_enc:>9.2f} {gb / t_res:>7.2f} {gb / t_worker:>7.2f} "
+                  f"{gb / t_add:>8.2f} {gb / t_dec:>7.2f} {err.item():>9.2e}  {', '.join(verdict)}".rstrip())
+            rows.append({"model": preset, "params": numel, "encoding": label, "bytes": size, "ratio": ratio,
+                         "encode_gbs": gb / t_enc, "residual_gbs": gb / t_res, "worker_gbs": gb / t_worker,
+                         "decode_add_gbs": gb / t_add, "decode_gbs": gb / t_dec, "rel_err": err.item()})
     if preset == "tiny":  # on the small model only: the FP4 reference is slow and memory-hungry
         err = torch.sqrt(sum((t - e2m1_round_trip(t)).double().square().sum() for t in delta.values())) / norm
-        print(f"{'(fp4 e2m1)':<13} {'as int4':>11} {'':>8} {'':>9} {'':>7} {'':>8} {'':>7} {err.item():>9.2e}  "
+        print(f"{'(fp4 e2m1)':<13} {'as int4':>11} {'':>8} {'':>9} {'':>7} {'':>7} {'':>8} {'':>7} {err.item():>9.2e}  "
               "the 4-bit float alternative to int4 (not implemented)")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,13 +160,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="AdamW steps that make a real delta")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per figure (median reported)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}; "
           "GB/s = FP32 bytes of the delta per second")
+    rows = []
+    load = os.getloadavg()[0]
     for preset in args.models.split(","):
-        bench_model(preset, args)
+        rows += bench_model(preset, args)
+    print(f"# load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                                               "repeats": args.repeats, "delta": args.delta, "rows": rows,
+                                               "load_before": load, "load_after": os.getloadavg()[0]}, indent=1))
 
 
 if __name__ == "__main__":

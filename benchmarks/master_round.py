@@ -3,6 +3,12 @@
     python benchmarks/master_round.py                 # N = 1 4 8 16 32, Nesterov, folder hub in a temp dir
     python benchmarks/master_round.py --n 8 --repeat 3 --optimizer cgad
     python benchmarks/master_round.py --n 8 --repeat 3 --compat speedtronic   # + Speedtronic's global/ view
+    python benchmarks/master_round.py --n 8 --encodings float32,int8   # side by side, with ratios
+
+``--encodings``: the deltas of each pool are the same pseudo-gradients sent with each encoding
+(``compression.encode_delta``, what a worker writes); each N is measured once per encoding, in
+interleaved order, and a last table gives each encoding's best time and peak RSS over float32's
+(issue 14's target: a round over 8 int8 deltas no slower than over 8 float32 ones).
 
 The state has Llama tensor shapes (d_model 320, 6 layers, 5 heads, FFN 864, tied embeddings,
 vocabulary 55,424: 25.2M FP32 parameters, 101 MB). The parent writes 32 deltas once (FP32,
@@ -77,10 +83,12 @@ def _status(field: str) -> float:
     return float("nan")
 
 
-def write_pool(pool: Path, n: int) -> None:
+def write_pool(pool: Path, n: int, encoding: str = "float32") -> None:
     import torch
 
+    from diloco_lightning.compression import encode_delta
     from diloco_lightning.deltafile import model_fingerprint, write_delta
+    from diloco_lightning.encoding import EncodingSpec
 
     state = make_state()
     fp = model_fingerprint(state)
@@ -92,8 +100,11 @@ def write_pool(pool: Path, n: int) -> None:
             continue
         delta = {k: torch.empty(v.shape).normal_(0.0, 1e-3, generator=g) for k, v in state.items()}
         node = "warmup" if i == "warmup" else f"w{i:02d}"
-        write_delta(dest, delta, node_id=node, local_step=0, base_outer_step=0, num_tokens=4096, model_fingerprint=fp)
-        del delta
+        name, _, values = encoding.partition("+")  # "topk+int4": top-k with int4 values
+        spec = EncodingSpec(name, topk_values=values) if values else EncodingSpec(name)
+        sent, _ = encode_delta(delta, spec)
+        write_delta(dest, sent, node_id=node, local_step=0, base_outer_step=0, num_tokens=4096, model_fingerprint=fp)
+        del delta, sent
 
 
 def child(args: argparse.Namespace) -> None:
@@ -141,7 +152,8 @@ def child(args: argparse.Namespace) -> None:
     peak = _status("VmHWM")
     m = master.last_metrics or {}
     assert published and m.get("accepted") == args.n, m
-    print(json.dumps({"n": args.n, "seconds": seconds, "peak_rss_mb": peak, "base_rss_mb": base_rss}))
+    print(json.dumps({"n": args.n, "seconds": seconds, "peak_rss_mb": peak, "base_rss_mb": base_rss,
+                      "bytes": m.get("bytes_downloaded", 0)}))
 
 
 def main() -> None:
@@ -153,6 +165,9 @@ def main() -> None:
                     help="the master's torch_threads (1, as diloco-master runs; 0: torch's default)")
     ap.add_argument("--compat", default=None, help="the master's compat mode (speedtronic: also write its global/ view)")
     ap.add_argument("--workdir", default=None, help="where the hubs and the delta pool go (default: a temp dir)")
+    ap.add_argument("--encodings", default="float32",
+                    help="comma-separated delta encodings (float32, bfloat16, int8, int4, topk, topk+int4); the first is the "
+                         "reference")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pool", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -161,43 +176,62 @@ def main() -> None:
         child(args)
         return
 
+    encodings = [e.strip() for e in args.encodings.split(",") if e.strip()]
     root = Path(args.workdir or tempfile.mkdtemp(prefix="master_round_"))
-    pool = root / "pool"
-    t = time.perf_counter()
-    write_pool(pool, max(args.n))
-    print(f"# {sum(1 for _ in pool.iterdir()) - 1} deltas of 25.2M FP32 parameters in {pool} ({time.perf_counter() - t:.1f}s)")
-    print(f"# optimizer {args.optimizer}; torch_threads {args.threads or 'default'}; compat {args.compat}; folder hub; "
-          "one fresh process per measurement")
+    pools = {e: root / f"pool_{e}" for e in encodings}
+    for e, pool in pools.items():
+        t = time.perf_counter()
+        write_pool(pool, max(args.n), e)
+        size = sum(f.stat().st_size for f in pool.iterdir() if f.name != "delta_warmup.safetensors")
+        print(f"# {sum(1 for _ in pool.iterdir()) - 1} deltas of 25.2M parameters, {e}: {size / max(args.n) / 1e6:.1f} MB "
+              f"each, in {pool} ({time.perf_counter() - t:.1f}s)")
+    print(f"# optimizer {args.optimizer}; torch_threads {args.threads or 'default'}; compat {args.compat}; folder hub; one fresh process per measurement")
     print(f"# load average before: {os.getloadavg()[0]:.2f} (a shared machine: the best of --repeat runs is the round's cost)")
-    print(f"{'N':>4} {'best s':>9} {'median s':>9} {'peak RSS MB':>12} {'RSS before MB':>14} {'x Speedtronic time':>19} {'x Speedtronic RSS':>18}")
     os.sync()  # the pool's dirty pages would otherwise be flushed during the first measurements
-    results: dict[int, list[dict]] = {n: [] for n in args.n}
+    results: dict[tuple[str, int], list[dict]] = {(e, n): [] for e in encodings for n in args.n}
     try:
-        for r in range(args.repeat):  # interleaved, so a burst of load elsewhere hits every N alike
+        for r in range(args.repeat):  # interleaved, so a burst of load elsewhere hits every N and encoding alike
             for n in args.n:
-                work = root / f"n{n}_r{r}"
-                shutil.rmtree(work, ignore_errors=True)
-                cmd = [sys.executable, __file__, "--child", "--n", str(n), "--pool", str(pool), "--workdir", str(work),
-                       "--optimizer", args.optimizer, "--threads", str(args.threads)] + (
-                           ["--compat", args.compat] if args.compat else [])
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-                results[n].append(json.loads(out.stdout.strip().splitlines()[-1]))
-                shutil.rmtree(work, ignore_errors=True)
+                for e in encodings:
+                    work = root / f"{e}_n{n}_r{r}"
+                    shutil.rmtree(work, ignore_errors=True)
+                    cmd = [sys.executable, __file__, "--child", "--n", str(n), "--pool", str(pools[e]), "--workdir",
+                           str(work), "--optimizer", args.optimizer, "--threads", str(args.threads)] + (
+                        ["--compat", args.compat] if args.compat else [])
+                    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                    results[(e, n)].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                    shutil.rmtree(work, ignore_errors=True)
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
-    for n in args.n:
-        runs = sorted(results[n], key=lambda x: x["seconds"])
-        best, median = runs[0], runs[len(runs) // 2]
-        print(
-            f"{n:>4} {best['seconds']:>9.3f} {median['seconds']:>9.3f} {max(x['peak_rss_mb'] for x in runs):>12.0f}"
-            f" {best['base_rss_mb']:>14.0f} {best['seconds'] / SPEEDTRONIC_SECONDS:>19.2f}"
-            f" {max(x['peak_rss_mb'] for x in runs) / SPEEDTRONIC_RSS_MB:>18.2f}",
-            flush=True,
-        )
-    peaks = [max(x["peak_rss_mb"] for x in results[n]) for n in args.n]
-    if len(peaks) > 1:
-        print(f"# peak RSS spread over N: {max(peaks) - min(peaks):.0f} MB (flat in N)")
+    best: dict[tuple[str, int], tuple[float, float]] = {}
+    for e in encodings:
+        if len(encodings) > 1:
+            print(f"# encoding {e}")
+        print(f"{'N':>4} {'best s':>9} {'median s':>9} {'peak RSS MB':>12} {'RSS before MB':>14} "
+              f"{'x Speedtronic time':>19} {'x Speedtronic RSS':>18}")
+        for n in args.n:
+            runs = sorted(results[(e, n)], key=lambda x: x["seconds"])
+            b, median = runs[0], runs[len(runs) // 2]
+            peak = max(x["peak_rss_mb"] for x in runs)
+            best[(e, n)] = (b["seconds"], peak)
+            print(
+                f"{n:>4} {b['seconds']:>9.3f} {median['seconds']:>9.3f} {peak:>12.0f}"
+                f" {b['base_rss_mb']:>14.0f} {b['seconds'] / SPEEDTRONIC_SECONDS:>19.2f}"
+                f" {peak / SPEEDTRONIC_RSS_MB:>18.2f}",
+                flush=True,
+            )
+        peaks = [best[(e, n)][1] for n in args.n]
+        if len(peaks) > 1:
+            print(f"# peak RSS spread over N: {max(peaks) - min(peaks):.0f} MB (flat in N)")
+    if len(encodings) > 1:
+        ref = encodings[0]
+        print(f"# side by side, best time and peak RSS of each encoding over {ref}'s (same N)")
+        print(f"{'N':>4} " + " ".join(f"{e + ' s':>12} {'x ' + ref:>10} {e + ' MB':>11} {'x ' + ref:>10}" for e in encodings[1:]))
+        for n in args.n:
+            t0, p0 = best[(ref, n)]
+            print(f"{n:>4} " + " ".join(f"{best[(e, n)][0]:>12.3f} {best[(e, n)][0] / t0:>10.2f} {best[(e, n)][1]:>11.0f} "
+                                       f"{best[(e, n)][1] / p0:>10.2f}" for e in encodings[1:]), flush=True)
     print(f"# load average after: {os.getloadavg()[0]:.2f}")
     print(f"# reference at N = 8: Speedtronic 2.0.0 {SPEEDTRONIC_SECONDS} s, {SPEEDTRONIC_RSS_MB:.0f} MB; "
           f"targets <= {0.3 * SPEEDTRONIC_SECONDS:.2f} s, <= {0.5 * SPEEDTRONIC_RSS_MB:.0f} MB")

@@ -15,11 +15,15 @@ the document with fresh figures for those sections and cached ones for the rest)
   linear in N) and the spread of the peaks (memory is flat in N), plus a PNG.
 * ``worker_overhead``: ``benchmarks/worker_overhead.py``: training throughput with and without the
   DiLoCo callback.
-* ``bytes``: bytes one worker sends per round, per delta dtype: measured end to end with
-  ``train.py recipe=tiny`` (``diloco.delta_dtype=float32`` and ``bfloat16``: ``bytes_sent`` / deltas)
-  and by writing one delta file of the 25M-parameter geometry with ``deltafile.write_delta`` in
-  float32, bfloat16 and float16 (float16: writable by ``DiLoCo(delta_dtype="float16")``, not in the
-  Hydra schema); compression relative to FP32.
+* ``bytes``: bytes one worker sends per round, per encoding (``diloco.delta_dtype``): measured end
+  to end with ``train.py recipe=tiny`` (float32, bfloat16, int8, int4, top-k 1 % with int4 values:
+  ``bytes_sent`` / deltas) and by writing one delta file of the 25M-parameter geometry as a worker
+  does (``compression.encode_delta`` + ``deltafile.write_delta``) per encoding; relative to FP32.
+* ``compression``: ``benchmarks/compression.py`` (file bytes, encode / decode GB/s, error of each
+  encoding on real pseudo-gradients of the tiny and 25M models) and ``benchmarks/master_round.py
+  --n 8 --encodings float32,int8,int4,topk+int4`` (a master round over 8 deltas of each encoding,
+  side by side), plus the loss column from ``runs/perf/compression_loss.json`` when
+  ``benchmarks/compression_loss.py`` has produced it (else marked pending).
 * ``hub_scale``: ``benchmarks/hub_scale.py``: the real master against 64 and 256 simulated workers
   on the folder, the loopback Hugging Face Hub (one repository, and one per node) and a loopback
   S3 server: deltas applied per second, requests per round, listing cost, ledger check.
@@ -44,7 +48,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SECTIONS = ("outer_step", "master_round", "worker_overhead", "bytes", "e2e", "hub_scale")
+SECTIONS = ("outer_step", "master_round", "worker_overhead", "bytes", "compression", "e2e", "hub_scale")
+#: each section's heading in docs/performance.md: a section with no cached figures keeps its text
+#: from the current document (so ``--only`` on a fresh clone does not drop the others)
+HEADINGS = {
+    "bytes": "## Bytes sent per worker per round",
+    "compression": "## Compression",
+    "master_round": "## Master round",
+    "outer_step": "## Outer step",
+    "worker_overhead": "## Worker overhead",
+    "e2e": "## End to end",
+    "hub_scale": "## Hub scale",
+}
+#: train.py overrides of each encoding in the ``bytes`` section
+BYTES_ENCODINGS = {
+    "float32": ["diloco.delta_dtype=float32"],
+    "bfloat16": ["diloco.delta_dtype=bfloat16"],
+    "int8": ["diloco.delta_dtype=int8"],
+    "int4": ["diloco.delta_dtype=int4"],
+    "topk1%+int4": ["diloco.delta_dtype=topk", "diloco.topk=0.01", "diloco.topk_values=int4"],
+}
+BYTES_TARGETS = {"int8": 0.27, "int4": 0.14, "topk1%+int4": 0.03}
 
 
 def machine() -> str:
@@ -143,20 +167,44 @@ def _shapes_25m() -> dict[str, tuple[int, ...]]:
 def run_bytes_files() -> list[dict]:
     import torch
 
+    from diloco_lightning.compression import encode_delta
     from diloco_lightning.deltafile import model_fingerprint, write_delta
+    from diloco_lightning.encoding import EncodingSpec
 
     shapes = _shapes_25m()
     state = {k: torch.zeros(v) for k, v in shapes.items()}
     fp = model_fingerprint(state)
     numel = sum(t.numel() for t in state.values())
+    specs = {"float32": EncodingSpec("float32"), "bfloat16": EncodingSpec("bfloat16"), "float16": EncodingSpec("float16"),
+             "int8": EncodingSpec("int8"), "int4": EncodingSpec("int4"),
+             "topk1%+int8": EncodingSpec("topk", topk=0.01, topk_values="int8"),
+             "topk1%+int4": EncodingSpec("topk", topk=0.01, topk_values="int4")}
     rows = []
+    g = torch.Generator().manual_seed(0)
+    delta = {k: torch.randn(v, generator=g).mul_(1e-3) for k, v in shapes.items()}
     with tempfile.TemporaryDirectory(prefix="perf-delta-") as tmp:
-        for dt in (torch.float32, torch.bfloat16, torch.float16):
-            delta = {k: torch.randn(v).mul_(1e-3).to(dt) for k, v in shapes.items()}
-            p = Path(tmp) / f"delta_{str(dt).removeprefix('torch.')}.safetensors"
-            write_delta(p, delta, node_id="w0", local_step=1, base_outer_step=0, num_tokens=4096, model_fingerprint=fp)
-            rows.append({"dtype": str(dt).removeprefix("torch."), "bytes": p.stat().st_size, "params": numel})
+        for name, spec in specs.items():
+            sent, _ = encode_delta(delta, spec, error_feedback=False)
+            p = Path(tmp) / f"delta_{name}.safetensors"
+            write_delta(p, sent, node_id="w0", local_step=1, base_outer_step=0, num_tokens=4096, model_fingerprint=fp)
+            rows.append({"dtype": name, "bytes": p.stat().st_size, "params": numel})
     return rows
+
+
+def run_compression(args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="perf-compression-") as tmp:
+        raw = Path(tmp) / "compression.json"
+        cmd = [sys.executable, "benchmarks/compression.py", "--repeats", "3" if args.quick else "7", "--json", str(raw)]
+        if args.quick:
+            cmd += ["--models", "tiny"]
+        r = sh(cmd)
+        r["command"] = r["command"].replace(f" --json {raw}", "")
+        r["figures"] = json.loads(raw.read_text())
+    cmd = [sys.executable, "benchmarks/master_round.py", "--n", "8", "--repeat", "2" if args.quick else "5",
+           "--encodings", "float32,int8,int4,topk+int4"]
+    m = sh(cmd)
+    r["master_round"] = {k: m[k] for k in ("command", "stdout", "wall", "load_before", "load_after", "when")}
+    return r
 
 
 def run_e2e(args) -> dict:
@@ -220,11 +268,105 @@ def plot_master(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+LOSS_ROWS = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8+ef", "int4": "int4+ef",
+             "topk1%+int4": "topk1%+int4+ef"}
+
+
+def _loss_cells(loss: dict | None, row: str, tau: int = 0) -> tuple[str, str]:
+    """(mean eval loss ± spread over seeds, mean paired difference to float32) or pending."""
+    if not loss:
+        return "pending", "pending"
+    runs = [r for r in loss["runs"] if r["row"] == row and r["tau"] == tau and r["steps"] == 160]
+    base = {r["seed"]: r["eval_loss"] for r in loss["runs"] if r["row"] == "float32" and r["tau"] == tau and r["steps"] == 160}
+    if not runs:
+        return "pending", "pending"
+    vals = [r["eval_loss"] for r in runs]
+    mean = sum(vals) / len(vals)
+    spread = max(vals) - min(vals)
+    diffs = [r["eval_loss"] - base[r["seed"]] for r in runs if r["seed"] in base]
+    d = "-" if row == "float32" or not diffs else f"{sum(diffs) / len(diffs):+.3f}"
+    return f"{mean:.3f} (range {spread:.3f}, {len(vals)} seeds)", d
+
+
+def write_compression(w, d: dict, loss: dict | None) -> None:
+    w("## Compression: bytes, speed and loss of each pseudo-gradient encoding")
+    w("")
+    w("`diloco.delta_dtype` picks the encoding (docs/encoding.md; error feedback on by default for int8, int4 and "
+      "top-k). Bytes: the delta file a worker writes, header included (the `bytes` section measures the same end to "
+      "end). Speeds on the 25M model's real pseudo-gradient (10 AdamW steps on Zipf tokens), GB/s of FP32 input: "
+      "*worker* = `ErrorFeedback.encode(in_place=True)`, the uploader's whole step (residual added, encoded, new "
+      "residual kept); *master* = `decode_add_` into the round's FP32 sum. Loss: final eval loss of `train.py "
+      "recipe=tiny` (2 workers, H = 8, lockstep, tau = 0, CGAD, 160 steps), mean over seeds, and the mean paired "
+      "difference to float32 (same seeds), from `python benchmarks/compression_loss.py`.")
+    w("")
+    rows = {(r["model"], r["encoding"]): r for r in d["figures"]["rows"]}
+    w("| encoding | tiny file bytes | vs FP32 | 25M file bytes | vs FP32 | worker GB/s | master GB/s | rel. error | "
+      "eval loss | vs float32 |")
+    w("|---|---|---|---|---|---|---|---|---|---|")
+    for enc in ("float32", "bfloat16", "float16", "int8", "int4", "topk1%+int8", "topk1%+int4"):
+        t, b = rows.get(("tiny", enc)), rows.get(("llama25m", enc))
+        if t is None and b is None:
+            continue
+        lrow = LOSS_ROWS.get(enc)
+        lc = _loss_cells(loss, lrow) if lrow else ("not run", "not run")
+        cells = [enc]
+        for r in (t, b):
+            cells += ["-", "-"] if r is None else [f"{r['bytes']:,}", f"{r['ratio']:.4f}x"]
+        r = b or t
+        cells += [f"{r['worker_gbs']:.2f}", f"{r['decode_add_gbs']:.2f}", f"{r['rel_err']:.2e}", *lc]
+        w("| " + " | ".join(cells) + " |")
+    w("")
+    if loss:
+        w("Loss per encoding, with and without error feedback (`ef`), tau 0 (the study's raw table, "
+          f"`python benchmarks/compression_loss.py --table-only`; runs of {loss.get('when', '?')}):")
+        w("")
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("compression_loss", ROOT / "benchmarks" / "compression_loss.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        seeds = sorted({r["seed"] for r in loss["runs"]})
+        taus = sorted({r["tau"] for r in loss["runs"]})
+        w(_block(mod.table(loss["runs"], list(mod.ROWS), taus, seeds, 160)))
+        w("")
+    else:
+        w("The loss column is **pending**: run `python benchmarks/compression_loss.py` (24 runs of `train.py "
+          "recipe=tiny`, about 30 min on 2 cores), then `python benchmarks/run_all.py --doc-only`.")
+        w("")
+    w(f"Command: `{d['command']}` ({d['when']}, load average {d['load_before']:.2f} before, {d['load_after']:.2f} after; "
+      "a shared machine: speeds vary by 2-5x between runs). Raw output:")
+    w("")
+    w(_block(d["stdout"]))
+    w("")
+    m = d["master_round"]
+    w(f"A master round over 8 deltas of 25.2M parameters per encoding (each encoding's files from the same "
+      f"pseudo-gradients; folder hub; best of the repeats): `{m['command']}` ({m['when']}, load average "
+      f"{m['load_before']:.2f} before, {m['load_after']:.2f} after):")
+    w("")
+    w(_block(m["stdout"]))
+    w("")
+
+
+def _old_sections(path: Path) -> dict[str, str]:
+    """The current document's text of each section (by HEADINGS), to keep what has no cached figures."""
+    if not path.is_file():
+        return {}
+    text = path.read_text()
+    parts = re.split(r"(?m)^(?=## )", text)
+    out = {}
+    for name, head in HEADINGS.items():
+        for part in parts:
+            if part.startswith(head):
+                out[name] = part.rstrip("\n")
+    return out
+
+
 def _block(text: str) -> str:
     return "```\n" + text.strip("\n") + "\n```"
 
 
 def write_doc(data: dict, out: Path, mach: str) -> None:
+    old = _old_sections(out)
     L: list[str] = []
     w = L.append
     w("# Performance")
@@ -237,36 +379,53 @@ def write_doc(data: dict, out: Path, mach: str) -> None:
       "and the median shows the noise.")
     w("")
 
+    if "bytes" not in data and "bytes" in old:
+        w(old["bytes"])
+        w("")
     if "bytes" in data:
         d = data["bytes"]
-        w("## Bytes sent per worker per round, by delta dtype")
+        w("## Bytes sent per worker per round, by encoding")
         w("")
         w("One worker sends one delta file per round (H inner steps). End to end (`train.py recipe=tiny`, 2 workers, "
-          "H = 8; the tiny model with its 4096-token BPE), `bytes_sent / deltas` from `results.json`:")
+          "H = 8; the tiny model with its 4096-token BPE), `bytes_sent / deltas` from `results.json` (the delta files' "
+          "sizes, headers included; error feedback at its default, on for int8, int4 and top-k):")
         w("")
-        w("| delta dtype | bytes per worker per round | vs FP32 | command |")
-        w("|---|---|---|---|")
+        w("| encoding | bytes per worker per round | vs FP32 | target | command |")
+        w("|---|---|---|---|---|")
         base = next((r["per_delta"] for r in d["e2e"] if r["dtype"] == "float32"), None)
         for r in d["e2e"]:
-            rel = "1 (reference)" if r["dtype"] == "float32" else f"{r['per_delta'] / base:.3f}x ({base / r['per_delta']:.2f}x smaller)"
-            w(f"| {r['dtype']} | {r['per_delta']:,.0f} | {rel} | `{r['command']}` |")
+            rel = "1 (reference)" if r["dtype"] == "float32" else f"{r['per_delta'] / base:.4f}x ({base / r['per_delta']:.1f}x smaller)"
+            t = BYTES_TARGETS.get(r["dtype"])
+            verdict = "" if t is None else f"<= {t}x: {'met' if r['per_delta'] / base <= t else 'MISSED'}"
+            w(f"| {r['dtype']} | {r['per_delta']:,.0f} | {rel} | {verdict} | `{r['command']}` |")
         w("")
         w("The 25M-parameter geometry (d_model 320, 6 layers, FFN 864, vocabulary 50,304, tied embeddings), one delta "
-          "file written by `diloco_lightning.deltafile.write_delta` per dtype (safetensors: 8-byte length, JSON header "
-          "with the delta metadata, raw tensors):")
+          "file written as a worker writes it (`compression.encode_delta` + `deltafile.write_delta`: safetensors, 8-byte "
+          "length, JSON header with the delta metadata and the encoding, the encoded parts):")
         w("")
-        w("| delta dtype | parameters | file bytes | bytes / parameter | vs FP32 |")
-        w("|---|---|---|---|---|")
+        w("| encoding | parameters | file bytes | bytes / parameter | vs FP32 | target |")
+        w("|---|---|---|---|---|---|")
         fbase = next(r["bytes"] for r in d["files"] if r["dtype"] == "float32")
         for r in d["files"]:
-            rel = "1 (reference)" if r["dtype"] == "float32" else f"{r['bytes'] / fbase:.3f}x ({fbase / r['bytes']:.2f}x smaller)"
-            w(f"| {r['dtype']} | {r['params']:,} | {r['bytes']:,} | {r['bytes'] / r['params']:.4f} | {rel} |")
+            rel = "1 (reference)" if r["dtype"] == "float32" else f"{r['bytes'] / fbase:.4f}x ({fbase / r['bytes']:.1f}x smaller)"
+            t = BYTES_TARGETS.get(r["dtype"])
+            verdict = "" if t is None else f"<= {t}x: {'met' if r['bytes'] / fbase <= t else 'MISSED'}"
+            w(f"| {r['dtype']} | {r['params']:,} | {r['bytes']:,} | {r['bytes'] / r['params']:.4f} | {rel} | {verdict} |")
         w("")
-        w(f"Command: `python benchmarks/run_all.py --only bytes` ({d.get('when', '?')}). `diloco.delta_dtype` accepts "
-          "float32 and bfloat16 in the Hydra schema; `DiLoCo(delta_dtype=\"float16\")` also writes float16. Per round the "
-          "whole run sends workers x this figure; there is no quantized (sub-16-bit) encoding yet.")
+        w(f"Command: `python benchmarks/run_all.py --only bytes` ({d.get('when', '?')}). Per round the whole run sends "
+          "workers x this figure. The layout of each encoding is in docs/spec.md (\"Encoded deltas\") and "
+          "docs/encoding.md.")
         w("")
 
+    if "compression" in data:
+        write_compression(w, data["compression"], data.get("compression_loss"))
+    elif "compression" in old:
+        w(old["compression"])
+        w("")
+
+    if "master_round" not in data and "master_round" in old:
+        w(old["master_round"])
+        w("")
     if "master_round" in data:
         d = data["master_round"]
         rows = d["rows"]
@@ -297,6 +456,10 @@ def write_doc(data: dict, out: Path, mach: str) -> None:
         w(_block(d["stdout"]))
         w("")
 
+    for name in ("outer_step", "worker_overhead", "e2e"):
+        if name not in data and name in old:
+            w(old[name])
+            w("")
     if "outer_step" in data:
         d = data["outer_step"]
         w("## Outer step")
@@ -347,6 +510,8 @@ def write_doc(data: dict, out: Path, mach: str) -> None:
 
         d = data["hub_scale"]
         w(render_markdown(d["results"], d["command"], d["when"], tuple(d["load"])))
+    elif "hub_scale" in old:
+        w(old["hub_scale"])
     out.write_text("\n".join(L))
 
 
@@ -369,14 +534,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name} ...", flush=True)
             t0 = time.perf_counter()
             if name == "bytes":
-                d = run_bytes_e2e(args)
-                d["files"] = run_bytes_files()
+                d = run_bytes_files_and_e2e(args)
             else:
                 d = globals()[f"run_{name}"](args)
             print(f"   {time.perf_counter() - t0:.0f} s", flush=True)
             p.write_text(json.dumps(d, indent=1))
         if p.is_file():
             data[name] = json.loads(p.read_text())
+    loss = cache / "compression_loss.json"  # benchmarks/compression_loss.py's runs (the loss column)
+    if loss.is_file():
+        data["compression_loss"] = json.loads(loss.read_text())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if "master_round" in data and data["master_round"].get("rows"):
@@ -387,20 +554,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_bytes_files_and_e2e(args) -> dict:
+    d = run_bytes_e2e(args)
+    d["files"] = run_bytes_files()
+    return d
+
+
 def run_bytes_e2e(args) -> dict:
     out: dict = {"e2e": [], "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     steps = 16 if args.quick else 32
     with tempfile.TemporaryDirectory(prefix="perf-bytes-") as tmp:
-        for dt in ("float32", "bfloat16"):
-            cmd = [sys.executable, "train.py", "recipe=tiny", f"diloco.delta_dtype={dt}", f"trainer.max_steps={steps}",
-                   f"run_root={tmp}", f"run_id=bytes_{dt}"]
+        for dt, overrides in BYTES_ENCODINGS.items():
+            cmd = [sys.executable, "train.py", "recipe=tiny", *overrides, f"trainer.max_steps={steps}",
+                   f"run_root={tmp}", f"run_id=bytes_{dt.replace('%', '').replace('+', '_')}"]
             r = sh(cmd)
-            res = json.loads((Path(tmp) / f"bytes_{dt}" / "results.json").read_text())
+            res = json.loads((Path(tmp) / f"bytes_{dt.replace('%', '').replace('+', '_')}" / "results.json").read_text())
             deltas = sum(s["deltas_sent"] for s in res["workers_summary"])
             cmd_txt = r["command"].replace(f"run_root={tmp} ", "").replace(f" run_root={tmp}", "")
             out["e2e"].append({"dtype": dt, "command": cmd_txt, "bytes_sent": res["bytes_sent"], "deltas": deltas,
                                "per_delta": res["bytes_sent"] / max(1, deltas), "workers": res["workers"],
-                               "rounds": res["outer_steps"]})
+                               "rounds": res["outer_steps"], "eval_loss": res["eval_loss"],
+                               "rejected": res["deltas_rejected"]})
     return out
 
 

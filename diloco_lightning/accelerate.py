@@ -69,8 +69,8 @@ class DiLoCo:
     Args:
         accelerator: the ``accelerate.Accelerator``.
         model: the prepared model (it is unwrapped to find the tensors).
-        hub, node_id, inner_steps, sync, delay, node_index, delta_dtype, hub_options, signing_key,
-            wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
+        hub, node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
+            hub_options, signing_key, wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
         optimizer: the optimizer(s) whose state ``reset_inner_optimizer`` clears after an install.
         reset_inner_optimizer: clear the inner optimizer state after each install (default False).
         enabled: False makes every call a no-op (like ``LocalSGD(enabled=False)``).
@@ -92,6 +92,9 @@ class DiLoCo:
         delay: Any = 0,
         node_index: int | None = None,
         delta_dtype: str | torch.dtype = "float32",
+        topk: float = 0.01,
+        topk_values: str = "int8",
+        error_feedback: bool | None = None,
         optimizer: Any = None,
         reset_inner_optimizer: bool = False,
         hub_options: Mapping[str, Any] | None = None,
@@ -103,9 +106,11 @@ class DiLoCo:
         claim_ttl: float | None = None,
         verbose: bool = True,
     ) -> None:
-        self.node_id, self.delay, self.delta_dtype = check_worker_args(
-            node_id, inner_steps, sync, delay, node_index, delta_dtype
+        self.node_id, self.delay, opts = check_worker_args(
+            node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback
         )
+        self.delta_dtype, self.topk, self.topk_values = opts.delta_dtype, opts.topk, opts.topk_values
+        self.error_feedback = opts.error_feedback
         check_hub_arg(hub)
         if not isinstance(reset_inner_optimizer, bool):
             raise ValueError(f"DiLoCo: reset_inner_optimizer must be True or False, got {reset_inner_optimizer!r}")
@@ -207,6 +212,9 @@ class DiLoCo:
                 sync=self.sync,
                 delay=self.delay,
                 delta_dtype=self.delta_dtype,
+                topk=self.topk,
+                topk_values=self.topk_values,
+                error_feedback=self.error_feedback,
                 signing_key=self.signing_key,
                 hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
                 wait_timeout=self.wait_timeout,

@@ -8,6 +8,15 @@ which global version (``base_outer_step``). See SPEC.md for the contract.
 :func:`read_delta` reports each problem as a :class:`DeltaFileError` subclass whose
 ``reason`` is a short code (``"unreadable"``, ``"format"``, ...); the master logs and
 counts rejections by that code.
+
+Encoded deltas (issue 14): a header entry ``encoding`` (``int8``, ``int4``, ``topk``, with
+``encoding_block_size`` and, for top-k, ``encoding_topk`` / ``encoding_topk_values``) says that
+each key is stored as the parts of ``docs/encoding.md`` (``<key>`` the codes, ``<key>::scale``
+...). The float casts are the plain format and carry no ``encoding`` entry, so their files are
+byte for byte what they were before encodings existed. The reader checks every part's dtype and
+shape against the model's shapes from the header alone (the file is then exactly the honest size
+of that encoding), then the values (finite scales, codes in range, top-k positions), and refuses
+a malformed encoding with the reason ``encoding``.
 """
 
 from __future__ import annotations
@@ -20,6 +29,15 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 from safetensors.torch import save_file
 
+from diloco_lightning.encoding import (
+    PART_SEP,
+    EncodedTensor,
+    EncodingError,
+    EncodingSpec,
+    check_layout,
+    part_name,
+    split_part_name,
+)
 from diloco_lightning.fileio import atomic_write
 from diloco_lightning.names import (
     InvalidNameError,
@@ -42,6 +60,13 @@ MAX_NUM_TOKENS = 10**15
 #: holds about 100 bytes per tensor, plus the signature and fingerprint)
 HEADER_BYTES_BASE = 64 << 10
 HEADER_BYTES_PER_TENSOR = 1 << 10
+#: the most tensors one key of the model becomes in a file (top-k: codes, scale, idx, count)
+MAX_PARTS = 4
+#: what an encoding may take beyond FP32 for one key: a 1-value tensor's int8 top-k (1 code byte,
+#: a 4-byte scale, a 2-byte position, a 4-byte count) is 11 bytes against 4 (docs/encoding.md)
+ENCODED_SLACK_PER_KEY = 16
+#: the header entries that name a delta's encoding (EncodingSpec.to_metadata)
+ENCODING_KEYS = ("encoding", "encoding_block_size", "encoding_topk", "encoding_topk_values")
 
 __all__ = [
     "FORMAT",
@@ -61,6 +86,7 @@ __all__ = [
     "FingerprintMismatchError",
     "SignatureError",
     "SizeError",
+    "EncodingFileError",
     "MAX_NUM_TOKENS",
     "max_header_bytes",
     "max_delta_bytes",
@@ -137,6 +163,14 @@ class SignatureError(DeltaFileError):
     reason = "signature"
 
 
+class EncodingFileError(DeltaFileError):
+    """The header names an encoding that does not exist, or the parts are not a valid encoding
+    (missing or extra parts, wrong dtypes or sizes, NaN or huge scales, codes or positions out of
+    range); the detail names the key and the part."""
+
+    reason = "encoding"
+
+
 class SizeError(DeltaFileError):
     """The file (or its header) is larger than a delta of this model can honestly be."""
 
@@ -182,9 +216,13 @@ class DeltaHeader:
     extra: dict[str, str] = field(default_factory=dict)
     #: the tensor dtypes this header's format allows for real keys (None: float32, bfloat16, float16)
     dtypes: tuple[torch.dtype, ...] | None = None
+    #: the encoding the file's tensors are stored in; None: the plain format (float casts)
+    encoding: EncodingSpec | None = None
 
     def to_metadata(self) -> dict[str, str]:
         md = dict(self.extra)
+        if self.encoding is not None:
+            md.update(self.encoding.to_metadata())
         md.update(
             format=FORMAT,
             node_id=self.node_id,
@@ -202,12 +240,27 @@ class DeltaHeader:
 
 @dataclass
 class Delta:
-    """A validated delta: its header, its tensors (CPU), the file it came from."""
+    """A validated delta: its header, its tensors (CPU), the file it came from.
+
+    ``tensors`` are the file's tensors by name: for the plain format one per key, the
+    pseudo-gradient itself; for an encoded delta the parts (``<key>``, ``<key>::scale`` ...), and
+    ``encoded`` maps each key to its :class:`~diloco_lightning.encoding.EncodedTensor` (the same
+    memory). :meth:`by_key` gives whichever of the two a consumer sums.
+    """
 
     header: DeltaHeader
     tensors: dict[str, torch.Tensor]
     path: str
     nbytes: int = 0
+    encoded: dict[str, EncodedTensor] | None = None
+
+    def by_key(self) -> dict[str, torch.Tensor | EncodedTensor]:
+        """Per key of the global state: the plain tensor, or its encoding (``decode_add_`` it)."""
+        return dict(self.encoded) if self.encoded is not None else dict(self.tensors)
+
+    @property
+    def encoding(self) -> EncodingSpec | None:
+        return self.header.encoding
 
     @property
     def node_id(self) -> str:
@@ -222,7 +275,22 @@ class Delta:
         return self.header.base_outer_step
 
 
-_KNOWN_KEYS = {"format", "node_id", "local_step", "base_outer_step", "num_tokens", "model_fingerprint", "signature"}
+_KNOWN_KEYS = {"format", "node_id", "local_step", "base_outer_step", "num_tokens", "model_fingerprint", "signature",
+               *ENCODING_KEYS}
+
+
+def _parse_encoding(path: str | Path, md: Mapping[str, str]) -> EncodingSpec | None:
+    """The header's encoding: None for the plain format (no ``encoding`` entry), a cast's spec
+    when it names one (the plain format, its dtype then fixed), else the quantized spec."""
+    if not any(k in md for k in ENCODING_KEYS):
+        return None
+    if "encoding" not in md:
+        raise EncodingFileError(path, f"header has {[k for k in ENCODING_KEYS if k in md]} but no 'encoding'")
+    try:
+        spec = EncodingSpec.from_metadata(md)
+    except ValueError as e:
+        raise EncodingFileError(path, f"header 'encoding': {str(e)[:200]}") from None
+    return spec
 
 
 def _parse_header(path: str | Path, md: Mapping[str, str] | None) -> DeltaHeader:
@@ -260,7 +328,8 @@ def _parse_header(path: str | Path, md: Mapping[str, str] | None) -> DeltaHeader
     if fp is not None and (len(fp) != 64 or any(c not in "0123456789abcdef" for c in fp)):
         raise HeaderError(path, f"header 'model_fingerprint' is not a SHA-256 hex digest: {fp!r}")
     extra = {k: v for k, v in md.items() if k not in _KNOWN_KEYS}
-    return DeltaHeader(node_id, local_step, base, num_tokens, fp, md.get("signature") or None, extra)
+    encoding = _parse_encoding(path, md)
+    return DeltaHeader(node_id, local_step, base, num_tokens, fp, md.get("signature") or None, extra, encoding)
 
 
 #: ``(path, header metadata) -> DeltaHeader``, raising a :class:`DeltaFileError`: how a reader
@@ -274,9 +343,41 @@ parse_header: HeaderParser = _parse_header
 # ----------------------------------------------------------------------------- write
 
 
+def _file_tensors(tensors: Mapping[str, torch.Tensor | EncodedTensor]) -> tuple[dict[str, torch.Tensor], EncodingSpec | None]:
+    """The file's tensors, and the quantized encoding they are in (None: the plain format)."""
+    out: dict[str, torch.Tensor] = {}
+    specs = set()
+    plain = []
+    for name, t in tensors.items():
+        if isinstance(t, EncodedTensor) and t.spec.value_encoding is None:  # a cast: the plain format
+            q = t.parts["q"]
+            if t.complex and q.dtype != torch.float32:
+                raise ValueError(f"delta tensor {name!r} is complex: it travels as complex64, not {t.spec.name}")
+            t = torch.view_as_complex(q) if t.complex else q
+        if isinstance(t, EncodedTensor):
+            if PART_SEP in name:
+                raise ValueError(f"key {name!r} contains {PART_SEP!r}: it cannot be told apart from an encoded part")
+            specs.add(t.spec)
+            for fname, part in t.file_tensors(name).items():
+                if part.device.type != "cpu":
+                    raise ValueError(f"delta tensor {fname!r} is on {part.device}; move it to the CPU first")
+                out[fname] = part
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype not in DELTA_DTYPES + COMPLEX_DELTA_DTYPES:
+            raise ValueError(f"delta tensor {name!r} has dtype {getattr(t, 'dtype', type(t).__name__)}; expected "
+                             "float32, bfloat16 or float16 (or an EncodedTensor)")
+        if t.device.type != "cpu":
+            raise ValueError(f"delta tensor {name!r} is on {t.device}; move it to the CPU first")
+        plain.append(name)
+        out[name] = t
+    if len(specs) > 1 or (specs and plain):
+        raise ValueError("a delta is in one encoding: every key encoded with the same EncodingSpec, or none")
+    return out, next(iter(specs), None)
+
+
 def write_delta(
     path: str | Path,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor | EncodedTensor],
     *,
     node_id: str,
     local_step: int,
@@ -288,9 +389,11 @@ def write_delta(
 ) -> int:
     """Write a delta file atomically; returns its size in bytes.
 
-    ``tensors`` must be CPU tensors of dtype float32, bfloat16 or float16 (complex64
-    for complex parameters). The file is written to a temporary name beside ``path``,
-    fsynced and renamed, so readers never see a partial file.
+    ``tensors`` are CPU tensors of dtype float32, bfloat16 or float16 (complex64 for complex
+    parameters), or :class:`~diloco_lightning.encoding.EncodedTensor` of one encoding
+    (:func:`diloco_lightning.compression.encode_delta`): a float cast is written in the plain
+    format, int8/int4/top-k as their parts with the encoding in the header. The file is written to
+    a temporary name beside ``path``, fsynced and renamed, so readers never see a partial file.
     """
     validate_node_id(node_id)
     validate_local_step(local_step)
@@ -299,13 +402,7 @@ def write_delta(
         validate_local_step(num_tokens)
         if num_tokens > MAX_NUM_TOKENS:
             raise ValueError(f"num_tokens {num_tokens} is above the bound {MAX_NUM_TOKENS}")
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if t.dtype not in DELTA_DTYPES + COMPLEX_DELTA_DTYPES:
-            raise ValueError(f"delta tensor {name!r} has dtype {t.dtype}; expected float32, bfloat16 or float16")
-        if t.device.type != "cpu":
-            raise ValueError(f"delta tensor {name!r} is on {t.device}; move it to the CPU first")
-        out[name] = t
+    out, encoding = _file_tensors(tensors)
     out = tensors_for_save(out)
     header = DeltaHeader(
         node_id=node_id,
@@ -314,6 +411,7 @@ def write_delta(
         num_tokens=num_tokens,
         model_fingerprint=model_fingerprint,
         extra={k: str(v) for k, v in (extra_metadata or {}).items() if k not in _KNOWN_KEYS},
+        encoding=encoding,
     )
     md = header.to_metadata()
     if signing_key is not None:
@@ -333,6 +431,9 @@ _ST_DTYPES = {
 }
 
 
+_ST_CODE_OF = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
 _ST_NAMES = {"F64": "float64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C128": "complex128"}
 
 
@@ -348,16 +449,18 @@ def _stored_dtype(code: str) -> str:
 
 
 def max_header_bytes(num_tensors: int) -> int:
-    """The largest header an honest delta of ``num_tensors`` tensors may have."""
-    return HEADER_BYTES_BASE + HEADER_BYTES_PER_TENSOR * max(0, num_tensors)
+    """The largest header an honest delta of a model of ``num_tensors`` synced tensors may have
+    (each key may be stored as up to :data:`MAX_PARTS` tensors, 1 KiB of header each)."""
+    return HEADER_BYTES_BASE + HEADER_BYTES_PER_TENSOR * MAX_PARTS * max(0, num_tensors)
 
 
 def max_delta_bytes(reference: Mapping[str, torch.Tensor]) -> int:
     """The largest file an honest delta of ``reference`` can be: every synced key in FP32
-    (complex64 for complex keys), the widest dtype a delta may use, plus the header budget.
-    A listing that reports more is refused before anything is downloaded."""
+    (complex64 for complex keys), the widest dtype a delta may use, plus what an encoding may
+    add for a tiny tensor (:data:`ENCODED_SLACK_PER_KEY`), plus the header budget. A listing
+    that reports more is refused before anything is downloaded."""
     keys = synced_keys(reference)
-    data = sum(reference[k].numel() * (8 if reference[k].is_complex() else 4) for k in keys)
+    data = sum(reference[k].numel() * (8 if reference[k].is_complex() else 4) + ENCODED_SLACK_PER_KEY for k in keys)
     return 8 + max_header_bytes(len(keys)) + data
 
 
@@ -475,6 +578,10 @@ def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_by
             raise PathMismatchError(path, f"header local_step {header.local_step} != path local_step {ident.local_step}")
 
     names = sorted(layout.tensors)
+    spec = header.encoding
+    if spec is not None and spec.value_encoding is not None:
+        return _read_encoded(f, path, path_str, layout, header, spec, want, reference, signing_key, expected_fingerprint,
+                             copy)
     if want is not None:
         missing = sorted(set(want).difference(names))
         if missing:
@@ -483,6 +590,7 @@ def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_by
         if extra:
             shown = [n[:80] for n in extra[:5]]
             raise ExtraKeyError(path, f"unexpected key(s) {shown}{' ...' if len(extra) > 5 else ''}")
+    cast = None if spec is None else _ST_CODE_OF[spec.name]  # a header naming a cast fixes the dtype
     for name in names:
         info = layout.tensors[name]
         if reference is not None and tuple(reference[name].shape) != info.shape:
@@ -493,12 +601,27 @@ def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_by
             allowed = real_dtypes + COMPLEX_DELTA_DTYPES
         else:
             allowed = COMPLEX_DELTA_DTYPES if reference[name].is_complex() else real_dtypes
+        if cast is not None and info.dtype not in (cast, "C64"):
+            raise DtypeError(path, f"key {name[:80]!r} has dtype {_stored_dtype(info.dtype)}; the header says "
+                                   f"encoding {spec.name}")  # type: ignore[union-attr]
         if _ST_DTYPES.get(info.dtype) not in allowed:
             raise DtypeError(
                 path,
                 f"key {name[:80]!r} has dtype {_stored_dtype(info.dtype)}, "
                 f"expected one of {[str(d).removeprefix('torch.') for d in allowed]}",
             )
+    tensors, nbytes = _read_tensors(f, path, layout, names, raw_md, signing_key, copy)
+    _check_fingerprint(path, header, expected_fingerprint)
+    if check_finite:
+        for name in names:
+            if not bool(torch.isfinite(tensors[name]).all()):
+                raise NonFiniteError(path, f"key {name!r} contains NaN or inf")
+    return Delta(header=header, tensors=tensors, path=path_str, nbytes=nbytes)
+
+
+def _read_tensors(f, path, layout, names, raw_md, signing_key, copy) -> tuple[dict[str, torch.Tensor], int]:
+    """Every tensor of the checked ``layout``, from the one open file ``f``, the signature (a
+    signed run) verified over exactly the bytes read."""
     mac = None
     if signing_key is not None:
         # authenticity next: an unsigned file is rejected as such before a tensor byte is read
@@ -516,20 +639,56 @@ def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_by
         try:
             t = read_tensor(f, info) if mapped is None else mapped[name]
         except (OSError, LayoutError) as e:
-            raise UnreadableDeltaError(path, f"cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
+            raise UnreadableDeltaError(path, f"cannot read tensor {name[:80]!r} ({type(e).__name__}: {e})") from None
         if mac is not None:
             signing_key.add_tensor(mac, name, t)
         nbytes += info.nbytes
         tensors[name] = t
     if mac is not None and not signing_key.finish_verify(mac, raw_md["signature"]):
         raise SignatureError(path, "signature does not match (wrong run key, or the file was altered)")
-    if expected_fingerprint is not None and header.model_fingerprint is not None:
-        if header.model_fingerprint != expected_fingerprint:
-            raise FingerprintMismatchError(
-                path, f"model_fingerprint {header.model_fingerprint[:12]}... != global {expected_fingerprint[:12]}..."
-            )
-    if check_finite:
-        for name in names:
-            if not bool(torch.isfinite(tensors[name]).all()):
-                raise NonFiniteError(path, f"key {name!r} contains NaN or inf")
-    return Delta(header=header, tensors=tensors, path=path_str, nbytes=nbytes)
+    return tensors, nbytes
+
+
+def _check_fingerprint(path, header: DeltaHeader, expected: str | None) -> None:
+    if expected is not None and header.model_fingerprint is not None and header.model_fingerprint != expected:
+        raise FingerprintMismatchError(
+            path, f"model_fingerprint {header.model_fingerprint[:12]}... != global {expected[:12]}..."
+        )
+
+
+def _read_encoded(f, path, path_str, layout, header, spec, want, reference, signing_key, expected_fingerprint,
+                  copy) -> Delta:
+    """An encoded delta: every key's parts checked against the model's shapes from the header (so
+    the file is exactly the honest size of this encoding) before any data is read, then read and
+    authenticated like a plain delta, then each key's parts validated (``EncodingFileError``)."""
+    if reference is None:
+        raise EncodingFileError(path, f"an {spec.name}-encoded delta is read against the model's shapes (reference=)")
+    parts: dict[str, dict[str, str]] = {}  # key -> part -> file name
+    for name in layout.tensors:
+        key, part = split_part_name(name)
+        if part_name(key, part) != name:  # "w::q": the codes are stored as "w" itself
+            raise EncodingFileError(path, f"tensor {name[:80]!r} is not a part name (codes are stored as the key)")
+        parts.setdefault(key, {})[part] = name
+    missing = sorted(set(want).difference(parts))
+    if missing:
+        raise MissingKeyError(path, f"missing key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    extra = sorted(set(parts).difference(want))
+    if extra:
+        shown = [n[:80] for n in extra[:5]]
+        raise ExtraKeyError(path, f"unexpected key(s) {shown}{' ...' if len(extra) > 5 else ''}")
+    for key in want:
+        found = {p: (layout.tensors[n].dtype, layout.tensors[n].shape) for p, n in parts[key].items()}
+        try:
+            check_layout(found, reference[key].shape, spec, complex=reference[key].is_complex(), key=key[:80])
+        except EncodingError as e:
+            raise EncodingFileError(path, str(e)[:400]) from None
+    tensors, nbytes = _read_tensors(f, path, layout, sorted(layout.tensors), layout.metadata, signing_key, copy)
+    _check_fingerprint(path, header, expected_fingerprint)
+    encoded: dict[str, EncodedTensor] = {}
+    for key in want:
+        try:
+            encoded[key] = EncodedTensor.from_parts({p: tensors[n] for p, n in parts[key].items()}, reference[key].shape,
+                                                    spec, complex=reference[key].is_complex(), key=key[:80])
+        except EncodingError as e:
+            raise EncodingFileError(path, str(e)[:400]) from None
+    return Delta(header=header, tensors=tensors, path=path_str, nbytes=nbytes, encoded=encoded)

@@ -43,7 +43,7 @@ from torch import Tensor
 __all__ = [
     "BLOCK_SIZES", "CHUNK", "DEFAULT_BLOCK_SIZE", "ENCODINGS", "PAGE_SIZE", "PART_SEP", "EncodedTensor",
     "EncodingError", "EncodingSpec", "check_layout", "decode", "decode_add_", "encode", "encode_with_residual",
-    "expected_parts", "part_name", "split_part_name", "topk_count", "validate_parts",
+    "expected_parts", "part_name", "split_part_name", "sum_of_squares", "topk_count", "validate_parts",
 ]
 
 ENCODINGS = ("float32", "bfloat16", "float16", "int8", "int4", "topk")
@@ -232,11 +232,12 @@ def validate_parts(parts: Mapping[str, Tensor], shape: Sequence[int], spec: Enco
     # fl(levels * s) is the largest decoded magnitude of the block: it must be finite
     if not bool((scale >= 0).all()) or not bool(torch.isfinite(scale * levels).all()):
         raise EncodingError(key, "part 'scale' has a negative, NaN or too large (decodes to inf) value")
+    # reductions, not comparisons: no temporary of the codes' size (a master checks every delta)
     if spec.value_encoding == "int8":
-        if bool((q == -128).any()):
+        if q.numel() and int(q.amin()) == -128:
             raise EncodingError(key, "part 'q' has code -128 (codes are -127..127)")
     elif q.numel():
-        if bool(((q & 15) == 0).any()) or bool((q < 16).any()):
+        if int(q.amin()) < 16 or int((q & 15).amin()) == 0:  # high nibble 0 <=> byte < 16
             raise EncodingError(key, "part 'q' has nibble 0 (int4 codes are stored as 1..15)")
         values = parts["idx"].numel() if spec.name == "topk" else math.prod(_real_shape(shape, complex))
         if values % 2 and int(q[-1]) >> 4 != 8:
@@ -562,3 +563,13 @@ def decode_add_(out: Tensor, enc: EncodedTensor, alpha: float = 1.0) -> Tensor:
         else:  # distinct positions: gather, add, scatter (no atomics, deterministic on CUDA too)
             flat[where] = flat[where].add_(vals)
     return out
+
+
+def sum_of_squares(enc: EncodedTensor) -> float:
+    """``||decode(enc)||^2`` (a Python float), from the decoded FP32 values chunk by chunk: no full-size
+    copy. Each chunk's norm is FP32 (as ``torch.linalg.vector_norm`` of a plain tensor), the sum FP64."""
+    total = 0.0
+    for _, vals in _decoded_chunks(enc, enc.parts["q"].device):
+        if vals.numel():
+            total += float(torch.linalg.vector_norm(vals)) ** 2
+    return total

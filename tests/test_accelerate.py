@@ -167,7 +167,9 @@ def test_accelerate_disabled_and_validation(tmp_path):
         (dict(node_id=".x"), "node_id"),
         (dict(sync="maybe"), "sync"),
         (dict(reset_inner_optimizer=True), "optimizer"),
-        (dict(delta_dtype="int8"), "delta_dtype"),
+        (dict(delta_dtype="int2"), "delta_dtype"),
+        (dict(topk=2), "topk"),
+        (dict(error_feedback=1), "error_feedback"),
     ):
         args = dict(hub=tmp_path / "hub", node_id="w0", inner_steps=2)
         args.update(kwargs)

@@ -88,6 +88,10 @@ def test_bad_config_fails_at_composition(overrides, exc, key):
         ("diloco.delay=-1", "diloco.delay"),
         ("diloco.delay=[0,-2]", "diloco.delay[1]"),
         ("diloco.sync=sometimes", "diloco.sync"),
+        ("diloco.delta_dtype=int2", "diloco.delta_dtype"),
+        ("diloco.topk=0", "diloco.topk"),
+        ("diloco.topk=1.5", "diloco.topk"),
+        ("diloco.topk_values=int2", "diloco.topk_values"),
         ("outer.name=sgd", "outer.name"),
         ("optim.name=lion", "optim.name"),
         ("workers=0", "workers"),
@@ -173,3 +177,15 @@ def test_hub_options_reach_each_transport():
         "layout": "per_node", "node_repo": "{repo}-{node}"}
     cfg = validate(_compose("recipe=tiny", "hub=s3", "hub.url=s3://b/run"))
     assert hub_options(cfg.hub, cfg.hub.url) == {}
+
+
+def test_encoding_options_compose_into_the_worker_keywords():
+    from diloco_lightning.app.config import worker_options
+    from diloco_lightning.worker.options import WorkerOptions
+
+    cfg = validate(_compose("recipe=tiny", "diloco.delta_dtype=topk", "diloco.topk=0.02", "diloco.topk_values=int4",
+                            "diloco.error_feedback=false"))
+    opts = WorkerOptions(**worker_options(cfg.diloco))
+    assert (opts.encoding.name, opts.encoding.topk, opts.encoding.topk_values, opts.feedback) == ("topk", 0.02, "int4", False)
+    opts = WorkerOptions(**worker_options(validate(_compose("recipe=tiny", "diloco.delta_dtype=int4")).diloco))
+    assert opts.encoding.name == "int4" and opts.feedback is True  # on by default for the quantized encodings

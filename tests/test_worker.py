@@ -429,7 +429,10 @@ def test_constructor_validation(hub):
     params = make_params()
     for kwargs, msg in (
         (dict(sync="sometimes"), "sync"),
-        (dict(delta_dtype="int8"), "delta_dtype"),
+        (dict(delta_dtype="int2"), "delta_dtype"),
+        (dict(delta_dtype="topk", topk=-0.5), "topk"),
+        (dict(topk_values="float8"), "topk_values"),
+        (dict(error_feedback="on"), "error_feedback"),
         (dict(wait_timeout=0), "wait_timeout"),
         (dict(poll_interval=-1), "poll_interval"),
     ):

@@ -7,6 +7,9 @@ and gates ``sigma(tau_i)``::
 
 :class:`RoundSum` accumulates that sum one delta at a time into one FP32 buffer per key
 (complex64 for complex keys), so a round holds one sum and one delta whatever their number.
+An encoded delta (``docs/encoding.md``) is decoded into the sum key by key, a chunk at a time
+(:func:`~diloco_lightning.encoding.decode_add_`): no decoded copy of it is ever held, so a round
+over int8 deltas holds one sum and one delta's codes.
 Weights are counted in units of ``scale``, the smallest power of two at or above the largest
 weight so far: every coefficient is then at most 1, so the sum is bounded by its deltas
 whatever a header claims, and rescaling by a power of two is exact (the result is bit for bit
@@ -26,6 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from diloco_lightning.encoding import EncodedTensor, decode_add_
 from diloco_lightning.master.validation import Accepted, max_abs
 
 __all__ = [
@@ -77,9 +81,11 @@ class RoundSum:
         self.total_weight *= self.scale / scale
         self.scale = scale
 
-    def add(self, tensors: Mapping[str, torch.Tensor], weight: float = 1.0, coef: float = 1.0) -> None:
+    def add(self, tensors: Mapping[str, torch.Tensor | EncodedTensor], weight: float = 1.0, coef: float = 1.0) -> None:
         """Fold ``weight * coef * tensors`` into the sum (``coef``: the gate, or 1 when the
-        optimizer gates itself); ``weight`` also counts in the denominator."""
+        optimizer gates itself); ``weight`` also counts in the denominator. A value may be an
+        :class:`~diloco_lightning.encoding.EncodedTensor`: it is decoded into the sum in chunks
+        (``sum + fl32(c * decode(x))``, the same bits as adding its decoded tensor)."""
         if not (weight > 0 and math.isfinite(weight)):
             raise ValueError(f"weight must be a positive finite number, got {weight!r}")
         self._rescale(weight)
@@ -97,6 +103,11 @@ class RoundSum:
         assert self.sum is not None
         for k, d in tensors.items():
             s = self.sum[k]
+            if isinstance(d, EncodedTensor):
+                if first:
+                    s.zero_()
+                decode_add_(s, d, c)
+                continue
             if first:
                 s.copy_(d)
                 if c != 1.0:

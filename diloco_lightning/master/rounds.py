@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from diloco_lightning import faults
+from diloco_lightning.compression import decode_delta
 from diloco_lightning.deltafile import DeltaFileError, is_synced
 from diloco_lightning.hub.base import DeltaRef, PublishConflictError
 from diloco_lightning.master.aggregation import (
@@ -90,7 +91,7 @@ class Rounds:
                     continue
                 try:
                     # PA-CGAD gates each fragment itself: its deltas are averaged ungated
-                    rnd.acc.add(delta.tensors, acc.weight, 1.0 if pa else acc.gate)
+                    rnd.acc.add(delta.by_key(), acc.weight, 1.0 if pa else acc.gate)
                 except BaseException:
                     self.open = None  # a partial sum is worthless: the round starts over
                     raise
@@ -196,7 +197,8 @@ class Rounds:
                 except (DeltaRejected, DeltaFileError) as e:
                     self.master.intake.refuse(ref, e.reason, getattr(e, "detail", str(e)), m)
                     continue
-                tensors = delta.tensors
+                # an encoded delta is decoded (FP32) for its own outer step: one delta at a time
+                tensors = delta.tensors if delta.encoded is None else decode_delta(delta.encoded)
                 del delta
                 new_ledger = merge_marks(run.ledger, {ref.node_id: ref.local_step})
                 processed = self.master.intake.pending + [ref.path]

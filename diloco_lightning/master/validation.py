@@ -27,10 +27,14 @@ Reasons, in the order the checks run:
 ``extra_key``          a key the global state has not (or not as a floating tensor)
 ``shape``              a tensor's shape differs from the global state's
 ``dtype``              a tensor dtype other than float32/bfloat16/float16 (complex64 for complex)
+``encoding``           the header names an unknown encoding, or the parts are not a valid one:
+                       missing, extra or mis-sized parts (checked from the header, before any
+                       data is read), NaN/negative/huge scales, codes or top-k positions out of
+                       range (docs/encoding.md, "Checking an untrusted file")
 ``fingerprint``        header ``model_fingerprint`` differs from the global state's
 ``signature``          the run is signed and the signature is missing or wrong
 ``non_finite``         a NaN or an infinity in a tensor
-``norm``               L2 norm above the absolute bound ``max_delta_norm``
+``norm``               L2 norm (of the decoded values, for an encoded delta) above the absolute bound ``max_delta_norm``
 ``norm_global``        L2 norm above ``norm_global_ratio`` x max(||global||, 0.01 sqrt(n))
 ``norm_relative``      L2 norm above ``norm_ratio`` x the median norm of recently accepted deltas
 ``non_finite_update``  the round's aggregate, or the state after the outer step, is not finite:
@@ -81,6 +85,7 @@ from diloco_lightning.deltafile import (
     read_delta_header,
     synced_keys,
 )
+from diloco_lightning.encoding import EncodedTensor, sum_of_squares
 from diloco_lightning.signing import RunKey
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -118,6 +123,7 @@ REASONS = (
     "extra_key",
     "shape",
     "dtype",
+    "encoding",
     "fingerprint",
     "signature",
     "non_finite",
@@ -138,13 +144,17 @@ class DeltaRejected(Exception):
         super().__init__(f"{reason}: {detail}")
 
 
-def delta_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+def delta_norm(tensors: Mapping[str, torch.Tensor | EncodedTensor]) -> float:
     """The L2 norm of all tensors together, accumulated in float64 (NaN/inf propagate).
 
-    Half-precision tensors are reduced in FP32 without materialising a converted copy.
+    Half-precision tensors are reduced in FP32 without materialising a converted copy; an
+    encoded tensor's norm is its decoded values', decoded chunk by chunk.
     """
     total = 0.0
     for t in tensors.values():
+        if isinstance(t, EncodedTensor):
+            total += sum_of_squares(t)
+            continue
         if t.numel() == 0:
             continue
         if t.dtype in (torch.bfloat16, torch.float16):
@@ -387,9 +397,10 @@ class DeltaValidator:
             copy=self.signing_key is not None and not self.private_downloads,
             header_parser=self.header_parser,
         )
-        norm = delta_norm(delta.tensors)
+        norm = delta_norm(delta.by_key())
         if self._global_for != (id(state), outer_step):  # the global-relative bound: once per version
             self.norms.set_global(*state_norm(state))
             self._global_for = (id(state), outer_step)
-        self.norms.check(norm, delta.tensors)
+        # decoded values of a valid encoding are finite: an infinite norm is an overflow ("norm")
+        self.norms.check(norm, delta.tensors if delta.encoded is None else {})
         return delta, Accepted(ref, tau, g, weight, norm)

@@ -15,7 +15,7 @@ import torch
 
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.names import InvalidNameError, validate_node_id
-from diloco_lightning.worker.options import WorkerOptions
+from diloco_lightning.worker.options import WorkerOptions, parse_delta_dtype
 
 __all__ = [
     "SIGTERM_EXIT",
@@ -97,19 +97,23 @@ def check_hub_arg(hub: Any) -> None:
 
 
 def check_worker_args(
-    node_id: Any, inner_steps: Any, sync: Any, delay: Any, node_index: int | None, delta_dtype: Any
-) -> tuple[str, int, torch.dtype]:
+    node_id: Any, inner_steps: Any, sync: Any, delay: Any, node_index: int | None, delta_dtype: Any,
+    topk: Any = 0.01, topk_values: Any = "int8", error_feedback: Any = None,
+) -> tuple[str, int, WorkerOptions]:
     """Check an adapter's ``node_id`` and its :class:`~diloco_lightning.worker.options.WorkerOptions`
-    (``inner_steps``, ``sync``, ``delay``, ``delta_dtype``); return ``(node_id, resolved delay, delta
-    dtype)``. Errors are ``ValueError("DiLoCo: ...")``."""
+    (``inner_steps``, ``sync``, ``delay``, ``delta_dtype``, ``topk``, ``topk_values``,
+    ``error_feedback``); return ``(node_id, resolved delay, the options)`` with ``delta_dtype`` as
+    the encoding's name. Errors are ``ValueError("DiLoCo: ...")``."""
     try:
         checked_id = validate_node_id(node_id)
     except InvalidNameError as e:
         raise ValueError(f"DiLoCo: node_id: {e}") from None
-    opts = WorkerOptions(inner_steps=inner_steps, sync=sync, delay=delay, delta_dtype=delta_dtype)
+    opts = WorkerOptions(inner_steps=inner_steps, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
+                         topk_values=topk_values, error_feedback=error_feedback)
     try:
         opts.validate(checked_id, node_index)
-        return checked_id, opts.resolved_delay(checked_id, node_index), opts.dtype
+        opts.delta_dtype = parse_delta_dtype(delta_dtype)
+        return checked_id, opts.resolved_delay(checked_id, node_index), opts
     except ValueError as e:
         raise ValueError(f"DiLoCo: {e}") from None
 

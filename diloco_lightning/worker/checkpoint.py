@@ -4,6 +4,8 @@
 doubtful upload with its step, fresh content) into plain dicts of tensors and back, so a
 checkpoint (Lightning's, or any ``torch.save``) carries them; :func:`step_offset_of` reads the
 numbering offset, deriving it for checkpoints written before it was recorded.
+:func:`pack_residual` / :func:`unpack_residual` carry the error-feedback residual (what the
+encoding of the deltas sent so far dropped, owed to the next one: ``compression.py``).
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from diloco_lightning.worker.uploader import Job, Part
 
-__all__ = ["STATE_VERSION", "pack_unsent", "unpack_unsent", "step_offset_of"]
+__all__ = ["STATE_VERSION", "pack_unsent", "unpack_unsent", "pack_residual", "unpack_residual", "step_offset_of"]
 
 STATE_VERSION = 1
 
@@ -60,3 +64,30 @@ def step_offset_of(state: Mapping[str, Any]) -> int:
     if state.get("step_offset") is not None:
         return int(state["step_offset"])
     return max(0, int(state.get("next_local_step", 1)) - int(state.get("boundaries", 0)) - 1)
+
+
+def pack_residual(feedback_state: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
+    """The error-feedback residual of :meth:`ErrorFeedback.state_dict` for a checkpoint (None: zero)."""
+    residual = feedback_state.get("residual")
+    return None if residual is None else dict(residual)
+
+
+def unpack_residual(residual: Mapping[str, torch.Tensor] | None,
+                    synced: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Inverse of :func:`pack_residual`: the state :meth:`ErrorFeedback.load_state_dict` takes, after
+    checking keys and shapes against the model's synced tensors (``ValueError`` naming the first
+    that does not fit). Checkpoints written before residuals existed have none (zero)."""
+    if residual is None:
+        return {"residual": None}
+    if not isinstance(residual, Mapping):
+        raise ValueError(f"expected a mapping of tensors, got {type(residual).__name__}")
+    missing = sorted(set(synced).difference(residual))
+    extra = sorted(set(residual).difference(synced))
+    if missing or extra:
+        raise ValueError(f"missing {missing[:5]}, unexpected {extra[:5]}")
+    for k, t in residual.items():
+        want = synced[k]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(want.shape) or t.is_complex() != want.is_complex():
+            raise ValueError(f"{k!r} is {getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}, "
+                             f"the model's is {want.dtype} {list(want.shape)}")
+    return {"residual": dict(residual)}

@@ -6,8 +6,9 @@ steps, decided by the adapter), does:
 
 1. **export**: a CPU FP32 copy of every floating parameter (``snapshot``; pinned and
    non-blocking when the model is on CUDA). The pseudo-gradient ``anchor - snapshot`` is
-   computed, cast, written and uploaded by the background uploader, so the training thread
-   pays for one copy of the weights and nothing else.
+   computed, encoded (``delta_dtype``, with error feedback: ``compression.py``), written and
+   uploaded by the background uploader, so the training thread pays for one copy of the
+   weights and nothing else.
 2. **anchor moves** to the snapshot (the next delta covers only the next inner phase), or to
    the global version installed at this boundary.
 3. **install** a newer global version, in place (``param.data.copy_``: optimizer and DDP
@@ -16,7 +17,8 @@ steps, decided by the adapter), does:
 
 Nothing is lost: a delta that cannot be uploaded (hub down, upload still running) is merged
 into the next one (cumulative, with the older ``base_outer_step``), and the worker's
-checkpoint state (:meth:`anchor_state`) carries the anchor and anything not yet delivered.
+checkpoint state (:meth:`anchor_state`) carries the anchor, anything not yet delivered and the
+error-feedback residual (what the encoding of the deltas sent so far dropped).
 See ``diloco_lightning/worker/uploader.py`` for the delivery rules.
 
 Nothing is sent twice either, across the worker's own crashes. A delta's ``local_step`` is
@@ -44,6 +46,7 @@ from typing import Any
 import torch
 
 from diloco_lightning import faults
+from diloco_lightning.compression import ErrorFeedback
 from diloco_lightning.deltafile import (
     model_fingerprint,
     synced_keys,
@@ -56,8 +59,15 @@ from diloco_lightning.names import validate_node_id
 from diloco_lightning.signing import RunKey, load_run_key
 from diloco_lightning.statefile import save_weights_file
 from diloco_lightning.worker.claim import ClaimKeeper
-from diloco_lightning.worker.checkpoint import STATE_VERSION, pack_unsent, step_offset_of, unpack_unsent
-from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, parse_delta_dtype
+from diloco_lightning.worker.checkpoint import (
+    STATE_VERSION,
+    pack_residual,
+    pack_unsent,
+    step_offset_of,
+    unpack_residual,
+    unpack_unsent,
+)
+from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, parse_delta_dtype, resolve_encoding
 from diloco_lightning.worker.params import copy_into, module_state
 from diloco_lightning.worker.results import BoundaryResult, InstallResult
 from diloco_lightning.worker.waits import Waits
@@ -111,8 +121,13 @@ class DiLoCoWorker:
             (:func:`~diloco_lightning.worker.sync.resolve_delay`).
         node_index: this worker's index for a list/distribution ``delay`` (default: the number
             ending ``node_id``).
-        delta_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` on the wire
-            (the worker computes in FP32 and casts once).
+        delta_dtype: the encoding on the wire: ``"float32"`` (default), ``"bfloat16"``,
+            ``"float16"``, ``"int8"``, ``"int4"`` or ``"topk"`` (``docs/encoding.md``; the worker
+            computes in FP32 and encodes once).
+        topk: ``delta_dtype="topk"``: the fraction of each tensor's entries sent.
+        topk_values: ``delta_dtype="topk"``: ``"int8"`` or ``"int4"`` values.
+        error_feedback: add what the encoding dropped to the next delta (None: on for int8, int4
+            and topk, off for the float casts); the residual is part of :meth:`anchor_state`.
         signing_key: a :class:`~diloco_lightning.signing.RunKey`, key text/bytes, or None to
             take ``DILOCO_RUN_KEY`` / ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned
             when neither is set).
@@ -136,6 +151,9 @@ class DiLoCoWorker:
         delay: Any = 0,
         node_index: int | None = None,
         delta_dtype: Any = "float32",
+        topk: float = 0.01,
+        topk_values: str = "int8",
+        error_feedback: bool | None = None,
         signing_key: RunKey | str | bytes | None = None,
         hub_options: Mapping[str, Any] | None = None,
         wait_timeout: float = 1200.0,
@@ -150,6 +168,7 @@ class DiLoCoWorker:
         self.sync = sync
         self.delay = resolve_delay(delay, node_id, node_index)
         self.delta_dtype = parse_delta_dtype(delta_dtype)
+        self.encoding, self.error_feedback = resolve_encoding(delta_dtype, topk, topk_values, error_feedback)
         for name, value in (("wait_timeout", wait_timeout), ("poll_interval", poll_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -176,6 +195,8 @@ class DiLoCoWorker:
         self._anchor: dict[str, torch.Tensor] | None = None
         self.step_offset = 0  # local_step = boundary + step_offset (delta_<r> is the r-th boundary's in a clean run)
         self._unsent: Job | None = None
+        #: the encoding and its residual; the uploader owns it once started (worker/uploader.py)
+        self._feedback = ErrorFeedback(self.encoding, self.error_feedback)
         self._restored = False  # anchor and counters came from this node's checkpoint
         #: the highest local_step the hub had seen of this node when it resumed from a checkpoint:
         #: replayed boundaries up to it were delivered before the crash (never sent again)
@@ -276,6 +297,7 @@ class DiLoCoWorker:
                     "delta_%d): the inner steps replayed up to boundary %d will not be sent again",
                     self.node_id, seen, self.boundaries + 1 + self.step_offset, seen - self.step_offset,
                 )
+            self._settle_residual(seen)
             self._unsent = drop_delivered(self._unsent, seen, self.step_offset, self.node_id)
         else:
             # a fresh start numbers its deltas after anything the hub has (or had) of this node
@@ -291,7 +313,7 @@ class DiLoCoWorker:
             self.node_id,
             step_offset=self.step_offset,
             spool_dir=self._spool,
-            delta_dtype=self.delta_dtype,
+            feedback=self._feedback,
             model_fingerprint=self.fingerprint,
             signing_key=self.signing_key,
             hub_high_step=self._hub_high_step,
@@ -310,6 +332,26 @@ class DiLoCoWorker:
         log.info("node %s: started at outer_step %s (next local_step %d, sync=%s%s)", self.node_id, self.outer_step,
                  self.next_local_step, self.sync, f", delay={self.delay}" if self.sync == "lockstep" else "")
         return installed
+
+    def _settle_residual(self, seen: int) -> None:
+        """A resumed worker's residual, given that the hub has this node's deltas up to ``seen``.
+
+        The checkpoint's residual is owed to the first delta sent after it (``first``); if the hub
+        has that one, it was sent before the crash with the residual in it: it is owed no more
+        (zero, not twice). Otherwise, if the checkpoint's doubtful upload landed, the residual of
+        its content is owed (recomputed: the encoding is deterministic).
+        """
+        job = self._unsent
+        first = self.boundaries + 1 + self.step_offset
+        if job is not None and job.fresh is not None:
+            first = min(first, job.fresh.boundary + self.step_offset)
+        if seen >= first:
+            if self._feedback.residual is not None:
+                log.info("node %s: the checkpoint's error-feedback residual went out with delta_%d before the restart; "
+                         "starting from zero", self.node_id, first)
+            self._feedback.forget()
+        elif job is not None and job.doubt is not None and job.doubt[0] <= seen:
+            self._feedback.absorb(job.doubt[1].materialize())
 
     def _check_fingerprint(self, manifest: Manifest) -> None:
         if manifest.model_fingerprint != self.fingerprint:
@@ -679,6 +721,7 @@ class DiLoCoWorker:
         if self._pin:
             torch.cuda.synchronize()
         unsent = pack_unsent(self._unsent)
+        feedback = self._uploader.feedback_state() if self._uploader is not None else self._feedback.state_dict()
         return {
             "version": STATE_VERSION,
             "node_id": self.node_id,
@@ -688,6 +731,7 @@ class DiLoCoWorker:
             "step_offset": self._offset(),
             "anchor": dict(self._anchor),
             "unsent": unsent,
+            "residual": pack_residual(feedback),
         }
 
     def load_anchor_state(self, state: Mapping[str, Any]) -> None:
@@ -718,6 +762,10 @@ class DiLoCoWorker:
                         self.node_id, state.get("node_id"))
             return
         self._restored = True
+        try:
+            self._feedback.load_state_dict(unpack_residual(state.get("residual"), {k: self.params[k] for k in self.synced}))
+        except ValueError as e:
+            raise WorkerError(f"the checkpoint's DiLoCo error-feedback residual does not fit this model: {e}") from None
         self.step_offset = step_offset_of(state)
         job = unpack_unsent(state.get("unsent"), boundaries=self.boundaries, step_offset=self.step_offset)
         if job is not None:

@@ -4,6 +4,13 @@ The Lightning callback, the Accelerate adapter and :class:`~diloco_lightning.wor
 take them as keywords; ``train.py`` composes the same fields into its ``diloco`` section
 (``diloco_lightning.app.config``) with the help text written here. The lists of choices
 (:data:`SYNC_MODES`, :data:`DELTA_DTYPES`) live here and nowhere else.
+
+``delta_dtype`` names the pseudo-gradient's encoding on the wire (``diloco_lightning/encoding.py``,
+``docs/encoding.md``): the float casts, blockwise ``int8``/``int4`` and ``topk`` (with ``topk``, the
+fraction kept, and ``topk_values``, how the kept values are stored). ``error_feedback`` adds what an
+encoding dropped to the next delta (SparseLoCo, INTELLECT-1): on by default for the quantized
+encodings, off for the float casts (their error is ~0.2 % per value, and the residual costs one FP32
+copy of the model in the worker's memory and checkpoints).
 """
 
 from __future__ import annotations
@@ -13,31 +20,59 @@ from typing import Any
 
 import torch
 
+from diloco_lightning.encoding import LEVELS, EncodingSpec
 from diloco_lightning.options import OptionError, check_choice, check_number, option
 
-__all__ = ["SYNC_MODES", "DELTA_DTYPES", "WorkerOptions", "parse_delta_dtype"]
+__all__ = ["SYNC_MODES", "DELTA_DTYPES", "TOPK_VALUES", "WorkerOptions", "parse_delta_dtype", "resolve_encoding"]
 
 #: ``async``: install the newest global at each boundary, never wait; ``lockstep``: install exactly
 #: version ``r - delay`` at boundary r (controlled staleness, for experiments)
 SYNC_MODES = ("async", "lockstep")
-#: the names a pseudo-gradient's wire format may be given (aliases included) and their dtypes
-DELTA_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+#: the names a pseudo-gradient's encoding on the wire may be given (aliases included) -> its encoding
+DELTA_DTYPES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "int8": "int8",
+    "int4": "int4",
+    "topk": "topk",
 }
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: how ``topk`` stores the values it keeps
+TOPK_VALUES = tuple(LEVELS)
 
 
-def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> torch.dtype:
-    """``"float32"``/``"bfloat16"``/``"float16"`` (or the torch dtype) -> torch dtype."""
-    if isinstance(value, torch.dtype) and value in DELTA_DTYPES.values():
-        return value
+def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> str:
+    """An encoding name (or alias, or a float torch dtype) -> the encoding's name (``"int4"``)."""
+    if isinstance(value, torch.dtype) and value in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value]
     if isinstance(value, str) and value.lower().removeprefix("torch.") in DELTA_DTYPES:
         return DELTA_DTYPES[value.lower().removeprefix("torch.")]
-    raise OptionError(argname, f"must be one of 'float32', 'bfloat16', 'float16', got {value!r}")
+    names = sorted(set(DELTA_DTYPES.values()), key=list(DELTA_DTYPES.values()).index)
+    raise OptionError(argname, f"must be one of {names}, got {value!r}")
+
+
+def resolve_encoding(delta_dtype: Any = "float32", topk: Any = 0.01, topk_values: Any = "int8",
+                     error_feedback: Any = None) -> tuple[EncodingSpec, bool]:
+    """``(EncodingSpec, error feedback on?)`` of these options; :class:`OptionError` naming a bad one.
+
+    ``error_feedback=None`` means on for the lossy encodings that need it (int8, int4, topk), off
+    for the float casts (see the module docstring); it is always off for float32 (nothing is lost).
+    """
+    name = parse_delta_dtype(delta_dtype)
+    if isinstance(topk, bool) or not isinstance(topk, (int, float)) or not 0.0 < topk <= 1.0:
+        raise OptionError("topk", f"must be a fraction in (0, 1] (0.01 keeps 1 % of each tensor), got {topk!r}")
+    if topk_values not in TOPK_VALUES:
+        raise OptionError("topk_values", f"must be one of {list(TOPK_VALUES)}, got {topk_values!r}")
+    if error_feedback is not None and not isinstance(error_feedback, bool):
+        raise OptionError("error_feedback", f"must be True, False or None (automatic), got {error_feedback!r}")
+    spec = EncodingSpec(name, topk=float(topk), topk_values=topk_values)
+    lossy = spec.value_encoding is not None
+    feedback = lossy if error_feedback is None else (error_feedback and name != "float32")
+    return spec, feedback
 
 
 @dataclass
@@ -49,7 +84,14 @@ class WorkerOptions:
     delay: Any = option(
         0, "lockstep staleness tau: an int, a per-worker list, or {distribution: uniform|choice, ...[, seed]}"
     )
-    delta_dtype: str = option("float32", "pseudo-gradient dtype on the wire: float32 | bfloat16 | float16")
+    delta_dtype: str = option(
+        "float32", "pseudo-gradient encoding on the wire: float32 | bfloat16 | float16 | int8 | int4 | topk (docs/encoding.md)"
+    )
+    topk: float = option(0.01, "delta_dtype=topk: the fraction of each tensor's entries sent (the largest magnitudes)")
+    topk_values: str = option("int8", "delta_dtype=topk: how the kept values are stored: int8 | int4")
+    error_feedback: bool | None = option(
+        None, "add what the encoding dropped to the next delta (null: on for int8, int4 and topk, off for the float casts)"
+    )
     reset_inner_optimizer: bool = option(False, "clear the inner optimizer state after each install")
     wait_timeout: float = option(1200.0, "seconds a worker waits for the master (bootstrap, lockstep) before giving up")
     poll_interval: float = option(1.0, "seconds between a worker's reads of the hub while waiting")
@@ -72,6 +114,7 @@ class WorkerOptions:
             parse_delta_dtype(self.delta_dtype)
         else:
             check_choice(self, "delta_dtype", tuple(DELTA_DTYPES))
+        resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback)
         if not isinstance(self.reset_inner_optimizer, bool):
             raise OptionError("reset_inner_optimizer", f"must be True or False, got {self.reset_inner_optimizer!r}")
         check_number(self, "wait_timeout", low=0.0, strict=True)
@@ -92,8 +135,14 @@ class WorkerOptions:
         return resolve_delay(self.delay, node_id, node_index)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return parse_delta_dtype(self.delta_dtype)
+    def encoding(self) -> EncodingSpec:
+        """The pseudo-gradients' encoding (:class:`~diloco_lightning.encoding.EncodingSpec`)."""
+        return resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback)[0]
+
+    @property
+    def feedback(self) -> bool:
+        """Whether error feedback is on (``error_feedback`` resolved for this encoding)."""
+        return resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback)[1]
 
 
 def _no_index(node_id: str) -> bool:

@@ -2,8 +2,20 @@
 
 The training thread hands the uploader a :class:`Job`: the pseudo-gradient of one or more
 inner phases, usually still *lazy* (``anchor - snapshot``, two CPU FP32 copies that the
-training thread made at the boundary), so the subtraction, the dtype cast, the norm, the
+training thread made at the boundary), so the subtraction, the encoding, the norm, the
 file write and the upload all happen off the training thread.
+
+Encoding and error feedback
+---------------------------
+What is sent is :class:`~diloco_lightning.compression.ErrorFeedback`'s encoding of the
+pseudo-gradient plus the residual the previous encodings dropped (``compression.py``: the one
+"delta -> what is sent" step). The residual is the uploader's state (the worker checkpoints it):
+it becomes the new one only when the delta is delivered. When an upload fails, the delta that
+comes back to be merged or retried already holds the old residual, so the residual is zero
+until the next delivery; when a doubtful upload turns out to have landed, its residual is
+computed again from its content (encoding is deterministic) and kept. A pseudo-gradient with
+NaN or inf values (a diverged worker) cannot be quantized: it is sent in plain FP32 (the master
+rejects it, ``non_finite``, as before encodings existed) and the residual is left as it was.
 
 Exactly-once delivery
 ---------------------
@@ -44,14 +56,16 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from diloco_lightning import faults
+from diloco_lightning.compression import ErrorFeedback
 from diloco_lightning.deltafile import write_delta
+from diloco_lightning.encoding import EncodedTensor, EncodingSpec
 from diloco_lightning.hub.base import DeltaExistsError, Hub
 from diloco_lightning.signing import RunKey
 
@@ -219,7 +233,7 @@ class Uploader:
         *,
         step_offset: int,
         spool_dir: str | os.PathLike,
-        delta_dtype: torch.dtype = torch.float32,
+        feedback: ErrorFeedback | None = None,
         model_fingerprint: str | None = None,
         signing_key: RunKey | None = None,
         hub_high_step: Callable[[], int] | None = None,
@@ -231,7 +245,9 @@ class Uploader:
         self.node_id = node_id
         self.step_offset = int(step_offset)
         self.spool_dir = Path(spool_dir)
-        self.delta_dtype = delta_dtype
+        #: the encoding and its error-feedback residual (see the module docstring); float32 by default
+        self.feedback = feedback if feedback is not None else ErrorFeedback(EncodingSpec("float32"), enabled=False)
+        self._feedback_lock = threading.Lock()
         self.model_fingerprint = model_fingerprint
         self.signing_key = signing_key
         self.persistent = persistent
@@ -259,6 +275,17 @@ class Uploader:
         """Phases handed over and not yet reported (in flight or queued)."""
         with self._cond:
             return sum(j.phases for j, _ in self._queue) + (self._active_phases if self._active else 0)
+
+    def feedback_state(self) -> dict:
+        """The error-feedback state for a checkpoint: the live residual when the uploader is idle,
+        a copy taken under its lock while it is encoding (the thread updates it in place)."""
+        if not self.busy:
+            return self.feedback.state_dict()
+        with self._feedback_lock:
+            st = self.feedback.state_dict()
+            if st["residual"] is not None:
+                st["residual"] = {k: v.clone() for k, v in st["residual"].items()}
+            return st
 
     def submit(self, job: Job, not_before: int | None = None) -> None:
         with self._cond:
@@ -348,6 +375,8 @@ class Uploader:
                 report = self._process(job)
             except BaseException as e:  # never let the thread die with a job: hand it back
                 log.exception("delta uploader crashed on node %s", self.node_id)
+                with self._feedback_lock:  # possibly half updated: the job is resent without it
+                    self.feedback.forget()
                 report = UploadReport(ok=False, error=f"{type(e).__name__}: {e}", remaining=job)
             retry = False
             with self._cond:
@@ -396,6 +425,9 @@ class Uploader:
                 log.info("node %s: delta_%d did land after all; not sending it again", self.node_id, step)
                 recovered.append(step)
                 recovered_phases += part.phases
+                with self._feedback_lock:  # what its encoding dropped is owed to the next delta
+                    self.feedback.absorb(part.residual if part.anchor is None and part.residual is not None
+                                         else part.materialize())
             else:
                 fresh = merge_parts(part, fresh)
         if fresh is None:
@@ -410,10 +442,16 @@ class Uploader:
             if d.numel():
                 sq += float(torch.linalg.vector_norm(d).double()) ** 2
         norm = math.sqrt(sq)
+        encoded = math.isfinite(norm) or all(bool(torch.isfinite(d).all()) for d in delta.values())
+        tensors: Mapping[str, torch.Tensor | EncodedTensor]
+        if encoded:
+            with self._feedback_lock:  # delta += residual, in place: what comes back on a failure holds it
+                tensors = self.feedback.encode(delta, in_place=True)
+        else:
+            log.error("node %s: the pseudo-gradient has NaN or inf values (diverged?); sending it in plain float32, "
+                      "the master will refuse it", self.node_id)
+            tensors = delta
         content = Part(fresh.base_outer_step, fresh.num_tokens, fresh.phases, residual=delta, boundary=fresh.boundary)
-        tensors = {
-            k: (d if d.is_complex() or d.dtype == self.delta_dtype else d.to(self.delta_dtype)) for k, d in delta.items()
-        }
         for _attempt in range(3):
             step = fresh.boundary + self.step_offset
             local = self.spool_dir / f"delta_{step}.safetensors"
@@ -450,6 +488,9 @@ class Uploader:
                     hub_path = None
                 else:
                     remaining = Job(fresh=content) if landed is False else Job(doubt=(step, content))
+                    if encoded:
+                        with self._feedback_lock:  # the residual went into ``content``: it is owed no more
+                            self.feedback.forget()
                     return UploadReport(
                         ok=False,
                         local_step=step,
@@ -481,6 +522,9 @@ class Uploader:
                 recovered_steps=recovered,
                 recovered_phases=recovered_phases,
             )
+        if encoded:
+            with self._feedback_lock:
+                self.feedback.forget()
         return UploadReport(
             ok=False,
             error=f"delta_{fresh.boundary + self.step_offset} kept colliding with existing deltas on {self.hub.url}",

@@ -1,0 +1,206 @@
+"""What a worker sends for a pseudo-gradient: its encoding, with error feedback.
+
+:func:`encode_delta` is the one step from a pseudo-gradient (``anchor - local``, FP32, one
+tensor per synced key) to what travels: each tensor encoded with the run's
+:class:`~diloco_lightning.encoding.EncodingSpec` (``docs/encoding.md``), after adding the
+**error-feedback residual**, what the previous rounds' encodings dropped. It returns the new
+residual, ``x - decode(encode(x))`` with ``x = delta + residual``, to add to the next round's
+delta, so nothing is lost over time: the sum of everything sent plus the last residual is the
+sum of the true pseudo-gradients (to FP32 rounding). Top-k needs it (SparseLoCo sends 1-3 % of
+the entries and still matches DiLoCo); for int8/int4 it is cheap insurance (INTELLECT-1, arXiv
+2412.01152; Streaming DiLoCo, arXiv 2501.18512).
+
+The worker's uploader (``worker/uploader.py``) calls it through :class:`ErrorFeedback`, which
+keeps the residual between rounds (in one FP32 buffer per key, updated in place) and is part of
+the worker's checkpoint. A simulator that wants the exact bits a worker sends calls
+:func:`encode_delta` (or :class:`ErrorFeedback`) and sums with the master's
+:class:`~diloco_lightning.master.aggregation.RoundSum`, which takes encoded tensors as they are.
+
+Float casts are sent in the plain delta format (``deltafile.py``: a real key's tensor cast to
+float32/bfloat16/float16, byte for byte today's files); a complex key stays complex64 under a
+16-bit cast (the plain format has no 16-bit complex dtype), so nothing of it is lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from diloco_lightning.encoding import (
+    EncodedTensor,
+    EncodingSpec,
+    decode,
+    encode,
+    encode_with_residual,
+)
+
+__all__ = ["ErrorFeedback", "decode_delta", "encode_delta", "is_lossless"]
+
+_FLOAT32 = EncodingSpec("float32")
+
+
+def is_lossless(spec: EncodingSpec) -> bool:
+    """Whether ``spec`` sends every FP32 value exactly (float32): no residual, ever."""
+    return spec.name == "float32"
+
+
+def _key_spec(t: Tensor, spec: EncodingSpec) -> EncodingSpec:
+    # a complex key under a 16-bit cast travels as complex64 (the plain format's only complex dtype)
+    return _FLOAT32 if t.is_complex() and spec.value_encoding is None else spec
+
+
+def _as_sent(x: Tensor) -> EncodedTensor:
+    """float32 "encoding" of an FP32 tensor without a copy (the tensor itself is the part)."""
+    x = x.contiguous()
+    return EncodedTensor(_FLOAT32, tuple(x.shape), x.is_complex(), {"q": torch.view_as_real(x) if x.is_complex() else x})
+
+
+def encode_delta(
+    delta: Mapping[str, Tensor],
+    spec: EncodingSpec,
+    residual: Mapping[str, Tensor] | None = None,
+    *,
+    error_feedback: bool = True,
+    in_place: bool = False,
+    out: Mapping[str, Tensor] | None = None,
+) -> tuple[dict[str, EncodedTensor], dict[str, Tensor] | None]:
+    """``(encoded, new residual)``: what a worker sends for the pseudo-gradient ``delta``.
+
+    ``x = delta + residual`` per key (``residual`` None: zero), then ``encoded[k] =
+    encode(x[k], spec)`` and, with ``error_feedback``, ``new_residual[k] = x[k] -
+    decode(encoded[k])`` exactly (FP32; complex64 for complex keys). The new residual is None
+    when ``error_feedback`` is off or ``spec`` is float32 (it would be all zeros).
+
+    Args:
+        delta: key -> FP32 (complex64) pseudo-gradient, CPU or CUDA (the same bits either way).
+        spec: the run's encoding.
+        residual: the previous round's residual (same keys and shapes), or None.
+        error_feedback: compute the new residual.
+        in_place: write ``x`` into ``delta``'s tensors and the new residual into ``residual``'s
+            (no FP32 allocation per round: a worker's kept buffers). ``delta`` then holds what
+            was encoded, so a failed upload can be sent again later without the residual.
+        out: contiguous buffers (same keys, shapes and dtypes as ``delta``) to write the new
+            residual into, instead of ``residual``'s tensors (``in_place``) or new ones.
+
+    Raises:
+        ValueError: a key of ``residual`` missing or of another shape, a tensor that is not
+            FP32/complex64, or a NaN/inf value (check first when ``in_place``: the residual may
+            then be partly overwritten).
+    """
+    if not isinstance(spec, EncodingSpec):
+        raise ValueError(f"spec must be an EncodingSpec, got {spec!r}")
+    feedback = bool(error_feedback) and not is_lossless(spec)
+    encoded: dict[str, EncodedTensor] = {}
+    new: dict[str, Tensor] | None = {} if feedback else None
+    for k, d in delta.items():
+        if not isinstance(d, Tensor) or d.dtype not in (torch.float32, torch.complex64):
+            raise ValueError(f"delta[{k!r}] must be a float32 (complex64) tensor, got {getattr(d, 'dtype', type(d))}")
+        r = None if residual is None else residual.get(k)
+        if residual is not None and (r is None or r.shape != d.shape or r.dtype != d.dtype):
+            raise ValueError(f"residual[{k!r}] must be a {d.dtype} tensor of shape {list(d.shape)}")
+        if r is not None:
+            x = d.add_(r) if in_place else d + r
+        else:
+            x = d
+        ks = _key_spec(x, spec)
+        buf = out[k] if out is not None else (r if in_place and r is not None and r.is_contiguous() else None)
+        if is_lossless(ks):  # float32: the tensor itself; its residual is 0
+            encoded[k] = _as_sent(x)
+            if new is not None:
+                new[k] = buf.zero_() if buf is not None else torch.zeros_like(x)
+        elif new is not None:
+            encoded[k], new[k] = encode_with_residual(x, ks, out=buf)
+        else:
+            encoded[k] = encode(x, ks)
+    return encoded, new
+
+
+def decode_delta(encoded: Mapping[str, EncodedTensor | Tensor]) -> dict[str, Tensor]:
+    """The FP32 (complex64) pseudo-gradient that ``encoded`` stands for (plain tensors widened)."""
+    out: dict[str, Tensor] = {}
+    for k, e in encoded.items():
+        if isinstance(e, EncodedTensor):
+            out[k] = decode(e)
+        else:
+            out[k] = e if e.is_complex() or e.dtype == torch.float32 else e.float()
+    return out
+
+
+class ErrorFeedback:
+    """The worker's error-feedback state: :func:`encode_delta` with the residual kept between rounds.
+
+    The residual lives in one FP32 buffer per key, allocated at the first lossy round and
+    updated in place after (``encode(in_place=True)``). :meth:`forget` empties it (its content
+    went back into a delta that will be sent again), :meth:`absorb` adds the residual of a delta
+    that was sent after all (an upload that landed although it reported a failure).
+    ``state_dict()`` holds the residual (None when it is zero) for a checkpoint.
+
+    Args:
+        spec: the run's encoding.
+        enabled: error feedback on (a residual is kept) or off (every round stands alone).
+    """
+
+    def __init__(self, spec: EncodingSpec, enabled: bool = True) -> None:
+        self.spec = spec
+        self.enabled = bool(enabled) and not is_lossless(spec)
+        self._buf: dict[str, Tensor] | None = None
+        self._zero = True  # the buffers' content is stale: the residual is zero
+
+    @property
+    def residual(self) -> dict[str, Tensor] | None:
+        """The residual owed to the next delta (None: zero). The tensors are the live buffers."""
+        return None if self._zero else self._buf
+
+    def encode(self, delta: Mapping[str, Tensor], *, in_place: bool = False) -> dict[str, EncodedTensor]:
+        """Encode ``delta + residual`` (see :func:`encode_delta`) and keep the new residual.
+
+        A residual carried from a checkpoint is added even when feedback is now off (then dropped).
+        """
+        owed = self.residual
+        if owed is not None and set(owed) != set(delta):
+            raise ValueError("the error-feedback residual's keys differ from the delta's")
+        # the kept buffers receive the new residual (a stale one is written, never read)
+        out = self._buf if self.enabled and in_place and self._buf is not None and set(self._buf) == set(delta) else None
+        encoded, new = encode_delta(delta, self.spec, owed, error_feedback=self.enabled, in_place=in_place, out=out)
+        if new is not None:
+            self._buf, self._zero = new, False
+        else:
+            self._buf, self._zero = None, True
+        return encoded
+
+    def forget(self) -> None:
+        """The residual went back into a pseudo-gradient that will be sent again: it is zero now."""
+        self._zero = True
+
+    def absorb(self, sent: Mapping[str, Tensor]) -> None:
+        """``sent`` (an FP32 delta, ``x`` of an earlier round) was delivered after all: add what its
+        encoding dropped to the residual (the encoding is deterministic, so this is that round's)."""
+        if not self.enabled:
+            return
+        _, dropped = encode_delta(sent, self.spec, None, error_feedback=True)
+        if dropped is None:
+            return
+        owed = self.residual
+        if owed is None:
+            self._buf, self._zero = dropped, False
+        else:
+            for k, t in dropped.items():
+                owed[k].add_(t)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"residual": {key: tensor} | None}`` (the live buffers: copy them if training goes on
+        while the checkpoint is written)."""
+        owed = self.residual
+        return {"residual": None if owed is None else dict(owed)}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        owed = (state or {}).get("residual")
+        if owed is None:
+            self._zero = True
+            return
+        self._buf = {k: v.detach().to("cpu", torch.complex64 if v.is_complex() else torch.float32).contiguous()
+                     for k, v in owed.items()}
+        self._zero = False
