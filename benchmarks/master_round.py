@@ -185,7 +185,8 @@ def main() -> None:
         size = sum(f.stat().st_size for f in pool.iterdir() if f.name != "delta_warmup.safetensors")
         print(f"# {sum(1 for _ in pool.iterdir()) - 1} deltas of 25.2M parameters, {e}: {size / max(args.n) / 1e6:.1f} MB "
               f"each, in {pool} ({time.perf_counter() - t:.1f}s)")
-    print(f"# optimizer {args.optimizer}; torch_threads {args.threads or 'default'}; compat {args.compat}; folder hub; one fresh process per measurement")
+    print(f"# optimizer {args.optimizer}; torch_threads {args.threads or 'default'}; compat {args.compat}; folder hub; "
+          "one fresh process per measurement")
     print(f"# load average before: {os.getloadavg()[0]:.2f} (a shared machine: the best of --repeat runs is the round's cost)")
     os.sync()  # the pool's dirty pages would otherwise be flushed during the first measurements
     results: dict[tuple[str, int], list[dict]] = {(e, n): [] for e in encodings for n in args.n}
