@@ -131,7 +131,9 @@ def serve(
                 if not master.has_state:
                     what = "a worker's initial weights (nodes/<node_id>/init.safetensors) or a published version"
                 elif m.get("waiting"):
-                    what = f"the quorum of {master.config.min_deltas} deltas ({m.get('pending', 0)} pending)"
+                    q = m.get("quorum") or master.config.min_deltas
+                    unit = "nodes" if isinstance(master.config.min_deltas, float) else "deltas"
+                    what = f"the quorum of {q} {unit} ({m.get('pending', 0)} pending, {m.get('live_nodes', 0)} live)"
                 else:
                     what = f"deltas from the workers (outer_step {master.outer_step} is published)"
                 if waiting is None or waiting[0] != what:

@@ -16,6 +16,7 @@ import torch
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.names import InvalidNameError, validate_node_id
 from diloco_lightning.worker.options import WorkerOptions
+from diloco_lightning.worker.pacing import Pacing
 
 __all__ = [
     "SIGTERM_EXIT",
@@ -97,19 +98,20 @@ def check_hub_arg(hub: Any) -> None:
 
 
 def check_worker_args(
-    node_id: Any, inner_steps: Any, sync: Any, delay: Any, node_index: int | None, delta_dtype: Any
-) -> tuple[str, int, torch.dtype]:
+    node_id: Any, inner_steps: Any, sync: Any, delay: Any, node_index: int | None, delta_dtype: Any, **pacing: Any
+) -> tuple[str, int, torch.dtype, Pacing]:
     """Check an adapter's ``node_id`` and its :class:`~diloco_lightning.worker.options.WorkerOptions`
-    (``inner_steps``, ``sync``, ``delay``, ``delta_dtype``); return ``(node_id, resolved delay, delta
-    dtype)``. Errors are ``ValueError("DiLoCo: ...")``."""
+    (``inner_steps``, ``sync``, ``delay``, ``delta_dtype`` and the ``pacing`` ones: ``dylu_steps``,
+    ``dylu_min_steps``, ``dylu_seconds``, ``throttle``); return ``(node_id, resolved delay, delta
+    dtype, this worker's Pacing)``. Errors are ``ValueError("DiLoCo: ...")``."""
     try:
         checked_id = validate_node_id(node_id)
     except InvalidNameError as e:
         raise ValueError(f"DiLoCo: node_id: {e}") from None
-    opts = WorkerOptions(inner_steps=inner_steps, sync=sync, delay=delay, delta_dtype=delta_dtype)
+    opts = WorkerOptions(inner_steps=inner_steps, sync=sync, delay=delay, delta_dtype=delta_dtype, **pacing)
     try:
         opts.validate(checked_id, node_index)
-        return checked_id, opts.resolved_delay(checked_id, node_index), opts.dtype
+        return checked_id, opts.resolved_delay(checked_id, node_index), opts.dtype, opts.pacing(checked_id, node_index)
     except ValueError as e:
         raise ValueError(f"DiLoCo: {e}") from None
 
