@@ -77,11 +77,20 @@ class Rounds:
         """An accepted delta: a sign of life of ``node``, and an arrival offset. A node the membership
         does not know makes it read the claims at once (once per node: one without a claim stays unknown)."""
         ms = self.master.membership
-        if not ms.heard(node, now) and node not in self._refreshed_for:
-            self._refreshed_for.add(node)
+        if not ms.heard(node, now) and self._first_time(node):
             if ms.refresh(force=True):
                 ms.heard(node, now)
         self.deadline.arrived(node, now)
+
+    def _first_time(self, node: str) -> bool:
+        """Whether an unknown ``node`` is seen for the first time (the claims are read at once for it;
+        a node that holds no claim does not make every round read them)."""
+        if node in self._refreshed_for:
+            return False
+        if len(self._refreshed_for) >= 100_000:
+            self._refreshed_for.clear()
+        self._refreshed_for.add(node)
+        return True
 
     def _wait_limit(self) -> float | None:
         """Seconds after a round's first delta before it is applied below the quorum (None: no limit)."""
@@ -109,7 +118,6 @@ class Rounds:
             log.info("applying %d of %d %s after %.1fs (the deadline)", have, need,
                      "nodes" if is_fraction(cfg.min_deltas) else "deltas", waited)
         return True, live
-
 
     def _marks(self) -> dict[str, int]:
         return merge_marks(self.master.run.ledger, self.open.marks if self.open else {})
@@ -172,7 +180,6 @@ class Rounds:
             return
         self._commit_round(rnd, m, pa)
         self.deadline.closed(live, now)
-        self._refreshed_for.clear()
 
     def _commit_round(self, rnd: OpenRound, m: RoundMetrics, pa: bool) -> None:
         self.open = None
@@ -228,7 +235,6 @@ class Rounds:
             return
         self.arrival_wait_since = None
         self.deadline.closed(live, now)
-        self._refreshed_for.clear()
         refs = cap_round_robin(refs, self.master.config.arrival_batch)
         blocked: set[str] = set()
         fetched: list[tuple[DeltaRef, Path, int]] = []
@@ -264,8 +270,7 @@ class Rounds:
 
     def _heard_listed(self, node: str, now: float) -> None:
         """Arrival mode: a node's delta is listed (the arrival offset; life is counted once accepted)."""
-        if not self.master.membership.knows(node) and node not in self._refreshed_for:
-            self._refreshed_for.add(node)
+        if not self.master.membership.knows(node) and self._first_time(node):
             self.master.membership.refresh(force=True)
         self.deadline.arrived(node, now)
 
