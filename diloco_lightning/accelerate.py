@@ -20,7 +20,9 @@ Unlike ``LocalSGD`` there is no ``no_sync()``: DDP inside one worker stays synch
 the worker is the whole DDP group (rank 0 exports, uploads and decides installs; the decision
 and the installed weights are broadcast; an error on rank 0 is raised on every rank).
 ``step()`` counts only real optimizer steps (``accelerator.sync_gradients``), so gradient
-accumulation gives one export per ``inner_steps`` optimizer steps. The work is done by
+accumulation gives one export per ``inner_steps`` optimizer steps. ``inner_steps="auto"`` is
+Dynamic Local Updates (:mod:`diloco_lightning.worker.pacing`: each phase's H from this worker's
+measured speed and the peers'), ``throttle`` a sleep after each step (a test knob). The work is done by
 :class:`~diloco_lightning.worker.DiLoCoWorker`; see it for the options.
 
 The main process prints one line per sync and a line at growing intervals while it waits for
@@ -69,8 +71,9 @@ class DiLoCo:
     Args:
         accelerator: the ``accelerate.Accelerator``.
         model: the prepared model (it is unwrapped to find the tensors).
-        hub, node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
-            hub_options, signing_key, wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
+        hub, node_id, inner_steps, dylu_steps, dylu_min_steps, dylu_seconds, throttle, sync, delay,
+            node_index, delta_dtype, topk, topk_values, error_feedback, hub_options, signing_key, wait_timeout,
+            poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
         optimizer: the optimizer(s) whose state ``reset_inner_optimizer`` clears after an install.
         reset_inner_optimizer: clear the inner optimizer state after each install (default False).
         enabled: False makes every call a no-op (like ``LocalSGD(enabled=False)``).
@@ -86,8 +89,12 @@ class DiLoCo:
         model: torch.nn.Module,
         hub: str | os.PathLike | Hub,
         node_id: str,
-        inner_steps: int,
+        inner_steps: int | str,
         *,
+        dylu_steps: int = 100,
+        dylu_min_steps: int | None = None,
+        dylu_seconds: float | None = None,
+        throttle: Any = 0.0,
         sync: str = "async",
         delay: Any = 0,
         node_index: int | None = None,
@@ -106,8 +113,9 @@ class DiLoCo:
         claim_ttl: float | None = None,
         verbose: bool = True,
     ) -> None:
-        self.node_id, self.delay, opts = check_worker_args(
-            node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback
+        self.node_id, self.delay, opts, self.pacing = check_worker_args(
+            node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
+            dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps, dylu_seconds=dylu_seconds, throttle=throttle,
         )
         self.delta_dtype, self.topk, self.topk_values = opts.delta_dtype, opts.topk, opts.topk_values
         self.error_feedback = opts.error_feedback
@@ -143,6 +151,7 @@ class DiLoCo:
             ensure_console_logging()
         self._sigterm = SigtermWatch(self._on_sigterm)
         self.num_steps = 0
+        self._last_boundary = 0  # num_steps at the last boundary
         self.worker: DiLoCoWorker | None = None
         self._running = False
         self.metrics: dict[str, float] = {}
@@ -220,6 +229,7 @@ class DiLoCo:
                 wait_timeout=self.wait_timeout,
                 poll_interval=self.poll_interval,
                 claim_ttl=self.claim_ttl,
+                pacing=self.pacing,
             )
             if self._sigterm.received:
                 self.worker.request_stop()
@@ -276,12 +286,14 @@ class DiLoCo:
         if self._sigterm.received and self._world == 1:
             self._exit_on_sigterm(f"stopped at step {self.num_steps}")
         self.num_steps += 1
+        self.pacing.after_step()
         if num_tokens is None:
             self._tokens = None
         elif self._tokens is not None:
             self._tokens += int(num_tokens)
-        if self.num_steps % self.inner_steps:
+        if not self.pacing.due(self.num_steps, self._last_boundary):
             return None
+        self._last_boundary = self.num_steps
         tokens, self._tokens = self._tokens, 0
         if self._world > 1:
             tokens = sum_tokens_over_ranks(
@@ -290,16 +302,19 @@ class DiLoCo:
 
         result: list[BoundaryResult] = []
 
-        def boundary() -> bool:
+        def boundary() -> tuple[bool, int | None]:
             if self._sigterm.received:
                 raise WorkerStopped(f"node {self.node_id}: stopped at step {self.num_steps}")
             result.append(self.worker.boundary(num_tokens=tokens))
-            return result[0].installed is not None
+            return result[0].installed is not None, result[0].inner_steps
 
+        installed, h = False, None
         try:
-            installed = self._rank0(boundary)
+            installed, h = self._rank0(boundary)
         except WorkerStopped as e:
             self._exit_on_sigterm(str(e))
+        if h is not None:
+            self.pacing.inner_steps = h  # decided on the main process (DyLU); every process agrees
         self._after_install(installed)
         if not result:
             return None
@@ -315,6 +330,8 @@ class DiLoCo:
                 line += f" | installed {r.installed.outer_step} (staleness {r.installed.staleness})"
             sent = float(self.worker.totals.get("bytes_uploaded_total", 0))
             line += f" | sent {format_bytes(metrics.get('diloco/upload_bytes', 0.0))} ({format_bytes(sent)} in all)"
+            if self.pacing.auto:
+                line += f" | next H {self.pacing.inner_steps}"
             if r.wait_seconds:
                 line += f" | waited {r.wait_seconds:.2f} s"
             log.info("%s", line)
@@ -325,7 +342,8 @@ class DiLoCo:
     def state_dict(self) -> dict[str, Any]:
         """Counters and (main process) the anchor and anything undelivered; saved by
         ``accelerator.save_state`` (this object is registered for checkpointing)."""
-        out: dict[str, Any] = {"version": _STATE_VERSION, "num_steps": self.num_steps, "worker": None, "anchor": None}
+        out: dict[str, Any] = {"version": _STATE_VERSION, "num_steps": self.num_steps, "worker": None, "anchor": None,
+                               "last_boundary": self._last_boundary, "pacing": self.pacing.state_dict()}
         if self.worker is not None:
             out["worker"] = self.worker.state_dict()
             if self.worker.anchor is not None:
@@ -345,6 +363,10 @@ class DiLoCo:
                 "entering the `with DiLoCo(...)` block"
             )
         self.num_steps = int(state.get("num_steps", 0))
+        last = state.get("last_boundary")
+        h = self.pacing.inner_steps or 1
+        self._last_boundary = int(last) if isinstance(last, int) else self.num_steps - self.num_steps % h
+        self.pacing.load_state_dict(state.get("pacing") or {})
         self._restored = {"worker": state.get("worker"), "anchor": state.get("anchor")}
 
 

@@ -12,7 +12,11 @@ What it does (the work itself is :class:`~diloco_lightning.worker.DiLoCoWorker`'
   and restores the anchor from the checkpoint.
 * Boundaries are keyed on ``trainer.global_step`` (optimizer steps) with a last-synced guard:
   a boundary fires once when ``global_step // inner_steps`` grows, so gradient accumulation
-  (several batches per step) and resume never fire it twice.
+  (several batches per step) and resume never fire it twice. ``inner_steps="auto"``: Dynamic
+  Local Updates (:mod:`diloco_lightning.worker.pacing`): each phase's H is decided at the
+  boundary before it from this worker's measured speed and the peers' (every rank gets it
+  with the boundary's result), and a boundary fires ``H`` optimizer steps after the last one.
+  ``throttle``: seconds slept after each optimizer step (a test knob for stragglers).
 * Checkpoints: counters in ``state_dict()``, the anchor and any undelivered delta under
   ``checkpoint["diloco_worker"]`` (``on_save_checkpoint``), so the first delta after a resume is
   the true pseudo-gradient of the interrupted phase.
@@ -109,7 +113,12 @@ class DiLoCo(Callback):
         hub: ``"file:///abs/path"``, a plain path, ``"hf://org/repo"``, or an open
             :class:`~diloco_lightning.hub.Hub`.
         node_id: this worker's name on the hub (1-64 characters of ``[A-Za-z0-9._-]``).
-        inner_steps: H, optimizer steps between two exports.
+        inner_steps: H, optimizer steps between two exports, or ``"auto"`` (Dynamic Local Updates).
+        dylu_steps, dylu_min_steps, dylu_seconds: with ``inner_steps="auto"``: the fastest worker's
+            H, the fewest steps of a phase (None: ``dylu_steps / 16``), or a target of seconds per
+            phase instead (:func:`~diloco_lightning.worker.pacing.dylu_inner_steps`).
+        throttle: seconds slept after each optimizer step (a number, or a per-worker list indexed
+            by ``node_index``): a test knob that makes this worker a straggler.
         sync: ``"async"`` (default: install the newest version at each boundary, never wait)
             or ``"lockstep"`` (at boundary r install exactly version ``r - delay``, waiting for it).
         delay: lockstep delay: an int, a per-node list (indexed by ``node_index``), or a seeded
@@ -143,8 +152,12 @@ class DiLoCo(Callback):
         self,
         hub: str | os.PathLike | Hub,
         node_id: str,
-        inner_steps: int,
+        inner_steps: int | str,
         *,
+        dylu_steps: int = 100,
+        dylu_min_steps: int | None = None,
+        dylu_seconds: float | None = None,
+        throttle: Any = 0.0,
         sync: str = "async",
         delay: Any = 0,
         node_index: int | None = None,
@@ -164,8 +177,9 @@ class DiLoCo(Callback):
     ) -> None:
         super().__init__()
         check_hub_arg(hub)
-        self.node_id, self.delay, opts = check_worker_args(
-            node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback
+        self.node_id, self.delay, opts, self.pacing = check_worker_args(
+            node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
+            dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps, dylu_seconds=dylu_seconds, throttle=throttle,
         )
         self.delta_dtype, self.topk, self.topk_values = opts.delta_dtype, opts.topk, opts.topk_values
         self.error_feedback = opts.error_feedback
@@ -207,6 +221,7 @@ class DiLoCo(Callback):
         self.worker: DiLoCoWorker | None = None
         self.metrics: dict[str, float] = {}
         self._last_synced_step: int | None = None
+        self._last_seen_step: int | None = None  # the optimizer step of the last batch (throttle, speed)
         self._restored_sync_step: int | None = None
         self._restored_counters: dict[str, Any] | None = None
         self._restored_anchor: dict[str, Any] | None = None
@@ -222,7 +237,7 @@ class DiLoCo(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"last_synced_step": self._last_synced_step}
+        out: dict[str, Any] = {"last_synced_step": self._last_synced_step, "pacing": self.pacing.state_dict()}
         if self.worker is not None:
             out["worker"] = self.worker.state_dict()
         elif self._restored_counters is not None and "worker" in self._restored_counters:
@@ -233,6 +248,7 @@ class DiLoCo(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_counters = dict(state_dict)
         self._restored_sync_step = state_dict.get("last_synced_step")
+        self.pacing.load_state_dict(state_dict.get("pacing") or {})
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -309,6 +325,8 @@ class DiLoCo(Callback):
             if p + "installed_outer_step" in metrics:
                 parts.append(f"installed {int(metrics[p + 'installed_outer_step'])} (staleness {int(staleness)})")
             parts.append(f"sent {format_bytes(metrics.get(p + 'upload_bytes', 0.0))} ({format_bytes(sent * 1e6)} in all)")
+            if self.pacing.auto:
+                parts.append(f"next H {self.pacing.inner_steps}")
             if metrics.get(p + "wait_seconds"):
                 parts.append(f"waited {metrics[p + 'wait_seconds']:.2f} s")
             if metrics.get(p + "upload_failures"):
@@ -322,6 +340,7 @@ class DiLoCo(Callback):
         # a resumed fit continues the checkpoint's boundary count; any other fit counts from its first step
         restored, self._restored_sync_step = self._restored_sync_step, None
         self._last_synced_step = trainer.global_step if restored is None else restored
+        self._last_seen_step = trainer.global_step
         self._tokens = 0
 
         def start() -> bool:
@@ -342,6 +361,7 @@ class DiLoCo(Callback):
                 wait_timeout=self.wait_timeout,
                 poll_interval=self.poll_interval,
                 claim_ttl=self.claim_ttl,
+                pacing=self.pacing,
             )
             if self._sigterm.received:
                 self.worker.request_stop()
@@ -391,22 +411,27 @@ class DiLoCo(Callback):
     ) -> None:
         self._count(batch)
         step = trainer.global_step
+        if self._last_seen_step is None or step > self._last_seen_step:  # an optimizer step, not an accumulation
+            self._last_seen_step = step
+            self.pacing.after_step()
         last = self._last_synced_step if self._last_synced_step is not None else 0
-        if step // self.inner_steps <= last // self.inner_steps:
+        if not self.pacing.due(step, last):
             self._log_bar(pl_module)
             return
         self._last_synced_step = step
         tokens = self._take_tokens(trainer)
 
-        def boundary() -> tuple[bool, dict[str, float]]:
+        def boundary() -> tuple[bool, dict[str, float], int | None]:
             result = self.worker.boundary(num_tokens=tokens)
             metrics = result.metrics(self.log_prefix)
-            return result.installed is not None, metrics
+            return result.installed is not None, metrics, result.inner_steps
 
         try:
-            installed, metrics = self._rank0(trainer, boundary)
+            installed, metrics, next_h = self._rank0(trainer, boundary)
         except WorkerStopped as e:
             raise self._stopped(e) from None
+        if next_h is not None:
+            self.pacing.inner_steps = next_h  # rank 0 decided (DyLU); every rank agrees on the next boundary
         self._after_install(trainer, installed)
         if trainer.is_global_zero:
             self.metrics.update(metrics)

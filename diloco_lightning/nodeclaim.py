@@ -20,11 +20,14 @@ dead one's claim expires ``ttl`` seconds after its last heartbeat
 }
 ```
 
-``epoch`` grows at each takeover. ``info`` is a free JSON object for what a live node
-reports about itself (a later membership layer: step rate, tokens/s, last local step);
+``epoch`` grows at each takeover. ``info`` is what a live node reports about itself with
+each heartbeat (:class:`NodeReport`: its step rate, tokens per second, last local step and
+inner steps H, read by the master's membership and by the workers' Dynamic Local Updates);
 readers ignore keys they do not know, so the document can grow without a new format.
 A claim file is untrusted input like every hub byte: at most :data:`MAX_CLAIM_BYTES`,
-strict types, and its ``node_id`` must be the path's.
+strict types, and its ``node_id`` must be the path's; every value of ``info`` is checked
+against a bound (:meth:`NodeReport.from_info`) and a value out of bounds is dropped, never
+used.
 """
 
 from __future__ import annotations
@@ -32,15 +35,28 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from diloco_lightning.names import InvalidNameError, validate_node_id
 
-__all__ = ["NodeClaim", "ClaimError", "CLAIM_FORMAT", "MAX_CLAIM_BYTES"]
+__all__ = ["NodeClaim", "NodeReport", "ClaimError", "CLAIM_FORMAT", "MAX_CLAIM_BYTES", "REPORT_BOUNDS"]
 
 CLAIM_FORMAT = "diloco-claim/1"
 MAX_CLAIM_BYTES = 64 * 1024
+
+
+#: what a heartbeat may report, and the largest value believed: an inner step faster than a
+#: microsecond, 10**13 tokens a second (a million times a large GPU), a local step of more than
+#: 18 digits (the delta header's own bound) or an H above 10**9 is not a measurement but a bug or
+#: a lie, and is dropped
+REPORT_BOUNDS: dict[str, tuple[type, float]] = {
+    "step_rate": (float, 1e6),
+    "tokens_per_second": (float, 1e13),
+    "local_step": (int, 10**18 - 1),
+    "inner_steps": (int, 10**9),
+}
 
 
 class ClaimError(ValueError):
@@ -104,3 +120,51 @@ class NodeClaim:
             raise ClaimError(f"{source}: 'info' must be an object")
         claimed, renewed, expires = (float(t) for t in times)  # type: ignore[arg-type]  # checked finite numbers above
         return cls(doc["node_id"], holder, epoch, claimed, renewed, expires, info)
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What a worker says about itself in its heartbeat (the claim's ``info``).
+
+    ``step_rate``: inner optimizer steps per second of compute (waits for the master and the
+    boundaries themselves left out); ``tokens_per_second``: tokens trained on per second of
+    compute; ``local_step``: its last delta's ``local_step``; ``inner_steps``: the H it uses now.
+    Any may be None (not measured yet). Untrusted on the reading side: see :meth:`from_info`.
+    """
+
+    step_rate: float | None = None
+    tokens_per_second: float | None = None
+    local_step: int | None = None
+    inner_steps: int | None = None
+
+    def to_info(self) -> dict[str, Any]:
+        """The heartbeat's ``info`` object (keys of None values left out)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_info(cls, info: Any) -> tuple["NodeReport", list[str]]:
+        """``(report, problems)`` from a claim's ``info``: each known key must be a finite number of
+        its kind (an integer for ``local_step`` and ``inner_steps``, ``inner_steps`` at least 1),
+        not negative and at most its :data:`REPORT_BOUNDS` bound; a value that is not is left out
+        of the report (None) and named in ``problems``. Unknown keys are ignored."""
+        if not isinstance(info, Mapping):
+            return cls(), [f"info is a {type(info).__name__}, not an object"]
+        values: dict[str, Any] = {}
+        problems: list[str] = []
+        for key, (kind, bound) in REPORT_BOUNDS.items():
+            v = info.get(key)
+            if v is None:
+                continue
+            low = 1 if key == "inner_steps" else 0
+            ok = (
+                not isinstance(v, bool)
+                and (isinstance(v, int) if kind is int else isinstance(v, (int, float)))
+                and math.isfinite(v)
+                and low <= v <= bound
+            )
+            if ok:
+                values[key] = kind(v)
+            else:
+                problems.append(f"{key}={str(v)[:40]!r} is not {'an integer' if kind is int else 'a number'} "
+                                f"in [{low}, {bound:g}]")
+        return cls(**values), problems

@@ -217,3 +217,31 @@ def test_two_workers_with_one_node_id_are_never_merged(tmp_path):
     c = DiLoCoWorker(FileHub(root), "w0", {"w": torch.zeros(4)}, poll_interval=0.01, wait_timeout=10)
     c.start()  # the id is free again
     c.close()
+
+
+def test_list_claims_reads_every_claim_and_only_the_ones_that_changed(hubs, tmp_path):
+    """The master's membership and DyLU workers list every claim each poll; on remote hubs a claim whose
+    version token did not change is not downloaded again, and a released or unreadable one is left out."""
+    a, b = hubs(), hubs()
+    assert b.list_claims() == {}
+    c0, c1 = _claim("w0", steps_per_second=1.0), _claim("w1", holder="h:2:b")
+    a.write_claim("w0", c0, expected=None)
+    a.write_claim("w1", c1, expected=None)
+    reads: list[str] = []
+    original = b.read_claim
+    b.read_claim = lambda node: (reads.append(node), original(node))[1]
+    assert b.list_claims() == {"w0": c0, "w1": c1}
+    first = sorted(reads)
+    reads.clear()
+    assert b.list_claims() == {"w0": c0, "w1": c1}
+    renewed = _claim("w0", t=1030.0, step_rate=2.0)
+    a.write_claim("w0", renewed, expected=c0)
+    assert b.list_claims() == {"w0": renewed, "w1": c1}
+    if not isinstance(b, FileHub):  # a remote hub: one listing, and only the changed claim read again
+        assert first == ["w0", "w1"] and reads == ["w0"]
+    a.write_claim("w1", None, expected=c1)
+    assert b.list_claims() == {"w0": renewed}
+    if isinstance(b, FileHub):  # an unreadable claim is left out, with a warning (the others still listed)
+        (tmp_path / "hub" / "nodes" / "w2").mkdir()
+        (tmp_path / "hub" / "nodes" / "w2" / "claim.json").write_bytes(b"{garbage")
+        assert b.list_claims() == {"w0": renewed}

@@ -119,7 +119,7 @@ def test_master_checks_what_train_checks(tmp_path, args, key):
 def test_verbose_and_hydra_full_error_show_the_traceback(tmp_path):
     for proc in (_train(tmp_path, "diloco.inner_steps=0", "-v"), _train(tmp_path, "diloco.inner_steps=0", HYDRA_FULL_ERROR="1")):
         assert proc.returncode != 0
-        assert "Traceback" in proc.stderr and "ConfigError: diloco.inner_steps: must be an integer >= 1, got 0" in proc.stderr
+        assert "Traceback" in proc.stderr and "ConfigError: diloco.inner_steps: must be an integer >= 1 or 'auto', got 0" in proc.stderr
 
 
 def test_hub_errors_at_the_command_line_are_short(tmp_path):

@@ -69,7 +69,7 @@ def test_every_outer_config_builds(outer):
     [
         (["recipe=nope"], MissingConfigException, "recipe/nope"),
         (["outer=nope"], MissingConfigException, "outer/nope"),
-        (["diloco.inner_steps=eight"], ConfigCompositionException, "diloco.inner_steps"),
+        (["diloco.reset_inner_optimizer=maybe"], ConfigCompositionException, "diloco.reset_inner_optimizer"),
         (["trainer.max_stepz=3"], ConfigCompositionException, "trainer.max_stepz"),
         (["unknown_key=1"], ConfigCompositionException, "unknown_key"),
     ],
@@ -85,6 +85,13 @@ def test_bad_config_fails_at_composition(overrides, exc, key):
     "override, key",
     [
         ("diloco.inner_steps=0", "diloco.inner_steps"),
+        ("diloco.inner_steps=eight", "diloco.inner_steps"),
+        ("diloco.throttle=[0,-1]", "diloco.throttle[1]"),
+        ("diloco.dylu_min_steps=500", "diloco.dylu_min_steps"),
+        ("master.min_deltas=1.5", "master.min_deltas"),
+        ("master.min_deltas=0", "master.min_deltas"),
+        ("master.max_wait=soon", "master.max_wait"),
+        ("master.node_timeout=0", "master.node_timeout"),
         ("diloco.delay=-1", "diloco.delay"),
         ("diloco.delay=[0,-2]", "diloco.delay[1]"),
         ("diloco.sync=sometimes", "diloco.sync"),

@@ -11,7 +11,9 @@ checkpoint (``last.ckpt``) is saved at every boundary; the run resumes from it w
 Kill points come from ``DILOCO_FAULTS`` (``diloco_lightning.faults``).
 
 Config: ``hub`` (a URL), ``hub_options``, ``ckpt_dir``, ``max_steps``, ``inner_steps``,
-``signing_key`` (optional).
+``signing_key`` (optional); for the elasticity tests (tests/test_elastic.py) also ``node_id``
+(default w0), ``throttle`` (seconds slept per step) and ``claim_ttl``. Prints ``started <outer_step>``
+once the worker has installed its starting version, and ``done <steps>`` at the end.
 """
 
 from __future__ import annotations
@@ -49,13 +51,18 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     ckpt_dir = Path(cfg["ckpt_dir"])
     diloco = DiLoCo(
-        hub=cfg["hub"], node_id="w0", inner_steps=cfg["inner_steps"], hub_options=cfg.get("hub_options") or None,
-        signing_key=cfg.get("signing_key"), poll_interval=0.02, wait_timeout=60.0, token_counter=False,
+        hub=cfg["hub"], node_id=cfg.get("node_id", "w0"), inner_steps=cfg["inner_steps"],
+        hub_options=cfg.get("hub_options") or None, signing_key=cfg.get("signing_key"), poll_interval=0.02,
+        wait_timeout=60.0, token_counter=False, throttle=cfg.get("throttle", 0.0), claim_ttl=cfg.get("claim_ttl"),
     )
+
+    class Started(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            print(f"started {diloco.worker.outer_step}", flush=True)
     save = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=cfg["inner_steps"])
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=cfg["max_steps"], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[diloco, save],
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[diloco, Started(), save],
     )
     last = ckpt_dir / "last.ckpt"
     trainer.fit(Counter(), ckpt_path=str(last) if last.is_file() else None)

@@ -101,6 +101,12 @@ def worker_delay(cfg: DictConfig, index: int) -> int:
     return resolve_delay(delay, node_id(index), index)
 
 
+def nominal_inner_steps(cfg: DictConfig) -> int:
+    """H, or with ``diloco.inner_steps=auto`` (Dynamic Local Updates) the fastest worker's, ``dylu_steps``."""
+    h = cfg.diloco.inner_steps
+    return int(cfg.diloco.dylu_steps) if h == "auto" else int(h)
+
+
 def regime(cfg: DictConfig) -> str:
     delay = cfg.diloco.delay
     return "fixed" if isinstance(delay, int) and not isinstance(delay, bool) else "heterogeneous"
@@ -207,5 +213,5 @@ def eval_points(cfg: DictConfig) -> list[int]:
     n = int(cfg.launch.eval_points)
     if n <= 0:
         return []
-    total = max(1, cfg.trainer.max_steps // cfg.diloco.inner_steps)
+    total = max(1, cfg.trainer.max_steps // nominal_inner_steps(cfg))
     return sorted({0} | {max(1, round(k * total / n)) for k in range(1, n + 1)})

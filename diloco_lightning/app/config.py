@@ -159,7 +159,7 @@ class OptimConf:
 # MasterConfig: their defaults, types and help text), with the product's defaults on top.
 DiLoCoConf = compose_section(
     "DiLoCoConf", WorkerOptions,
-    defaults={"inner_steps": 8, "sync": "lockstep", "wait_timeout": 600.0, "poll_interval": 0.05},
+    defaults={"inner_steps": 8, "dylu_steps": 8, "sync": "lockstep", "wait_timeout": 600.0, "poll_interval": 0.05},
 )
 
 
@@ -174,8 +174,8 @@ MasterConf = compose_section(
     "MasterConf", MasterConfig,
     exclude=("outer_optimizer", "outer_options", "outer_lr", "outer_momentum"),  # the ``outer`` group
     defaults={"poll_interval": 0.05, "keep_globals": 20, "torch_threads": 1},
-    retype={"min_deltas": (Optional[int], None, "quorum: accepted deltas before a round is applied "
-                                                 "(null: every worker in lockstep, else 1)")},
+    retype={"min_deltas": (Any, None, "quorum: accepted deltas before a round is applied, or a fraction of the live "
+                                      "nodes (a float in (0, 1]; null: every worker in lockstep, else 1)")},
     extra=[("holder", Optional[str], None, "this master's id in the lease (default host:pid:random)")],
     doc="The master's behaviour: ``master.*`` in a training run, the top level of ``diloco-master``.",
 )
@@ -221,6 +221,7 @@ class TrainerConf:
     devices: int = opt(1, "devices per worker (more than 1: DDP inside the worker)")
     precision: str = opt("32-true", "32-true | bf16-true | bf16-mixed | 16-mixed")
     max_steps: int = opt(200, "optimizer steps per worker")
+    max_time: Optional[float] = opt(None, "seconds each worker trains at most, then stops as at max_steps (null: no limit)")
     gradient_clip_val: Optional[float] = opt(1.0, "gradient norm clip (null: off)")
     log_every_n_steps: int = opt(10, "steps between progress/metric lines")
     val_check_interval: Optional[int] = opt(None, "steps between a worker's local evaluations (null: none)")
@@ -377,9 +378,9 @@ def _section(node: DictConfig, names: list[str]) -> dict[str, Any]:
 def validate_master_section(m: DictConfig, prefix: str = "master.") -> None:
     """The master's behaviour (``master.*`` of a training run, the top level of ``diloco-master``):
     :meth:`MasterConfig.validate`, the one validation, with the key's full name in the error."""
-    _check(m.min_deltas is None or (isinstance(m.min_deltas, int) and m.min_deltas >= 1), f"{prefix}min_deltas",
-           f"must be >= 1, got {m.min_deltas}")
-    values = _section(m, [n for n in MasterConfig.names() if n in m and n != "min_deltas"])
+    values = _section(m, [n for n in MasterConfig.names() if n in m])
+    if values.get("min_deltas") is None:
+        values.pop("min_deltas", None)  # null: decided by the run (every worker in lockstep, else 1)
     try:
         MasterConfig(**values).validate()
     except OptionError as e:
@@ -422,6 +423,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(t.accelerator in ACCELERATORS, "trainer.accelerator", f"must be one of {list(ACCELERATORS)}, got {t.accelerator!r}")
     _check(t.precision in PRECISIONS, "trainer.precision", f"must be one of {list(PRECISIONS)}, got {t.precision!r}")
     _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")
+    _check(t.max_time is None or t.max_time > 0, "trainer.max_time", f"must be > 0 seconds or null, got {t.max_time}")
     _check(t.devices >= 1, "trainer.devices", "must be >= 1")
     _check(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
     da = cfg.data

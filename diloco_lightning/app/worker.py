@@ -14,12 +14,22 @@ import json
 import logging
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from diloco_lightning.app.build import build_datamodule, build_module, hub_options, hub_url, node_id, run_dir, worker_delay
+from diloco_lightning.app.build import (
+    build_datamodule,
+    build_module,
+    hub_options,
+    hub_url,
+    node_id,
+    nominal_inner_steps,
+    run_dir,
+    worker_delay,
+)
 from diloco_lightning.app.config import worker_options
 
 log = logging.getLogger(__name__)
@@ -77,10 +87,12 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
     callback = DiLoCo(hub=hub_url(cfg), node_id=nid, hub_options=hub_options(cfg),
                       **{**worker_options(d), "delay": worker_delay(cfg, index)})
     ckpt_dir = out / "checkpoints"
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=d.inner_steps)
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
+                                 every_n_train_steps=nominal_inner_steps(cfg))
     t = cfg.trainer
     trainer = L.Trainer(
         accelerator=t.accelerator, devices=t.devices, precision=t.precision, max_steps=t.max_steps,
+        max_time=timedelta(seconds=float(t.max_time)) if t.get("max_time") else None,
         gradient_clip_val=t.gradient_clip_val, log_every_n_steps=t.log_every_n_steps,
         val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
         limit_val_batches=cfg.data.val_batches if t.val_check_interval else 0,

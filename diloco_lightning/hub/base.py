@@ -38,7 +38,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Union
+from typing import Callable, Iterable, Mapping, Union
 
 from diloco_lightning.fileio import cache_root, sweep_temporaries
 from diloco_lightning.manifest import Lease, Manifest
@@ -334,6 +334,44 @@ class Hub(abc.ABC):
         """Replace the claim on ``node_id`` by ``claim`` (None: remove it) iff the current one equals
         ``expected`` (None: there is none, or it is unreadable); else raise ``ClaimConflictError``."""
         raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+
+    def list_claims(self) -> dict[str, "NodeClaim"]:
+        """Every readable claim on the hub, by node id (who runs which node, and each heartbeat's
+        ``info``): what the master's membership and the workers' Dynamic Local Updates read. An
+        unreadable claim (malformed, too large, another node's) is left out, with a warning."""
+        raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+
+    def _claims_from_listing(
+        self, entries: Iterable[tuple[str, int | None, str | None]], read: Callable[[str], "NodeClaim | None"]
+    ) -> dict[str, "NodeClaim"]:
+        """:meth:`list_claims` for a remote transport: ``(path, size, version token)`` of the files
+        under ``nodes/`` (one listing); a claim whose token is the one seen last time is not read
+        again, so a poll costs one listing plus one read per heartbeat that changed."""
+        from diloco_lightning.names import parse_claim_path
+        from diloco_lightning.nodeclaim import MAX_CLAIM_BYTES
+
+        cache: dict[str, tuple[str, NodeClaim | None]] = self.__dict__.setdefault("_claim_versions", {})
+        out: dict[str, NodeClaim] = {}
+        seen: set[str] = set()
+        for path, size, version in entries:
+            node = parse_claim_path(path)
+            if node is None or size == 0:  # not a claim, or a released one (an empty object on s3://)
+                continue
+            seen.add(node)
+            if size is not None and size > MAX_CLAIM_BYTES:
+                continue  # never read: what read_claim would refuse anyway
+            hit = cache.get(node)
+            if version is not None and hit is not None and hit[0] == version:
+                claim = hit[1]
+            else:
+                claim = read(node)
+                if version is not None:
+                    cache[node] = (version, claim)
+            if claim is not None:
+                out[node] = claim
+        for node in [n for n in cache if n not in seen]:
+            cache.pop(node, None)
+        return out
 
     # ------------------------------------------------------------------ common
 

@@ -437,6 +437,9 @@ class HFHub(HFRequests, Hub):
         data, _ = self._read_head_file(claim_path(node_id))
         return self._parse_claim(data, node_id)
 
+    def list_claims(self) -> dict[str, NodeClaim]:
+        return self._claims_from_listing(self._node_files(), self.read_claim)
+
     def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
         """The scheme of :meth:`write_lease` on ``nodes/<node_id>/claim.json`` (one commit per write:
         the keeper renews at most once per half ``ttl``, well inside the Hub's commit rate limits)."""

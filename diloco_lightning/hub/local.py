@@ -532,6 +532,17 @@ class FileHub(Hub):
     def read_claim(self, node_id: str) -> NodeClaim | None:
         return self._read_claim_file(node_id)
 
+    def list_claims(self) -> dict[str, NodeClaim]:
+        out: dict[str, NodeClaim] = {}
+        for nd in self._node_dirs():
+            try:
+                claim = self._read_claim_file(nd.name)
+            except HubError:  # the node folder became a symbolic link meanwhile
+                continue
+            if claim is not None:
+                out[nd.name] = claim
+        return out
+
     def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
         if claim is not None and claim.node_id != node_id:
             raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")

@@ -417,6 +417,9 @@ class S3Hub(Hub):
         data, _ = self.store.read_small(claim_path(node_id))
         return self._claim(data, node_id)
 
+    def list_claims(self) -> dict[str, NodeClaim]:
+        return self._claims_from_listing(self.store.list(NODES_DIR, recursive=True), self.read_claim)
+
     def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
         if claim is not None and claim.node_id != node_id:
             raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from diloco_lightning.master.quorum import AUTO, is_fraction
 from diloco_lightning.options import OptionError, check_choice, check_number, option
 
 __all__ = ["AGGREGATIONS", "COMPAT_MODES", "WEIGHTINGS", "MasterConfig", "MasterConfigError", "OptionError"]
@@ -43,8 +44,15 @@ class MasterConfig:
     aggregation: str = option("round", "round: one outer step per round | arrival: one per accepted delta")
     weighting: str = option("equal", "equal | tokens (weight each delta by its num_tokens)")
     poll_interval: float = option(60.0, "seconds between the master's rounds")
-    min_deltas: int = option(1, "quorum: accepted deltas before a round is applied")
-    max_wait: float | None = option(None, "seconds after the first pending delta before applying below the quorum")
+    min_deltas: Any = option(
+        1, "quorum: accepted deltas before a round is applied (an int), or a fraction of the live nodes (a float in (0, 1])"
+    )
+    max_wait: Any = option(
+        None, "seconds after a round's first delta before applying below the quorum, or auto (from recent arrivals)"
+    )
+    node_timeout: float | None = option(
+        None, "seconds without a heartbeat or delta before a node leaves the quorum (null: its claim's ttl)"
+    )
     max_staleness: int | None = option(None, "reject deltas staler than this (null: only the optimizer's gate decides)")
     max_delta_norm: float | None = option(None, "reject a delta whose L2 norm exceeds this")
     norm_global_ratio: float | None = option(
@@ -89,8 +97,22 @@ class MasterConfig:
         check_number(self, "outer_lr", low=0.0, strict=True)
         check_number(self, "outer_momentum", low=0.0)
         check_number(self, "poll_interval", low=0.0, strict=True)
-        check_number(self, "min_deltas", low=1, integer=True)
-        check_number(self, "max_wait", low=0.0, optional=True)
+        if is_fraction(self.min_deltas):
+            if not 0.0 < self.min_deltas <= 1.0:
+                raise OptionError("min_deltas", f"must be a count (an integer >= 1) or a fraction of the live nodes in "
+                                  f"(0, 1], got {self.min_deltas!r}")
+        else:
+            try:
+                check_number(self, "min_deltas", low=1, integer=True)
+            except OptionError:
+                raise OptionError("min_deltas", f"must be a count (an integer >= 1) or a fraction of the live nodes in "
+                                  f"(0, 1], got {self.min_deltas!r}") from None
+        if self.max_wait != AUTO:
+            try:
+                check_number(self, "max_wait", low=0.0, optional=True)
+            except OptionError:
+                raise OptionError("max_wait", f"must be a number of seconds >= 0, 'auto' or None, got {self.max_wait!r}") from None
+        check_number(self, "node_timeout", low=0.0, strict=True, optional=True)
         check_number(self, "max_staleness", low=0, integer=True, optional=True)
         check_number(self, "max_delta_norm", low=0.0, strict=True, optional=True)
         check_number(self, "norm_global_ratio", low=0.0, strict=True, optional=True)

@@ -43,8 +43,11 @@
   largest staleness among the round's accepted deltas (a conservative choice: a fragment
   is never gated more leniently than its stalest contribution). Deltas whose own gate is 0
   are still rejected as ``too_stale`` before they enter the mean.
-* **Quorum.** ``min_deltas`` accepted deltas before a round is applied (or ``max_wait``
-  seconds after the first one arrived); the pending sum is kept across polls.
+* **Quorum.** ``min_deltas`` accepted deltas before a round is applied, or a fraction of the
+  live nodes (``min_deltas=0.75``; :mod:`diloco_lightning.master.membership` follows the
+  workers' claims and heartbeats), or ``max_wait`` seconds after the first one arrived (fixed,
+  or ``"auto"``: from the recent arrival offsets, :mod:`diloco_lightning.master.quorum`); the
+  pending sum is kept across polls.
 * **Crash safety.** Each publication carries the ledger and the optimizer state; the local
   state (:mod:`diloco_lightning.master.localstate`) is written after the remote
   publication, and a (re)starting master adopts whichever of local and hub is newer (the
@@ -87,6 +90,7 @@ from diloco_lightning.master.compat import make_compat
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig, MasterConfigError
 from diloco_lightning.master.intake import Intake
 from diloco_lightning.master.lease import LeaseKeeper, default_holder
+from diloco_lightning.master.membership import Membership
 from diloco_lightning.master.metrics import MetricsSink, RoundMetrics
 from diloco_lightning.master.publication import LeaseLost, Publisher
 from diloco_lightning.master.rounds import Rounds
@@ -224,6 +228,7 @@ class MasterOuterLoop:
                                         header_parser=self.compat.parse_header if self.compat is not None else None)
         self.publisher = Publisher(self.hub, self.config, self.node_state_dir, key, self.holder, self._lease, owner=self,
                                    compat=self.compat)
+        self.membership = Membership(self.hub, node_timeout=self.config.node_timeout, poll_interval=self.config.poll_interval)
         self.rounds = Rounds(self)
 
         self._round_lock = threading.RLock()  # one round at a time
@@ -517,6 +522,5 @@ class MasterOuterLoop:
 
     def _discard(self) -> None:
         """Forget everything processed but not published (it will be processed again)."""
-        self.rounds.open = None
+        self.rounds.forget_open()
         self.intake.pending = []
-        self.rounds.arrival_wait_since = None

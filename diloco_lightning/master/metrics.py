@@ -47,6 +47,10 @@ class RoundMetrics:
     holder: str = ""
     epoch: int | None = None
     round_seconds: float = 0.0
+    #: the live nodes (claims with a recent heartbeat), the quorum they made, the deadline (seconds)
+    live_nodes: int | None = None
+    quorum: int | None = None
+    deadline: float | None = None
     time: float = field(default_factory=time.time)
 
     def reject(self, reason: str) -> None:
@@ -83,7 +87,9 @@ def format_progress(m: dict[str, Any]) -> str:
     if m.get("paced"):
         flags.append(f"publication paced by the commit budget ({m.get('pending', 0)} pending, next in {m['paced']:.0f}s)")
     elif m.get("waiting"):
-        flags.append(f"waiting for quorum ({m.get('pending', 0)} pending)")
+        of = f" of {m['quorum']}" if m.get("quorum") is not None else ""
+        live = f", {m['live_nodes']} live" if m.get("live_nodes") is not None else ""
+        flags.append(f"waiting for quorum ({m.get('pending', 0)}{of} pending{live})")
     if m.get("conflict"):
         flags.append("publication conflict")
     if m.get("adopted") is not None:

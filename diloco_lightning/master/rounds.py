@@ -11,6 +11,11 @@
 Every step is taken on a second buffer and published before it is swapped in; anything that
 fails rolls the optimizer back and forgets what was processed but not published (it will be
 processed again). A non-finite result publishes nothing and refuses the round's deltas.
+
+When a round is applied is decided by :mod:`diloco_lightning.master.quorum` (``min_deltas``: a
+count, or a fraction of the live nodes of :mod:`diloco_lightning.master.membership`;
+``max_wait``: fixed, or ``"auto"`` from the recent arrival offsets); each accepted delta is also
+a sign of life of its node.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from diloco_lightning.master.aggregation import (
 )
 from diloco_lightning.master.metrics import RoundMetrics
 from diloco_lightning.master.publication import LeaseLost
+from diloco_lightning.master.quorum import AUTO, ArrivalDeadline, is_fraction, quorum_count, quorum_size
 from diloco_lightning.master.validation import Accepted, DeltaRejected, max_abs, state_norm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,7 +62,63 @@ class Rounds:
         self.master = master
         self.open: OpenRound | None = None
         self.arrival_wait_since: float | None = None
+        #: the arrival offsets behind ``max_wait="auto"``
+        self.deadline = ArrivalDeadline()
+        self._refreshed_for: set[str] = set()
 
+    # ------------------------------------------------------------------ quorum and deadline
+
+    def forget_open(self) -> None:
+        """The open round is dropped unapplied (a conflict, an adopted version): nothing is learned from it."""
+        self.open = None
+        self.arrival_wait_since = None
+        self.deadline.closed(())
+
+    def _heard(self, node: str, now: float) -> None:
+        """An accepted delta: a sign of life of ``node``, and an arrival offset. A node the membership
+        does not know makes it read the claims at once (once per node: one without a claim stays unknown)."""
+        ms = self.master.membership
+        if not ms.heard(node, now) and self._first_time(node):
+            if ms.refresh(force=True):
+                ms.heard(node, now)
+        self.deadline.arrived(node, now)
+
+    def _first_time(self, node: str) -> bool:
+        """Whether an unknown ``node`` is seen for the first time (the claims are read at once for it;
+        a node that holds no claim does not make every round read them)."""
+        if node in self._refreshed_for:
+            return False
+        if len(self._refreshed_for) >= 100_000:
+            self._refreshed_for.clear()
+        self._refreshed_for.add(node)
+        return True
+
+    def _wait_limit(self) -> float | None:
+        """Seconds after a round's first delta before it is applied below the quorum (None: no limit)."""
+        mw = self.master.config.max_wait
+        if mw != AUTO:
+            return mw
+        poll = float(self.master.config.poll_interval)
+        return self.deadline.deadline(cap=self.master.membership.cap(), floor=poll, resolution=poll)
+
+    def _quorum(self, nodes: list[str], waited: float, force: bool, m: RoundMetrics) -> tuple[bool, list[str]]:
+        """Whether a round holding deltas of ``nodes`` (one entry per delta) that waited ``waited``
+        seconds is applied now; also returns the live nodes."""
+        cfg = self.master.config
+        live = self.master.membership.live()
+        need = quorum_size(cfg.min_deltas, len(live))
+        have = quorum_count(cfg.min_deltas, nodes)
+        limit = self._wait_limit()
+        m.live_nodes, m.quorum, m.deadline = len(live), need, limit
+        timed_out = limit is not None and waited >= limit
+        if not (force or have >= need or timed_out):
+            log.debug("waiting for the quorum: %d of %d %s (%d live)", have, need,
+                      "nodes" if is_fraction(cfg.min_deltas) else "deltas", len(live))
+            return False, live
+        if timed_out and have < need:
+            log.info("applying %d of %d %s after %.1fs (the deadline)", have, need,
+                     "nodes" if is_fraction(cfg.min_deltas) else "deltas", waited)
+        return True, live
 
     def _marks(self) -> dict[str, int]:
         return merge_marks(self.master.run.ledger, self.open.marks if self.open else {})
@@ -74,7 +136,10 @@ class Rounds:
 
     def round(self, m: RoundMetrics, force: bool) -> None:
         run = self.master.run
+        self.master.membership.refresh()
         if self.open is None or self.open.outer_step != run.outer_step:
+            if self.open is not None:
+                self.forget_open()
             self.open = OpenRound(run.outer_step, RoundSum(run.state, run.take_sum_storage()))
         rnd = self.open
         max_bytes, _ = self._limits()
@@ -98,24 +163,26 @@ class Rounds:
                 del delta
                 rnd.accepted.append(acc)
                 rnd.marks[ref.node_id] = max(ref.local_step, rnd.marks.get(ref.node_id, -1))
+                now = time.monotonic()
                 if rnd.first_at is None:
-                    rnd.first_at = time.monotonic()
+                    rnd.first_at = now
+                self._heard(ref.node_id, now)
             finally:
                 self.master.intake.release(path)
         faults.point("downloaded", self.master)
         m.pending = len(rnd.accepted)
         if not rnd.accepted:
             return
-        waited = time.monotonic() - (rnd.first_at or time.monotonic())
-        quorum = len(rnd.accepted) >= self.master.config.min_deltas
-        timed_out = self.master.config.max_wait is not None and waited >= self.master.config.max_wait
-        if not (force or quorum or timed_out):
+        now = time.monotonic()
+        waited = now - (rnd.first_at or now)
+        ready, live = self._quorum([a.ref.node_id for a in rnd.accepted], waited, force, m)
+        if not ready:
             m.waiting = True
-            log.debug("waiting for the quorum: %d of %d deltas", len(rnd.accepted), self.master.config.min_deltas)
             return
         if not force and self._paced(m):
             return  # the round stays open: what arrives meanwhile joins it, one publication for all
         self._commit_round(rnd, m, pa)
+        self.deadline.closed(live, now)
 
     def _paced(self, m: RoundMetrics) -> bool:
         """Whether the hub's commit budget (or a 429's Retry-After) asks the publication to wait
@@ -166,6 +233,7 @@ class Rounds:
 
     def arrival(self, m: RoundMetrics, force: bool) -> None:
         run = self.master.run
+        self.master.membership.refresh()
         if not force and self._paced(m):  # each delta is a publication: none before the budget allows
             return
         max_bytes, _ = self._limits()
@@ -174,14 +242,17 @@ class Rounds:
         if not refs:
             self.arrival_wait_since = None
             return
-        if not force and len(refs) < self.master.config.min_deltas:
-            now = time.monotonic()
-            if self.arrival_wait_since is None:
-                self.arrival_wait_since = now
-            if self.master.config.max_wait is None or now - self.arrival_wait_since < self.master.config.max_wait:
-                m.waiting, m.pending = True, len(refs)
-                return
+        now = time.monotonic()
+        if self.arrival_wait_since is None:
+            self.arrival_wait_since = now
+        for node in sorted({r.node_id for r in refs}):  # arrival offsets: when each node was first listed
+            self._heard_listed(node, now)
+        ready, live = self._quorum([r.node_id for r in refs], now - self.arrival_wait_since, force, m)
+        if not ready:
+            m.waiting, m.pending = True, len(refs)
+            return
         self.arrival_wait_since = None
+        self.deadline.closed(live, now)
         refs = cap_round_robin(refs, self.master.config.arrival_batch)
         blocked: set[str] = set()
         fetched: list[tuple[DeltaRef, Path, int]] = []
@@ -209,11 +280,18 @@ class Rounds:
                 del tensors, step
                 if not ok:
                     break
+                self.master.membership.heard(ref.node_id)
                 m.apply(acc.ident, acc.staleness)
                 self.master.intake.release(path)
         finally:
             for _, path, _ in fetched:
                 self.master.intake.release(path)
+
+    def _heard_listed(self, node: str, now: float) -> None:
+        """Arrival mode: a node's delta is listed (the arrival offset; life is counted once accepted)."""
+        if not self.master.membership.knows(node) and self._first_time(node):
+            self.master.membership.refresh(force=True)
+        self.deadline.arrived(node, now)
 
     # ------------------------------------------------------------------ apply + publish
 

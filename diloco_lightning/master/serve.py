@@ -135,7 +135,9 @@ def serve(
                 elif m.get("paced"):
                     what = f"the commit budget of the hub ({m.get('pending', 0)} delta(s) pending)"
                 elif m.get("waiting"):
-                    what = f"the quorum of {master.config.min_deltas} deltas ({m.get('pending', 0)} pending)"
+                    q = m.get("quorum") or master.config.min_deltas
+                    unit = "nodes" if isinstance(master.config.min_deltas, float) else "deltas"
+                    what = f"the quorum of {q} {unit} ({m.get('pending', 0)} pending, {m.get('live_nodes', 0)} live)"
                 else:
                     what = f"deltas from the workers (outer_step {master.outer_step} is published)"
                 if waiting is None or waiting[0] != what:

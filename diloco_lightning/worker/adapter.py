@@ -16,6 +16,7 @@ import torch
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.names import InvalidNameError, validate_node_id
 from diloco_lightning.worker.options import WorkerOptions, parse_delta_dtype
+from diloco_lightning.worker.pacing import Pacing
 
 __all__ = [
     "SIGTERM_EXIT",
@@ -98,22 +99,23 @@ def check_hub_arg(hub: Any) -> None:
 
 def check_worker_args(
     node_id: Any, inner_steps: Any, sync: Any, delay: Any, node_index: int | None, delta_dtype: Any,
-    topk: Any = 0.01, topk_values: Any = "int8", error_feedback: Any = None,
-) -> tuple[str, int, WorkerOptions]:
+    topk: Any = 0.01, topk_values: Any = "int8", error_feedback: Any = None, **pacing: Any,
+) -> tuple[str, int, WorkerOptions, Pacing]:
     """Check an adapter's ``node_id`` and its :class:`~diloco_lightning.worker.options.WorkerOptions`
     (``inner_steps``, ``sync``, ``delay``, ``delta_dtype``, ``topk``, ``topk_values``,
-    ``error_feedback``); return ``(node_id, resolved delay, the options)`` with ``delta_dtype`` as
-    the encoding's name. Errors are ``ValueError("DiLoCo: ...")``."""
+    ``error_feedback`` and the ``pacing`` ones: ``dylu_steps``, ``dylu_min_steps``, ``dylu_seconds``,
+    ``throttle``); return ``(node_id, resolved delay, the options, this worker's Pacing)`` with
+    ``delta_dtype`` as the encoding's name. Errors are ``ValueError("DiLoCo: ...")``."""
     try:
         checked_id = validate_node_id(node_id)
     except InvalidNameError as e:
         raise ValueError(f"DiLoCo: node_id: {e}") from None
     opts = WorkerOptions(inner_steps=inner_steps, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
-                         topk_values=topk_values, error_feedback=error_feedback)
+                         topk_values=topk_values, error_feedback=error_feedback, **pacing)
     try:
         opts.validate(checked_id, node_index)
         opts.delta_dtype = parse_delta_dtype(delta_dtype)
-        return checked_id, opts.resolved_delay(checked_id, node_index), opts
+        return checked_id, opts.resolved_delay(checked_id, node_index), opts, opts.pacing(checked_id, node_index)
     except ValueError as e:
         raise ValueError(f"DiLoCo: {e}") from None
 

@@ -12,6 +12,13 @@ again on the same machine does not wait for the expiry). A keeper whose claim wa
 over while it lived (its heartbeat failed for longer than ``ttl``, and another process
 claimed the id) marks itself lost; the worker then stops at its next boundary rather than
 sending deltas under an id someone else now runs.
+
+Each heartbeat carries what the worker reports about itself (``info``: a
+:class:`~diloco_lightning.nodeclaim.NodeReport`, set by the worker at each boundary; the first
+report is sent at once rather than half a ``ttl`` later, so the others learn a newcomer's speed
+early). A keeper that ``watch_peers`` (a worker with Dynamic Local Updates) also reads the
+other nodes' claims after each heartbeat (:meth:`ClaimKeeper.peer_reports`), on this light
+thread, so the training thread never waits for the hub to learn the peers' speeds.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from diloco_lightning.hub.base import ClaimConflictError, Hub
-from diloco_lightning.nodeclaim import NodeClaim
+from diloco_lightning.nodeclaim import NodeClaim, NodeReport
 from diloco_lightning.waiting import format_duration
 from diloco_lightning.worker.sync import WorkerError
 
@@ -80,6 +87,7 @@ class ClaimKeeper:
         ttl: seconds a claim lives after each heartbeat (None: :func:`default_claim_ttl`).
         holder: this process's id in the claim (default :func:`worker_holder`).
         clock: wall clock (expiry times are unix seconds, compared across machines).
+        watch_peers: read the other nodes' claims after each heartbeat (:meth:`peer_reports`).
     """
 
     def __init__(
@@ -90,6 +98,7 @@ class ClaimKeeper:
         ttl: float | None = None,
         holder: str | None = None,
         clock: Callable[[], float] = time.time,
+        watch_peers: bool = False,
     ) -> None:
         self.hub = hub
         self.node_id = node_id
@@ -103,8 +112,12 @@ class ClaimKeeper:
         self._claim: NodeClaim | None = None
         self._lost: str | None = None
         self._stop = threading.Event()
+        self._poke = threading.Event()  # a heartbeat now (the first report), or the stop
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.watch_peers = bool(watch_peers)
+        self._peers: dict[str, NodeClaim] = {}
+        self._peer_problems: set[str] = set()
 
     @property
     def claim(self) -> NodeClaim | None:
@@ -141,6 +154,7 @@ class ClaimKeeper:
             except ClaimConflictError:
                 continue  # someone wrote in between: look again
             self._claim = mine
+            self._read_peers()
             self._start_heartbeat()
             log.info("node %s: claimed on %s by %s (heartbeat every %s)", self.node_id, self.hub.url, self.holder,
                      format_duration(self.ttl / 2))
@@ -148,10 +162,47 @@ class ClaimKeeper:
         raise NodeIdTakenError(f"node_id {self.node_id!r}: the claim on {self.hub.url} kept changing; is another "
                                "worker starting with the same node_id?")
 
-    def set_info(self, info: Mapping[str, Any]) -> None:
-        """What the next heartbeat reports about this node (the claim's ``info`` object)."""
+    def set_info(self, info: Mapping[str, Any], *, urgent: bool = False) -> None:
+        """What the next heartbeat reports about this node (the claim's ``info`` object);
+        ``urgent``: send it now rather than at the next regular heartbeat."""
         with self._lock:
             self.info = dict(info)
+        if urgent:
+            self._poke.set()
+
+    def _read_peers(self) -> None:
+        if not self.watch_peers:
+            return
+        try:
+            claims = self.hub.list_claims()
+        except NotImplementedError:
+            self.watch_peers = False
+            return
+        except Exception as e:  # noqa: BLE001 - the hub is down: keep the last view
+            log.debug("node %s: could not read the other nodes' claims: %s", self.node_id, e)
+            return
+        claims.pop(self.node_id, None)
+        with self._lock:
+            self._peers = claims
+
+    def peer_reports(self, now: float | None = None) -> dict[str, NodeReport]:
+        """The live peers' heartbeat reports (claims not expired by this machine's clock), each
+        value checked (:meth:`NodeReport.from_info`); a value out of bounds is dropped and logged
+        once."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            peers = dict(self._peers)
+        out: dict[str, NodeReport] = {}
+        for node, claim in sorted(peers.items()):
+            if claim.expired(now):
+                continue
+            report, problems = NodeReport.from_info(claim.info)
+            for p in problems:
+                if f"{node}:{p}" not in self._peer_problems and len(self._peer_problems) < 10_000:
+                    self._peer_problems.add(f"{node}:{p}")
+                    log.warning("node %s: ignoring what node %s reports in its heartbeat: %s", self.node_id, node, p)
+            out[node] = report
+        return out
 
     def renew(self) -> bool:
         """One heartbeat now; False when it failed (a conflict marks the claim lost)."""
@@ -189,10 +240,16 @@ class ClaimKeeper:
 
     def _run(self) -> None:
         delay = self.ttl / 2
-        while not self._stop.wait(delay):
+        while True:
+            self._poke.wait(delay)
+            self._poke.clear()
+            if self._stop.is_set():
+                return
             ok = self.renew()
             if self._lost:
                 return
+            if ok:
+                self._read_peers()
             delay = self.ttl / 2 if ok else max(1.0, min(self.ttl / 10, 30.0))
 
     def check(self) -> None:
@@ -203,6 +260,7 @@ class ClaimKeeper:
     def release(self) -> None:
         """Stop the heartbeat and remove the claim (best effort: an unreachable hub lets it expire)."""
         self._stop.set()
+        self._poke.set()
         t, self._thread = self._thread, None
         if t is not None:
             t.join(timeout=10.0)

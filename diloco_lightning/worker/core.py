@@ -68,6 +68,7 @@ from diloco_lightning.worker.checkpoint import (
     unpack_unsent,
 )
 from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, parse_delta_dtype, resolve_encoding
+from diloco_lightning.worker.pacing import Pacing
 from diloco_lightning.worker.params import copy_into, module_state
 from diloco_lightning.worker.results import BoundaryResult, InstallResult
 from diloco_lightning.worker.waits import Waits
@@ -139,6 +140,11 @@ class DiLoCoWorker:
             live worker with the same id refuses to start (:mod:`diloco_lightning.worker.claim`).
         claim_ttl: seconds the claim lives without a heartbeat (None: 60 on a folder hub, 900 on
             ``hf://``); the heartbeat runs every ``claim_ttl / 2``.
+        pacing: the :class:`~diloco_lightning.worker.pacing.Pacing` the adapter drives (inner
+            steps, Dynamic Local Updates, the throttle; see ``WorkerOptions.pacing``): at each
+            boundary the worker asks it for the next phase's H (``BoundaryResult.inner_steps``)
+            and reports its speed in the claim's heartbeat. None: a plain one (the caller decides
+            boundaries; only tokens per second and the last local step are reported).
     """
 
     def __init__(
@@ -161,6 +167,7 @@ class DiLoCoWorker:
         spool_dir: str | os.PathLike | None = None,
         claim: bool = True,
         claim_ttl: float | None = None,
+        pacing: Pacing | None = None,
     ) -> None:
         self.node_id = validate_node_id(node_id)
         if sync not in SYNC_MODES:
@@ -220,7 +227,16 @@ class DiLoCoWorker:
         self._closed = False
         self._newest_seen = -1
         self._waits = Waits(self)
-        self._claim_keeper = ClaimKeeper(self.hub, self.node_id, ttl=claim_ttl) if claim else None
+        if pacing is not None and not isinstance(pacing, Pacing):
+            raise ValueError(f"pacing must be a Pacing or None, got {type(pacing).__name__}")
+        self.pacing = pacing if pacing is not None else Pacing(None)
+        self._reported = False
+        self._claim_keeper = (
+            ClaimKeeper(self.hub, self.node_id, ttl=claim_ttl, watch_peers=self.pacing.auto and self.pacing.dylu_seconds is None)
+            if claim else None
+        )
+        if self._claim_keeper is not None:
+            self._claim_keeper.set_info(self.pacing.report().to_info())
 
     # ------------------------------------------------------------------ properties
 
@@ -526,6 +542,7 @@ class DiLoCoWorker:
         part = self._export(num_tokens)
         faults.point("worker.exported")
         self.boundaries = r
+        inner_steps = self._pace(num_tokens)
         wait = 0.0
         if self._replayed(r):
             part = None
@@ -544,6 +561,7 @@ class DiLoCoWorker:
         else:
             installed, wait, more = self._lockstep(part, r)
             reports += more
+        self.pacing.resume()
         seconds = time.perf_counter() - t0
         self.totals["wait_seconds_total"] += wait
         self.totals["boundaries_total"] += 1
@@ -557,7 +575,20 @@ class DiLoCoWorker:
             pending_phases=self.pending_phases,
             wait_seconds=wait,
             seconds=seconds,
+            inner_steps=inner_steps,
         )
+
+    def _pace(self, num_tokens: int | None) -> int | None:
+        """The phase that just ended: decide the next one's H (Dynamic Local Updates, from the
+        peers' last heartbeats) and report this worker's speed in its own heartbeat (at once the
+        first time, so the others learn a newcomer's speed early)."""
+        keeper = self._claim_keeper
+        peers = keeper.peer_reports() if keeper is not None and keeper.watch_peers else {}
+        h = self.pacing.end_phase(num_tokens, [p.step_rate for p in peers.values()])
+        if keeper is not None:
+            keeper.set_info(self.pacing.report(self.boundaries + self._offset()).to_info(), urgent=not self._reported)
+            self._reported = True
+        return h
 
     def _deliver_pending(self, deadline: float, reports: list[UploadReport], what: str) -> None:
         """Block until everything handed over so far is on the hub (retrying failures)."""

@@ -22,6 +22,7 @@ import torch
 
 from diloco_lightning.encoding import LEVELS, EncodingSpec
 from diloco_lightning.options import OptionError, check_choice, check_number, option
+from diloco_lightning.worker.pacing import AUTO, Pacing, resolve_throttle
 
 __all__ = ["SYNC_MODES", "DELTA_DTYPES", "TOPK_VALUES", "WorkerOptions", "parse_delta_dtype", "resolve_encoding"]
 
@@ -79,7 +80,15 @@ def resolve_encoding(delta_dtype: Any = "float32", topk: Any = 0.01, topk_values
 class WorkerOptions:
     """What shapes a worker (keywords of ``DiLoCo``, the Accelerate adapter and ``DiLoCoWorker``)."""
 
-    inner_steps: int = option(500, "H: inner optimizer steps between two deltas")
+    inner_steps: Any = option(
+        500, "H: inner optimizer steps between two deltas, or auto (Dynamic Local Updates: H from this worker's speed)"
+    )
+    dylu_steps: int = option(100, "inner_steps=auto: H of the fastest live worker; slower ones take proportionally fewer")
+    dylu_min_steps: int | None = option(None, "inner_steps=auto: the fewest inner steps of a phase (null: dylu_steps / 16, >= 1)")
+    dylu_seconds: float | None = option(
+        None, "inner_steps=auto: aim at this many seconds per inner phase instead of the fastest worker's H"
+    )
+    throttle: Any = option(0.0, "test knob: seconds slept after each inner step (a number, or a per-worker list)")
     sync: str = option("async", "async (install the newest global, never wait) | lockstep (install exactly version r - delay)")
     delay: Any = option(
         0, "lockstep staleness tau: an int, a per-worker list, or {distribution: uniform|choice, ...[, seed]}"
@@ -108,8 +117,23 @@ class WorkerOptions:
         range (``delay`` is checked by resolving it for ``node_id`` / ``node_index``)."""
         from diloco_lightning.worker.sync import resolve_delay
 
-        check_number(self, "inner_steps", low=1, integer=True)
         check_choice(self, "sync", SYNC_MODES)
+        if self.inner_steps != AUTO:
+            try:
+                check_number(self, "inner_steps", low=1, integer=True)
+            except OptionError:
+                raise OptionError("inner_steps", f"must be an integer >= 1 or 'auto', got {self.inner_steps!r}") from None
+        check_number(self, "dylu_steps", low=1, integer=True)
+        check_number(self, "dylu_min_steps", low=1, integer=True, optional=True)
+        if self.dylu_min_steps is not None and self.dylu_min_steps > self.dylu_steps:
+            raise OptionError("dylu_min_steps", f"must be at most dylu_steps ({self.dylu_steps}), got {self.dylu_min_steps}")
+        check_number(self, "dylu_seconds", low=0.0, strict=True, optional=True)
+        try:
+            self.resolved_throttle(node_id, node_index if node_index is not None else (0 if _no_index(node_id) else None))
+        except ValueError as e:
+            msg = str(e)
+            head, _, rest = msg.partition(" ")
+            raise OptionError(head, rest, msg) from None
         if isinstance(self.delta_dtype, torch.dtype):
             parse_delta_dtype(self.delta_dtype)
         else:
@@ -133,6 +157,24 @@ class WorkerOptions:
         from diloco_lightning.worker.sync import resolve_delay
 
         return resolve_delay(self.delay, node_id, node_index)
+
+    def resolved_throttle(self, node_id: str, node_index: int | None = None) -> float:
+        """This worker's throttle (a per-worker list is indexed like ``delay``)."""
+        from diloco_lightning.worker.sync import node_index_of
+
+        if isinstance(self.throttle, (int, float)) or self.throttle is None or isinstance(self.throttle, (str, bytes)):
+            return resolve_throttle(self.throttle)
+        try:
+            index = node_index_of(node_id, node_index)
+        except ValueError:
+            raise ValueError(f"throttle is a per-worker list, so each worker needs its index: pass node_index= "
+                             f"(node_id {node_id!r} does not end with a number to take it from)") from None
+        return resolve_throttle(self.throttle, index)
+
+    def pacing(self, node_id: str, node_index: int | None = None) -> Pacing:
+        """The :class:`~diloco_lightning.worker.pacing.Pacing` these options describe for this worker."""
+        return Pacing(self.inner_steps, dylu_steps=self.dylu_steps, dylu_min_steps=self.dylu_min_steps,
+                      dylu_seconds=self.dylu_seconds, throttle=self.resolved_throttle(node_id, node_index))
 
     @property
     def encoding(self) -> EncodingSpec:

@@ -32,6 +32,8 @@ class BoundaryResult:
     pending_phases: int = 0
     wait_seconds: float = 0.0
     seconds: float = 0.0
+    #: H of the next inner phase (Dynamic Local Updates may change it; None: the caller decides)
+    inner_steps: int | None = None
 
     def metrics(self, prefix: str = "diloco/") -> dict[str, float]:
         m = {
@@ -42,6 +44,8 @@ class BoundaryResult:
         }
         if self.wait_seconds:
             m["wait_seconds"] = self.wait_seconds
+        if self.inner_steps is not None:
+            m["inner_steps"] = float(self.inner_steps)
         if self.installed is not None:
             m["installed_outer_step"] = float(self.installed.outer_step)
             m["install_staleness"] = float(self.installed.staleness)
