@@ -342,6 +342,7 @@ def _quantize(flat: Tensor, name: str, block: int, res: Tensor | None) -> tuple[
                 if seg.numel() % 2:  # odd tail of the tensor: pad with code 0
                     seg = torch.cat([seg, seg.new_zeros(1)])
                 pairs = seg.view(-1, 2)
+                assert pack is not None  # allocated for int4
                 p = torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=pack[: pairs.shape[0]]).add_(136)
                 c0 = (start + lo) // 2
                 codes[c0 : c0 + p.numel()].copy_(p)
@@ -480,7 +481,8 @@ def _encode_topk(flat: Tensor, spec: EncodingSpec, res: Tensor | None) -> dict[s
     low = (idx & 0xFFFF).to(torch.int32)
     low = torch.where(low >= 1 << 15, low - (1 << 16), low).to(torch.int16)  # same 16 bits, as int16
     if res is not None:  # vals were gathered above: res may be the input tensor itself
-        res.copy_(x)[idx] = res_vals  # type: ignore[index]  # res_vals is set whenever res is
+        assert res_vals is not None  # set whenever res is
+        res.copy_(x)[idx] = res_vals
     return {"q": q, "scale": scale, "idx": low, "count": count}
 
 

@@ -341,7 +341,8 @@ class HFHub(HFRequests, Hub):
             taken = sorted(p for p in files if p in present)
             if taken:
                 raise HubError(f"{taken} already exist on {self.url}; global file names must be unique")
-            ops = [*big, CommitOperationAdd(path_in_repo=MANIFEST_PATH, path_or_fileobj=data)]
+            ops: list[CommitOperationAdd | CommitOperationDelete] = [
+                *big, CommitOperationAdd(path_in_repo=MANIFEST_PATH, path_or_fileobj=data)]
             # the mirrors ride in the same commit: the new manifest and Speedtronic's view appear together
             ops += [CommitOperationAdd(path_in_repo=p, path_or_fileobj=src if isinstance(src, bytes) else str(src))
                     for p, src in mirrors.items()]
@@ -412,7 +413,7 @@ class HFHub(HFRequests, Hub):
             if current != expected:
                 raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {current}")
             if lease is None:
-                ops = [CommitOperationDelete(path_in_repo=LEASE_PATH)]
+                ops: list[CommitOperationAdd | CommitOperationDelete] = [CommitOperationDelete(path_in_repo=LEASE_PATH)]
             else:
                 ops = [CommitOperationAdd(path_in_repo=LEASE_PATH, path_or_fileobj=lease.to_json().encode())]
             try:
@@ -456,7 +457,7 @@ class HFHub(HFRequests, Hub):
             if current != expected:
                 raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
             if claim is None:
-                ops = [CommitOperationDelete(path_in_repo=path)]
+                ops: list[CommitOperationAdd | CommitOperationDelete] = [CommitOperationDelete(path_in_repo=path)]
             else:
                 ops = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=claim.to_json().encode())]
             try:

@@ -137,7 +137,7 @@ def _ensure_guard() -> None:
     """Wrap the transport(s) of ``huggingface_hub``'s shared client once (see the module docstring)."""
     from huggingface_hub.utils import get_session
 
-    client = get_session()
+    client: Any = get_session()  # requests.Session or an httpx client: duck-typed below
     if getattr(client, "_diloco_guarded", False):
         return
     with _GUARD_LOCK:

@@ -135,7 +135,7 @@ class HFRequests:
         try:
             from huggingface_hub.errors import OfflineModeIsEnabled
         except ImportError:  # pragma: no cover - old huggingface_hub
-            OfflineModeIsEnabled = ()  # type: ignore[assignment]
+            OfflineModeIsEnabled = ()  # type: ignore[assignment,misc]
 
         attempt = 0
         while True:
@@ -149,7 +149,7 @@ class HFRequests:
             except OfflineModeIsEnabled as e:  # type: ignore[misc]
                 raise HubError(f"{what} on {self.url}: HF_HUB_OFFLINE is set; unset it to use an hf:// hub") from e
             except HfHubHTTPError as e:
-                response = getattr(e, "response", None)
+                response: Any = getattr(e, "response", None)
                 status = getattr(response, "status_code", None)
                 if status not in _RETRY_STATUS:
                     raise self._map_http_error(e, status, what) from e
@@ -211,7 +211,7 @@ class HFRequests:
                 return HubNotFoundError(
                     f"{what}: repository {self.repo_id} not found on {self.endpoint} (open it with create=True to create it)"
                 )
-            response = getattr(e, "response", None)
+            response: Any = getattr(e, "response", None)
             commit = None
             with contextlib.suppress(Exception):
                 commit = response.headers.get("X-Repo-Commit")
@@ -233,7 +233,7 @@ class HFRequests:
     def _get_small(self, hub_path: str, revision: str) -> tuple[bytes, str | None]:
         from huggingface_hub.utils import get_session, hf_raise_for_status
 
-        session = get_session()
+        session: Any = get_session()  # requests.Session or an httpx client
         url = self._file_url(hub_path, revision)
         if _is_requests_session(session):  # huggingface_hub < 1.0
             r = session.get(url, headers=self._headers(), allow_redirects=True)
@@ -313,8 +313,9 @@ class HFRequests:
         os.close(fd)
         try:
             headers = {**self._headers(), "Accept-Encoding": "identity"}
-            session = get_session()
+            session: Any = get_session()  # requests.Session or an httpx client
             url = self._file_url(hub_path, revision)
+            cm: Any
             if _is_requests_session(session):  # huggingface_hub < 1.0
                 cm = contextlib.closing(session.get(url, headers=headers, stream=True, allow_redirects=True))
             else:  # httpx / httpx2

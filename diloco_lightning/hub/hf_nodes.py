@@ -355,6 +355,7 @@ class HFNodesHub(Hub):
         expected_outer_step: int | None,
         delete: Iterable[str] = (),
         expected_digest: str | None = None,
+        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
     ) -> None:
         files, dels = check_publication(
             manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
@@ -363,7 +364,8 @@ class HFNodesHub(Hub):
         # nodes/ files live in the workers' repositories: each worker deletes its processed deltas
         # with its next upload (module docstring); global/ ones ride in the publication's commit
         self.master.publish(manifest, files, expected_outer_step=expected_outer_step,
-                            delete=[p for p in dels if p.startswith(GLOBAL_DIR + "/")], expected_digest=expected_digest)
+                            delete=[p for p in dels if p.startswith(GLOBAL_DIR + "/")], expected_digest=expected_digest,
+                            mirrors=mirrors)
 
     def delete(self, paths: Iterable[str]) -> None:
         paths = sorted({validate_hub_path(p) for p in paths})

@@ -107,6 +107,7 @@ class Intake:
             if err is not None:
                 self._download_error(ref, err, blocked, m)
                 continue
+            assert path is not None  # a download without an error has its file
             if ref.node_id in blocked:
                 self.release(path)
                 continue

@@ -158,6 +158,6 @@ def sum_tokens_over_ranks(
     """The ranks' token counts summed with ``reduce_sum`` (a sum all-reduce); None when any rank's
     count is unknown (None)."""
     known = tokens is not None
-    t = torch.tensor([float(tokens) if known else 0.0, 0.0 if known else 1.0], device=device, dtype=torch.float64)
+    t = torch.tensor([0.0 if tokens is None else float(tokens), 0.0 if known else 1.0], device=device, dtype=torch.float64)
     t = reduce_sum(t)
     return None if float(t[1]) > 0 else int(round(float(t[0])))

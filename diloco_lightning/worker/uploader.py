@@ -59,6 +59,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,6 +68,7 @@ from diloco_lightning.compression import ErrorFeedback
 from diloco_lightning.deltafile import write_delta
 from diloco_lightning.encoding import EncodedTensor, EncodingSpec
 from diloco_lightning.hub.base import DeltaExistsError, Hub
+from diloco_lightning.manifest import Manifest
 from diloco_lightning.signing import RunKey
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ class Part:
     residual: Tensors | None = None
     anchor: Tensors | None = None
     snapshot: Tensors | None = None
-    event: object | None = None
+    event: Any = None  # a torch.cuda.Event (or None)
     boundary: int = 0
 
     def wait(self) -> None:
@@ -108,6 +110,7 @@ class Part:
         self.wait()
         out: Tensors = {}
         if self.anchor is not None:
+            assert self.snapshot is not None  # built together with the anchor
             for k, a in self.anchor.items():
                 d = a - self.snapshot[k]
                 if self.residual is not None:
@@ -239,7 +242,7 @@ class Uploader:
         hub_high_step: Callable[[], int] | None = None,
         persistent: bool = False,
         retry_interval: float = 1.0,
-        read_manifest: Callable[[], object] | None = None,
+        read_manifest: Callable[[], Manifest | None] | None = None,
     ) -> None:
         self.hub = hub
         self.node_id = node_id
