@@ -301,11 +301,13 @@ class DiLoCo:
             )
 
         result: list[BoundaryResult] = []
+        worker = self.worker  # the main process's (None on the others, which never call boundary())
 
         def boundary() -> tuple[bool, int | None]:
             if self._sigterm.received:
                 raise WorkerStopped(f"node {self.node_id}: stopped at step {self.num_steps}")
-            result.append(self.worker.boundary(num_tokens=tokens))
+            assert worker is not None
+            result.append(worker.boundary(num_tokens=tokens))
             return result[0].installed is not None, result[0].inner_steps
 
         installed, h = False, None
@@ -316,11 +318,11 @@ class DiLoCo:
         if h is not None:
             self.pacing.inner_steps = h  # decided on the main process (DyLU); every process agrees
         self._after_install(installed)
-        if not result:
+        if not result or worker is None:
             return None
         metrics = result[0].metrics()
         self.metrics.update(metrics)
-        self.metrics.update(self.worker.totals)
+        self.metrics.update(worker.totals)
         if self.log_fn is not None:
             self.log_fn(metrics)
         if self.verbose:
@@ -328,7 +330,7 @@ class DiLoCo:
             line = f"DiLoCo {self.node_id} | step {self.num_steps} | sync {r.boundary} | outer_step {r.outer_step}"
             if r.installed is not None:
                 line += f" | installed {r.installed.outer_step} (staleness {r.installed.staleness})"
-            sent = float(self.worker.totals.get("bytes_uploaded_total", 0))
+            sent = float(worker.totals.get("bytes_uploaded_total", 0))
             line += f" | sent {format_bytes(metrics.get('diloco/upload_bytes', 0.0))} ({format_bytes(sent)} in all)"
             if self.pacing.auto:
                 line += f" | next H {self.pacing.inner_steps}"

@@ -291,6 +291,7 @@ class DiLoCo(Callback):
 
     def _broadcast_params(self, trainer: Trainer) -> None:
         if trainer.world_size > 1:
+            assert self._params is not None  # found in setup
             broadcast_params(self._params)
 
     def _after_install(self, trainer: Trainer, installed: bool) -> None:
@@ -346,6 +347,7 @@ class DiLoCo(Callback):
         def start() -> bool:
             if self.worker is not None:
                 self.worker.close(flush=True)
+            assert self._params is not None  # found in setup
             self.worker = DiLoCoWorker(
                 self.hub,
                 self.node_id,
@@ -421,8 +423,11 @@ class DiLoCo(Callback):
         self._last_synced_step = step
         tokens = self._take_tokens(trainer)
 
+        worker = self.worker  # rank 0's (None on the other ranks, which never call boundary())
+
         def boundary() -> tuple[bool, dict[str, float], int | None]:
-            result = self.worker.boundary(num_tokens=tokens)
+            assert worker is not None
+            result = worker.boundary(num_tokens=tokens)
             metrics = result.metrics(self.log_prefix)
             return result.installed is not None, metrics, result.inner_steps
 
@@ -435,7 +440,8 @@ class DiLoCo(Callback):
         self._after_install(trainer, installed)
         if trainer.is_global_zero:
             self.metrics.update(metrics)
-            self.metrics.update(self.worker.totals)
+            if worker is not None:
+                self.metrics.update(worker.totals)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
             self._show(step, metrics)
@@ -454,7 +460,8 @@ class DiLoCo(Callback):
         try:
             worker.close(flush=flush, timeout=timeout)
         finally:
-            self.metrics.update(worker.totals)
+            if worker is not None:
+                self.metrics.update(worker.totals)
             # a checkpoint saved after training (or the next fit() with this callback) continues from here
             if worker.anchor is not None:
                 self._restored_anchor = worker.anchor_state(timeout=0)
@@ -467,8 +474,11 @@ class DiLoCo(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         sigterm = isinstance(exception, SIGTERMException)
-        if sigterm and not exception.code:
-            exception.code = SIGTERM_EXIT  # Lightning exits 0 on SIGTERM; the training is not done
+        code = None
+        if isinstance(exception, SIGTERMException):
+            if not exception.code:
+                exception.code = SIGTERM_EXIT  # Lightning exits 0 on SIGTERM; the training is not done
+            code = exception.code
         pending = self.worker.pending_phases if self.worker is not None else 0
         worker = self.worker
         self._close(flush=True, timeout=min(self.wait_timeout, SIGTERM_FLUSH_SECONDS if sigterm else 30.0))
@@ -477,7 +487,7 @@ class DiLoCo(Callback):
             done = (f"{pending - left} pending inner phase(s) uploaded" + (f", {left} not" if left else "")
                     if pending else "nothing was pending")
             log.warning("DiLoCo %s: SIGTERM at step %d: %s; exiting with status %s", self.node_id, trainer.global_step,
-                        done, exception.code)
+                        done, code)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
