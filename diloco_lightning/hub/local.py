@@ -20,9 +20,8 @@ honours ``flock`` (NFSv4, Lustre, local disks).
   then renamed over their fixed names, in order, under the lock right after the manifest swap.
 * ``download`` returns files in place (every file is immutable once visible) and
   refuses symbolic links and anything resolving outside the hub folder.
-* Nothing is ever written or deleted through a symbolic link: files are created and
-  removed relative to folder descriptors opened one component at a time with
-  ``O_NOFOLLOW`` from the hub's own folder, so a node folder swapped for a link to
+* Nothing is ever written or deleted through a symbolic link (:mod:`diloco_lightning.hub.folder`:
+  folder descriptors opened with ``O_NOFOLLOW``), so a node folder swapped for a link to
   elsewhere (by any writer, at any moment) makes the operation fail, never reach outside.
 * Temporary files carry their owner (``fileio.owner_tag``); :meth:`FileHub.sweep` removes
   those of dead writers (and untagged ones past an age), never a live writer's.
@@ -32,14 +31,12 @@ honours ``flock`` (NFSv4, Lustre, local disks).
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import hmac
 import logging
 import os
 import secrets
-import shutil
 import threading
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
@@ -61,6 +58,7 @@ from diloco_lightning.hub.base import (
     check_publication,
     default_cache_dir,
 )
+from diloco_lightning.hub.folder import HubFolder
 from diloco_lightning.manifest import Lease, Manifest
 from diloco_lightning.nodeclaim import MAX_CLAIM_BYTES, ClaimError, NodeClaim
 from diloco_lightning.names import (
@@ -81,8 +79,6 @@ from diloco_lightning.names import (
 )
 
 log = logging.getLogger(__name__)
-
-_LOCK_NAME = ".lock"
 
 
 class FileHub(Hub):
@@ -106,6 +102,7 @@ class FileHub(Hub):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(self.url)
         self._warned: set[str] = set()
         self._warned_lock = threading.Lock()
+        self._folder = HubFolder(root, self.url)  # placing, removing and locking, never through a symbolic link
 
     # ------------------------------------------------------------------ helpers
 
@@ -122,116 +119,17 @@ class FileHub(Hub):
             self._warned.add(key)
         log.warning(msg, *args)
 
-    def _open_dir(self, parts: list[str], *, create: bool) -> int:
-        """A descriptor of the folder ``root/<parts...>``, opened one component at a time
-        without following symbolic links (``HubError`` if one is met)."""
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for part in parts:
-                if create:
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(part, 0o755, dir_fd=fd)
-                try:
-                    nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                except OSError as e:
-                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise HubError(f"refusing {'/'.join(parts)} on {self.url}: {part!r} is a symbolic link or not a folder") from None
-                    raise
-                os.close(fd)
-                fd = nfd
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
-
-    @staticmethod
-    def _copy_into(src: str | os.PathLike, out_fd: int) -> None:
-        with open(src, "rb") as inp:
-            size = os.fstat(inp.fileno()).st_size
-            sent = 0
-            try:
-                while sent < size:
-                    n = os.sendfile(out_fd, inp.fileno(), sent, min(size - sent, 1 << 30))
-                    if n == 0:
-                        break
-                    sent += n
-            except OSError as e:  # sendfile unsupported between these files: plain copy
-                if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
-                    raise
-                inp.seek(sent)
-                with os.fdopen(os.dup(out_fd), "wb", closefd=True) as out:
-                    out.seek(sent)
-                    shutil.copyfileobj(inp, out, 8 << 20)
-
-    def _write_temp(self, src: str | os.PathLike | bytes, dfd: int, tmp: str, *, link: bool) -> None:
-        """Create ``tmp`` in the folder ``dfd`` holding ``src`` (a file, or bytes), fsynced; never
-        through a symbolic link. ``link``: hard-link the file instead of copying it when both are
-        on one filesystem (``src`` must then never change again)."""
-        if link and not isinstance(src, bytes):
-            try:
-                os.link(src, tmp, dst_dir_fd=dfd, follow_symlinks=False)
-                fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
-                try:
-                    os.fsync(fd)  # durable before the manifest names it, as a copy would be
-                finally:
-                    os.close(fd)
-                return
-            except OSError as e:  # another filesystem, or no hard links: copy
-                if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                    raise
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
-        try:
-            if isinstance(src, bytes):
-                view = memoryview(src)
-                while view:
-                    view = view[os.write(fd, view):]
-            else:
-                self._copy_into(src, fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _place_new(self, src: str | os.PathLike, hub_path: str, *, link: bool = False) -> bool:
-        """Copy ``src`` to ``hub_path`` if nothing is there; atomic, never overwrites, never through
-        a symbolic link. False if ``hub_path`` existed. ``link``: hard-link ``src`` instead of
-        copying it when both are on one filesystem (``src`` must then never change again)."""
-        *folders, name = hub_path.split("/")
-        dfd = self._open_dir(folders, create=True)
-        tmp = f"{temp_prefix(name)}{secrets.token_hex(4)}.tmp"
-        try:
-            self._write_temp(src, dfd, tmp, link=link)
-            faults.point("hub.placing")
-            try:
-                os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-            except FileExistsError:
-                return False
-            except OSError as e:  # filesystems without hard links: check-then-rename (single writer per path)
-                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-                    raise
-                try:
-                    os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    return False
-                except FileNotFoundError:
-                    os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            with contextlib.suppress(OSError):
-                os.fsync(dfd)
-            return True
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp, dir_fd=dfd)
-            os.close(dfd)
-
     def _stage_mirrors(self, mirrors: Mapping[str, str | os.PathLike | bytes]) -> list[tuple[str, str]]:
         """Each mirror written (linked when it is a file) under a temporary name in ``global/``:
         ``[(hub path, temporary name)]``, renamed into place by :meth:`_install_mirrors`."""
         out: list[tuple[str, str]] = []
         if not mirrors:
             return out
-        dfd = self._open_dir([GLOBAL_DIR], create=True)
+        dfd = self._folder.open_dir([GLOBAL_DIR], create=True)
         try:
             for hub_path, src in mirrors.items():
                 tmp = f"{temp_prefix(hub_path.rsplit('/', 1)[-1])}{secrets.token_hex(4)}.tmp"
-                self._write_temp(src, dfd, tmp, link=True)
+                self._folder.write_temp(src, dfd, tmp, link=True)
                 out.append((hub_path, tmp))
         except BaseException:
             self._drop_temps(out)
@@ -247,7 +145,7 @@ class FileHub(Hub):
         are not written (the metadata never advertises weights that failed to land)."""
         if not staged:
             return
-        dfd = self._open_dir([GLOBAL_DIR], create=True)
+        dfd = self._folder.open_dir([GLOBAL_DIR], create=True)
         try:
             for hub_path, tmp in staged:
                 try:
@@ -265,7 +163,7 @@ class FileHub(Hub):
         if not staged:
             return
         with contextlib.suppress(OSError, HubError):
-            dfd = self._open_dir([GLOBAL_DIR], create=False)
+            dfd = self._folder.open_dir([GLOBAL_DIR], create=False)
             try:
                 for _, tmp in staged:
                     with contextlib.suppress(FileNotFoundError):
@@ -273,40 +171,18 @@ class FileHub(Hub):
             finally:
                 os.close(dfd)
 
-    def _unlink(self, hub_path: str) -> None:
-        """Remove ``hub_path``, never through a symbolic link (a missing file is fine)."""
-        *folders, name = hub_path.split("/")
-        try:
-            dfd = self._open_dir(folders, create=False)
-        except FileNotFoundError:
-            return
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=dfd)  # a link itself is removed, never what it points to
-        finally:
-            os.close(dfd)
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        (self.root / GLOBAL_DIR).mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / GLOBAL_DIR / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing releases the flock
 
     # ------------------------------------------------------------------ workers
 
     def upload_delta(self, local_file: str | os.PathLike, node_id: str, local_step: int) -> str:
         hub_path = delta_path(node_id, local_step)
-        if not self._place_new(local_file, hub_path):
+        if not self._folder.place_new(local_file, hub_path):
             raise DeltaExistsError(f"{hub_path} already exists on {self.url}; deltas are never rewritten")
         return hub_path
 
     def upload_init(self, local_file: str | os.PathLike, node_id: str) -> str:
         hub_path = init_path(node_id)
-        if not self._place_new(local_file, hub_path):
+        if not self._folder.place_new(local_file, hub_path):
             log.info("%s already offered; keeping the first one", hub_path)
         return hub_path
 
@@ -422,13 +298,13 @@ class FileHub(Hub):
         try:
             for hub_path, src in files.items():
                 # the master's staged files never change: linked, not copied, when they can be
-                if not self._place_new(src, hub_path, link=True):
+                if not self._folder.place_new(src, hub_path, link=True):
                     raise HubError(f"{hub_path} already exists on {self.url}; global file names must be unique")
                 written.append(hub_path)
                 self._fault(f"file:{hub_path}")
             staged_mirrors = self._stage_mirrors(mirrors)
             self._fault("files")
-            with self._locked():
+            with self._folder.locked():
                 self._fault("locked")
                 if expected_digest is not None:
                     raw = self.read_manifest_bytes()
@@ -452,7 +328,7 @@ class FileHub(Hub):
             if not ok:
                 for p in written:
                     with contextlib.suppress(OSError, HubError):
-                        self._unlink(p)
+                        self._folder.unlink(p)
             self._drop_temps(staged_mirrors)
         log.info("published outer_step %d on %s (%d file(s), %d deletion(s))", manifest.outer_step, self.url, len(files), len(delete))
         for hub_path in delete:
@@ -471,9 +347,9 @@ class FileHub(Hub):
         # global files are removed under the publication lock: a publication never swaps in
         # a manifest naming a file that a concurrent garbage collection just removed
         in_global = any(p.startswith(GLOBAL_DIR + "/") for p in paths)
-        with self._locked() if in_global else contextlib.nullcontext():
+        with self._folder.locked() if in_global else contextlib.nullcontext():
             for hub_path in paths:
-                self._unlink(hub_path)
+                self._folder.unlink(hub_path)
 
     def sweep(self, max_age: float) -> list[str]:
         """Temporary files of dead writers in ``global/``, every node folder and the cache."""
@@ -492,7 +368,7 @@ class FileHub(Hub):
         return Lease.from_hub_bytes(text, source=f"{self.url}/{LEASE_PATH}")
 
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
-        with self._locked():
+        with self._folder.locked():
             current = self.read_lease()
             if current != expected:
                 raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {current}")

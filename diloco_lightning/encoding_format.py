@@ -1,0 +1,286 @@
+"""What an encoded pseudo-gradient is: the spec, its parts' layout, the checks of an untrusted file.
+
+Encodings, chosen per run by name (:class:`EncodingSpec`):
+
+- ``float32`` / ``bfloat16`` / ``float16``: a plain cast (round to nearest even);
+- ``int8``: blocks of ``block_size`` consecutive values (row-major order) share one FP32 scale
+  ``s = absmax / 127``; each value is stored as ``round_half_even(x / s)`` in ``[-127, 127]``;
+- ``int4``: the same with ``s = absmax / 7`` and codes in ``[-7, 7]``, two codes per byte;
+- ``topk``: the ``k = topk_count(n, topk)`` largest magnitudes of each tensor, their values encoded
+  as int8 or int4 (blocks of consecutive kept values), their positions as 16-bit offsets within
+  pages of 65536 entries plus one count per page (2 bytes per kept value instead of 4 or 8).
+
+An :class:`EncodedTensor` holds named parts (``q`` codes, ``scale``, ``idx``, ``count``) stored in
+a safetensors file as ``<key>`` (``q``) and ``<key>::<part>`` (the others). The layout, byte for
+byte, and the rounding rules are in ``docs/encoding.md``. A reader checks an untrusted file's
+dtypes and shapes against :func:`expected_parts` before it reads any data (:func:`check_layout`),
+then the values with :func:`validate_parts` (finite scales, codes in range, indices increasing).
+
+The encoder and decoder are in :mod:`diloco_lightning.encoding`, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BLOCK_SIZES", "CAST_DTYPES", "CHUNK", "DEFAULT_BLOCK_SIZE", "ENCODINGS", "LEVELS", "PAGE_SIZE", "PART_SEP", "TINY",
+    "EncodedTensor", "EncodingError", "EncodingSpec", "PartLayout", "check_layout", "codes_layout", "expected_parts",
+    "part_name", "real_view_shape", "split_part_name", "topk_count", "topk_positions", "validate_parts",
+]
+
+ENCODINGS = ("float32", "bfloat16", "float16", "int8", "int4", "topk")
+CAST_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LEVELS = {"int8": 127, "int4": 7}  # symmetric: absmax maps to +-LEVELS, so -128 / -8 are never used
+#: 128 values per FP32 scale: int8 costs (1 + 4/128) / 4 = 0.258x FP32, int4 (0.5 + 4/128) / 4 = 0.133x.
+#: Smaller blocks track outliers better but the scales start to weigh (64: int4 0.141x).
+DEFAULT_BLOCK_SIZE = 128
+#: Allowed block sizes: powers of two, so blocks tile every chunk and pair up for int4 packing.
+BLOCK_SIZES = tuple(2**i for i in range(4, 13))
+#: Top-k positions are stored as 16-bit offsets within pages of this many entries.
+PAGE_SIZE = 1 << 16
+#: File names of the parts: ``<key>`` for ``q``, ``<key>::<part>`` for the others.
+PART_SEP = "::"
+#: A block whose absmax is below this is stored as zeros (scale 0): every non-zero scale is then a
+#: normal float, so a device that flushes subnormals to zero cannot change a code or a value.
+TINY = 2.0**-100
+#: Values per chunk (1 MiB of FP32, half a core's L2): work buffers stay in cache, and decode_add_
+#: never allocates more than this. A multiple of every block size.
+CHUNK = 1 << 18
+
+
+class EncodingError(ValueError):
+    """Encoded parts that do not form a valid encoding; the message names the key and the part."""
+
+    def __init__(self, key: str, detail: str) -> None:
+        self.key, self.detail = key, detail
+        super().__init__(f"{key}: {detail}")
+
+
+# ----------------------------------------------------------------------------- spec
+
+
+@dataclass(frozen=True)
+class EncodingSpec:
+    """How a run encodes its pseudo-gradients.
+
+    Args:
+        name: one of :data:`ENCODINGS`.
+        block_size: values per scale for int8/int4 (and top-k values); a power of two, 16 to 4096.
+        topk: for ``topk``, the fraction of each tensor's entries kept, in ``(0, 1]``.
+        topk_values: for ``topk``, how the kept values are stored: ``int8`` (default: the indices
+            dominate the size, so 8-bit values cost only ~20 % more than 4-bit) or ``int4``.
+    """
+
+    name: str = "float32"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    topk: float = 0.01
+    topk_values: str = "int8"
+
+    def __post_init__(self) -> None:
+        if self.name not in ENCODINGS:
+            raise ValueError(f"name must be one of {list(ENCODINGS)}, got {self.name!r}")
+        if type(self.block_size) is not int or self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be a power of two from 16 to 4096, got {self.block_size!r}")
+        if isinstance(self.topk, bool) or not isinstance(self.topk, (int, float)) or not 0.0 < self.topk <= 1.0:
+            raise ValueError(f"topk must be a fraction in (0, 1], got {self.topk!r}")
+        if self.topk_values not in LEVELS:
+            raise ValueError(f"topk_values must be 'int8' or 'int4', got {self.topk_values!r}")
+        object.__setattr__(self, "topk", float(self.topk))
+
+    @property
+    def value_encoding(self) -> str | None:
+        """``int8``/``int4`` for the quantized encodings (top-k: its values), None for casts."""
+        return self.topk_values if self.name == "topk" else self.name if self.name in LEVELS else None
+
+    def to_metadata(self) -> dict[str, str]:
+        """The spec as safetensors header entries (strings); only what the encoding uses."""
+        md = {"encoding": self.name}
+        if self.value_encoding is not None:
+            md["encoding_block_size"] = str(self.block_size)
+        if self.name == "topk":
+            md["encoding_topk"] = repr(self.topk)  # shortest repr: float() reads back the same double
+            md["encoding_topk_values"] = self.topk_values
+        return md
+
+    @classmethod
+    def from_metadata(cls, md: Mapping[str, str]) -> EncodingSpec:
+        """Parse :meth:`to_metadata`'s entries from an untrusted header (no ``encoding``: float32)."""
+        name = md.get("encoding", "float32")
+        block = md.get("encoding_block_size", str(DEFAULT_BLOCK_SIZE))
+        if not (isinstance(block, str) and block.isascii() and block.isdigit() and len(block) <= 5):
+            raise ValueError(f"encoding_block_size must be a power of two from 16 to 4096, got {block!r}")
+        topk = md.get("encoding_topk", "0.01")
+        try:
+            fraction = float(topk) if isinstance(topk, str) and len(topk) <= 32 else math.nan
+        except ValueError:
+            fraction = math.nan
+        if not 0.0 < fraction <= 1.0:  # NaN fails too
+            raise ValueError(f"encoding_topk must be a fraction in (0, 1], got {topk!r}")
+        return cls(name=name, block_size=int(block), topk=fraction, topk_values=md.get("encoding_topk_values", "int8"))
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def part_name(key: str, part: str) -> str:
+    """The safetensors name of one part of ``key``'s encoding (``q`` is stored as ``key`` itself)."""
+    return key if part == "q" else f"{key}{PART_SEP}{part}"
+
+
+def split_part_name(name: str) -> tuple[str, str]:
+    """Inverse of :func:`part_name`: ``"w::scale"`` -> ``("w", "scale")``, ``"w"`` -> ``("w", "q")``."""
+    key, sep, part = name.rpartition(PART_SEP)
+    return (key, part) if sep else (name, "q")
+
+
+def topk_count(numel: int, fraction: float) -> int:
+    """Entries kept by top-k: ``round(fraction * numel)`` (IEEE double, ties to even), 1 to numel."""
+    return 0 if numel == 0 else min(numel, max(1, round(fraction * numel)))
+
+
+def real_view_shape(shape: Sequence[int], complex: bool) -> tuple[int, ...]:
+    if isinstance(shape, (str, bytes)) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"shape must be a sequence of non-negative ints, got {shape!r}")
+    return (*shape, 2) if complex else tuple(shape)
+
+
+def codes_layout(n: int, bits_name: str) -> tuple[torch.dtype, tuple[int]]:
+    return (torch.int8, (n,)) if bits_name == "int8" else (torch.uint8, ((n + 1) // 2,))
+
+
+PartLayout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def expected_parts(shape: Sequence[int], spec: EncodingSpec, *, complex: bool = False) -> PartLayout:
+    """``{part: (dtype, shape)}`` of a well-formed encoding of a tensor of ``shape``.
+
+    ``n`` is the number of real values (twice the elements of a complex tensor), ``B`` the block
+    size: casts ``{"q": (dtype, shape)}`` (``shape + (2,)`` when complex); int8 ``q`` int8 ``(n,)``
+    and ``scale`` float32 ``(ceil(n/B),)``; int4 ``q`` uint8 ``(ceil(n/2),)`` and ``scale``; topk
+    with ``k = topk_count(n, topk)``: ``q`` and ``scale`` for k values, ``idx`` int16 ``(k,)`` and
+    ``count`` int32 ``(ceil(n/65536),)``.
+    """
+    real = real_view_shape(shape, complex)
+    if spec.name in CAST_DTYPES:
+        return {"q": (CAST_DTYPES[spec.name], real)}
+    n = math.prod(real)
+    if spec.name == "topk":
+        k = topk_count(n, spec.topk)
+        return {
+            "q": codes_layout(k, spec.topk_values),
+            "scale": (torch.float32, (-(-k // spec.block_size),)),
+            "idx": (torch.int16, (k,)),
+            "count": (torch.int32, (-(-n // PAGE_SIZE),)),
+        }
+    return {"q": codes_layout(n, spec.name), "scale": (torch.float32, (-(-n // spec.block_size),))}
+
+
+_ST_CODES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
+             "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32}
+
+
+def check_layout(found: Mapping[str, tuple[torch.dtype | str, Sequence[int]]], shape: Sequence[int],
+                 spec: EncodingSpec, *, complex: bool = False, key: str = "tensor") -> None:
+    """Check the parts' names, dtypes and shapes (e.g. from a safetensors header) before reading data.
+
+    ``found`` maps part names (``q``, ``scale``, ...) to ``(dtype, shape)``; a dtype may be a torch
+    dtype or a safetensors code (``"I8"``). Raises :class:`EncodingError` naming key and part.
+    """
+    want = expected_parts(shape, spec, complex=complex)
+    if set(found) != set(want):
+        raise EncodingError(key, f"{spec.name} encoding has parts {sorted(want)}, got {sorted(found)}")
+    for part, (dtype, shp) in found.items():
+        dtype = _ST_CODES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if dtype != want[part][0] or tuple(shp) != want[part][1]:
+            wdtype, wshape = want[part]
+            raise EncodingError(key, f"part {part!r} is {dtype} {list(shp)}, expected {wdtype} {list(wshape)}")
+
+
+def validate_parts(parts: Mapping[str, Tensor], shape: Sequence[int], spec: EncodingSpec, *,
+                   complex: bool = False, key: str = "tensor") -> None:
+    """Check that ``parts`` decode to finite values of a tensor of ``shape``; EncodingError otherwise.
+
+    Layout (:func:`check_layout`), then values: cast values finite; scales finite, >= 0 and small
+    enough that every decoded value is finite; int8 codes not -128, int4 nibbles not 0 and the
+    padding nibble 8; top-k counts >= 0 summing to k, positions strictly increasing and < n.
+    """
+    check_layout({p: (t.dtype, t.shape) for p, t in parts.items()}, shape, spec, complex=complex, key=key)
+    if spec.name in CAST_DTYPES:
+        if not bool(torch.isfinite(parts["q"]).all()):
+            raise EncodingError(key, "values contain NaN or inf")
+        return
+    levels = LEVELS[spec.value_encoding or "int8"]
+    scale, q = parts["scale"], parts["q"]
+    # fl(levels * s) is the largest decoded magnitude of the block: it must be finite
+    if not bool((scale >= 0).all()) or not bool(torch.isfinite(scale * levels).all()):
+        raise EncodingError(key, "part 'scale' has a negative, NaN or too large (decodes to inf) value")
+    # reductions, not comparisons: no temporary of the codes' size (a master checks every delta)
+    if spec.value_encoding == "int8":
+        if q.numel() and int(q.amin()) == -128:
+            raise EncodingError(key, "part 'q' has code -128 (codes are -127..127)")
+    elif q.numel():
+        if int(q.amin()) < 16 or int((q & 15).amin()) == 0:  # high nibble 0 <=> byte < 16
+            raise EncodingError(key, "part 'q' has nibble 0 (int4 codes are stored as 1..15)")
+        values = parts["idx"].numel() if spec.name == "topk" else math.prod(real_view_shape(shape, complex))
+        if values % 2 and int(q[-1]) >> 4 != 8:
+            raise EncodingError(key, "part 'q' has a padding nibble other than 8 (code 0)")
+    if spec.name == "topk":
+        count = parts["count"]
+        n = math.prod(real_view_shape(shape, complex))
+        if bool((count < 0).any()) or int(count.sum(dtype=torch.int64)) != parts["idx"].numel():
+            raise EncodingError(key, f"part 'count' must be >= 0 and sum to {parts['idx'].numel()}")
+        ends = count.to(torch.int64).cumsum(0)
+        last = -1
+        for j in range(0, parts["idx"].numel(), CHUNK):
+            idx = topk_positions(parts["idx"], ends, j, min(j + CHUNK, parts["idx"].numel()))
+            if int(idx[0]) <= last or (idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all())):
+                raise EncodingError(key, "part 'idx' positions are not strictly increasing")
+            last = int(idx[-1])
+        if last >= n:
+            raise EncodingError(key, f"part 'idx' has position {last} beyond the tensor's {n} values")
+
+
+def topk_positions(idx: Tensor, ends: Tensor, j0: int, j1: int) -> Tensor:
+    """Absolute positions of kept values j0..j1: page (from the counts' running sum) * 65536 + offset."""
+    page = torch.searchsorted(ends, torch.arange(j0, j1, device=idx.device), right=True)
+    return page.mul_(PAGE_SIZE).add_(idx[j0:j1].to(torch.int64) & 0xFFFF)  # int16 bits read as unsigned
+
+
+# ----------------------------------------------------------------------------- encoded tensor
+
+
+@dataclass
+class EncodedTensor:
+    """One tensor's encoding: its parts, and what decoding needs (shape, dtype class, spec)."""
+
+    spec: EncodingSpec
+    shape: tuple[int, ...]
+    complex: bool
+    parts: dict[str, Tensor]
+
+    @property
+    def numel(self) -> int:
+        """Real values encoded (twice the elements of a complex tensor)."""
+        return math.prod(self.shape) * (2 if self.complex else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+    def file_tensors(self, key: str) -> dict[str, Tensor]:
+        """The parts under their safetensors names (:func:`part_name`)."""
+        return {part_name(key, p): t for p, t in self.parts.items()}
+
+    @classmethod
+    def from_parts(cls, parts: Mapping[str, Tensor], shape: Sequence[int], spec: EncodingSpec, *,
+                   complex: bool = False, key: str = "tensor", validate: bool = True) -> EncodedTensor:
+        """Wrap parts read from a file; validated (:func:`validate_parts`) unless told otherwise."""
+        if validate:
+            validate_parts(parts, shape, spec, complex=complex, key=key)
+        return cls(spec, tuple(shape), complex, dict(parts))
