@@ -225,10 +225,18 @@ def test_a_429_on_a_worker_upload_holds_its_deltas_until_retry_after(server, tmp
     master = _master(_open(server, tmp_path, "m"), tmp_path, aggregation="arrival")
     assert master.sync_once()
     w, params = _worker(_open(server, tmp_path, "w0"), "w0")
+    # a first phase before the 429: its boundary sends the worker's first heartbeat at once (a claim
+    # commit from another thread, which may already be on its way when the 429 is answered)
+    first = w._claim_keeper.claim.renewed_at
+    _phase(w, params, 2.0)
+    assert w.flush()
+    deadline = time.monotonic() + 30
+    while w._claim_keeper.claim.renewed_at == first and time.monotonic() < deadline:
+        time.sleep(0.01)
     server.reset_log()
     server.inject("commit", 429, count=1, headers={"Retry-After": _retry_after_header(kind, 1)})
     t0 = time.monotonic()
-    n = 0
+    n = 1
     while time.monotonic() - t0 < 1.8:
         _phase(w, params, 2.0)
         n += 1
