@@ -1,0 +1,239 @@
+"""Streaming fragments (issue 15): the assignment, the delta header, the worker's schedule and
+installs, the master's per-fragment staleness, gate and counters, F=1 bit for bit."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco_lightning.deltafile import read_delta, read_delta_header, write_delta
+from diloco_lightning.fragments import (
+    FragmentError,
+    block_index,
+    build_plan,
+    check_fragments_option,
+    parse_fragment_header,
+)
+from diloco_lightning.hub.local import FileHub
+from diloco_lightning.manifest import Manifest
+from diloco_lightning.options import OptionError
+from diloco_lightning.outer import PACGAD, NesterovOuterOptimizer
+from diloco_lightning.worker import DiLoCoWorker
+from diloco_lightning.worker.options import WorkerOptions
+from diloco_lightning.worker.pacing import Pacing
+
+FAST = dict(poll_interval=0.01, wait_timeout=20.0)
+
+
+def llama_like(blocks: int = 4, d: int = 4, vocab: int = 32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {"embed.weight": torch.randn(vocab, d, generator=g)}
+    for i in range(blocks):
+        out[f"layers.{i}.attn.weight"] = torch.randn(d, d, generator=g)
+        out[f"layers.{i}.norm.weight"] = torch.randn(d, generator=g)
+    out["norm.weight"] = torch.randn(d, generator=g)
+    out["head.weight"] = torch.randn(vocab, d, generator=g)
+    out["steps"] = torch.tensor(3, dtype=torch.long)  # an integer buffer: in no fragment
+    return out
+
+
+# ----------------------------------------------------------------------------- the assignment
+
+
+def test_strided_assignment_and_where_the_rest_goes():
+    state = llama_like()
+    plan = build_plan(4, state)
+    assert plan is not None and plan.names == ("0", "1", "2", "3")
+    for i in range(4):
+        assert {f"layers.{i}.attn.weight", f"layers.{i}.norm.weight"} <= set(plan.keys[str(i % 4)])
+    # embeddings, final norm and head (no block index) go, largest first, to the lightest fragment
+    assert "embed.weight" in plan.keys["0"] and "head.weight" in plan.keys["1"] and "norm.weight" in plan.keys["2"]
+    assert "steps" not in [k for ks in plan.keys.values() for k in ks]
+    assert sorted(k for ks in plan.keys.values() for k in ks) == sorted(k for k in state if k != "steps")
+    assert block_index("model.layers.12.mlp.w1.weight") == 12 and block_index("lm_head.weight") is None
+    assert build_plan(2, state).keys["1"] == ("layers.1.attn.weight", "layers.1.norm.weight", "layers.3.attn.weight",
+                                               "layers.3.norm.weight", "head.weight")
+    # F = 1, None and a one-group list: no fragments at all
+    assert build_plan(1, state) is None and build_plan(None, state) is None and build_plan([["layers"]], state) is None
+
+
+def test_pattern_groups_and_errors():
+    state = llama_like(blocks=2)
+    plan = build_plan([["layers.0", "embed"], "layers.1", ["*norm*", "head.weight"]], state)
+    assert plan.keys["0"] == ("embed.weight", "layers.0.attn.weight")
+    assert plan.keys["1"] == ("layers.1.attn.weight",)
+    assert plan.keys["2"] == ("layers.0.norm.weight", "layers.1.norm.weight", "norm.weight", "head.weight")
+    with pytest.raises(FragmentError, match="matches no fragment pattern"):
+        build_plan([["layers"], ["embed"]], state)
+    with pytest.raises(FragmentError, match="matches the patterns of fragments"):
+        build_plan([["layers", "embed", "norm", "head"], ["layers.0"]], state)
+    with pytest.raises(FragmentError, match="without parameters"):
+        build_plan(64, state)
+    for bad in (0, -1, True, "4", [], [[]], [[""]], 10**6):
+        with pytest.raises(FragmentError):
+            check_fragments_option(bad)
+
+
+def test_worker_options_refuse_what_does_not_compose():
+    WorkerOptions(inner_steps=8, fragments=4).validate()
+    for kw, msg in (
+        (dict(inner_steps=6, fragments=4), "multiple of 4"),
+        (dict(inner_steps="auto", fragments=2), "inner_steps=auto"),
+        (dict(inner_steps=8, fragments=2, delta_dtype="int8"), "error feedback"),
+        (dict(inner_steps=8, fragments=0), "fragments"),
+    ):
+        with pytest.raises(OptionError, match=msg) as e:
+            WorkerOptions(**kw).validate()
+        assert e.value.option == "fragments"
+    WorkerOptions(inner_steps=8, fragments=2, delta_dtype="int8", error_feedback=False).validate()
+    # a boundary every H/F steps
+    p = Pacing(8, fragments=4)
+    assert [s for s in range(1, 17) if p.due(s, s - 1)] == [2, 4, 6, 8, 10, 12, 14, 16]
+
+
+def test_fragment_header_parsing():
+    assert parse_fragment_header({"phases": "1"}) is None
+    assert parse_fragment_header({"fragment": "2", "fragments": "4", "base_fragment_step": "7"}) == ("2", 4, 7)
+    for md in ({"fragment": "1"}, {"fragment": "4", "fragments": "4", "base_fragment_step": "0"},
+               {"fragment": "01", "fragments": "4", "base_fragment_step": "0"},
+               {"fragment": "0", "fragments": "1", "base_fragment_step": "0"},
+               {"fragment": "0", "fragments": "2", "base_fragment_step": "9" * 19},
+               {"fragment": "0", "fragments": "2", "base_fragment_step": "-1"}):
+        with pytest.raises(FragmentError):
+            parse_fragment_header(md)
+
+
+def test_manifest_fragments_round_trip_and_old_manifests_load():
+    base = dict(outer_step=3, weights="global/w.safetensors", weights_sha256="a" * 64, model_fingerprint="b" * 64)
+    plain = Manifest(**base)
+    assert "fragments" not in json.loads(plain.to_json())
+    frags = [{"name": "0", "keys_sha256": "c" * 64, "outer_step": 2, "updated_at": 3},
+             {"name": "1", "keys_sha256": "d" * 64, "outer_step": 1, "updated_at": 2}]
+    m = Manifest(**base, fragments=frags)
+    back = Manifest.from_json(m.to_json())
+    assert back.fragments == frags and back.fragment_steps_at(3) == {"0": 2, "1": 1}
+    bad = json.loads(m.to_json())
+    bad["fragments"][1]["updated_at"] = 4  # after the version itself
+    with pytest.raises(ValueError, match="ahead of outer_step"):
+        Manifest.from_json(json.dumps(bad))
+
+
+# ----------------------------------------------------------------------------- worker + master
+
+
+def _module_params(state):
+    return {k: (torch.nn.Parameter(v.clone()) if v.is_floating_point() else v.clone()) for k, v in state.items()}
+
+
+def _run_lockstep(tmp_path: Path, fragments, *, boundaries: int, outer: str = "nesterov", seed: int = 1):
+    """One worker, lockstep delay 0, a real master (quorum 1): returns (master state, manifest,
+    the delta headers and tensor names seen on the hub, in order)."""
+    from diloco_lightning.master import MasterOuterLoop
+
+    root = tmp_path / "hub"
+    init = llama_like(blocks=2)
+    master = MasterOuterLoop(FileHub(root), init, node_state_dir=tmp_path / "master", poll_interval=0.01, min_deltas=1,
+                             keep_globals=8, norm_ratio=None, outer_optimizer=outer,
+                             outer_options={} if outer == "nesterov" else {"lr": 0.01},
+                             fragments=fragments)
+    seen: list[tuple[dict, list[str]]] = []
+    stop = threading.Event()
+
+    def watch():  # record every delta file before the master deletes it
+        hub = FileHub(root)
+        done: set[str] = set()
+        while not stop.is_set():
+            for r in hub.list_deltas():
+                if r.path not in done:
+                    try:
+                        h = read_delta_header(root / r.path)
+                        d = read_delta(root / r.path)
+                    except Exception:  # noqa: BLE001 - half written: next time
+                        continue
+                    done.add(r.path)
+                    seen.append((dict(h.extra, local_step=str(h.local_step), base=str(h.base_outer_step)),
+                                 sorted(d.tensors)))
+            time.sleep(0.002)
+
+    params = _module_params(init)
+    g = torch.Generator().manual_seed(seed)
+    with DiLoCoWorker(FileHub(root), "w0", params, sync="lockstep", fragments=fragments, **FAST) as w:
+        master.start()
+        w.start()
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        for _ in range(boundaries):
+            with torch.no_grad():
+                for k, v in params.items():
+                    if v.is_floating_point():
+                        v.add_(torch.randn(v.shape, generator=g) * 0.01)
+            w.boundary()
+        assert w.flush()
+    deadline = time.monotonic() + 20
+    while master.outer_step < boundaries and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    stop.set()
+    t.join(5)
+    master.stop()
+    state = {k: v.clone() for k, v in master.run.state.items()}
+    return state, FileHub(root).read_manifest(), sorted(seen, key=lambda s: int(s[0]["local_step"])), params
+
+
+def test_fragments_1_is_todays_run_bit_for_bit(tmp_path):
+    a, ma, da, pa = _run_lockstep(tmp_path / "unset", None, boundaries=4)
+    b, mb, db, pb = _run_lockstep(tmp_path / "one", 1, boundaries=4)
+    assert ma.outer_step == mb.outer_step == 4
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+        assert torch.equal(pa[k], pb[k]), k
+    assert ma.weights_sha256 == mb.weights_sha256 and ma.fragments is None and mb.fragments is None
+    assert "fragments" not in json.loads(mb.to_json()) and all("fragment_steps" not in h for h in
+                                                                 json.loads(mb.to_json())["history"])
+    assert da == db and all("fragment" not in h for h, _ in db)  # the same headers and tensors
+
+
+def test_lockstep_fragments_send_one_fragment_each_and_match_a_reference(tmp_path):
+    """F=2, one worker in lockstep, Nesterov: boundary r sends fragment r mod 2 (its keys only, its
+    own base), the master applies it to that fragment's keys; the result equals a hand-run
+    reference (the same inner updates, the same optimizer, fragment by fragment)."""
+    init = llama_like(blocks=2)
+    state, m, seen, params = _run_lockstep(tmp_path, 2, boundaries=6)
+    plan = build_plan(2, init)
+    assert m.outer_step == 6
+    assert [f["outer_step"] for f in m.fragments] == [3, 3] and [f["updated_at"] for f in m.fragments] == [6, 5]
+    assert [h["fragment"] for h, _ in seen] == ["1", "0", "1", "0", "1", "0"]
+    for h, names in seen:
+        assert names == sorted(plan.keys[h["fragment"]]) and h["fragments"] == "2"
+    # fragment 1 first syncs at boundary 1 from version 0; later syncs from the version that applied its last delta
+    assert [(h["base"], h["base_fragment_step"]) for h, _ in seen] == [("0", "0"), ("0", "0"), ("1", "1"), ("2", "1"),
+                                                                       ("3", "2"), ("4", "2")]
+    # the reference: the worker's local weights, its per-fragment anchors, the master's Nesterov per fragment
+    ref = {k: v.clone() for k, v in init.items()}
+    opt = NesterovOuterOptimizer(ref, lr=0.7, momentum=0.9)
+    local = {k: v.clone() for k, v in init.items()}
+    anchor = {k: v.clone() for k, v in init.items() if v.is_floating_point()}
+    g = torch.Generator().manual_seed(1)
+    for r in range(1, 7):
+        for k, v in local.items():
+            if v.is_floating_point():
+                v.add_(torch.randn(v.shape, generator=g) * 0.01)
+        keys = plan.keys[plan.fragment_at(r)]
+        assert opt.step(ref, {k: anchor[k] - local[k] for k in keys}, staleness=0)
+        for k in keys:
+            local[k] = ref[k].clone()
+            anchor[k] = ref[k].clone()
+    for k in ref:
+        assert torch.allclose(state[k], ref[k], atol=1e-6, rtol=0), k
+        assert torch.allclose(params[k].detach(), local[k], atol=1e-6, rtol=0), k
+
+
+def test_e2e_pa_cgad_fragments_lockstep(tmp_path):
+    state, m, seen, _ = _run_lockstep(tmp_path, 4, boundaries=8, outer="pa_cgad")
+    assert m.outer_step == 8 and [f["outer_step"] for f in m.fragments] == [2, 2, 2, 2]
+    assert m.optimizer["name"] == "pa_cgad" and sorted(m.optimizer["options"]["fragments"]) == ["0", "1", "2", "3"]
