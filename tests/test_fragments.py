@@ -56,18 +56,18 @@ def test_strided_assignment_and_where_the_rest_goes():
     assert "steps" not in [k for ks in plan.keys.values() for k in ks]
     assert sorted(k for ks in plan.keys.values() for k in ks) == sorted(k for k in state if k != "steps")
     assert block_index("model.layers.12.mlp.w1.weight") == 12 and block_index("lm_head.weight") is None
-    assert build_plan(2, state).keys["1"] == ("layers.1.attn.weight", "layers.1.norm.weight", "layers.3.attn.weight",
-                                               "layers.3.norm.weight", "head.weight")
+    assert build_plan(2, state).keys["1"] == ("head.weight", "layers.1.attn.weight", "layers.1.norm.weight",
+                                               "layers.3.attn.weight", "layers.3.norm.weight")  # sorted names
     # F = 1, None and a one-group list: no fragments at all
     assert build_plan(1, state) is None and build_plan(None, state) is None and build_plan([["layers"]], state) is None
 
 
 def test_pattern_groups_and_errors():
     state = llama_like(blocks=2)
-    plan = build_plan([["layers.0", "embed"], "layers.1", ["*norm*", "head.weight"]], state)
+    plan = build_plan([["layers.0.attn", "embed"], "layers.1.attn", ["*norm*", "head.weight"]], state)
     assert plan.keys["0"] == ("embed.weight", "layers.0.attn.weight")
     assert plan.keys["1"] == ("layers.1.attn.weight",)
-    assert plan.keys["2"] == ("layers.0.norm.weight", "layers.1.norm.weight", "norm.weight", "head.weight")
+    assert plan.keys["2"] == ("head.weight", "layers.0.norm.weight", "layers.1.norm.weight", "norm.weight")
     with pytest.raises(FragmentError, match="matches no fragment pattern"):
         build_plan([["layers"], ["embed"]], state)
     with pytest.raises(FragmentError, match="matches the patterns of fragments"):
@@ -142,31 +142,19 @@ def _run_lockstep(tmp_path: Path, fragments, *, boundaries: int, outer: str = "n
                              outer_options={} if outer == "nesterov" else {"lr": 0.01},
                              fragments=fragments)
     seen: list[tuple[dict, list[str]]] = []
-    stop = threading.Event()
+    worker_hub = FileHub(root)
+    upload = worker_hub.upload_delta
 
-    def watch():  # record every delta file before the master deletes it
-        hub = FileHub(root)
-        done: set[str] = set()
-        while not stop.is_set():
-            for r in hub.list_deltas():
-                if r.path not in done:
-                    try:
-                        h = read_delta_header(root / r.path)
-                        d = read_delta(root / r.path)
-                    except Exception:  # noqa: BLE001 - half written: next time
-                        continue
-                    done.add(r.path)
-                    seen.append((dict(h.extra, local_step=str(h.local_step), base=str(h.base_outer_step)),
-                                 sorted(d.tensors)))
-            time.sleep(0.002)
+    def recording_upload(path, node, step):  # every delta file as the worker sends it
+        h, d = read_delta_header(path), read_delta(path)
+        seen.append((dict(h.extra, local_step=str(h.local_step), base=str(h.base_outer_step)), sorted(d.tensors)))
+        return upload(path, node, step)
 
+    worker_hub.upload_delta = recording_upload  # type: ignore[method-assign]
     params = _module_params(init)
     g = torch.Generator().manual_seed(seed)
-    with DiLoCoWorker(FileHub(root), "w0", params, sync="lockstep", fragments=fragments, **FAST) as w:
-        master.start()
-        w.start()
-        t = threading.Thread(target=watch, daemon=True)
-        t.start()
+    master.start()
+    with DiLoCoWorker(worker_hub, "w0", params, sync="lockstep", fragments=fragments, **FAST) as w:
         for _ in range(boundaries):
             with torch.no_grad():
                 for k, v in params.items():
@@ -177,9 +165,6 @@ def _run_lockstep(tmp_path: Path, fragments, *, boundaries: int, outer: str = "n
     deadline = time.monotonic() + 20
     while master.outer_step < boundaries and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.05)
-    stop.set()
-    t.join(5)
     master.stop()
     state = {k: v.clone() for k, v in master.run.state.items()}
     return state, FileHub(root).read_manifest(), sorted(seen, key=lambda s: int(s[0]["local_step"])), params
@@ -237,3 +222,166 @@ def test_e2e_pa_cgad_fragments_lockstep(tmp_path):
     state, m, seen, _ = _run_lockstep(tmp_path, 4, boundaries=8, outer="pa_cgad")
     assert m.outer_step == 8 and [f["outer_step"] for f in m.fragments] == [2, 2, 2, 2]
     assert m.optimizer["name"] == "pa_cgad" and sorted(m.optimizer["options"]["fragments"]) == ["0", "1", "2", "3"]
+
+
+# ----------------------------------------------------------------------------- the master's checks and gates
+
+
+def _put(hub: FileHub, tmp: Path, node: str, step: int, tensors, base: int, frag=None, fp=None) -> None:
+    from diloco_lightning.deltafile import model_fingerprint
+
+    extra = {} if frag is None else {"fragment": frag[0], "fragments": str(frag[1]), "base_fragment_step": str(frag[2])}
+    p = tmp / f"{node}-{step}.safetensors"
+    write_delta(p, tensors, node_id=node, local_step=step, base_outer_step=base, extra_metadata=extra,
+                model_fingerprint=fp or model_fingerprint(llama_like(blocks=2)))
+    hub.upload_delta(p, node, step)
+
+
+def test_master_checks_a_fragment_delta_against_its_fragment_only(tmp_path):
+    from diloco_lightning.master import MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    plan = build_plan(2, init)
+    hub = FileHub(tmp_path / "hub")
+    m = MasterOuterLoop(hub, init, node_state_dir=tmp_path / "m", fragments=2, norm_ratio=None, outer_lr=1.0,
+                        outer_momentum=0.0, poll_interval=0.01)
+    assert m.sync_once()
+    man = hub.read_manifest()
+    assert [f["outer_step"] for f in man.fragments] == [0, 0] and man.fragments[0]["keys_sha256"] == plan.digest("0")
+
+    def frag(name, scale=0.01):
+        return {k: torch.full_like(init[k], scale) for k in plan.keys[name]}
+
+    full = {k: torch.zeros_like(v) for k, v in init.items() if v.is_floating_point()}
+    _put(hub, tmp_path, "a", 1, frag("0"), 0, ("0", 2, 0))  # good
+    _put(hub, tmp_path, "b", 1, frag("0"), 0, ("1", 2, 0))  # names fragment 1, carries fragment 0's keys
+    _put(hub, tmp_path, "c", 1, full, 0)  # no fragment in a run with fragments
+    _put(hub, tmp_path, "d", 1, frag("1"), 0, ("1", 4, 0))  # another fragment count
+    _put(hub, tmp_path, "e", 1, frag("1"), 0, ("1", 2, 1))  # a base_fragment_step its base version cannot have
+    m.sync_once(force=True)
+    got = m.last_metrics["rejected_by_reason"]
+    assert got == {"missing_key": 1, "fragment": 3}, got
+    man = hub.read_manifest()
+    assert man.outer_step == 1 and man.ledger == {"a": 1}
+    assert [(f["outer_step"], f["updated_at"]) for f in man.fragments] == [(1, 1), (0, 0)]
+    state = m.snapshot()[1]
+    for k in plan.keys["0"]:
+        assert torch.equal(state[k], init[k] - 0.01), k
+    for k in plan.keys["1"]:
+        assert torch.equal(state[k], init[k]), k
+    # a delta of a fragment run is refused by a master without fragments, and the reverse
+    hub2 = FileHub(tmp_path / "hub2")
+    m2 = MasterOuterLoop(hub2, init, node_state_dir=tmp_path / "m2", norm_ratio=None, poll_interval=0.01)
+    assert m2.sync_once()
+    _put(hub2, tmp_path, "a", 1, frag("0"), 0, ("0", 2, 0))
+    m2.sync_once(force=True)
+    assert m2.last_metrics["rejected_by_reason"] == {"fragment": 1}
+    params = _module_params(init)
+    with pytest.raises(Exception, match="syncs no fragments, this worker 2 fragments"):
+        DiLoCoWorker(hub2, "w9", params, fragments=2, claim=False, **FAST).start()
+    with pytest.raises(Exception, match="syncs 2 fragments, this worker no fragments"):
+        DiLoCoWorker(hub, "w9", params, claim=False, **FAST).start()
+
+
+def test_pa_cgad_gates_each_delta_on_max_tau_and_age_before_averaging(tmp_path):
+    """Round mode, F=2: fragment 1 is 2 outer steps old when two of its deltas (staleness 0 and 3)
+    arrive: each is gated on max(tau_i, age_f) before the mean, then one Adam step (no second gate)."""
+    from diloco_lightning.master import MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    plan = build_plan(2, init)
+    hub = FileHub(tmp_path / "hub")
+    opts = {"lr": 0.01, "alpha": 0.2, "tau_cut": 32}
+    m = MasterOuterLoop(hub, init, node_state_dir=tmp_path / "m", fragments=2, norm_ratio=None,
+                        outer_optimizer="pa_cgad", outer_options=opts, poll_interval=0.01)
+    assert m.sync_once()
+    g = torch.Generator().manual_seed(3)
+
+    def frag(name):
+        return {k: torch.randn(init[k].shape, generator=g) * 0.01 for k in plan.keys[name]}
+
+    ref_state = {k: v.clone() for k, v in init.items()}
+    ref = PACGAD(ref_state, fragments=plan.optimizer_fragments(), **opts)
+    sent = []
+    for step in (1, 2, 3):  # three rounds of fragment 0: fragment 1 ages
+        d = frag("0")
+        _put(hub, tmp_path, "a", step, d, step - 1, ("0", 2, step - 1))
+        m.sync_once(force=True)
+        assert ref.step_pregated(ref_state, {k: v * ref.fragment_gate("0", 0) for k, v in d.items()})
+        sent.append(d)
+    assert ref.age("1") == 3
+    d_fresh, d_stale = frag("1"), frag("1")
+    _put(hub, tmp_path, "a", 4, d_fresh, 3, ("1", 2, 0))  # its fragment was never updated: tau 0
+    _put(hub, tmp_path, "b", 1, d_stale, 0, ("1", 2, 0))
+    m.sync_once(force=True)
+    assert m.last_metrics["staleness_histogram"] == {"0": 2}
+    g0 = ref.fragment_gate("1", 0)
+    assert g0 == ref.gate(3) < 1.0  # the age gate, not the staleness one, decides here
+    mean = {k: (d_fresh[k] * g0 + d_stale[k] * g0) / 2 for k in d_fresh}
+    assert ref.step_pregated(ref_state, mean)
+    state = m.snapshot()[1]
+    for k in ref_state:
+        assert torch.allclose(state[k], ref_state[k], atol=1e-7, rtol=0), k
+    man = hub.read_manifest()
+    assert [(f["outer_step"], f["updated_at"]) for f in man.fragments] == [(3, 3), (1, 4)]
+    assert man.history[0].fragment_steps == [3, 0]
+
+
+# ----------------------------------------------------------------------------- the async worker
+
+
+def test_async_worker_installs_only_its_fragments_newer_version_and_resumes(tmp_path):
+    from diloco_lightning.master import MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    plan = build_plan(2, init)
+    root = tmp_path / "hub"
+    m = MasterOuterLoop(FileHub(root), init, node_state_dir=tmp_path / "m", fragments=2, norm_ratio=None,
+                        outer_lr=1.0, outer_momentum=0.0, poll_interval=0.01)
+    assert m.sync_once()
+    params = _module_params(init)
+    w = DiLoCoWorker(FileHub(root), "w0", params, fragments=2, **FAST)
+    w.start()
+
+    def train(amount):
+        with torch.no_grad():
+            for v in params.values():
+                if v.is_floating_point():
+                    v.add_(amount)
+
+    train(1.0)
+    r1 = w.boundary()  # fragment 1: sent; nothing newer to install
+    assert r1.installed is None and w.flush()
+    m.sync_once(force=True)  # applies fragment 1's delta: version 1
+    train(1.0)
+    deadline = time.monotonic() + 10
+    while w._fetcher.newest_seen < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r2 = w.boundary()  # fragment 0: version 1 did not update it, so nothing is installed
+    assert r2.installed is None
+    before = {k: params[k].detach().clone() for k in params}
+    train(1.0)
+    r3 = w.boundary()  # fragment 1 again: version 1 updated it: installed, the rest kept
+    assert r3.installed is not None and r3.installed.outer_step == 1
+    g = m.snapshot()[1]
+    for k in plan.keys["1"]:
+        assert torch.equal(params[k], g[k]), k
+    for k in plan.keys["0"]:
+        assert torch.equal(params[k], before[k] + 1.0), k
+    assert w.fragment_base == {"0": (0, 0), "1": (1, 1)}
+    saved = w.anchor_state()
+    counters = w.state_dict()
+    assert saved["fragment_bases"] == {"0": [0, 0], "1": [1, 1]} and w.flush()
+    w.close()
+    # a resumed worker keeps its per-fragment bases; one without fragments refuses the checkpoint
+    w2 = DiLoCoWorker(FileHub(root), "w0", params, fragments=2, **FAST)
+    w2.load_state_dict(counters)
+    w2.load_anchor_state(saved)
+    assert w2.fragment_base == w.fragment_base
+    w3 = DiLoCoWorker(FileHub(root), "w0", params, claim=False, **FAST)
+    with pytest.raises(Exception, match="written with 2 fragments"):
+        w3.load_anchor_state(saved)
+    m.sync_once(force=True)
+    got = sorted((r.local_step) for r in FileHub(root).list_deltas())
+    assert got == [] and m.ledger == {"w0": 3}
+    w2.close()
