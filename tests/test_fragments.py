@@ -4,7 +4,6 @@ installs, the master's per-fragment staleness, gate and counters, F=1 bit for bi
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -157,7 +156,7 @@ def _run_lockstep(tmp_path: Path, fragments, *, boundaries: int, outer: str = "n
     with DiLoCoWorker(worker_hub, "w0", params, sync="lockstep", fragments=fragments, **FAST) as w:
         for _ in range(boundaries):
             with torch.no_grad():
-                for k, v in params.items():
+                for v in params.values():
                     if v.is_floating_point():
                         v.add_(torch.randn(v.shape, generator=g) * 0.01)
             w.boundary()
@@ -205,7 +204,7 @@ def test_lockstep_fragments_send_one_fragment_each_and_match_a_reference(tmp_pat
     anchor = {k: v.clone() for k, v in init.items() if v.is_floating_point()}
     g = torch.Generator().manual_seed(1)
     for r in range(1, 7):
-        for k, v in local.items():
+        for v in local.values():
             if v.is_floating_point():
                 v.add_(torch.randn(v.shape, generator=g) * 0.01)
         keys = plan.keys[plan.fragment_at(r)]
