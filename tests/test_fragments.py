@@ -384,3 +384,153 @@ def test_async_worker_installs_only_its_fragments_newer_version_and_resumes(tmp_
     got = sorted((r.local_step) for r in FileHub(root).list_deltas())
     assert got == [] and m.ledger == {"w0": 3}
     w2.close()
+
+
+# ----------------------------------------------------------------------------- kill -9 in the middle of fragment traffic
+
+
+@pytest.fixture(params=["file", "hf"])
+def frag_hubs(request, tmp_path):
+    from test_hardening import Hubs
+
+    if request.param == "file":
+        yield Hubs("file", tmp_path)
+    else:
+        from hf_server import FakeHubServer
+
+        with FakeHubServer() as server:
+            yield Hubs("hf", tmp_path, server)
+
+
+WORKER_POINTS = [
+    pytest.param("file", "worker.uploaded"),
+    pytest.param("hf", "worker.uploading"),
+    pytest.param("file", "worker.exported", marks=pytest.mark.slow),
+    pytest.param("file", "worker.uploading", marks=pytest.mark.slow),
+    pytest.param("hf", "worker.exported", marks=pytest.mark.slow),
+    pytest.param("hf", "worker.uploaded", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("frag_hubs, point", WORKER_POINTS, indirect=["frag_hubs"])
+def test_worker_kill9_in_fragment_traffic_loses_and_duplicates_nothing(frag_hubs, tmp_path, point):
+    """A Lightning worker with 2 fragments (vectors p and q, +1 per step each; H=4, a boundary every
+    2 steps) is killed at its 3rd boundary (before, while and after a fragment's delta is sent),
+    resumes from its checkpoint, and a master applies everything (arrival, Nesterov lr 1, no
+    momentum): p (fragment 0, synced at steps 4, 8, ..., 20) ends at exactly 10 + 20, q (fragment 1,
+    steps 2, 6, ..., 18) at 10 + 18: no fragment's progress lost or applied twice."""
+    from test_hardening import _run_worker
+
+    from diloco_lightning.master import MasterOuterLoop
+
+    hub = frag_hubs.open()
+    init = {"p": torch.full((8,), 10.0), "q": torch.full((8,), 10.0)}
+    m = MasterOuterLoop(hub, init, node_state_dir=tmp_path / "m", outer_lr=1.0, outer_momentum=0.0,
+                        aggregation="arrival", lease_ttl=30, fragments=2)
+    assert m.sync_once()
+    cfg = dict(hub=frag_hubs.url, hub_options=frag_hubs.options, ckpt_dir=str(tmp_path / "ckpt"), max_steps=20,
+               inner_steps=4, fragments=2)
+    first = _run_worker(cfg, f"{point}:3")
+    assert first.returncode == -9, first.stderr[-3000:]
+    second = _run_worker(cfg, None)
+    assert second.returncode == 0 and "done 20" in second.stdout, second.stderr[-3000:]
+    for _ in range(50):
+        m.sync_once(force=True)
+        if not hub.list_deltas(after=m.ledger):
+            break
+    assert m.ledger["w0"] == 10
+    state = m.snapshot()[1]
+    assert torch.equal(state["p"], torch.full((8,), 30.0)), state["p"]
+    assert torch.equal(state["q"], torch.full((8,), 28.0)), state["q"]
+    man = hub.read_manifest()
+    assert [f["outer_step"] for f in man.fragments] == [5, 5]
+
+
+def _frag_deltas():
+    from master_crash_script import initial_state
+
+    st = initial_state(0)
+    plan = build_plan(2, st)
+    out = []
+    for i, (node, step, frag) in enumerate([("a", 0, "0"), ("a", 1, "1"), ("b", 0, "1"), ("c", 0, "0"), ("c", 1, "1"),
+                                            ("b", 1, "0")]):
+        g = torch.Generator().manual_seed(2000 + i)
+        out.append((node, step, frag, {k: (torch.randn(st[k].shape, generator=g) * 0.01).to(st[k].dtype)
+                                       for k in plan.keys[frag]}))
+    return out
+
+
+def _put_frag_deltas(hub, tmp: Path) -> None:
+    from master_crash_script import initial_state
+
+    from diloco_lightning.deltafile import model_fingerprint
+
+    fp = model_fingerprint(initial_state(0))
+    tmp.mkdir(parents=True, exist_ok=True)
+    for node, step, frag, tensors in _frag_deltas():
+        p = tmp / f"{node}_{step}.safetensors"
+        write_delta(p, tensors, node_id=node, local_step=step, base_outer_step=0, model_fingerprint=fp,
+                    extra_metadata={"fragment": frag, "fragments": "2", "base_fragment_step": "0"})
+        hub.upload_delta(p, node, step)
+
+
+MASTER_POINTS = [
+    pytest.param("file", "arrival", "published", 3),
+    pytest.param("file", "round", "stepped", 1),
+    pytest.param("hf", "arrival", "files", 3),
+    pytest.param("file", "arrival", "stepped", 3, marks=pytest.mark.slow),
+    pytest.param("file", "arrival", "swapped", 3, marks=pytest.mark.slow),
+    pytest.param("file", "round", "published", 1, marks=pytest.mark.slow),
+    pytest.param("hf", "arrival", "published", 3, marks=pytest.mark.slow),
+    pytest.param("hf", "round", "files", 1, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("frag_hubs, aggregation, crash, occurrence", MASTER_POINTS, indirect=["frag_hubs"])
+def test_master_kill9_in_fragment_traffic_applies_every_fragment_delta_once(frag_hubs, tmp_path, aggregation, crash,
+                                                                            occurrence):
+    """A master (2 fragments, Nesterov lr 0.7 momentum 0.9) is killed for real in the middle of six
+    fragment deltas; a restarted master must end bit for bit where an uninterrupted one does, with
+    the same per-fragment counters."""
+    from master_crash_script import initial_state
+    from test_master_crash import MASTER, _finish, _run_script
+
+    from diloco_lightning.master import MasterOuterLoop
+
+    opts = dict(MASTER, aggregation=aggregation, fragments=2)
+    ref_hub = FileHub(tmp_path / "ref_hub")
+    ref = MasterOuterLoop(ref_hub, initial_state(0), node_state_dir=tmp_path / "ref_m", **opts)
+    ref.sync_once()
+    _put_frag_deltas(ref_hub, tmp_path / "ref_w")
+    _finish(ref)
+    hub = frag_hubs.open()
+    _put_frag_deltas(hub, tmp_path / "w")
+    spec = ({"kind": "file", "path": str(frag_hubs.root), "cache_dir": str(tmp_path / "sc")} if frag_hubs.kind == "file"
+            else {"kind": "hf", "endpoint": frag_hubs.server.endpoint, "repo": _repo(),
+                  "token": _token(), "cache_dir": str(tmp_path / "sc")})
+    proc = _run_script({"hub": spec, "state_dir": str(tmp_path / "m"), "seed": 0, "crash": crash,
+                        "occurrence": occurrence, "master": opts})
+    assert proc.returncode == -9, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    m = MasterOuterLoop(frag_hubs.open(), initial_state(0), node_state_dir=tmp_path / "m", **opts)
+    _finish(m)
+    step, snap = m.snapshot()
+    rstep, rsnap = ref.snapshot()
+    assert step == rstep
+    for k, v in rsnap.items():
+        assert torch.equal(snap[k], v), k
+    man, rman = m.hub.read_manifest(), ref_hub.read_manifest()
+    assert man.ledger == rman.ledger == {"a": 1, "b": 1, "c": 1}
+    assert [f["outer_step"] for f in man.fragments] == [f["outer_step"] for f in rman.fragments]
+    assert sum(f["outer_step"] for f in man.fragments) == (6 if aggregation == "arrival" else 2)
+
+
+def _repo() -> str:
+    from test_hardening import REPO
+
+    return REPO
+
+
+def _token() -> str:
+    from test_hardening import TOKEN
+
+    return TOKEN

@@ -208,8 +208,9 @@ class DiLoCoWorker:
         self.outer_step: int | None = None  # outer_step of the anchor's base
         self._anchor: dict[str, torch.Tensor] | None = None
         self.step_offset = 0  # local_step = boundary + step_offset (delta_<r> is the r-th boundary's in a clean run)
-        #: exported work not yet handed to the uploader: one job per fragment (key None without fragments)
-        self._jobs: dict[str | None, Job] = {}
+        #: exported work not yet handed to the uploader: one merged job (key None) without fragments; with
+        #: fragments one job per boundary (its key), never merged, sent in boundary order (see :meth:`_hold`)
+        self._jobs: dict[int | None, Job] = {}
         #: per fragment: (base_outer_step, the fragment's outer step count) of its anchor
         self.fragment_base: dict[str, tuple[int, int]] = {}
         #: per fragment: tokens trained on since its last delta
@@ -541,21 +542,53 @@ class DiLoCoWorker:
     # ------------------------------------------------------------------ boundary
 
     def _hold(self, job: Job | None, *, older: bool = False) -> None:
-        """Keep ``job`` for a later upload, merged with what is held for its fragment (``older``: it
-        came before what is held, e.g. a failed upload coming back)."""
+        """Keep ``job`` for a later upload, merged with what is held (``older``: it came before what
+        is held, e.g. a failed upload coming back).
+
+        With fragments nothing is merged: each boundary's delta is its own job, and jobs go to the hub
+        in boundary order. Merging a fragment's held delta with its next one would let another
+        fragment's later delta reach the hub first, and a delta at ``local_step`` s must mean that
+        every boundary up to s is on the hub (what a restarted worker relies on not to send a
+        replayed boundary twice, or to lose one). At most ``F`` jobs are held (one cycle of the
+        fragments, about one model's worth of memory): beyond that the boundary waits for the
+        uploads (:meth:`_backpressure`)."""
         if job is None or job.empty:
             return
         part = job.fresh if job.fresh is not None else job.doubt[1]  # type: ignore[index]
-        held = self._jobs.pop(part.fragment, None)
+        key = None if part.fragment is None else part.boundary
+        held = self._jobs.pop(key, None)
         merged = merge_jobs(job, held) if older else merge_jobs(held, job)
         if merged is not None and not merged.empty:
-            self._jobs[part.fragment] = merged
+            self._jobs[key] = merged
+
+    def _backpressure(self, reports: list[UploadReport]) -> float:
+        """Fragments: while a whole cycle of fragments (``F`` deltas) is held, wait for the uploads
+        (retrying failures; a hub outage longer than ``inner_steps`` steps of training stops the
+        training here, up to ``wait_timeout``). Returns the seconds waited."""
+        if self.plan is None or len(self._jobs) < self.plan.count:
+            return 0.0
+        t0 = time.perf_counter()
+        deadline = self._waits.deadline()
+        patience = self._waits.patience(f"the upload of {len(self._jobs)} held fragment delta(s) to {self.hub.url}")
+        while len(self._jobs) >= self.plan.count:
+            failed = any(not rep.ok for rep in self._collect_into(reports))
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"node {self.node_id}: could not upload its held fragment deltas to {self.hub.url} within "
+                    f"{self.wait_timeout:g} s"
+                )
+            if failed:
+                time.sleep(min(max(self.poll_interval, self._commit_wait()), max(0.0, deadline - time.monotonic())))
+                patience.tick()
+            self._pump(force=True)
+            self._uploader.wait_idle(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+        return time.perf_counter() - t0
 
     def _take_next(self) -> Job:
         """The held job to upload next: a doubtful one first (nothing new is attempted before it is
-        resolved), else the one whose last boundary is the oldest, so the deltas of a node reach the
-        hub in increasing ``local_step`` across fragments (the master's high-water mark)."""
-        def order(key: str | None) -> tuple[bool, int]:
+        resolved), else the oldest boundary's, so the deltas of a node reach the hub in increasing
+        ``local_step`` across fragments (the master's high-water mark)."""
+        def order(key: int | None) -> tuple[bool, int]:
             job = self._jobs[key]
             return job.doubt is None, job.fresh.boundary if job.fresh is not None else job.doubt[1].boundary  # type: ignore[index]
         return self._jobs.pop(min(self._jobs, key=order))
@@ -680,6 +713,7 @@ class DiLoCoWorker:
             if part is not None:
                 self._hold(Job(fresh=part))
             self._pump()
+            wait = self._backpressure(reports)
             installed = None
             got = None if fragment is not None else self._fetcher.take()
             if fragment is not None:
@@ -888,7 +922,8 @@ class DiLoCoWorker:
         extra: dict[str, Any] = {}
         if self.plan is not None:  # per fragment: its anchor's base, its undelivered work
             extra["fragment_bases"] = {n: list(b) for n, b in self.fragment_base.items()}
-            extra["unsent_fragments"] = {n: pack_unsent(j) for n, j in self._jobs.items() if n is not None}
+            extra["unsent_fragments"] = [pack_unsent(j) for n, j in sorted((k, j) for k, j in self._jobs.items()
+                                                                          if k is not None)]
         return {
             **extra,
             "version": STATE_VERSION,
@@ -947,5 +982,5 @@ class DiLoCoWorker:
         self.step_offset = step_offset_of(state)
         job = unpack_unsent(state.get("unsent"), boundaries=self.boundaries, step_offset=self.step_offset)
         self._hold(job)
-        for packed in (state.get("unsent_fragments") or {}).values():
+        for packed in state.get("unsent_fragments") or []:
             self._hold(unpack_unsent(packed, boundaries=self.boundaries, step_offset=self.step_offset))
