@@ -120,7 +120,7 @@ def _fragments(doc: dict, source: str) -> list[dict[str, Any]] | None:
                     "outer_step": _int(f, "outer_step", where), "updated_at": _int(f, "updated_at", where)})
     outer = doc.get("outer_step")
     for f in out:
-        if isinstance(outer, int) and (f["updated_at"] > outer or f["outer_step"] > outer):
+        if isinstance(outer, int) and (int(f["updated_at"]) > outer or int(f["outer_step"]) > outer):
             raise ManifestError(f"{source}: fragment {f['name']} is ahead of outer_step {outer}")
     return out
 

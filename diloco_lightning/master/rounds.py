@@ -169,6 +169,7 @@ class Rounds:
             if self.open is not None:
                 self.forget_open()
             storage = run.take_sum_storage()
+            assert run.state is not None
             acc = RoundSum(run.state, storage) if run.plan is None else FragmentSums(run.plan, run.state, storage)
             self.open = OpenRound(run.outer_step, acc)
         rnd = self.open

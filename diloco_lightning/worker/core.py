@@ -516,6 +516,7 @@ class DiLoCoWorker:
         version updated it since this worker's anchor of it. The fragment's tensors are dropped from
         the kept version either way (they are of no more use), so it is freed once every fragment
         had its turn."""
+        assert self._fetcher is not None and self.plan is not None
         got = self._fetcher.take()
         if got is not None:
             m, state, newest = got
@@ -530,10 +531,10 @@ class DiLoCoWorker:
         installed = None
         steps = m.fragment_steps_at(m.outer_step) or {}
         if fragment in steps and steps[fragment] > self.fragment_base[fragment][1] and all(
-            k in state for k in self.plan.keys[fragment]  # type: ignore[union-attr]
+            k in state for k in self.plan.keys[fragment]
         ):
             installed = self._install_fragment(fragment, m.outer_step, m, state)
-        for k in self.plan.keys[fragment]:  # type: ignore[union-attr]
+        for k in self.plan.keys[fragment]:
             state.pop(k, None)
         if not any(k in state for k in self.synced):
             self._latest = None
@@ -567,6 +568,7 @@ class DiLoCoWorker:
         training here, up to ``wait_timeout``). Returns the seconds waited."""
         if self.plan is None or len(self._jobs) < self.plan.count:
             return 0.0
+        assert self._uploader is not None
         t0 = time.perf_counter()
         deadline = self._waits.deadline()
         patience = self._waits.patience(f"the upload of {len(self._jobs)} held fragment delta(s) to {self.hub.url}")
