@@ -534,3 +534,26 @@ def _token() -> str:
     from test_hardening import TOKEN
 
     return TOKEN
+
+
+# ----------------------------------------------------------------------------- Hydra
+
+
+def test_hydra_fragments_compose_and_reach_worker_and_master(hydra_configs):
+    from hydra import compose, initialize_config_dir
+
+    from diloco_lightning.app.config import CONFIG_DIR, ConfigError, master_config, validate, worker_options
+
+    def cfg_of(*overrides):
+        with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+            return compose("train", overrides=["recipe=tiny", *overrides])
+
+    cfg = validate(cfg_of("diloco.fragments=4", "outer=pa_cgad"))
+    assert worker_options(cfg.diloco)["fragments"] == 4
+    assert master_config(cfg.master, cfg.outer, fragments=cfg.diloco.fragments).fragments == 4
+    cfg = validate(cfg_of("diloco.fragments=[[layers.0,layers.2],[layers.1,layers.3,tok_embeddings,norm]]"))
+    assert worker_options(cfg.diloco)["fragments"] == [["layers.0", "layers.2"], ["layers.1", "layers.3", "tok_embeddings",
+                                                                                    "norm"]]
+    with pytest.raises(ConfigError) as e:
+        validate(cfg_of("diloco.fragments=3"))  # inner_steps 8
+    assert e.value.key == "diloco.fragments" and "multiple of 3" in str(e.value)
