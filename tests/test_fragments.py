@@ -129,7 +129,7 @@ def _module_params(state):
     return {k: (torch.nn.Parameter(v.clone()) if v.is_floating_point() else v.clone()) for k, v in state.items()}
 
 
-def _run_lockstep(tmp_path: Path, fragments, *, boundaries: int, outer: str = "nesterov", seed: int = 1):
+def _run_lockstep(tmp_path: Path, fragments, *, boundaries: int, outer: str = "nesterov", seed: int = 1, **worker):
     """One worker, lockstep delay 0, a real master (quorum 1): returns (master state, manifest,
     the delta headers and tensor names seen on the hub, in order)."""
     from diloco_lightning.master import MasterOuterLoop
@@ -153,7 +153,7 @@ def _run_lockstep(tmp_path: Path, fragments, *, boundaries: int, outer: str = "n
     params = _module_params(init)
     g = torch.Generator().manual_seed(seed)
     master.start()
-    with DiLoCoWorker(worker_hub, "w0", params, sync="lockstep", fragments=fragments, **FAST) as w:
+    with DiLoCoWorker(worker_hub, "w0", params, sync="lockstep", fragments=fragments, **FAST, **worker) as w:
         for _ in range(boundaries):
             with torch.no_grad():
                 for v in params.values():
@@ -215,6 +215,15 @@ def test_lockstep_fragments_send_one_fragment_each_and_match_a_reference(tmp_pat
     for k in ref:
         assert torch.allclose(state[k], ref[k], atol=1e-6, rtol=0), k
         assert torch.allclose(params[k].detach(), local[k], atol=1e-6, rtol=0), k
+
+
+def test_encoded_fragment_deltas_without_error_feedback(tmp_path):
+    state, m, seen, _ = _run_lockstep(tmp_path, 2, boundaries=4, delta_dtype="int8", error_feedback=False)
+    assert m.outer_step == 4 and [f["outer_step"] for f in m.fragments] == [2, 2]
+    assert all(h["encoding"] == "int8" for h, _ in seen)
+    with pytest.raises(ValueError, match="error feedback"):
+        DiLoCoWorker(FileHub(tmp_path / "x"), "w0", _module_params(llama_like()), fragments=2, delta_dtype="int8",
+                     claim=False)
 
 
 def test_e2e_pa_cgad_fragments_lockstep(tmp_path):

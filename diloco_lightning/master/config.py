@@ -144,6 +144,8 @@ class MasterConfig:
         if self.compat is not None:
             if self.compat not in COMPAT_MODES:
                 raise OptionError("compat", f"must be null or one of {list(COMPAT_MODES)}, got {self.compat!r}")
+            if fragment_count(self.fragments) > 1:
+                raise OptionError("compat", "cannot be combined with fragments: Speedtronic's deltas carry the whole model")
             if self.weighting != "equal":
                 raise OptionError(
                     "compat", f"needs weighting='equal': Speedtronic's deltas carry no num_tokens (weighting is {self.weighting!r})"
