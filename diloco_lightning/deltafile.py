@@ -329,7 +329,7 @@ def _parse_header(path: str | Path, md: Mapping[str, str] | None) -> DeltaHeader
         raise HeaderError(path, f"header 'model_fingerprint' is not a SHA-256 hex digest: {fp!r}")
     extra = {k: v for k, v in md.items() if k not in _KNOWN_KEYS}
     encoding = _parse_encoding(path, md)
-    return DeltaHeader(node_id, local_step, base, num_tokens, fp, md.get("signature") or None, extra, encoding)
+    return DeltaHeader(node_id, local_step, base, num_tokens, fp, md.get("signature") or None, extra, encoding=encoding)
 
 
 #: ``(path, header metadata) -> DeltaHeader``, raising a :class:`DeltaFileError`: how a reader
