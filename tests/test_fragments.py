@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_lightning.deltafile import read_delta, read_delta_header, write_delta
+from diloco_lightning.deltafile import read_delta_header, write_delta
 from diloco_lightning.fragments import (
     FragmentError,
     block_index,
@@ -22,6 +22,7 @@ from diloco_lightning.hub.local import FileHub
 from diloco_lightning.manifest import Manifest
 from diloco_lightning.options import OptionError
 from diloco_lightning.outer import PACGAD, NesterovOuterOptimizer
+from diloco_lightning.stheader import read_layout
 from diloco_lightning.worker import DiLoCoWorker
 from diloco_lightning.worker.options import WorkerOptions
 from diloco_lightning.worker.pacing import Pacing
@@ -145,8 +146,11 @@ def _run_lockstep(tmp_path: Path, fragments, *, boundaries: int, outer: str = "n
     upload = worker_hub.upload_delta
 
     def recording_upload(path, node, step):  # every delta file as the worker sends it
-        h, d = read_delta_header(path), read_delta(path)
-        seen.append((dict(h.extra, local_step=str(h.local_step), base=str(h.base_outer_step)), sorted(d.tensors)))
+        h, names = read_delta_header(path), sorted(read_layout(path).tensors)  # the file's tensor names
+        extra = dict(h.extra, local_step=str(h.local_step), base=str(h.base_outer_step))
+        if h.encoding is not None:
+            extra["encoding"] = h.encoding.name
+        seen.append((extra, names))
         return upload(path, node, step)
 
     worker_hub.upload_delta = recording_upload  # type: ignore[method-assign]
