@@ -72,8 +72,8 @@ class DiLoCo:
         accelerator: the ``accelerate.Accelerator``.
         model: the prepared model (it is unwrapped to find the tensors).
         hub, node_id, inner_steps, dylu_steps, dylu_min_steps, dylu_seconds, throttle, sync, delay,
-            node_index, delta_dtype, topk, topk_values, error_feedback, hub_options, signing_key, wait_timeout,
-            poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
+            node_index, delta_dtype, topk, topk_values, error_feedback, fragments, hub_options, signing_key,
+            wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
         optimizer: the optimizer(s) whose state ``reset_inner_optimizer`` clears after an install.
         reset_inner_optimizer: clear the inner optimizer state after each install (default False).
         enabled: False makes every call a no-op (like ``LocalSGD(enabled=False)``).
@@ -102,6 +102,7 @@ class DiLoCo:
         topk: float = 0.01,
         topk_values: str = "int8",
         error_feedback: bool | None = None,
+        fragments: int | list | None = None,
         optimizer: Any = None,
         reset_inner_optimizer: bool = False,
         hub_options: Mapping[str, Any] | None = None,
@@ -116,7 +117,9 @@ class DiLoCo:
         self.node_id, self.delay, opts, self.pacing = check_worker_args(
             node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
             dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps, dylu_seconds=dylu_seconds, throttle=throttle,
+            fragments=fragments,
         )
+        self.fragments = opts.fragments
         self.delta_dtype, self.topk, self.topk_values = opts.delta_dtype, opts.topk, opts.topk_values
         self.error_feedback = opts.error_feedback
         check_hub_arg(hub)
@@ -230,6 +233,7 @@ class DiLoCo:
                 poll_interval=self.poll_interval,
                 claim_ttl=self.claim_ttl,
                 pacing=self.pacing,
+                fragments=self.fragments,
             )
             if self._sigterm.received:
                 self.worker.request_stop()

@@ -133,6 +133,10 @@ class DiLoCo(Callback):
         topk_values: for ``delta_dtype="topk"``, how the kept values are stored: ``"int8"`` or ``"int4"``.
         error_feedback: add what the encoding dropped to the next delta; None (default): on for
             int8, int4 and topk, off for the float casts.
+        fragments: Streaming DiLoCo (arXiv 2501.18512): ``F`` fragments (transformer block ``i`` in
+            fragment ``i mod F``; ``diloco_lightning/fragments.py``), or a list of parameter-name
+            pattern groups. A boundary then comes every ``inner_steps / F`` steps and sends one
+            fragment's delta, about ``1/F`` of the bytes. None or 1 (default): the whole model.
         reset_inner_optimizer: clear the inner optimizers' state after each install (default
             False: keep it, as DiLoCo does).
         hub_options: options for ``open_hub`` (``token=``, ``endpoint=``, ``cache_dir=`` ...).
@@ -165,6 +169,7 @@ class DiLoCo(Callback):
         topk: float = 0.01,
         topk_values: str = "int8",
         error_feedback: bool | None = None,
+        fragments: int | list | None = None,
         reset_inner_optimizer: bool = False,
         hub_options: Mapping[str, Any] | None = None,
         signing_key: RunKey | str | bytes | None = None,
@@ -180,7 +185,9 @@ class DiLoCo(Callback):
         self.node_id, self.delay, opts, self.pacing = check_worker_args(
             node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
             dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps, dylu_seconds=dylu_seconds, throttle=throttle,
+            fragments=fragments,
         )
+        self.fragments = opts.fragments
         self.delta_dtype, self.topk, self.topk_values = opts.delta_dtype, opts.topk, opts.topk_values
         self.error_feedback = opts.error_feedback
         if not isinstance(reset_inner_optimizer, bool):
@@ -364,6 +371,7 @@ class DiLoCo(Callback):
                 poll_interval=self.poll_interval,
                 claim_ttl=self.claim_ttl,
                 pacing=self.pacing,
+                fragments=self.fragments,
             )
             if self._sigterm.received:
                 self.worker.request_stop()

@@ -17,6 +17,7 @@ The manifest is the single source of truth for what the master has published:
                "weights_sha256": "<hex or null>", "outer_state_sha256": "<hex or null>"}],
   "master": {"holder": "host:pid:uuid", "epoch": 3},
   "published_at": 1764430000.0,
+  "fragments": [{"name": "0", "keys_sha256": "<hex>", "outer_step": 6, "updated_at": 11}, ...],
   "signature": "<hex HMAC-SHA256, signed runs only>"
 }
 ```
@@ -31,6 +32,8 @@ holding the run key refuse an unsigned or badly signed manifest (:meth:`Manifest
 delta that passed every check (its signature too, in a signed run) moves it, so a file
 any hub writer drops under another node's name can never hide that node's work.
 ``history`` lists the older versions still kept on the hub (``keep_globals``).
+``fragments`` (only in a run with fragments, :mod:`diloco_lightning.fragments`): per fragment,
+the digest of its key names, how many outer steps updated it, and the version that last did.
 Every path a manifest names is checked to be a file directly under ``global/`` (and
 not ``global/manifest.json`` or ``global/lease.json``): nothing read from the hub is
 followed blindly. ``Manifest.from_json`` is the only way a manifest is read, and
@@ -93,6 +96,35 @@ def _gpath_or_none(doc: dict, key: str, where: str) -> str | None:
     return None if doc.get(key) is None else _gpath(doc, key, where)
 
 
+def _steps_or_none(doc: dict, key: str, where: str) -> list[int] | None:
+    raw = doc.get(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not 2 <= len(raw) <= 4096:
+        raise ManifestError(f"{where}: {key!r} must be a list of 2 to 4096 integers")
+    return [_int({"n": v}, "n", f"{where}: {key}") for v in raw]
+
+
+def _fragments(doc: dict, source: str) -> list[dict[str, Any]] | None:
+    raw = doc.get("fragments")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not 2 <= len(raw) <= 4096:
+        raise ManifestError(f"{source}: 'fragments' must be a list of 2 to 4096 objects")
+    out = []
+    for i, f in enumerate(raw):
+        where = f"{source}: fragments[{i}]"
+        if not isinstance(f, dict) or f.get("name") != str(i):
+            raise ManifestError(f"{where} must be an object named {str(i)!r}")
+        out.append({"name": str(i), "keys_sha256": _sha(f, "keys_sha256", where),
+                    "outer_step": _int(f, "outer_step", where), "updated_at": _int(f, "updated_at", where)})
+    outer = doc.get("outer_step")
+    for f in out:
+        if isinstance(outer, int) and (int(f["updated_at"]) > outer or int(f["outer_step"]) > outer):
+            raise ManifestError(f"{source}: fragment {f['name']} is ahead of outer_step {outer}")
+    return out
+
+
 @dataclass(frozen=True)
 class GlobalVersion:
     """An older published version still kept on the hub."""
@@ -103,6 +135,8 @@ class GlobalVersion:
     #: optional digests (a master that records them lets readers verify old versions too)
     weights_sha256: str | None = None
     outer_state_sha256: str | None = None
+    #: runs with fragments: each fragment's outer step count at this version (absent otherwise)
+    fragment_steps: list[int] | None = None
 
 
 @dataclass
@@ -121,6 +155,9 @@ class Manifest:
     master: dict[str, Any] = field(default_factory=dict)
     published_at: float = 0.0
     signature: str | None = None
+    #: per fragment (runs with ``fragments``; absent otherwise): ``{"name", "keys_sha256",
+    #: "outer_step" (the outer steps that updated it), "updated_at" (the version that last did)}``
+    fragments: list[dict[str, Any]] | None = None
 
     def files(self) -> list[str]:
         """Every hub path this manifest keeps alive (current and history)."""
@@ -137,7 +174,29 @@ class Manifest:
         doc["format"] = MANIFEST_FORMAT
         if doc["signature"] is None:
             del doc["signature"]
+        if doc["fragments"] is None:  # a run without fragments: the manifest of before fragments existed
+            del doc["fragments"]
+        for h in doc["history"]:
+            if h.get("fragment_steps") is None:
+                h.pop("fragment_steps", None)
         return doc
+
+    def fragment_steps_at(self, outer_step: int) -> dict[str, int] | None:
+        """Each fragment's outer step count at version ``outer_step`` (this one or a kept older one);
+        None when the manifest does not say (no fragments, or an older version it has no count of)."""
+        if outer_step == self.outer_step:
+            return None if self.fragments is None else {f["name"]: f["outer_step"] for f in self.fragments}
+        for v in self.history:
+            if v.outer_step == outer_step and v.fragment_steps is not None:
+                return {str(i): n for i, n in enumerate(v.fragment_steps)}
+        return None
+
+    def fragment(self, name: str) -> dict[str, Any] | None:
+        """The entry of fragment ``name`` (None: no such fragment, or a run without fragments)."""
+        for f in self.fragments or []:
+            if f["name"] == name:
+                return f
+        return None
 
     def signed(self, key: "RunKey") -> "Manifest":
         """A copy carrying the run key's signature over every other entry."""
@@ -194,6 +253,7 @@ class Manifest:
                     _gpath_or_none(h, "outer_state", where),
                     _sha_or_none(h, "weights_sha256", where),
                     _sha_or_none(h, "outer_state_sha256", where),
+                    _steps_or_none(h, "fragment_steps", where),
                 )
             )
         optimizer = doc.get("optimizer") or {}
@@ -209,7 +269,9 @@ class Manifest:
         signature = doc.get("signature")
         if signature is not None and not isinstance(signature, str):
             raise ManifestError(f"{source}: 'signature' must be a string")
+        fragments = _fragments(doc, source)
         return cls(
+            fragments=fragments,
             outer_step=_int(doc, "outer_step", source),
             weights=_gpath(doc, "weights", source),
             weights_sha256=_sha(doc, "weights_sha256", source),

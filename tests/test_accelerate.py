@@ -175,3 +175,32 @@ def test_accelerate_disabled_and_validation(tmp_path):
         args.update(kwargs)
         with pytest.raises(ValueError, match=name):
             DiLoCo(acc, model, **args)
+
+
+def test_accelerate_fragments_one_argument_equals_plain_training(tmp_path):
+    """``fragments=`` (two pattern groups: the two linear layers): a boundary every 2 steps sends one
+    layer's delta (its tensors only, tokens since that layer's last delta); with lockstep delay 0 and
+    Nesterov lr 1 without momentum the run still equals plain training."""
+    acc, model, opt, loader = setup()
+    train(acc, model, opt, loader, 12)
+    plain = weights(model)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+    root = tmp_path / "hub"
+    hub = RecordingHub(root, tmp_path / "sent")
+    acc, model, opt, loader = setup()
+    frags = [["0"], ["2"]]
+    with running_master(root, tmp_path / "master", outer_lr=1.0, outer_momentum=0.0, fragments=frags):
+        with DiLoCo(acc, model, hub, "w0", inner_steps=4, sync="lockstep", fragments=frags, **FAST) as diloco:
+            train(acc, model, opt, loader, 12, diloco)
+        m = FileHub(root).read_manifest()
+        assert m.outer_step == 6 and [f["outer_step"] for f in m.fragments] == [3, 3]
+    sent = hub.sent()
+    assert [(d.header.local_step, d.header.extra["fragment"], d.header.num_tokens) for d in sent] == [
+        (1, "1", 8), (2, "0", 16), (3, "1", 16), (4, "0", 16), (5, "1", 16), (6, "0", 16)
+    ]
+    assert set(sent[0].tensors) == {"2.weight", "2.bias"} and set(sent[1].tensors) == {"0.weight", "0.bias"}
+    now = weights(model)
+    for k in plain:
+        assert torch.allclose(plain[k], now[k], rtol=1e-5, atol=1e-6), k

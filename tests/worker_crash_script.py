@@ -12,7 +12,8 @@ Kill points come from ``DILOCO_FAULTS`` (``diloco_lightning.faults``).
 
 Config: ``hub`` (a URL), ``hub_options``, ``ckpt_dir``, ``max_steps``, ``inner_steps``,
 ``signing_key`` (optional); for the elasticity tests (tests/test_elastic.py) also ``node_id``
-(default w0), ``throttle`` (seconds slept per step) and ``claim_ttl``. Prints ``started <outer_step>``
+(default w0), ``throttle`` (seconds slept per step) and ``claim_ttl``; for the fragment tests
+(tests/test_fragments.py) ``fragments`` (then the model has a second vector ``q``, the same rule). Prints ``started <outer_step>``
 once the worker has installed its starting version, and ``done <steps>`` at the end.
 """
 
@@ -33,12 +34,13 @@ from diloco_lightning import DiLoCo  # noqa: E402
 
 
 class Counter(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, two: bool = False) -> None:
         super().__init__()
         self.p = torch.nn.Parameter(torch.full((8,), 10.0))
+        self.q = torch.nn.Parameter(torch.full((8,), 10.0)) if two else None
 
     def training_step(self, batch, batch_idx):
-        return -self.p.sum()
+        return -self.p.sum() - (self.q.sum() if self.q is not None else 0.0)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1.0)
@@ -54,6 +56,7 @@ def main() -> None:
         hub=cfg["hub"], node_id=cfg.get("node_id", "w0"), inner_steps=cfg["inner_steps"],
         hub_options=cfg.get("hub_options") or None, signing_key=cfg.get("signing_key"), poll_interval=0.02,
         wait_timeout=60.0, token_counter=False, throttle=cfg.get("throttle", 0.0), claim_ttl=cfg.get("claim_ttl"),
+        fragments=cfg.get("fragments"),
     )
 
     class Started(L.Callback):
@@ -65,7 +68,7 @@ def main() -> None:
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[diloco, Started(), save],
     )
     last = ckpt_dir / "last.ckpt"
-    trainer.fit(Counter(), ckpt_path=str(last) if last.is_file() else None)
+    trainer.fit(Counter(two=cfg.get("fragments") is not None), ckpt_path=str(last) if last.is_file() else None)
     print(f"done {trainer.global_step}", flush=True)
 
 

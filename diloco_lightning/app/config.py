@@ -504,12 +504,15 @@ def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool |
         raise ConfigError(f"{prefix}url", f"cannot open the hub folder {url}: {e.strerror or e}") from None
 
 
-def master_config(section: DictConfig, outer: DictConfig, *, min_deltas: int | None = None) -> MasterConfig:
-    """The :class:`MasterConfig` a master section and the ``outer`` group describe (``min_deltas``:
-    the value when the section leaves it null)."""
+def master_config(section: DictConfig, outer: DictConfig, *, min_deltas: int | None = None,
+                  fragments: Any = None) -> MasterConfig:
+    """The :class:`MasterConfig` a master section and the ``outer`` group describe (``min_deltas``,
+    ``fragments``: the values when the section leaves them null; a training run's are the workers')."""
     values = _section(section, [n for n in MasterConfig.names() if n in section])
     if values.get("min_deltas") is None:
         values["min_deltas"] = min_deltas or 1
+    if values.get("fragments") is None and fragments is not None:
+        values["fragments"] = OmegaConf.to_container(fragments) if isinstance(fragments, ListConfig) else fragments
     return MasterConfig(outer_optimizer=str(outer.name), outer_options=outer_options(outer), **values).validate()
 
 

@@ -34,6 +34,7 @@ from diloco_lightning.master.validation import Accepted, max_abs
 
 __all__ = [
     "Accepted",
+    "FragmentSums",
     "NonFiniteAggregate",
     "OpenRound",
     "RoundSum",
@@ -142,12 +143,49 @@ def mean_of(
     return acc.take_mean()
 
 
+class FragmentSums:
+    """A round's sums in a run with fragments: one :class:`RoundSum` per fragment that has deltas,
+    so each fragment's mean is over its own deltas (``sum_i w_i g_i delta_i / sum_i w_i`` over the
+    deltas of that fragment), and :meth:`take_mean` gives every such fragment's keys (the others
+    are absent: the outer step leaves them, and their optimizer state, untouched)."""
+
+    def __init__(self, plan: Any, like: Mapping[str, torch.Tensor], storage: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.plan = plan
+        self._like = like
+        self._storage = storage
+        self.sums: dict[str, RoundSum] = {}
+
+    def add(self, tensors: Mapping[str, torch.Tensor | EncodedTensor], weight: float = 1.0, coef: float = 1.0, *,
+            fragment: str) -> None:
+        acc = self.sums.get(fragment)
+        if acc is None:
+            keys = self.plan.keys[fragment]
+            storage = None if self._storage is None else {k: self._storage[k] for k in keys}
+            acc = self.sums[fragment] = RoundSum({k: self._like[k] for k in keys}, storage)
+        acc.add(tensors, weight, coef)
+
+    @property
+    def fragments(self) -> list[str]:
+        """The fragments that have deltas in this round, in the run's order."""
+        return [n for n in self.plan.names if n in self.sums]
+
+    def take_mean(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        sums, self.sums = self.sums, {}
+        for name in self.plan.names:
+            if name in sums:
+                out.update(sums[name].take_mean())
+        if not out:
+            raise ValueError("no delta was added")
+        return out
+
+
 @dataclass
 class OpenRound:
     """A round being gathered (kept across polls while waiting for the quorum)."""
 
     outer_step: int
-    acc: RoundSum
+    acc: RoundSum | FragmentSums
     accepted: list[Accepted] = field(default_factory=list)
     marks: dict[str, int] = field(default_factory=dict)
     first_at: float | None = None

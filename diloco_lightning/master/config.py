@@ -13,6 +13,7 @@ from typing import Any
 
 from diloco_lightning.master.quorum import AUTO, is_fraction
 from diloco_lightning.options import OptionError, check_choice, check_number, option
+from diloco_lightning.fragments import FragmentError, check_fragments_option, fragment_count
 
 __all__ = ["AGGREGATIONS", "COMPAT_MODES", "WEIGHTINGS", "MasterConfig", "MasterConfigError", "OptionError"]
 
@@ -41,6 +42,10 @@ class MasterConfig:
     outer_options: dict[str, Any] = option(help="the outer optimizer's options (override outer_lr/outer_momentum)", factory=dict)
     outer_lr: float = option(0.7, "the outer optimizer's lr (Speedtronic's Nesterov lr)")
     outer_momentum: float = option(0.9, "the momentum of the Nesterov family")
+    fragments: Any = option(
+        None, "Streaming DiLoCo fragments, as the workers' (F, or a list of parameter-name pattern groups; null: "
+        "the workers' diloco.fragments in a training run, else none)"
+    )
     aggregation: str = option("round", "round: one outer step per round | arrival: one per accepted delta")
     weighting: str = option("equal", "equal | tokens (weight each delta by its num_tokens)")
     poll_interval: float = option(60.0, "seconds between the master's rounds")
@@ -90,6 +95,13 @@ class MasterConfig:
             raise OptionError("outer_optimizer", f"must be an optimizer name, got {self.outer_optimizer!r}")
         if not isinstance(self.outer_options, Mapping):
             raise OptionError("outer_options", f"must be a mapping of option names to values, got {self.outer_options!r}")
+        try:
+            check_fragments_option(self.fragments)
+        except FragmentError as e:
+            raise OptionError("fragments", str(e).removeprefix("fragments "), str(e)) from None
+        if fragment_count(self.fragments) > 1 and "fragments" in dict(self.outer_options):
+            raise OptionError("outer_options", "fragments: the optimizer takes the run's fragments option; do not "
+                              "give them in outer_options too")
         check_choice(self, "aggregation", AGGREGATIONS)
         check_choice(self, "weighting", WEIGHTINGS)
         if not isinstance(self.lease, bool):
@@ -132,6 +144,8 @@ class MasterConfig:
         if self.compat is not None:
             if self.compat not in COMPAT_MODES:
                 raise OptionError("compat", f"must be null or one of {list(COMPAT_MODES)}, got {self.compat!r}")
+            if fragment_count(self.fragments) > 1:
+                raise OptionError("compat", "cannot be combined with fragments: Speedtronic's deltas carry the whole model")
             if self.weighting != "equal":
                 raise OptionError(
                     "compat", f"needs weighting='equal': Speedtronic's deltas carry no num_tokens (weighting is {self.weighting!r})"

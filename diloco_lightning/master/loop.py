@@ -38,11 +38,13 @@
   ``weighting="tokens"``), then one step with ``gated=True``. In ``aggregation="arrival"``
   every accepted delta is its own outer step and its own published version, with its own
   staleness, in a deterministic order (see :meth:`MasterOuterLoop._arrival_order`).
-  ``pa_cgad`` in round mode: the deltas are averaged *ungated* (``w_i`` weights only) and
-  the optimizer gates each fragment itself on ``max(tau_max, age_f)``, ``tau_max`` being the
-  largest staleness among the round's accepted deltas (a conservative choice: a fragment
-  is never gated more leniently than its stalest contribution). Deltas whose own gate is 0
-  are still rejected as ``too_stale`` before they enter the mean.
+  ``pa_cgad`` in round mode: each delta is gated on ``max(tau_i, age_f)`` (its fragment's age)
+  before the mean, as the paper defines it, and the step gates nothing again
+  (``PACGAD.step_pregated``); deltas whose gate is 0 are rejected as ``too_stale``. Only a
+  PA-CGAD given fragments of its own in ``outer_options``, in a run without ``fragments``, keeps
+  the older rule (average ungated, gate each fragment on ``max(tau_max, age_f)``). With
+  ``fragments`` (Streaming DiLoCo, :mod:`diloco_lightning.fragments`) each fragment's deltas
+  make their own mean with their fragment's staleness (``master/rounds.py``).
 * **Quorum.** ``min_deltas`` accepted deltas before a round is applied, or a fraction of the
   live nodes (``min_deltas=0.75``; :mod:`diloco_lightning.master.membership` follows the
   workers' claims and heartbeats), or ``max_wait`` seconds after the first one arrived (fixed,

@@ -103,6 +103,7 @@ class Publisher:
         *,
         history: list[GlobalVersion] | None = None,
         expected_digest: str | None = None,
+        updated_fragments: Any = (),
     ) -> tuple[Manifest, localstate.LocalRecord]:
         """Publish ``buf`` (with the optimizer's current state) as ``new_step``; see the module
         docstring. Nothing changes in ``run``: the caller swaps the version in."""
@@ -119,7 +120,9 @@ class Publisher:
             if history is None:
                 history = []
                 if prev is not None:  # with its digest: a reader (and a signature) can vouch for an old version
-                    history = [GlobalVersion(prev.outer_step, prev.weights, None, prev.weights_sha256)] + list(prev.history)
+                    steps = [f["outer_step"] for f in prev.fragments] if prev.fragments else None
+                    history = [GlobalVersion(prev.outer_step, prev.weights, None, prev.weights_sha256,
+                                               fragment_steps=steps)] + list(prev.history)
                 history = history[: self.config.keep_globals]
             epoch = self.lease.epoch if self.lease is not None else None
             manifest = staged.manifest(
@@ -128,6 +131,7 @@ class Publisher:
                 history=history,
                 master={"holder": self.holder, "epoch": epoch} if epoch is not None else {"holder": self.holder},
                 published_at=time.time(),
+                fragments=run.fragment_doc(new_step, updated_fragments),
             )
             if self.signing_key is not None:
                 manifest = manifest.signed(self.signing_key)

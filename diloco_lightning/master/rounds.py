@@ -3,8 +3,14 @@
 * ``round`` (SPEC.md, "Master round"): the accepted deltas of a round, gated by their own
   staleness, make one weighted mean (:class:`~diloco_lightning.master.aggregation.RoundSum`,
   kept across polls until the quorum), then one outer step with ``gated=True``, then one
-  publication. ``pa_cgad`` averages the deltas ungated and gates each fragment itself on
-  ``max(tau_max, age_f)``, ``tau_max`` the round's largest staleness.
+  publication. ``pa_cgad`` gates each delta on ``max(tau_i, age_f)`` before it is averaged, as the
+  paper defines it (``age_f``: outer steps since the delta's fragment was last updated), then steps
+  without gating again (only a run without fragments whose PA-CGAD was given fragments of its own in
+  ``outer_options`` keeps the older rule: average ungated, gate each fragment on ``max(tau_max, age_f)``).
+* Fragments (``diloco_lightning/fragments.py``): each fragment's deltas make their own mean
+  (:class:`~diloco_lightning.master.aggregation.FragmentSums`), with the fragment's staleness (its
+  outer steps since the delta's base) and gate; the step updates the fragments that had deltas,
+  and the manifest counts one more outer step for each of them.
 * ``arrival``: every accepted delta is its own outer step and its own published version, with
   its own staleness, taken in :func:`~diloco_lightning.master.aggregation.arrival_order`.
 
@@ -34,6 +40,7 @@ from diloco_lightning.compression import decode_delta
 from diloco_lightning.deltafile import DeltaFileError, is_synced
 from diloco_lightning.hub.base import DeltaRef, PublishConflictError
 from diloco_lightning.master.aggregation import (
+    FragmentSums,
     NonFiniteAggregate,
     OpenRound,
     RoundSum,
@@ -44,7 +51,7 @@ from diloco_lightning.master.aggregation import (
 from diloco_lightning.master.metrics import RoundMetrics
 from diloco_lightning.master.publication import LeaseLost
 from diloco_lightning.master.quorum import AUTO, ArrivalDeadline, is_fraction, quorum_count, quorum_size
-from diloco_lightning.master.validation import Accepted, DeltaRejected, max_abs, state_norm
+from diloco_lightning.master.validation import Accepted, DeltaRejected, FragmentView, max_abs, state_norm
 
 if TYPE_CHECKING:  # pragma: no cover
     from diloco_lightning.master.loop import MasterOuterLoop
@@ -127,10 +134,31 @@ class Rounds:
         assert self.master.run.state is not None and self.master.run.fingerprint is not None
         return self.master.validator.size_limits(self.master.run.state, self.master.run.fingerprint)
 
+    def _legacy_pa(self) -> bool:
+        """PA-CGAD given fragments of its own in a run without fragments: the older round rule."""
+        run = self.master.run
+        return self.master.config.outer_optimizer == "pa_cgad" and run.plan is None and len(run.opt.fragments) > 1
+
+    def _gates(self) -> tuple[Callable[[int], float], FragmentView | None]:
+        """The gate of a delta by staleness, and (a run with fragments) the view that checks and gates
+        a fragment's delta: PA-CGAD's gate is ``gate(max(tau, age_f))`` of the delta's fragment."""
+        run = self.master.run
+        opt = run.opt
+        pa = self.master.config.outer_optimizer == "pa_cgad"
+        if run.plan is not None:
+            def by_fragment(name: str, tau: int) -> float:
+                return opt.fragment_gate(name, tau) if pa else opt.gate(tau)
+            return opt.gate, FragmentView(run.plan, {n: c for n, (c, _) in run.fragment_steps.items()}, by_fragment)
+        if pa and not self._legacy_pa():
+            only = opt.fragments[0]
+            return (lambda tau: opt.fragment_gate(only, tau)), None
+        return opt.gate, None
+
     def _check(self, ref: DeltaRef, path: Path, outer_step: int):
         run = self.master.run
+        gate, view = self._gates()
         return self.master.validator.check(ref, path, state=run.state, fingerprint=run.fingerprint, outer_step=outer_step,
-                                    gate=run.opt.gate)
+                                           gate=gate, fragments=view)
 
     # ------------------------------------------------------------------ round mode
 
@@ -140,13 +168,16 @@ class Rounds:
         if self.open is None or self.open.outer_step != run.outer_step:
             if self.open is not None:
                 self.forget_open()
-            self.open = OpenRound(run.outer_step, RoundSum(run.state, run.take_sum_storage()))
+            storage = run.take_sum_storage()
+            assert run.state is not None
+            acc = RoundSum(run.state, storage) if run.plan is None else FragmentSums(run.plan, run.state, storage)
+            self.open = OpenRound(run.outer_step, acc)
         rnd = self.open
         max_bytes, _ = self._limits()
         refs = self.master.intake.list_new(self._marks(), max_bytes, m)
         faults.point("listed", self.master)
         blocked: set[str] = set()
-        pa = self.master.config.outer_optimizer == "pa_cgad"
+        legacy = self._legacy_pa()
         for ref, path in self.master.intake.fetch(refs, blocked, max_bytes, m):
             try:
                 try:
@@ -155,8 +186,11 @@ class Rounds:
                     self.master.intake.refuse(ref, e.reason, getattr(e, "detail", str(e)), m)
                     continue
                 try:
-                    # PA-CGAD gates each fragment itself: its deltas are averaged ungated
-                    rnd.acc.add(delta.by_key(), acc.weight, 1.0 if pa else acc.gate)
+                    coef = 1.0 if legacy else acc.gate  # the older PA-CGAD rule gates each fragment itself
+                    if isinstance(rnd.acc, FragmentSums):
+                        rnd.acc.add(delta.by_key(), acc.weight, coef, fragment=acc.fragment or "")
+                    else:
+                        rnd.acc.add(delta.by_key(), acc.weight, coef)
                 except BaseException:
                     self.open = None  # a partial sum is worthless: the round starts over
                     raise
@@ -181,7 +215,7 @@ class Rounds:
             return
         if not force and self._paced(m):
             return  # the round stays open: what arrives meanwhile joins it, one publication for all
-        self._commit_round(rnd, m, pa)
+        self._commit_round(rnd, m, legacy)
         self.deadline.closed(live, now)
 
     def _paced(self, m: RoundMetrics) -> bool:
@@ -197,9 +231,10 @@ class Rounds:
             log.debug("publication paced: the commit budget of %s allows it in %.1fs", self.master.hub.url, wait)
         return wait > 0
 
-    def _commit_round(self, rnd: OpenRound, m: RoundMetrics, pa: bool) -> None:
+    def _commit_round(self, rnd: OpenRound, m: RoundMetrics, legacy: bool) -> None:
         self.open = None
         accepted = list(rnd.accepted)
+        updated = rnd.acc.fragments if isinstance(rnd.acc, FragmentSums) else []
         try:
             mean = rnd.acc.take_mean()
         except NonFiniteAggregate as e:
@@ -211,15 +246,18 @@ class Rounds:
         box = [mean]
         del mean
         opt = self.master.run.opt
-        if pa:  # gated per fragment on max(tau_max, age_f)
+        if legacy:  # gated per fragment on max(tau_max, age_f)
             def step(buf):
                 return opt.step(buf, box.pop(), staleness=tau_max)
+        elif self.master.config.outer_optimizer == "pa_cgad":  # each delta was gated on max(tau_i, age_f)
+            def step(buf):
+                return opt.step_pregated(buf, box.pop())
         else:
             def step(buf):
                 return opt.step(buf, box.pop(), staleness=0, gated=True)
         new_ledger = merge_marks(self.master.run.ledger, rnd.marks)
         processed = self.master.intake.pending + [a.ref.path for a in accepted]
-        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted):
+        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted, updated):
             for a in accepted:
                 m.apply(a.ident, a.staleness)
 
@@ -273,10 +311,13 @@ class Rounds:
                 del delta
                 new_ledger = merge_marks(run.ledger, {ref.node_id: ref.local_step})
                 processed = self.master.intake.pending + [ref.path]
-                def step(buf, t=tensors, tau=acc.staleness, opt=run.opt):
-                    return opt.step(buf, t, staleness=tau)
+                pa = self.master.config.outer_optimizer == "pa_cgad" and acc.fragment is not None
 
-                ok = self._apply_and_publish(step, new_ledger, processed, [acc.norm], m, [acc])
+                def step(buf, t=tensors, tau=acc.staleness, opt=run.opt, f=acc.fragment if pa else None):
+                    return opt.step(buf, t, staleness=tau, fragment=f)
+
+                ok = self._apply_and_publish(step, new_ledger, processed, [acc.norm], m, [acc],
+                                             [acc.fragment] if acc.fragment is not None else [])
                 del tensors, step
                 if not ok:
                     break
@@ -303,6 +344,7 @@ class Rounds:
         norms: list[float],
         m: RoundMetrics,
         accepted: list[Accepted],
+        updated: list[str] | None = None,
     ) -> bool:
         """One outer step on a copy of the state, then publication; rollback of everything on failure."""
         run = self.master.run
@@ -334,7 +376,8 @@ class Rounds:
             window = self.master.validator.norms.norms + [float(n) for n in norms if math.isfinite(n)]
             payload = {"norms": window[-self.master.config.norm_window :], "aggregation": self.master.config.aggregation,
                        "weighting": self.master.config.weighting}
-            manifest, record = self.master.publisher.publish(run, buf, new_step, new_ledger, processed, payload)
+            manifest, record = self.master.publisher.publish(run, buf, new_step, new_ledger, processed, payload,
+                                                             updated_fragments=updated or ())
         except PublishConflictError as e:
             log.warning("%s; discarding this round and re-reading the hub", e)
             m.conflict = True

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from diloco_lightning.deltafile import is_synced, model_fingerprint
+from diloco_lightning.fragments import FragmentError, FragmentPlan, build_plan, fragment_count
 from diloco_lightning.globals import load_global, load_outer_state
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.manifest import Manifest
@@ -81,17 +82,64 @@ class RunState:
         self.committed_outer_file: Path | None = None
         self._spare: dict[str, torch.Tensor] | None = None
         self._recycled: dict[str, torch.Tensor] | None = None
+        #: the fragments of the model (``config.fragments``; None: no fragments), and per fragment
+        #: ``(outer steps that updated it, the version that last did)``, as the manifest records them
+        self.plan: FragmentPlan | None = None
+        self.fragment_steps: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ the one place state changes
+
+    def plan_for(self, state: Mapping[str, torch.Tensor]) -> FragmentPlan | None:
+        """The fragments of ``config.fragments`` for the model ``state`` (MasterConfigError if they do not fit)."""
+        try:
+            return build_plan(self.config.fragments, state)
+        except FragmentError as e:
+            raise MasterConfigError(f"fragments: {e}") from None
 
     def build_optimizer(self, state: Mapping[str, torch.Tensor]):
         from diloco_lightning.outer import build_outer_optimizer
 
-        return build_outer_optimizer(self.config.outer_optimizer, state, **dict(self.opt_options))
+        options = dict(self.opt_options)
+        plan = self.plan_for(state)
+        if plan is not None and self.config.outer_optimizer == "pa_cgad":  # PA-CGAD's fragments are the run's
+            options["fragments"] = plan.optimizer_fragments()
+        return build_outer_optimizer(self.config.outer_optimizer, state, **options)
+
+    def _fragment_steps(self, plan: FragmentPlan | None, outer_step: int, manifest: Manifest | None) -> dict[str, tuple[int, int]]:
+        """Per fragment (outer steps, last updated at) of ``manifest``; a version without fragment
+        entries (a run started without fragments) starts them at (0, its outer_step)."""
+        if plan is None:
+            return {}
+        if manifest is None or not manifest.fragments:
+            return {n: (0, outer_step) for n in plan.names}
+        ours = [plan.digest(n) for n in plan.names]
+        theirs = [f["keys_sha256"] for f in manifest.fragments]
+        if ours != theirs:
+            raise MasterConfigError(
+                f"the run on {self.hub.url} (outer_step {manifest.outer_step}) splits the model into {len(theirs)} "
+                f"fragments{' another way' if len(ours) == len(theirs) else ''}; this master into {len(ours)} "
+                f"(fragments option): give the run's fragments"
+            )
+        return {f["name"]: (f["outer_step"], f["updated_at"]) for f in manifest.fragments}
+
+    def fragment_doc(self, new_step: int, updated: Any = ()) -> list[dict[str, Any]] | None:
+        """The manifest's ``fragments`` for version ``new_step``, the fragments ``updated`` by it counted."""
+        if self.plan is None:
+            return None
+        out = []
+        for n in self.plan.names:
+            steps, at = self.fragment_steps.get(n, (0, 0))
+            if n in updated:
+                steps, at = steps + 1, new_step
+            out.append({"name": n, "keys_sha256": self.plan.digest(n), "outer_step": steps, "updated_at": at})
+        return out
 
     def set(self, state: dict[str, torch.Tensor], opt: Any, *, fingerprint: str, outer_step: int,
             ledger: Mapping[str, int], manifest: Manifest | None) -> None:
+        plan = self.plan_for(state)
+        steps = self._fragment_steps(plan, outer_step, manifest)
         with self.lock:
+            self.plan, self.fragment_steps = plan, steps
             self.state, self._spare, self.opt = state, None, opt
             self.fingerprint = fingerprint
             self.outer_step = outer_step
@@ -110,7 +158,9 @@ class RunState:
         self.record = record
         self.committed_outer_file = record.outer_state_file
         self.hub_manifest = manifest
+        steps = self._fragment_steps(self.plan, outer_step, manifest)
         with self.lock:
+            self.fragment_steps = steps
             if buf is not self.state:
                 # the old state's memory becomes the next round's FP32 sum (take_sum_storage), not a
                 # second state buffer: a round peaks at state + optimizer buffers + sum + one delta
@@ -194,6 +244,12 @@ class RunState:
             raise MasterConfigError(
                 f"{where} uses outer optimizer {name!r} (outer_step {hm.outer_step}); "
                 f"this master is configured for {self.config.outer_optimizer!r}"
+            )
+        ours, theirs = fragment_count(self.config.fragments), len(hm.fragments or []) or 1
+        if theirs > 1 and ours != theirs:
+            raise MasterConfigError(
+                f"{where} syncs {theirs} fragments (outer_step {hm.outer_step}); this master is configured for "
+                f"{'none' if ours == 1 else ours}: give it the run's fragments (fragments={theirs})"
             )
         if self.user_fingerprint is not None and hm.model_fingerprint != self.user_fingerprint:
             raise MasterConfigError(

@@ -19,6 +19,9 @@ Reasons, in the order the checks run:
 ``header``             a header field missing or malformed
 ``node_id``            header ``node_id`` is not a valid node id
 ``path_mismatch``      header ``node_id`` / ``local_step`` differ from the file's hub path
+``fragment``           the header's fragment entries are malformed, name a fragment this run has not
+                       (or the run has fragments and the delta names none, or the reverse), or its
+                       ``base_fragment_step`` cannot be that of its ``base_outer_step``
 ``negative_staleness`` ``base_outer_step`` is ahead of the master (a version it never published)
 ``max_staleness``      staleness above the master's ``max_staleness``
 ``too_stale``          the outer optimizer's gate is 0 at this staleness (e.g. CGAD beyond tau_cut)
@@ -61,6 +64,13 @@ is not moved by a few bad values; cf. Yin et al. 2018, arXiv 1803.01498): it onl
 once ``norm_min_history`` accepted norms are known, and the window of accepted norms is
 published with the optimizer state so a master that takes over decides exactly as the
 previous one would have.
+
+Fragments (``diloco_lightning/fragments.py``): a fragment's delta is checked against that
+fragment's keys only (names, shapes, dtypes, size bounds); its staleness is the fragment's outer
+steps since its base (``outer_step`` count now minus the header's ``base_fragment_step``), and its
+gate the optimizer's for that fragment (PA-CGAD: ``gate(max(tau, age_f))``). The norm bounds take
+its norm scaled by ``sqrt(n / n_f)`` (``n_f`` the fragment's values), the norm a whole-model delta
+of the same RMS would have, so the deltas of fragments of unequal sizes share one median window.
 """
 
 from __future__ import annotations
@@ -78,7 +88,9 @@ import torch
 from diloco_lightning.deltafile import (
     Delta,
     DeltaFileError,
+    HeaderError,
     HeaderParser,
+    parse_header,
     max_delta_bytes,
     max_header_bytes,
     read_delta,
@@ -86,6 +98,7 @@ from diloco_lightning.deltafile import (
     synced_keys,
 )
 from diloco_lightning.encoding import EncodedTensor, sum_of_squares
+from diloco_lightning.fragments import FragmentError, FragmentPlan, parse_fragment_header
 from diloco_lightning.signing import RunKey
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -288,6 +301,8 @@ class Accepted:
     gate: float
     weight: float
     norm: float
+    #: the fragment the delta carries (None: a run without fragments)
+    fragment: str | None = None
 
     @property
     def ident(self) -> str:
@@ -356,20 +371,21 @@ class DeltaValidator:
         fingerprint: str,
         outer_step: int,
         gate: Callable[[int], float],
+        fragments: "FragmentView | None" = None,
     ) -> tuple[Delta, Accepted]:
         """Validate the downloaded delta ``path`` (hub path ``ref.path``) against ``state`` at
         ``outer_step``: ``(Delta, Accepted)``, or raises ``DeltaRejected`` / ``DeltaFileError``
         (each with its ``reason``). Any other error from the file's content is a rejection too
         (``invalid``): one delta's content can never make a round fail."""
         try:
-            return self._check(ref, path, state, fingerprint, outer_step, gate)
+            return self._check(ref, path, state, fingerprint, outer_step, gate, fragments)
         except (DeltaRejected, DeltaFileError):
             raise
         except Exception as e:  # noqa: BLE001 - a last line of defence: one delta never fails a round
             log.exception("unexpected error while checking %s", ref.path)
             raise DeltaRejected("invalid", f"{type(e).__name__}: {str(e)[:300]}") from None
 
-    def _check(self, ref, path, state, fingerprint, outer_step, gate) -> tuple[Delta, Accepted]:
+    def _check(self, ref, path, state, fingerprint, outer_step, gate, fragments=None) -> tuple[Delta, Accepted]:
         max_bytes, max_header = self.size_limits(state, fingerprint)
         header = read_delta_header(path, max_header=max_header, header_parser=self.header_parser)
         if header.node_id != ref.node_id or header.local_step != ref.local_step:
@@ -377,8 +393,25 @@ class DeltaValidator:
                 "path_mismatch",
                 f"header says {header.node_id}/{header.local_step}, the hub path {ref.node_id}/{ref.local_step}",
             )
-        tau = outer_step - header.base_outer_step
-        g = float(gate(tau)) if tau >= 0 else 0.0
+        name, reference, parser, scale = None, state, self.header_parser, 1.0
+        if fragments is None:
+            tau = outer_step - header.base_outer_step
+            if any(k in header.extra for k in ("fragment", "fragments", "base_fragment_step")):
+                raise DeltaRejected("fragment", "the delta names a fragment; this run has no fragments")
+            g = float(gate(tau)) if tau >= 0 else 0.0
+        else:
+            name, tau = fragments.staleness(header.extra, header.base_outer_step, outer_step)
+            g = float(fragments.gate(name, tau)) if tau >= 0 else 0.0
+            reference = fragments.plan.substate(name, state)
+            max_bytes = max_delta_bytes(reference)
+            scale = fragments.norm_scale(name, state)
+            inner = self.header_parser or parse_header
+
+            def parser(p, md, _inner=inner, _name=name):  # the file read is the file whose header was checked
+                h = _inner(p, md)
+                if h.extra.get("fragment") != _name:
+                    raise HeaderError(p, "the header's fragment changed while the file was read")
+                return h
         check_staleness(tau, max_staleness=self.config.max_staleness, gate=g)
         weight = 1.0
         if self.config.weighting == "tokens":
@@ -387,7 +420,7 @@ class DeltaValidator:
             weight = float(header.num_tokens)
         delta = read_delta(
             path,
-            reference=state,
+            reference=reference,
             hub_path=ref.path,
             expected_fingerprint=fingerprint,
             signing_key=self.signing_key,
@@ -395,12 +428,52 @@ class DeltaValidator:
             max_file_bytes=max_bytes,
             # mapped, not copied, unless a signature must hold for bytes someone else can rewrite
             copy=self.signing_key is not None and not self.private_downloads,
-            header_parser=self.header_parser,
+            header_parser=parser,
         )
-        norm = delta_norm(delta.by_key())
+        norm = delta_norm(delta.by_key()) * scale
         if self._global_for != (id(state), outer_step):  # the global-relative bound: once per version
             self.norms.set_global(*state_norm(state))
             self._global_for = (id(state), outer_step)
         # decoded values of a valid encoding are finite: an infinite norm is an overflow ("norm")
         self.norms.check(norm, delta.tensors if delta.encoded is None else {})
-        return delta, Accepted(ref, tau, g, weight, norm)
+        return delta, Accepted(ref, tau, g, weight, norm, name)
+
+
+class FragmentView:
+    """What checking a fragment's delta needs of the run: its fragments, each one's outer step
+    count now (``steps``), and the gate of a fragment's delta (``gate(fragment, tau)``)."""
+
+    def __init__(self, plan: FragmentPlan, steps: Mapping[str, int], gate: Callable[[str, int], float]) -> None:
+        self.plan = plan
+        self.steps = dict(steps)
+        self.gate = gate
+        self._scale: dict[str, float] = {}
+
+    def norm_scale(self, name: str, state: Mapping[str, torch.Tensor]) -> float:
+        if name not in self._scale:
+            total = sum(t.numel() for t in state.values() if t.is_floating_point() or t.is_complex())
+            self._scale[name] = math.sqrt(max(total, 1) / max(self.plan.numel(name, state), 1))
+        return self._scale[name]
+
+    def staleness(self, extra: Mapping[str, str], base_outer_step: int, outer_step: int) -> tuple[str, int]:
+        """``(fragment, tau)`` of a header (its entries beyond the standard ones), or :class:`DeltaRejected`.
+
+        ``tau`` = the fragment's outer steps now - ``base_fragment_step``. A fragment is updated at
+        most once per version, so an honest ``base_fragment_step`` is at most ``base_outer_step`` and
+        at least the count now minus the versions since ``base_outer_step``."""
+        try:
+            parsed = parse_fragment_header(extra)
+        except FragmentError as e:
+            raise DeltaRejected("fragment", str(e)) from None
+        if parsed is None:
+            raise DeltaRejected("fragment", f"this run syncs {self.plan.count} fragments; the delta names none")
+        name, count, fbase = parsed
+        if count != self.plan.count:
+            raise DeltaRejected("fragment", f"the delta is of a run with {count} fragments; this one has {self.plan.count}")
+        now = self.steps[name]
+        if base_outer_step <= outer_step and (fbase > base_outer_step or fbase < now - (outer_step - base_outer_step)):
+            raise DeltaRejected(
+                "fragment", f"base_fragment_step {fbase} cannot be fragment {name}'s at base_outer_step {base_outer_step} "
+                f"(it has {now} outer steps at version {outer_step})"
+            )
+        return name, (now - fbase if base_outer_step <= outer_step else outer_step - base_outer_step)

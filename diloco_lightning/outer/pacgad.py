@@ -105,6 +105,7 @@ class PACGAD(_AdamBase):
         self.tau_cut = tau_cut
         self._clock = 0
         self._updated_at = {name: 0 for name in self._names}
+        self._pregated = False
 
     # ------------------------------------------------------------------ fragments
     @property
@@ -147,6 +148,17 @@ class PACGAD(_AdamBase):
         tau = check_staleness(staleness)
         return self.gate(max(tau, float(self.age(fragment))))
 
+    def step_pregated(self, state: dict[str, Tensor], delta: Mapping[str, Tensor]) -> bool:
+        """One outer step with a delta whose every contribution was already gated on
+        ``max(tau_i, age_f)`` (the master's round: each delta gated by :meth:`fragment_gate` before
+        it is averaged, as the paper defines PA-CGAD): no gate is applied again; each fragment the
+        delta has keys of is updated, and its age restarts."""
+        self._pregated = True
+        try:
+            return self.step(state, delta, 0, gated=True)
+        finally:
+            self._pregated = False
+
     def _check_fragment_name(self, fragment: str) -> None:
         if fragment not in self._updated_at:
             raise ValueError(f"unknown fragment {fragment!r}; fragments are {self._names}")
@@ -170,6 +182,15 @@ class PACGAD(_AdamBase):
         base_gate = self.gate(tau)
         if base_gate == 0.0:
             return False
+        if self._pregated:
+            present = [name for name in self._names if name in groups and groups[name]]
+            if not present:
+                return False
+            self._clock += 1
+            for name in present:
+                self._adam_update(groups[name], 1.0)
+                self._updated_at[name] = self._clock
+            return True
         plan = []
         for name in self._names:
             if name not in groups:

@@ -23,8 +23,17 @@ STATE_VERSION = 1
 
 
 def _pack(part: Part, **extra: Any) -> dict[str, Any]:
-    return {**extra, "base_outer_step": part.base_outer_step, "num_tokens": part.num_tokens, "phases": part.phases,
-            "boundary": part.boundary, "tensors": part.materialize()}
+    out = {**extra, "base_outer_step": part.base_outer_step, "num_tokens": part.num_tokens, "phases": part.phases,
+           "boundary": part.boundary, "tensors": part.materialize()}
+    if part.fragment is not None:
+        out.update(fragment=part.fragment, base_fragment_step=part.base_fragment_step)
+    return out
+
+
+def _frag(d: Mapping[str, Any]) -> dict[str, Any]:
+    if d.get("fragment") is None:
+        return {}
+    return {"fragment": str(d["fragment"]), "base_fragment_step": int(d["base_fragment_step"])}
 
 
 def pack_unsent(job: Job | None) -> dict[str, Any] | None:
@@ -50,12 +59,13 @@ def unpack_unsent(unsent: Mapping[str, Any] | None, *, boundaries: int, step_off
         f = unsent["fresh"]
         job.fresh = Part(int(f["base_outer_step"]), f["num_tokens"], int(f["phases"]),
                          residual={k: v.float() if not v.is_complex() else v for k, v in f["tensors"].items()},
-                         boundary=int(f.get("boundary", boundaries)))
+                         boundary=int(f.get("boundary", boundaries)), **_frag(f))
     if unsent.get("doubt"):
         d = unsent["doubt"]
         step = int(d["local_step"])
         job.doubt = (step, Part(int(d["base_outer_step"]), d["num_tokens"], int(d["phases"]),
-                                residual=dict(d["tensors"]), boundary=int(d.get("boundary", step - step_offset))))
+                                residual=dict(d["tensors"]), boundary=int(d.get("boundary", step - step_offset)),
+                                **_frag(d)))
     return job
 
 

@@ -52,6 +52,7 @@ from diloco_lightning.deltafile import (
     synced_keys,
 )
 from diloco_lightning.fileio import make_owned_dir, owner_tag, sweep_owned_dirs
+from diloco_lightning.fragments import FragmentPlan, build_plan, fragment_count
 from diloco_lightning.globals import read_verified_manifest
 from diloco_lightning.hub import Hub, HubNotFoundError, open_hub
 from diloco_lightning.manifest import Manifest
@@ -168,6 +169,7 @@ class DiLoCoWorker:
         claim: bool = True,
         claim_ttl: float | None = None,
         pacing: Pacing | None = None,
+        fragments: Any = None,
     ) -> None:
         self.node_id = validate_node_id(node_id)
         if sync not in SYNC_MODES:
@@ -191,6 +193,11 @@ class DiLoCoWorker:
         if not self.synced:
             raise ValueError("params has no floating-point tensor to sync")
         self.fingerprint = model_fingerprint(self.params)
+        #: the fragments (Streaming DiLoCo; ``diloco_lightning/fragments.py``), None: one delta of every key
+        self.plan: FragmentPlan | None = build_plan(fragments, {k: self.params[k] for k in self.synced})
+        if self.plan is not None and self.error_feedback:
+            raise ValueError(f"fragments={fragment_count(fragments)} cannot be combined with error feedback yet "
+                             f"(delta_dtype={self.encoding.name}): pass error_feedback=False or a float delta_dtype")
         self._pin = any(t.device.type == "cuda" for t in self.params.values()) and torch.cuda.is_available()
         self.signing_key = load_run_key(signing_key)
         self.hub = open_hub(hub, **dict(hub_options or {}))
@@ -201,7 +208,15 @@ class DiLoCoWorker:
         self.outer_step: int | None = None  # outer_step of the anchor's base
         self._anchor: dict[str, torch.Tensor] | None = None
         self.step_offset = 0  # local_step = boundary + step_offset (delta_<r> is the r-th boundary's in a clean run)
-        self._unsent: Job | None = None
+        #: exported work not yet handed to the uploader: one merged job (key None) without fragments; with
+        #: fragments one job per boundary (its key), never merged, sent in boundary order (see :meth:`_hold`)
+        self._jobs: dict[int | None, Job] = {}
+        #: per fragment: (base_outer_step, the fragment's outer step count) of its anchor
+        self.fragment_base: dict[str, tuple[int, int]] = {}
+        #: per fragment: tokens trained on since its last delta
+        self._frag_tokens: dict[str, int | None] = {n: 0 for n in (self.plan.names if self.plan else ())}
+        #: fragments: the newest prefetched version, whose fragments are installed one by one
+        self._latest: tuple[Manifest, dict[str, torch.Tensor]] | None = None
         #: the encoding and its residual; the uploader owns it once started (worker/uploader.py)
         self._feedback = ErrorFeedback(self.encoding, self.error_feedback)
         self._restored = False  # anchor and counters came from this node's checkpoint
@@ -230,6 +245,9 @@ class DiLoCoWorker:
         if pacing is not None and not isinstance(pacing, Pacing):
             raise ValueError(f"pacing must be a Pacing or None, got {type(pacing).__name__}")
         self.pacing = pacing if pacing is not None else Pacing(None)
+        if self.plan is not None and self.pacing.auto:
+            raise ValueError(f"fragments={self.plan.count} cannot be combined with inner_steps='auto' (Dynamic Local "
+                             f"Updates) yet: give a fixed inner_steps, a multiple of the fragment count")
         self._reported = False
         self._claim_keeper = (
             ClaimKeeper(self.hub, self.node_id, ttl=claim_ttl, watch_peers=self.pacing.auto and self.pacing.dylu_seconds is None)
@@ -260,7 +278,7 @@ class DiLoCoWorker:
     @property
     def pending_phases(self) -> int:
         """Inner phases exported but not yet known to be on the hub (queued, in flight, or held)."""
-        held = 0 if self._unsent is None else self._unsent.phases
+        held = sum(j.phases for j in self._jobs.values())
         return held + (self._uploader.queued_phases if self._uploader is not None else 0)
 
     @property
@@ -314,7 +332,9 @@ class DiLoCoWorker:
                     self.node_id, seen, self.boundaries + 1 + self.step_offset, seen - self.step_offset,
                 )
             self._settle_residual(seen)
-            self._unsent = drop_delivered(self._unsent, seen, self.step_offset, self.node_id)
+            jobs, self._jobs = self._jobs, {}
+            for job in jobs.values():
+                self._hold(drop_delivered(job, seen, self.step_offset, self.node_id))
         else:
             # a fresh start numbers its deltas after anything the hub has (or had) of this node
             seen = self._waits.retry("read what the hub has of this node", lambda: self._hub_seen_high(False), deadline)
@@ -336,6 +356,7 @@ class DiLoCoWorker:
             persistent=self.sync == "lockstep",
             retry_interval=self.poll_interval,
             read_manifest=self._read_manifest,
+            fragments=self.plan.count if self.plan is not None else 1,
         )
         if self.sync == "async":
             self._fetcher = GlobalFetcher(
@@ -343,7 +364,7 @@ class DiLoCoWorker:
                 signing_key=self.signing_key,
             )
         self._started = True
-        if self._unsent is not None:
+        if self._jobs:
             self._pump()
         log.info("node %s: started at outer_step %s (next local_step %d, sync=%s%s)", self.node_id, self.outer_step,
                  self.next_local_step, self.sync, f", delay={self.delay}" if self.sync == "lockstep" else "")
@@ -357,7 +378,7 @@ class DiLoCoWorker:
         (zero, not twice). Otherwise, if the checkpoint's doubtful upload landed, the residual of
         its content is owed (recomputed: the encoding is deterministic).
         """
-        job = self._unsent
+        job = self._jobs.get(None)
         first = self.boundaries + 1 + self.step_offset
         if job is not None and job.fresh is not None:
             first = min(first, job.fresh.boundary + self.step_offset)
@@ -375,6 +396,16 @@ class DiLoCoWorker:
                 f"the global on {self.hub.url} (outer_step {manifest.outer_step}) has model fingerprint "
                 f"{manifest.model_fingerprint}, this model has {self.fingerprint}: the hub holds another model "
                 f"(different parameter names, shapes or dtypes)"
+            )
+        theirs = [f["keys_sha256"] for f in manifest.fragments] if manifest.fragments else None
+        ours = [self.plan.digest(n) for n in self.plan.names] if self.plan is not None else None
+        if theirs != ours:
+            def say(x: list[str] | None) -> str:
+                return "no fragments" if x is None else f"{len(x)} fragments"
+            raise WorkerError(
+                f"the run on {self.hub.url} syncs {say(theirs)}, this worker {say(ours)}"
+                f"{' split another way' if theirs and ours and len(theirs) == len(ours) else ''}: "
+                f"give the worker the master's fragments option (diloco.fragments)"
             )
 
     def _bootstrap(self, deadline: float) -> Manifest:
@@ -414,9 +445,15 @@ class DiLoCoWorker:
             out = out.pin_memory()
         return out
 
-    def install_state(self, outer_step: int, state: Mapping[str, torch.Tensor], *, newest: int | None = None) -> InstallResult:
-        """Copy a global state into the params in place; the anchor becomes its FP32 copy."""
+    def install_state(self, outer_step: int, state: Mapping[str, torch.Tensor], *, newest: int | None = None,
+                      fragment_steps: Mapping[str, int] | None = None) -> InstallResult:
+        """Copy a global state into the params in place; the anchor becomes its FP32 copy.
+        ``fragment_steps``: with fragments, each fragment's outer step count at that version."""
         t0 = time.perf_counter()
+        if self.plan is not None:
+            if fragment_steps is None or set(fragment_steps) != set(self.plan.names):
+                raise WorkerError(f"global version {outer_step} on {self.hub.url} does not say its fragments' outer steps")
+            self.fragment_base = {n: (outer_step, int(fragment_steps[n])) for n in self.plan.names}
         try:
             kept = copy_into(self.params, {k: v for k, v in state.items() if k in self.params},
                              what=f"global version {outer_step}", required=self.synced)
@@ -433,25 +470,147 @@ class DiLoCoWorker:
             self._fetcher.set_floor(outer_step)
         return InstallResult(outer_step, self._newest_seen - outer_step, previous, time.perf_counter() - t0)
 
-    def _install_exact(self, target: int, manifest: Manifest, deadline: float) -> InstallResult:
-        """Install version ``target`` (``manifest`` is current and at least ``target``)."""
+    def _install_exact(self, target: int, manifest: Manifest, deadline: float, fragment: str | None = None) -> InstallResult:
+        """Install version ``target`` (``manifest`` is current and at least ``target``); only
+        ``fragment``'s keys when given."""
         while True:
             try:
                 m, state = load_version(self.hub, manifest, target, signing_key=self.signing_key)
-                return self.install_state(target, state, newest=manifest.outer_step)
+                if fragment is not None:
+                    return self._install_fragment(fragment, target, manifest, state, newest=manifest.outer_step)
+                return self.install_state(target, state, newest=manifest.outer_step,
+                                          fragment_steps=manifest.fragment_steps_at(target) if self.plan else None)
             except HubNotFoundError:  # collected while being read: re-read the manifest
                 if time.monotonic() >= deadline:
                     raise
                 manifest = self._waits.retry("read the manifest", self._read_manifest, deadline)
 
+    def _install_fragment(self, fragment: str, outer_step: int, manifest: Manifest, state: Mapping[str, torch.Tensor],
+                          *, newest: int | None = None) -> InstallResult:
+        """Copy fragment ``fragment``'s keys of version ``outer_step`` (and the integer buffers) into
+        the params; that fragment's anchor becomes their FP32 copy, its base that version."""
+        assert self.plan is not None
+        t0 = time.perf_counter()
+        self._check_fingerprint(manifest)
+        steps = manifest.fragment_steps_at(outer_step)
+        if steps is None or fragment not in steps:
+            raise WorkerError(f"global version {outer_step} on {self.hub.url} does not say its fragments' outer steps")
+        keys = self.plan.keys[fragment]
+        synced = set(self.synced)
+        sub = {k: state[k] for k in keys if k in state}
+        sub.update({k: v for k, v in state.items() if k in self.params and k not in synced})
+        try:
+            copy_into(self.params, sub, what=f"global version {outer_step}", required=list(keys))
+        except ValueError as e:
+            raise WorkerError(str(e)) from None
+        self._anchor = {**(self._anchor or {}), **{k: self._anchor_copy(state[k]) for k in keys}}
+        self.fragment_base[fragment] = (outer_step, int(steps[fragment]))
+        previous = self.outer_step
+        self.outer_step = outer_step if previous is None else max(previous, outer_step)
+        self._newest_seen = max(self._newest_seen, outer_step, -1 if newest is None else newest)
+        self.totals["installs_total"] += 1
+        return InstallResult(outer_step, self._newest_seen - outer_step, previous, time.perf_counter() - t0)
+
+    def _install_latest(self, fragment: str) -> InstallResult | None:
+        """Async with fragments: install ``fragment`` from the newest prefetched version when that
+        version updated it since this worker's anchor of it. The fragment's tensors are dropped from
+        the kept version either way (they are of no more use), so it is freed once every fragment
+        had its turn."""
+        assert self._fetcher is not None and self.plan is not None
+        got = self._fetcher.take()
+        if got is not None:
+            m, state, newest = got
+            self._latest = (m, dict(state))
+            self._fetcher.set_floor(m.outer_step)
+            self._newest_seen = max(self._newest_seen, newest)
+        else:
+            self._newest_seen = max(self._newest_seen, self._fetcher.newest_seen)
+        if self._latest is None:
+            return None
+        m, state = self._latest
+        installed = None
+        steps = m.fragment_steps_at(m.outer_step) or {}
+        if fragment in steps and steps[fragment] > self.fragment_base[fragment][1] and all(
+            k in state for k in self.plan.keys[fragment]
+        ):
+            installed = self._install_fragment(fragment, m.outer_step, m, state)
+        for k in self.plan.keys[fragment]:
+            state.pop(k, None)
+        if not any(k in state for k in self.synced):
+            self._latest = None
+        return installed
+
     # ------------------------------------------------------------------ boundary
 
-    def _export(self, num_tokens: int | None) -> Part:
-        """Snapshot the local weights (CPU FP32) and move the anchor onto them."""
+    def _hold(self, job: Job | None, *, older: bool = False) -> None:
+        """Keep ``job`` for a later upload, merged with what is held (``older``: it came before what
+        is held, e.g. a failed upload coming back).
+
+        With fragments nothing is merged: each boundary's delta is its own job, and jobs go to the hub
+        in boundary order. Merging a fragment's held delta with its next one would let another
+        fragment's later delta reach the hub first, and a delta at ``local_step`` s must mean that
+        every boundary up to s is on the hub (what a restarted worker relies on not to send a
+        replayed boundary twice, or to lose one). At most ``F`` jobs are held (one cycle of the
+        fragments, about one model's worth of memory): beyond that the boundary waits for the
+        uploads (:meth:`_backpressure`)."""
+        if job is None or job.empty:
+            return
+        part = job.fresh if job.fresh is not None else job.doubt[1]  # type: ignore[index]
+        key = None if part.fragment is None else part.boundary
+        held = self._jobs.pop(key, None)
+        merged = merge_jobs(job, held) if older else merge_jobs(held, job)
+        if merged is not None and not merged.empty:
+            self._jobs[key] = merged
+
+    def _backpressure(self, reports: list[UploadReport]) -> float:
+        """Fragments: while a whole cycle of fragments (``F`` deltas) is held, wait for the uploads
+        (retrying failures; a hub outage longer than ``inner_steps`` steps of training stops the
+        training here, up to ``wait_timeout``). Returns the seconds waited."""
+        if self.plan is None or len(self._jobs) < self.plan.count:
+            return 0.0
+        assert self._uploader is not None
+        t0 = time.perf_counter()
+        deadline = self._waits.deadline()
+        patience = self._waits.patience(f"the upload of {len(self._jobs)} held fragment delta(s) to {self.hub.url}")
+        while len(self._jobs) >= self.plan.count:
+            failed = any(not rep.ok for rep in self._collect_into(reports))
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"node {self.node_id}: could not upload its held fragment deltas to {self.hub.url} within "
+                    f"{self.wait_timeout:g} s"
+                )
+            if failed:
+                time.sleep(min(max(self.poll_interval, self._commit_wait()), max(0.0, deadline - time.monotonic())))
+                patience.tick()
+            self._pump(force=True)
+            self._uploader.wait_idle(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+        return time.perf_counter() - t0
+
+    def _take_next(self) -> Job:
+        """The held job to upload next: a doubtful one first (nothing new is attempted before it is
+        resolved), else the oldest boundary's, so the deltas of a node reach the hub in increasing
+        ``local_step`` across fragments (the master's high-water mark)."""
+        def order(key: int | None) -> tuple[bool, int]:
+            job = self._jobs[key]
+            return job.doubt is None, job.fresh.boundary if job.fresh is not None else job.doubt[1].boundary  # type: ignore[index]
+        return self._jobs.pop(min(self._jobs, key=order))
+
+    def _fragment_tokens(self, fragment: str | None, num_tokens: int | None) -> int | None:
+        """The tokens a fragment's delta covers: those since that fragment's last delta."""
+        if fragment is None:
+            return num_tokens
+        for name, n in self._frag_tokens.items():
+            self._frag_tokens[name] = None if n is None or num_tokens is None else n + num_tokens
+        tokens, self._frag_tokens[fragment] = self._frag_tokens[fragment], 0
+        return tokens
+
+    def _export(self, num_tokens: int | None, fragment: str | None = None) -> Part:
+        """Snapshot the local weights (CPU FP32) and move the anchor onto them (``fragment``'s only)."""
         snap: dict[str, torch.Tensor] = {}
         event = None
+        keys = self.synced if fragment is None or self.plan is None else self.plan.keys[fragment]
         with torch.no_grad():
-            for k in self.synced:
+            for k in keys:
                 t = self.params[k].detach()
                 target = torch.complex64 if t.is_complex() else torch.float32
                 if t.device.type == "cuda":
@@ -465,6 +624,13 @@ class DiLoCoWorker:
             if self._pin:
                 event = torch.cuda.Event()
                 event.record()
+        if fragment is not None:
+            base, fbase = self.fragment_base[fragment]
+            anchor = self._anchor or {}
+            part = Part(base, num_tokens, 1, anchor={k: anchor[k] for k in keys}, snapshot=snap, event=event,
+                        boundary=self.boundaries + 1, fragment=fragment, base_fragment_step=fbase)
+            self._anchor = {**anchor, **snap}  # a new dict: the part's own anchor dict is never touched
+            return part
         part = Part(self.outer_step, num_tokens, 1, anchor=self._anchor, snapshot=snap, event=event,
                     boundary=self.boundaries + 1)
         self._anchor = snap
@@ -495,7 +661,7 @@ class DiLoCoWorker:
                         "(%d failure(s) so far)",
                         self.node_id, rep.error, rep.remaining.phases, self.totals["upload_failures_total"],
                     )
-                    self._unsent = merge_jobs(rep.remaining, self._unsent)
+                    self._hold(rep.remaining, older=True)
                 else:
                     log.warning("node %s: delta upload failed (%s); retrying it (%d failure(s) so far)",
                                 self.node_id, rep.error, self.totals["upload_failures_total"])
@@ -506,18 +672,16 @@ class DiLoCoWorker:
         to wait (``Hub.commit_wait``): then it stays held and the next boundary's delta is merged
         into it, instead of the upload meeting the hub's rate limit. ``force`` (a flush) sends
         anyway: the transport then waits for the budget itself."""
-        if self._unsent is not None and not self._unsent.empty and not self._uploader.busy:
+        if self._jobs and not self._uploader.busy:
             if not force:
                 wait = self._commit_wait()
                 if wait > 0:
                     self.totals["uploads_paced_total"] += 1
                     log.debug("node %s: the commit budget of %s allows the next upload in %.1fs; %d phase(s) held and "
-                              "merged with the next delta", self.node_id, self.hub.url, wait, self._unsent.phases)
+                              "merged with the next delta", self.node_id, self.hub.url, wait,
+                              sum(j.phases for j in self._jobs.values()))
                     return
-            job, self._unsent = self._unsent, None
-            self._uploader.submit(job)
-        elif self._unsent is not None and self._unsent.empty:
-            self._unsent = None
+            self._uploader.submit(self._take_next())
 
     def _commit_wait(self) -> float:
         try:
@@ -538,8 +702,9 @@ class DiLoCoWorker:
         t0 = time.perf_counter()
         r = self.boundaries + 1
         reports = self._collect()
-        base = self.outer_step
-        part = self._export(num_tokens)
+        fragment = self.plan.fragment_at(r) if self.plan is not None else None
+        base = self.outer_step if fragment is None else self.fragment_base[fragment][0]
+        part = self._export(self._fragment_tokens(fragment, num_tokens), fragment)
         faults.point("worker.exported")
         self.boundaries = r
         inner_steps = self._pace(num_tokens)
@@ -548,18 +713,21 @@ class DiLoCoWorker:
             part = None
         if self.sync == "async":
             if part is not None:
-                self._unsent = merge_jobs(self._unsent, Job(fresh=part))
+                self._hold(Job(fresh=part))
             self._pump()
+            wait = self._backpressure(reports)
             installed = None
-            got = self._fetcher.take()
-            if got is not None:
+            got = None if fragment is not None else self._fetcher.take()
+            if fragment is not None:
+                installed = self._install_latest(fragment)
+            elif got is not None:
                 m, state, newest = got
                 installed = self.install_state(m.outer_step, state, newest=newest)
             else:
                 self._newest_seen = max(self._newest_seen, self._fetcher.newest_seen)
             self._fetcher.trigger()
         else:
-            installed, wait, more = self._lockstep(part, r)
+            installed, wait, more = self._lockstep(part, r, fragment)
             reports += more
         self.pacing.resume()
         seconds = time.perf_counter() - t0
@@ -594,7 +762,7 @@ class DiLoCoWorker:
         """Block until everything handed over so far is on the hub (retrying failures)."""
         while True:
             failed = any(not rep.ok for rep in self._collect_into(reports))
-            if self._unsent is None and not self._uploader.busy:
+            if not self._jobs and not self._uploader.busy:
                 return
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(
@@ -612,7 +780,7 @@ class DiLoCoWorker:
         reports.extend(got)
         return got
 
-    def _lockstep(self, part: Part | None, r: int) -> tuple[InstallResult, float, list[UploadReport]]:
+    def _lockstep(self, part: Part | None, r: int, fragment: str | None = None) -> tuple[InstallResult, float, list[UploadReport]]:
         """Boundary r in lockstep: queue delta r (uploaded once version r-1 exists, so a master
         with a quorum of all workers applies exactly one delta per worker per round), then wait
         for version ``r - delay`` and install exactly it. Every delta r then has base
@@ -638,7 +806,7 @@ class DiLoCoWorker:
             if m is not None and m.outer_step >= target:
                 self._check_fingerprint(m)
                 wait = time.perf_counter() - t0
-                return self._install_exact(target, m, deadline), wait, reports
+                return self._install_exact(target, m, deadline, fragment), wait, reports
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(
                     f"node {self.node_id}: lockstep boundary {r} waited {self.wait_timeout:g} s for global version "
@@ -654,7 +822,7 @@ class DiLoCoWorker:
     def flush(self, timeout: float | None = None) -> bool:
         """Upload everything exported so far, retrying failures; True when nothing is left."""
         if not self._started:
-            return self._unsent is None
+            return not self._jobs
         deadline = self._waits.deadline(timeout)
         self._collect()
         if self.pending_phases:
@@ -677,7 +845,7 @@ class DiLoCoWorker:
                 ok = self.flush(timeout)
             else:
                 self._collect()
-                ok = self._unsent is None and not self._uploader.busy
+                ok = not self._jobs and not self._uploader.busy
             if not ok:
                 log.error(
                     "node %s: closing with %d inner phase(s) not uploaded to %s (they are in the last checkpoint's "
@@ -751,9 +919,15 @@ class DiLoCoWorker:
                             "the phases it carries are not in the checkpoint", self.node_id)
         if self._pin:
             torch.cuda.synchronize()
-        unsent = pack_unsent(self._unsent)
+        unsent = pack_unsent(self._jobs.get(None))
         feedback = self._uploader.feedback_state() if self._uploader is not None else self._feedback.state_dict()
+        extra: dict[str, Any] = {}
+        if self.plan is not None:  # per fragment: its anchor's base, its undelivered work
+            extra["fragment_bases"] = {n: list(b) for n, b in self.fragment_base.items()}
+            extra["unsent_fragments"] = [pack_unsent(j) for n, j in sorted((k, j) for k, j in self._jobs.items()
+                                                                          if k is not None)]
         return {
+            **extra,
             "version": STATE_VERSION,
             "node_id": self.node_id,
             "outer_step": self.outer_step,
@@ -785,7 +959,17 @@ class DiLoCoWorker:
                     f"the checkpoint's DiLoCo anchor has shape {list(anchor[k].shape)} for {k!r}, "
                     f"the model has {list(self.params[k].shape)}"
                 )
+        bases = state.get("fragment_bases")
+        if (self.plan is None) != (bases is None) or (
+            bases is not None and set(bases) != set(self.plan.names)  # type: ignore[union-attr]
+        ):
+            raise WorkerError(
+                f"the checkpoint's DiLoCo state was written with {'no' if bases is None else len(bases)} fragments, "
+                f"this worker has {'none' if self.plan is None else self.plan.count}: resume with the same fragments"
+            )
         self._anchor = {k: self._anchor_copy(anchor[k]) for k in self.synced}
+        if bases is not None:
+            self.fragment_base = {str(n): (int(b[0]), int(b[1])) for n, b in bases.items()}
         self.outer_step = int(state["outer_step"])
         self.boundaries = int(state.get("boundaries", self.boundaries))
         if state.get("node_id") != self.node_id:
@@ -799,5 +983,6 @@ class DiLoCoWorker:
             raise WorkerError(f"the checkpoint's DiLoCo error-feedback residual does not fit this model: {e}") from None
         self.step_offset = step_offset_of(state)
         job = unpack_unsent(state.get("unsent"), boundaries=self.boundaries, step_offset=self.step_offset)
-        if job is not None:
-            self._unsent = job
+        self._hold(job)
+        for packed in state.get("unsent_fragments") or []:
+            self._hold(unpack_unsent(packed, boundaries=self.boundaries, step_offset=self.step_offset))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from diloco_lightning.encoding import LEVELS, EncodingSpec
+from diloco_lightning.fragments import FragmentError, fragment_count
 from diloco_lightning.options import OptionError, check_choice, check_number, option
 from diloco_lightning.worker.pacing import AUTO, Pacing, resolve_throttle
 
@@ -101,6 +102,10 @@ class WorkerOptions:
     error_feedback: bool | None = option(
         None, "add what the encoding dropped to the next delta (null: on for int8, int4 and topk, off for the float casts)"
     )
+    fragments: Any = option(
+        None, "Streaming DiLoCo fragments: F (transformer block i syncs in fragment i mod F, one fragment every "
+        "inner_steps/F steps), or a list of parameter-name pattern groups (null or 1: the whole model at once)"
+    )
     reset_inner_optimizer: bool = option(False, "clear the inner optimizer state after each install")
     wait_timeout: float = option(1200.0, "seconds a worker waits for the master (bootstrap, lockstep) before giving up")
     poll_interval: float = option(1.0, "seconds between a worker's reads of the hub while waiting")
@@ -138,7 +143,8 @@ class WorkerOptions:
             parse_delta_dtype(self.delta_dtype)
         else:
             check_choice(self, "delta_dtype", tuple(DELTA_DTYPES))
-        resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback)
+        _, feedback = resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback)
+        self._check_fragments(feedback)
         if not isinstance(self.reset_inner_optimizer, bool):
             raise OptionError("reset_inner_optimizer", f"must be True or False, got {self.reset_inner_optimizer!r}")
         check_number(self, "wait_timeout", low=0.0, strict=True)
@@ -152,6 +158,23 @@ class WorkerOptions:
             name = head.rstrip(":") if head.startswith("delay") else "delay"
             raise OptionError(name, rest if head.startswith("delay") else msg, msg) from None
         return self
+
+    def _check_fragments(self, feedback: bool) -> None:
+        try:
+            count = fragment_count(self.fragments)
+        except FragmentError as e:
+            raise OptionError("fragments", str(e).removeprefix("fragments "), str(e)) from None
+        if count == 1:
+            return
+        if self.inner_steps == AUTO:
+            raise OptionError("fragments", f"= {count} cannot be combined with inner_steps=auto (Dynamic Local Updates) "
+                              f"yet; give a fixed inner_steps, a multiple of {count}")
+        if self.inner_steps % count:
+            raise OptionError("fragments", f"= {count} needs inner_steps to be a multiple of {count} (a boundary every "
+                              f"inner_steps/fragments steps), got inner_steps={self.inner_steps}")
+        if feedback:
+            raise OptionError("fragments", f"> 1 cannot be combined with error feedback yet (delta_dtype="
+                              f"{self.delta_dtype}); set error_feedback=false or use a float delta_dtype")
 
     def resolved_delay(self, node_id: str, node_index: int | None = None) -> int:
         from diloco_lightning.worker.sync import resolve_delay
@@ -174,7 +197,8 @@ class WorkerOptions:
     def pacing(self, node_id: str, node_index: int | None = None) -> Pacing:
         """The :class:`~diloco_lightning.worker.pacing.Pacing` these options describe for this worker."""
         return Pacing(self.inner_steps, dylu_steps=self.dylu_steps, dylu_min_steps=self.dylu_min_steps,
-                      dylu_seconds=self.dylu_seconds, throttle=self.resolved_throttle(node_id, node_index))
+                      dylu_seconds=self.dylu_seconds, throttle=self.resolved_throttle(node_id, node_index),
+                      fragments=fragment_count(self.fragments))
 
     @property
     def encoding(self) -> EncodingSpec:

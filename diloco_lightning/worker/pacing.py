@@ -159,6 +159,8 @@ class Pacing:
         throttle: seconds slept after each inner step.
         clock: for the step intervals (tests, the simulator).
         sleep: how the throttle sleeps (the simulator advances its own clock instead).
+        fragments: F (Streaming DiLoCo, ``diloco_lightning/fragments.py``): a boundary every
+            ``H / F`` steps, each syncing one fragment (a fixed H, a multiple of F).
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class Pacing:
         throttle: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], Any] = time.sleep,
+        fragments: int = 1,
     ) -> None:
         self.auto = inner_steps == AUTO
         if not (inner_steps is None or self.auto or (isinstance(inner_steps, int) and not isinstance(inner_steps, bool)
@@ -193,6 +196,13 @@ class Pacing:
         self.inner_steps: int | None = dylu_steps if self.auto else self.fixed
         self.clock = StepClock(clock=clock)
         self._sleep = sleep
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+            raise ValueError(f"fragments must be an integer >= 1, got {fragments!r}")
+        if fragments > 1 and (self.auto or (self.fixed is not None and self.fixed % fragments)):
+            raise ValueError(f"with fragments={fragments}, inner_steps must be a fixed multiple of {fragments}, "
+                             f"got {inner_steps!r}")
+        #: F: a boundary every H / F steps (one fragment each)
+        self.fragments = fragments
         self.tokens_per_second: float | None = None
 
     # ------------------------------------------------------------------ every rank
@@ -210,6 +220,8 @@ class Pacing:
         h = self.inner_steps
         if h is None:
             return False
+        if self.fragments > 1:
+            h = max(1, h // self.fragments)
         if self.auto:
             return step - last >= h
         return step // h > last // h

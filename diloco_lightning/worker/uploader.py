@@ -100,6 +100,10 @@ class Part:
     snapshot: Tensors | None = None
     event: Any = None  # a torch.cuda.Event (or None)
     boundary: int = 0
+    #: the fragment this part carries (``diloco_lightning/fragments.py``; None: every synced key)
+    fragment: str | None = None
+    #: the fragment's outer step count at the anchor (the master's staleness of a fragment delta)
+    base_fragment_step: int | None = None
 
     def wait(self) -> None:
         if self.event is not None:
@@ -121,7 +125,8 @@ class Part:
         return out
 
     def materialized(self) -> "Part":
-        return Part(self.base_outer_step, self.num_tokens, self.phases, residual=self.materialize(), boundary=self.boundary)
+        return Part(self.base_outer_step, self.num_tokens, self.phases, residual=self.materialize(), boundary=self.boundary,
+                    fragment=self.fragment, base_fragment_step=self.base_fragment_step)
 
 
 def _sum_tokens(a: int | None, b: int | None) -> int | None:
@@ -139,17 +144,22 @@ def merge_parts(old: Part | None, new: Part | None) -> Part | None:
         return new
     if new is None:
         return old
+    if old.fragment != new.fragment:  # pragma: no cover - the worker holds one job per fragment
+        raise AssertionError(f"merging parts of fragments {old.fragment!r} and {new.fragment!r}")
     base = min(old.base_outer_step, new.base_outer_step)
     tokens = _sum_tokens(old.num_tokens, new.num_tokens)
     phases = old.phases + new.phases
     boundary = max(old.boundary, new.boundary)
+    frag = old.fragment
+    fbase = None if old.base_fragment_step is None or new.base_fragment_step is None else \
+        min(old.base_fragment_step, new.base_fragment_step)
     if old.anchor is not None and new.anchor is not None and new.anchor is old.snapshot:
         residual = _add(old.residual, new.residual)
-        return Part(base, tokens, phases, residual, old.anchor, new.snapshot, new.event, boundary)
+        return Part(base, tokens, phases, residual, old.anchor, new.snapshot, new.event, boundary, frag, fbase)
     # ``old`` is owned by the merge (never read again), so its residual is reused, not copied
     residual = old.materialize() if old.anchor is not None else old.residual
     residual = _add(residual, new.residual)
-    return Part(base, tokens, phases, residual, new.anchor, new.snapshot, new.event, boundary)
+    return Part(base, tokens, phases, residual, new.anchor, new.snapshot, new.event, boundary, frag, fbase)
 
 
 def _add(a: Tensors | None, b: Tensors | None) -> Tensors | None:
@@ -243,8 +253,11 @@ class Uploader:
         persistent: bool = False,
         retry_interval: float = 1.0,
         read_manifest: Callable[[], Manifest | None] | None = None,
+        fragments: int = 1,
     ) -> None:
         self.hub = hub
+        #: the run's fragment count (written in the header of a fragment's delta)
+        self.fragments = int(fragments)
         self.node_id = node_id
         self.step_offset = int(step_offset)
         self.spool_dir = Path(spool_dir)
@@ -454,7 +467,12 @@ class Uploader:
             log.error("node %s: the pseudo-gradient has NaN or inf values (diverged?); sending it in plain float32, "
                       "the master will refuse it", self.node_id)
             tensors = delta
-        content = Part(fresh.base_outer_step, fresh.num_tokens, fresh.phases, residual=delta, boundary=fresh.boundary)
+        content = Part(fresh.base_outer_step, fresh.num_tokens, fresh.phases, residual=delta, boundary=fresh.boundary,
+                       fragment=fresh.fragment, base_fragment_step=fresh.base_fragment_step)
+        extra = {"phases": str(fresh.phases)}
+        if fresh.fragment is not None:  # docs/spec.md, "Fragments"
+            extra.update(fragment=fresh.fragment, fragments=str(self.fragments),
+                         base_fragment_step=str(fresh.base_fragment_step))
         for _attempt in range(3):
             step = fresh.boundary + self.step_offset
             local = self.spool_dir / f"delta_{step}.safetensors"
@@ -469,7 +487,7 @@ class Uploader:
                     num_tokens=fresh.num_tokens,
                     model_fingerprint=self.model_fingerprint,
                     signing_key=self.signing_key,
-                    extra_metadata={"phases": str(fresh.phases)},
+                    extra_metadata=extra,
                 )
                 faults.point("worker.uploading")
                 hub_path = self.hub.upload_delta(local, self.node_id, step)

@@ -1,0 +1,215 @@
+"""Fragments: which parameters sync together, on which schedule (Streaming DiLoCo).
+
+Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512) splits the model into ``F``
+fragments that sync on staggered schedules: fragment ``p`` sends its pseudo-gradient every
+``H`` inner steps, offset by ``p * H / F``, so a worker uploads about ``1/F`` of the model every
+``H/F`` steps instead of all of it every ``H``. This module is the one definition of the
+split, shared by the worker (what a delta carries) and the master (what a delta may carry).
+
+``fragments`` is given as
+
+* an integer ``F``: the strided assignment of Streaming DiLoCo. A key whose dotted name holds
+  an integer component (``model.layers.3.attn.q.weight``: the first such component, 3) belongs
+  to a transformer block ``i`` and goes to fragment ``i mod F``. Every other synced key
+  (embeddings, the final norm, the output head: no block index) is placed, largest first (ties
+  by name), in the fragment holding the fewest values so far (ties: the lowest index), so the
+  fragments, and therefore the uploads, are as even in bytes as whole tensors allow.
+* a list of pattern groups: fragment ``i`` is the ``i``-th entry, a pattern or a list of
+  patterns. A pattern with ``*``, ``?`` or ``[`` is a shell glob on the key name (``fnmatch``);
+  any other pattern names a key exactly or is a prefix of dotted names (``layers.1`` takes
+  ``layers.1`` and ``layers.1.*``, not ``layers.10.*``). Every synced key must match exactly one
+  group.
+
+Fragments are named ``"0"``, ``"1"``, ... ``F = 1`` (or ``None``, or a one-group list) is no
+fragmentation at all: :func:`build_plan` returns None and every file, header and manifest is
+what it was before fragments existed. Integer buffers belong to no fragment (they never
+travel in deltas; a worker installs them from the global at every install).
+
+Schedule: a worker with ``F`` fragments reaches a *boundary* every ``H/F`` inner steps
+(``inner_steps`` must be a multiple of ``F``); its ``r``-th boundary (``r = 1, 2, ...``) syncs
+fragment ``r mod F`` (:meth:`FragmentPlan.fragment_at`), so fragment ``p`` syncs at inner
+steps ``p*H/F + k*H``: Streaming DiLoCo's offsets, fragment 0's first sync at step ``H``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diloco_lightning.deltafile import synced_keys
+
+__all__ = ["FragmentPlan", "FragmentError", "HEADER_KEYS", "build_plan", "check_fragments_option", "fragment_count",
+           "block_index", "keys_digest", "parse_fragment_header"]
+
+#: the most fragments a run may have (a header's ``fragments`` above this is refused unread)
+MAX_FRAGMENTS = 4096
+
+
+class FragmentError(ValueError):
+    """A ``fragments`` value that is malformed or does not fit the model."""
+
+
+def check_fragments_option(value: Any) -> int | list[list[str]] | None:
+    """``value`` normalised: None, an int ``F >= 1``, or a list of pattern lists; else :class:`FragmentError`."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise FragmentError(f"fragments must be an integer >= 1 or a list of parameter-name patterns, got {value!r}")
+    if isinstance(value, int):
+        if not 1 <= value <= MAX_FRAGMENTS:
+            raise FragmentError(f"fragments must be an integer from 1 to {MAX_FRAGMENTS}, got {value!r}")
+        return value
+    if isinstance(value, str) or not isinstance(value, Sequence) or not value:
+        raise FragmentError(f"fragments must be an integer >= 1 or a non-empty list of parameter-name patterns, got {value!r}")
+    if len(value) > MAX_FRAGMENTS:
+        raise FragmentError(f"fragments lists {len(value)} groups, more than {MAX_FRAGMENTS}")
+    groups: list[list[str]] = []
+    for i, entry in enumerate(value):
+        patterns = [entry] if isinstance(entry, str) else entry
+        if isinstance(patterns, str) or not isinstance(patterns, Sequence) or not patterns:
+            raise FragmentError(f"fragments[{i}] must be a pattern or a non-empty list of patterns, got {entry!r}")
+        for p in patterns:
+            if not isinstance(p, str) or not p:
+                raise FragmentError(f"fragments[{i}] holds an invalid pattern {p!r}")
+        groups.append([str(p) for p in patterns])
+    return groups
+
+
+def fragment_count(value: Any) -> int:
+    """How many fragments ``value`` asks for (1: none)."""
+    v = check_fragments_option(value)
+    if v is None:
+        return 1
+    return v if isinstance(v, int) else len(v)
+
+
+def block_index(key: str) -> int | None:
+    """The transformer block a key belongs to: its first dotted component that is a decimal
+    integer (``layers.3.attn.weight`` -> 3), or None (embeddings, final norm, head)."""
+    for part in key.split("."):
+        if part.isdigit() and part.isascii():
+            return int(part)
+    return None
+
+
+def _matches(pattern: str, key: str) -> bool:
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(key, pattern)
+    return key == pattern or key.startswith(pattern.rstrip(".") + ".")
+
+
+def keys_digest(keys: Sequence[str]) -> str:
+    """SHA-256 hex of the fragment's key names, sorted, one per line: what the manifest records
+    so a worker can tell that it splits the model as the master does."""
+    return hashlib.sha256("\n".join(sorted(keys)).encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class FragmentPlan:
+    """The fragments of one model: ``keys[name]`` (in the state's key order) for each name in ``names``."""
+
+    names: tuple[str, ...]
+    keys: Mapping[str, tuple[str, ...]]
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def fragment_of(self, key: str) -> str:
+        for name in self.names:
+            if key in self.keys[name]:
+                return name
+        raise KeyError(key)
+
+    def fragment_at(self, boundary: int) -> str:
+        """The fragment a worker's ``boundary``-th boundary (1-based) syncs: ``boundary mod F``."""
+        return self.names[boundary % self.count]
+
+    def digest(self, name: str) -> str:
+        return keys_digest(self.keys[name])
+
+    def numel(self, name: str, state: Mapping[str, torch.Tensor]) -> int:
+        return sum(state[k].numel() for k in self.keys[name])
+
+    def substate(self, name: str, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors of fragment ``name`` (the same tensor objects, no copy)."""
+        return {k: state[k] for k in self.keys[name]}
+
+    def optimizer_fragments(self) -> dict[str, list[str]]:
+        """``{name: [key, ...]}``, as :class:`~diloco_lightning.outer.PACGAD` takes them."""
+        return {n: list(self.keys[n]) for n in self.names}
+
+
+def build_plan(value: Any, state: Mapping[str, torch.Tensor]) -> FragmentPlan | None:
+    """The :class:`FragmentPlan` of ``value`` for the model ``state`` (its floating and complex
+    keys); None when ``value`` asks for one fragment (no fragmentation). :class:`FragmentError`
+    when a key matches no group or several, or a fragment would be empty."""
+    v = check_fragments_option(value)
+    if v is None or v == 1 or (isinstance(v, list) and len(v) == 1):
+        return None
+    keys = synced_keys(state)
+    names = [str(i) for i in range(v if isinstance(v, int) else len(v))]
+    out: dict[str, list[str]] = {n: [] for n in names}
+    if isinstance(v, int):
+        sizes = [0] * v
+        rest = []
+        for k in keys:
+            b = block_index(k)
+            if b is None:
+                rest.append(k)
+            else:
+                out[names[b % v]].append(k)
+                sizes[b % v] += state[k].numel()
+        for k in sorted(rest, key=lambda k: (-state[k].numel(), k)):
+            i = min(range(v), key=lambda i: (sizes[i], i))
+            out[names[i]].append(k)
+            sizes[i] += state[k].numel()
+    else:
+        for k in keys:
+            hits = [i for i, group in enumerate(v) if any(_matches(p, k) for p in group)]
+            if not hits:
+                raise FragmentError(f"parameter {k!r} matches no fragment pattern (fragments: {v})")
+            if len(hits) > 1:
+                raise FragmentError(f"parameter {k!r} matches the patterns of fragments {hits}; each key needs one")
+            out[names[hits[0]]].append(k)
+    empty = [n for n in names if not out[n]]
+    if empty:
+        raise FragmentError(
+            f"fragments={v if isinstance(v, int) else len(v)} leaves fragment(s) {empty} without parameters "
+            f"(the model has {len(keys)} synced tensors); use fewer fragments"
+        )
+    order = {k: i for i, k in enumerate(keys)}
+    return FragmentPlan(tuple(names), {n: tuple(sorted(out[n], key=order.__getitem__)) for n in names})
+
+
+#: the header entries of a fragment's delta (docs/spec.md, "Fragments")
+HEADER_KEYS = ("fragment", "fragments", "base_fragment_step")
+
+
+def _decimal(text: str, what: str, digits: int) -> int:
+    if not isinstance(text, str) or not text.isdigit() or not text.isascii() or len(text) > digits or (
+        len(text) > 1 and text[0] == "0"
+    ):
+        shown = text if len(str(text)) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+        raise FragmentError(f"header {what!r} must be a decimal integer of at most {digits} digits, got {shown!r}")
+    return int(text)
+
+
+def parse_fragment_header(md: Mapping[str, str]) -> tuple[str, int, int] | None:
+    """``(fragment, fragment count, base_fragment_step)`` of a delta header, None when it names no
+    fragment; :class:`FragmentError` when the entries are incomplete or malformed."""
+    present = [k for k in HEADER_KEYS if k in md]
+    if not present:
+        return None
+    if len(present) != len(HEADER_KEYS):
+        raise FragmentError(f"header has {present} but not all of {list(HEADER_KEYS)}")
+    count = _decimal(md["fragments"], "fragments", 4)
+    index = _decimal(md["fragment"], "fragment", 4)
+    if not 2 <= count <= MAX_FRAGMENTS or index >= count:
+        raise FragmentError(f"header names fragment {index} of {count}")
+    return str(index), count, _decimal(md["base_fragment_step"], "base_fragment_step", 18)

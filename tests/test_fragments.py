@@ -1,0 +1,575 @@
+"""Streaming fragments (issue 15): the assignment, the delta header, the worker's schedule and
+installs, the master's per-fragment staleness, gate and counters, F=1 bit for bit."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco_lightning.deltafile import read_delta_header, write_delta
+from diloco_lightning.fragments import (
+    FragmentError,
+    block_index,
+    build_plan,
+    check_fragments_option,
+    parse_fragment_header,
+)
+from diloco_lightning.hub.local import FileHub
+from diloco_lightning.manifest import Manifest
+from diloco_lightning.options import OptionError
+from diloco_lightning.outer import PACGAD, NesterovOuterOptimizer
+from diloco_lightning.stheader import read_layout
+from diloco_lightning.worker import DiLoCoWorker
+from diloco_lightning.worker.options import WorkerOptions
+from diloco_lightning.worker.pacing import Pacing
+
+FAST = dict(poll_interval=0.01, wait_timeout=20.0)
+
+
+def llama_like(blocks: int = 4, d: int = 4, vocab: int = 32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {"embed.weight": torch.randn(vocab, d, generator=g)}
+    for i in range(blocks):
+        out[f"layers.{i}.attn.weight"] = torch.randn(d, d, generator=g)
+        out[f"layers.{i}.norm.weight"] = torch.randn(d, generator=g)
+    out["norm.weight"] = torch.randn(d, generator=g)
+    out["head.weight"] = torch.randn(vocab, d, generator=g)
+    out["steps"] = torch.tensor(3, dtype=torch.long)  # an integer buffer: in no fragment
+    return out
+
+
+# ----------------------------------------------------------------------------- the assignment
+
+
+def test_strided_assignment_and_where_the_rest_goes():
+    state = llama_like()
+    plan = build_plan(4, state)
+    assert plan is not None and plan.names == ("0", "1", "2", "3")
+    for i in range(4):
+        assert {f"layers.{i}.attn.weight", f"layers.{i}.norm.weight"} <= set(plan.keys[str(i % 4)])
+    # embeddings, final norm and head (no block index) go, largest first, to the lightest fragment
+    assert "embed.weight" in plan.keys["0"] and "head.weight" in plan.keys["1"] and "norm.weight" in plan.keys["2"]
+    assert "steps" not in [k for ks in plan.keys.values() for k in ks]
+    assert sorted(k for ks in plan.keys.values() for k in ks) == sorted(k for k in state if k != "steps")
+    assert block_index("model.layers.12.mlp.w1.weight") == 12 and block_index("lm_head.weight") is None
+    assert build_plan(2, state).keys["1"] == ("head.weight", "layers.1.attn.weight", "layers.1.norm.weight",
+                                               "layers.3.attn.weight", "layers.3.norm.weight")  # sorted names
+    # F = 1, None and a one-group list: no fragments at all
+    assert build_plan(1, state) is None and build_plan(None, state) is None and build_plan([["layers"]], state) is None
+
+
+def test_pattern_groups_and_errors():
+    state = llama_like(blocks=2)
+    plan = build_plan([["layers.0.attn", "embed"], "layers.1.attn", ["*norm*", "head.weight"]], state)
+    assert plan.keys["0"] == ("embed.weight", "layers.0.attn.weight")
+    assert plan.keys["1"] == ("layers.1.attn.weight",)
+    assert plan.keys["2"] == ("head.weight", "layers.0.norm.weight", "layers.1.norm.weight", "norm.weight")
+    with pytest.raises(FragmentError, match="matches no fragment pattern"):
+        build_plan([["layers"], ["embed"]], state)
+    with pytest.raises(FragmentError, match="matches the patterns of fragments"):
+        build_plan([["layers", "embed", "norm", "head"], ["layers.0"]], state)
+    with pytest.raises(FragmentError, match="without parameters"):
+        build_plan(64, state)
+    for bad in (0, -1, True, "4", [], [[]], [[""]], 10**6):
+        with pytest.raises(FragmentError):
+            check_fragments_option(bad)
+
+
+def test_worker_options_refuse_what_does_not_compose():
+    WorkerOptions(inner_steps=8, fragments=4).validate()
+    for kw, msg in (
+        (dict(inner_steps=6, fragments=4), "multiple of 4"),
+        (dict(inner_steps="auto", fragments=2), "inner_steps=auto"),
+        (dict(inner_steps=8, fragments=2, delta_dtype="int8"), "error feedback"),
+        (dict(inner_steps=8, fragments=0), "fragments"),
+    ):
+        with pytest.raises(OptionError, match=msg) as e:
+            WorkerOptions(**kw).validate()
+        assert e.value.option == "fragments"
+    WorkerOptions(inner_steps=8, fragments=2, delta_dtype="int8", error_feedback=False).validate()
+    # a boundary every H/F steps
+    p = Pacing(8, fragments=4)
+    assert [s for s in range(1, 17) if p.due(s, s - 1)] == [2, 4, 6, 8, 10, 12, 14, 16]
+
+
+def test_fragment_header_parsing():
+    assert parse_fragment_header({"phases": "1"}) is None
+    assert parse_fragment_header({"fragment": "2", "fragments": "4", "base_fragment_step": "7"}) == ("2", 4, 7)
+    for md in ({"fragment": "1"}, {"fragment": "4", "fragments": "4", "base_fragment_step": "0"},
+               {"fragment": "01", "fragments": "4", "base_fragment_step": "0"},
+               {"fragment": "0", "fragments": "1", "base_fragment_step": "0"},
+               {"fragment": "0", "fragments": "2", "base_fragment_step": "9" * 19},
+               {"fragment": "0", "fragments": "2", "base_fragment_step": "-1"}):
+        with pytest.raises(FragmentError):
+            parse_fragment_header(md)
+
+
+def test_manifest_fragments_round_trip_and_old_manifests_load():
+    base = dict(outer_step=3, weights="global/w.safetensors", weights_sha256="a" * 64, model_fingerprint="b" * 64)
+    plain = Manifest(**base)
+    assert "fragments" not in json.loads(plain.to_json())
+    frags = [{"name": "0", "keys_sha256": "c" * 64, "outer_step": 2, "updated_at": 3},
+             {"name": "1", "keys_sha256": "d" * 64, "outer_step": 1, "updated_at": 2}]
+    m = Manifest(**base, fragments=frags)
+    back = Manifest.from_json(m.to_json())
+    assert back.fragments == frags and back.fragment_steps_at(3) == {"0": 2, "1": 1}
+    bad = json.loads(m.to_json())
+    bad["fragments"][1]["updated_at"] = 4  # after the version itself
+    with pytest.raises(ValueError, match="ahead of outer_step"):
+        Manifest.from_json(json.dumps(bad))
+
+
+# ----------------------------------------------------------------------------- worker + master
+
+
+def _module_params(state):
+    return {k: (torch.nn.Parameter(v.clone()) if v.is_floating_point() else v.clone()) for k, v in state.items()}
+
+
+def _run_lockstep(tmp_path: Path, fragments, *, boundaries: int, outer: str = "nesterov", seed: int = 1, **worker):
+    """One worker, lockstep delay 0, a real master (quorum 1): returns (master state, manifest,
+    the delta headers and tensor names seen on the hub, in order)."""
+    from diloco_lightning.master import MasterOuterLoop
+
+    root = tmp_path / "hub"
+    init = llama_like(blocks=2)
+    master = MasterOuterLoop(FileHub(root), init, node_state_dir=tmp_path / "master", poll_interval=0.01, min_deltas=1,
+                             keep_globals=8, norm_ratio=None, outer_optimizer=outer,
+                             outer_options={} if outer == "nesterov" else {"lr": 0.01},
+                             fragments=fragments)
+    seen: list[tuple[dict, list[str]]] = []
+    worker_hub = FileHub(root)
+    upload = worker_hub.upload_delta
+
+    def recording_upload(path, node, step):  # every delta file as the worker sends it
+        h, names = read_delta_header(path), sorted(read_layout(path).tensors)  # the file's tensor names
+        extra = dict(h.extra, local_step=str(h.local_step), base=str(h.base_outer_step))
+        if h.encoding is not None:
+            extra["encoding"] = h.encoding.name
+        seen.append((extra, names))
+        return upload(path, node, step)
+
+    worker_hub.upload_delta = recording_upload  # type: ignore[method-assign]
+    params = _module_params(init)
+    g = torch.Generator().manual_seed(seed)
+    master.start()
+    with DiLoCoWorker(worker_hub, "w0", params, sync="lockstep", fragments=fragments, **FAST, **worker) as w:
+        for _ in range(boundaries):
+            with torch.no_grad():
+                for v in params.values():
+                    if v.is_floating_point():
+                        v.add_(torch.randn(v.shape, generator=g) * 0.01)
+            w.boundary()
+        assert w.flush()
+    deadline = time.monotonic() + 20
+    while master.outer_step < boundaries and time.monotonic() < deadline:
+        time.sleep(0.01)
+    master.stop()
+    state = {k: v.clone() for k, v in master.run.state.items()}
+    return state, FileHub(root).read_manifest(), sorted(seen, key=lambda s: int(s[0]["local_step"])), params
+
+
+def test_fragments_1_is_todays_run_bit_for_bit(tmp_path):
+    a, ma, da, pa = _run_lockstep(tmp_path / "unset", None, boundaries=4)
+    b, mb, db, pb = _run_lockstep(tmp_path / "one", 1, boundaries=4)
+    assert ma.outer_step == mb.outer_step == 4
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+        assert torch.equal(pa[k], pb[k]), k
+    assert ma.weights_sha256 == mb.weights_sha256 and ma.fragments is None and mb.fragments is None
+    assert "fragments" not in json.loads(mb.to_json()) and all("fragment_steps" not in h for h in
+                                                                 json.loads(mb.to_json())["history"])
+    assert da == db and all("fragment" not in h for h, _ in db)  # the same headers and tensors
+
+
+def test_lockstep_fragments_send_one_fragment_each_and_match_a_reference(tmp_path):
+    """F=2, one worker in lockstep, Nesterov: boundary r sends fragment r mod 2 (its keys only, its
+    own base), the master applies it to that fragment's keys; the result equals a hand-run
+    reference (the same inner updates, the same optimizer, fragment by fragment)."""
+    init = llama_like(blocks=2)
+    state, m, seen, params = _run_lockstep(tmp_path, 2, boundaries=6)
+    plan = build_plan(2, init)
+    assert m.outer_step == 6
+    assert [f["outer_step"] for f in m.fragments] == [3, 3] and [f["updated_at"] for f in m.fragments] == [6, 5]
+    assert [h["fragment"] for h, _ in seen] == ["1", "0", "1", "0", "1", "0"]
+    for h, names in seen:
+        assert names == sorted(plan.keys[h["fragment"]]) and h["fragments"] == "2"
+    # fragment 1 first syncs at boundary 1 from version 0; later syncs from the version that applied its last delta
+    assert [(h["base"], h["base_fragment_step"]) for h, _ in seen] == [("0", "0"), ("0", "0"), ("1", "1"), ("2", "1"),
+                                                                       ("3", "2"), ("4", "2")]
+    # the reference: the worker's local weights, its per-fragment anchors, the master's Nesterov per fragment
+    ref = {k: v.clone() for k, v in init.items()}
+    opt = NesterovOuterOptimizer(ref, lr=0.7, momentum=0.9)
+    local = {k: v.clone() for k, v in init.items()}
+    anchor = {k: v.clone() for k, v in init.items() if v.is_floating_point()}
+    g = torch.Generator().manual_seed(1)
+    for r in range(1, 7):
+        for v in local.values():
+            if v.is_floating_point():
+                v.add_(torch.randn(v.shape, generator=g) * 0.01)
+        keys = plan.keys[plan.fragment_at(r)]
+        assert opt.step(ref, {k: anchor[k] - local[k] for k in keys}, staleness=0)
+        for k in keys:
+            local[k] = ref[k].clone()
+            anchor[k] = ref[k].clone()
+    for k in ref:
+        assert torch.allclose(state[k], ref[k], atol=1e-6, rtol=0), k
+        assert torch.allclose(params[k].detach(), local[k], atol=1e-6, rtol=0), k
+
+
+def test_encoded_fragment_deltas_without_error_feedback(tmp_path):
+    state, m, seen, _ = _run_lockstep(tmp_path, 2, boundaries=4, delta_dtype="int8", error_feedback=False)
+    assert m.outer_step == 4 and [f["outer_step"] for f in m.fragments] == [2, 2]
+    assert all(h["encoding"] == "int8" for h, _ in seen)
+    with pytest.raises(ValueError, match="error feedback"):
+        DiLoCoWorker(FileHub(tmp_path / "x"), "w0", _module_params(llama_like()), fragments=2, delta_dtype="int8",
+                     claim=False)
+
+
+def test_e2e_pa_cgad_fragments_lockstep(tmp_path):
+    state, m, seen, _ = _run_lockstep(tmp_path, 4, boundaries=8, outer="pa_cgad")
+    assert m.outer_step == 8 and [f["outer_step"] for f in m.fragments] == [2, 2, 2, 2]
+    assert m.optimizer["name"] == "pa_cgad" and sorted(m.optimizer["options"]["fragments"]) == ["0", "1", "2", "3"]
+
+
+# ----------------------------------------------------------------------------- the master's checks and gates
+
+
+def _put(hub: FileHub, tmp: Path, node: str, step: int, tensors, base: int, frag=None, fp=None) -> None:
+    from diloco_lightning.deltafile import model_fingerprint
+
+    extra = {} if frag is None else {"fragment": frag[0], "fragments": str(frag[1]), "base_fragment_step": str(frag[2])}
+    p = tmp / f"{node}-{step}.safetensors"
+    write_delta(p, tensors, node_id=node, local_step=step, base_outer_step=base, extra_metadata=extra,
+                model_fingerprint=fp or model_fingerprint(llama_like(blocks=2)))
+    hub.upload_delta(p, node, step)
+
+
+def test_master_checks_a_fragment_delta_against_its_fragment_only(tmp_path):
+    from diloco_lightning.master import MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    plan = build_plan(2, init)
+    hub = FileHub(tmp_path / "hub")
+    m = MasterOuterLoop(hub, init, node_state_dir=tmp_path / "m", fragments=2, norm_ratio=None, outer_lr=1.0,
+                        outer_momentum=0.0, poll_interval=0.01)
+    assert m.sync_once()
+    man = hub.read_manifest()
+    assert [f["outer_step"] for f in man.fragments] == [0, 0] and man.fragments[0]["keys_sha256"] == plan.digest("0")
+
+    def frag(name, scale=0.01):
+        return {k: torch.full_like(init[k], scale) for k in plan.keys[name]}
+
+    full = {k: torch.zeros_like(v) for k, v in init.items() if v.is_floating_point()}
+    _put(hub, tmp_path, "a", 1, frag("0"), 0, ("0", 2, 0))  # good
+    _put(hub, tmp_path, "b", 1, frag("0"), 0, ("1", 2, 0))  # names fragment 1, carries fragment 0's keys
+    _put(hub, tmp_path, "c", 1, full, 0)  # no fragment in a run with fragments
+    _put(hub, tmp_path, "d", 1, frag("1"), 0, ("1", 4, 0))  # another fragment count
+    _put(hub, tmp_path, "e", 1, frag("1"), 0, ("1", 2, 1))  # a base_fragment_step its base version cannot have
+    m.sync_once(force=True)
+    got = m.last_metrics["rejected_by_reason"]
+    assert got == {"missing_key": 1, "fragment": 3}, got
+    man = hub.read_manifest()
+    assert man.outer_step == 1 and man.ledger == {"a": 1}
+    assert [(f["outer_step"], f["updated_at"]) for f in man.fragments] == [(1, 1), (0, 0)]
+    state = m.snapshot()[1]
+    for k in plan.keys["0"]:
+        assert torch.equal(state[k], init[k] - 0.01), k
+    for k in plan.keys["1"]:
+        assert torch.equal(state[k], init[k]), k
+    # a delta of a fragment run is refused by a master without fragments, and the reverse
+    hub2 = FileHub(tmp_path / "hub2")
+    m2 = MasterOuterLoop(hub2, init, node_state_dir=tmp_path / "m2", norm_ratio=None, poll_interval=0.01)
+    assert m2.sync_once()
+    _put(hub2, tmp_path, "a", 1, frag("0"), 0, ("0", 2, 0))
+    m2.sync_once(force=True)
+    assert m2.last_metrics["rejected_by_reason"] == {"fragment": 1}
+    params = _module_params(init)
+    with pytest.raises(Exception, match="syncs no fragments, this worker 2 fragments"):
+        DiLoCoWorker(hub2, "w9", params, fragments=2, claim=False, **FAST).start()
+    with pytest.raises(Exception, match="syncs 2 fragments, this worker no fragments"):
+        DiLoCoWorker(hub, "w9", params, claim=False, **FAST).start()
+
+
+def test_pa_cgad_gates_each_delta_on_max_tau_and_age_before_averaging(tmp_path):
+    """Round mode, F=2: fragment 1 is 2 outer steps old when two of its deltas (staleness 0 and 3)
+    arrive: each is gated on max(tau_i, age_f) before the mean, then one Adam step (no second gate)."""
+    from diloco_lightning.master import MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    plan = build_plan(2, init)
+    hub = FileHub(tmp_path / "hub")
+    opts = {"lr": 0.01, "alpha": 0.2, "tau_cut": 32}
+    m = MasterOuterLoop(hub, init, node_state_dir=tmp_path / "m", fragments=2, norm_ratio=None,
+                        outer_optimizer="pa_cgad", outer_options=opts, poll_interval=0.01)
+    assert m.sync_once()
+    g = torch.Generator().manual_seed(3)
+
+    def frag(name):
+        return {k: torch.randn(init[k].shape, generator=g) * 0.01 for k in plan.keys[name]}
+
+    ref_state = {k: v.clone() for k, v in init.items()}
+    ref = PACGAD(ref_state, fragments=plan.optimizer_fragments(), **opts)
+    sent = []
+    for step in (1, 2, 3):  # three rounds of fragment 0: fragment 1 ages
+        d = frag("0")
+        _put(hub, tmp_path, "a", step, d, step - 1, ("0", 2, step - 1))
+        m.sync_once(force=True)
+        assert ref.step_pregated(ref_state, {k: v * ref.fragment_gate("0", 0) for k, v in d.items()})
+        sent.append(d)
+    assert ref.age("1") == 3
+    d_fresh, d_stale = frag("1"), frag("1")
+    _put(hub, tmp_path, "a", 4, d_fresh, 3, ("1", 2, 0))  # its fragment was never updated: tau 0
+    _put(hub, tmp_path, "b", 1, d_stale, 0, ("1", 2, 0))
+    m.sync_once(force=True)
+    assert m.last_metrics["staleness_histogram"] == {"0": 2}
+    g0 = ref.fragment_gate("1", 0)
+    assert g0 == ref.gate(3) < 1.0  # the age gate, not the staleness one, decides here
+    mean = {k: (d_fresh[k] * g0 + d_stale[k] * g0) / 2 for k in d_fresh}
+    assert ref.step_pregated(ref_state, mean)
+    state = m.snapshot()[1]
+    for k in ref_state:
+        assert torch.allclose(state[k], ref_state[k], atol=1e-7, rtol=0), k
+    man = hub.read_manifest()
+    assert [(f["outer_step"], f["updated_at"]) for f in man.fragments] == [(3, 3), (1, 4)]
+    assert man.history[0].fragment_steps == [3, 0]
+
+
+# ----------------------------------------------------------------------------- the async worker
+
+
+def test_async_worker_installs_only_its_fragments_newer_version_and_resumes(tmp_path):
+    from diloco_lightning.master import MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    plan = build_plan(2, init)
+    root = tmp_path / "hub"
+    m = MasterOuterLoop(FileHub(root), init, node_state_dir=tmp_path / "m", fragments=2, norm_ratio=None,
+                        outer_lr=1.0, outer_momentum=0.0, poll_interval=0.01)
+    assert m.sync_once()
+    params = _module_params(init)
+    w = DiLoCoWorker(FileHub(root), "w0", params, fragments=2, **FAST)
+    w.start()
+
+    def train(amount):
+        with torch.no_grad():
+            for v in params.values():
+                if v.is_floating_point():
+                    v.add_(amount)
+
+    train(1.0)
+    r1 = w.boundary()  # fragment 1: sent; nothing newer to install
+    assert r1.installed is None and w.flush()
+    m.sync_once(force=True)  # applies fragment 1's delta: version 1
+    train(1.0)
+    deadline = time.monotonic() + 10
+    while w._fetcher.newest_seen < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r2 = w.boundary()  # fragment 0: version 1 did not update it, so nothing is installed
+    assert r2.installed is None
+    before = {k: params[k].detach().clone() for k in params}
+    train(1.0)
+    r3 = w.boundary()  # fragment 1 again: version 1 updated it: installed, the rest kept
+    assert r3.installed is not None and r3.installed.outer_step == 1
+    g = m.snapshot()[1]
+    for k in plan.keys["1"]:
+        assert torch.equal(params[k], g[k]), k
+    for k in plan.keys["0"]:
+        assert torch.equal(params[k], before[k] + 1.0), k
+    assert w.fragment_base == {"0": (0, 0), "1": (1, 1)}
+    saved = w.anchor_state()
+    counters = w.state_dict()
+    assert saved["fragment_bases"] == {"0": [0, 0], "1": [1, 1]} and w.flush()
+    w.close()
+    # a resumed worker keeps its per-fragment bases; one without fragments refuses the checkpoint
+    w2 = DiLoCoWorker(FileHub(root), "w0", params, fragments=2, **FAST)
+    w2.load_state_dict(counters)
+    w2.load_anchor_state(saved)
+    assert w2.fragment_base == w.fragment_base
+    w3 = DiLoCoWorker(FileHub(root), "w0", params, claim=False, **FAST)
+    with pytest.raises(Exception, match="written with 2 fragments"):
+        w3.load_anchor_state(saved)
+    m.sync_once(force=True)
+    got = sorted((r.local_step) for r in FileHub(root).list_deltas())
+    assert got == [] and m.ledger == {"w0": 3}
+    w2.close()
+
+
+# ----------------------------------------------------------------------------- kill -9 in the middle of fragment traffic
+
+
+@pytest.fixture(params=["file", "hf"])
+def frag_hubs(request, tmp_path):
+    from test_hardening import Hubs
+
+    if request.param == "file":
+        yield Hubs("file", tmp_path)
+    else:
+        from hf_server import FakeHubServer
+
+        with FakeHubServer() as server:
+            yield Hubs("hf", tmp_path, server)
+
+
+WORKER_POINTS = [
+    pytest.param("file", "worker.uploaded"),
+    pytest.param("hf", "worker.uploading"),
+    pytest.param("file", "worker.exported", marks=pytest.mark.slow),
+    pytest.param("file", "worker.uploading", marks=pytest.mark.slow),
+    pytest.param("hf", "worker.exported", marks=pytest.mark.slow),
+    pytest.param("hf", "worker.uploaded", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("frag_hubs, point", WORKER_POINTS, indirect=["frag_hubs"])
+def test_worker_kill9_in_fragment_traffic_loses_and_duplicates_nothing(frag_hubs, tmp_path, point):
+    """A Lightning worker with 2 fragments (vectors p and q, +1 per step each; H=4, a boundary every
+    2 steps) is killed at its 3rd boundary (before, while and after a fragment's delta is sent),
+    resumes from its checkpoint, and a master applies everything (arrival, Nesterov lr 1, no
+    momentum): p (fragment 0, synced at steps 4, 8, ..., 20) ends at exactly 10 + 20, q (fragment 1,
+    steps 2, 6, ..., 18) at 10 + 18: no fragment's progress lost or applied twice."""
+    from test_hardening import _run_worker
+
+    from diloco_lightning.master import MasterOuterLoop
+
+    hub = frag_hubs.open()
+    init = {"p": torch.full((8,), 10.0), "q": torch.full((8,), 10.0)}
+    m = MasterOuterLoop(hub, init, node_state_dir=tmp_path / "m", outer_lr=1.0, outer_momentum=0.0,
+                        aggregation="arrival", lease_ttl=30, fragments=2)
+    assert m.sync_once()
+    # no commit budget on the loopback Hub: 10 deltas would be paced 28 s apart after the burst
+    # (with fragments a paced delta waits instead of merging: docs/design.md, "Streaming fragments")
+    options = dict(frag_hubs.options, commits_per_hour=0) if frag_hubs.kind == "hf" else frag_hubs.options
+    cfg = dict(hub=frag_hubs.url, hub_options=options, ckpt_dir=str(tmp_path / "ckpt"), max_steps=20,
+               inner_steps=4, fragments=2)
+    first = _run_worker(cfg, f"{point}:3")
+    assert first.returncode == -9, first.stderr[-3000:]
+    second = _run_worker(cfg, None)
+    assert second.returncode == 0 and "done 20" in second.stdout, second.stderr[-3000:]
+    for _ in range(50):
+        m.sync_once(force=True)
+        if not hub.list_deltas(after=m.ledger):
+            break
+    assert m.ledger["w0"] == 10
+    state = m.snapshot()[1]
+    assert torch.equal(state["p"], torch.full((8,), 30.0)), state["p"]
+    assert torch.equal(state["q"], torch.full((8,), 28.0)), state["q"]
+    man = hub.read_manifest()
+    assert [f["outer_step"] for f in man.fragments] == [5, 5]
+
+
+def _frag_deltas():
+    from master_crash_script import initial_state
+
+    st = initial_state(0)
+    plan = build_plan(2, st)
+    out = []
+    for i, (node, step, frag) in enumerate([("a", 0, "0"), ("a", 1, "1"), ("b", 0, "1"), ("c", 0, "0"), ("c", 1, "1"),
+                                            ("b", 1, "0")]):
+        g = torch.Generator().manual_seed(2000 + i)
+        out.append((node, step, frag, {k: (torch.randn(st[k].shape, generator=g) * 0.01).to(st[k].dtype)
+                                       for k in plan.keys[frag]}))
+    return out
+
+
+def _put_frag_deltas(hub, tmp: Path) -> None:
+    from master_crash_script import initial_state
+
+    from diloco_lightning.deltafile import model_fingerprint
+
+    fp = model_fingerprint(initial_state(0))
+    tmp.mkdir(parents=True, exist_ok=True)
+    for node, step, frag, tensors in _frag_deltas():
+        p = tmp / f"{node}_{step}.safetensors"
+        write_delta(p, tensors, node_id=node, local_step=step, base_outer_step=0, model_fingerprint=fp,
+                    extra_metadata={"fragment": frag, "fragments": "2", "base_fragment_step": "0"})
+        hub.upload_delta(p, node, step)
+
+
+MASTER_POINTS = [
+    pytest.param("file", "arrival", "published", 3),
+    pytest.param("file", "round", "stepped", 1),
+    pytest.param("hf", "arrival", "files", 3),
+    pytest.param("file", "arrival", "stepped", 3, marks=pytest.mark.slow),
+    pytest.param("file", "arrival", "swapped", 3, marks=pytest.mark.slow),
+    pytest.param("file", "round", "published", 1, marks=pytest.mark.slow),
+    pytest.param("hf", "arrival", "published", 3, marks=pytest.mark.slow),
+    pytest.param("hf", "round", "files", 1, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("frag_hubs, aggregation, crash, occurrence", MASTER_POINTS, indirect=["frag_hubs"])
+def test_master_kill9_in_fragment_traffic_applies_every_fragment_delta_once(frag_hubs, tmp_path, aggregation, crash,
+                                                                            occurrence):
+    """A master (2 fragments, Nesterov lr 0.7 momentum 0.9) is killed for real in the middle of six
+    fragment deltas; a restarted master must end bit for bit where an uninterrupted one does, with
+    the same per-fragment counters."""
+    from master_crash_script import initial_state
+    from test_master_crash import MASTER, _finish, _run_script
+
+    from diloco_lightning.master import MasterOuterLoop
+
+    opts = dict(MASTER, aggregation=aggregation, fragments=2)
+    ref_hub = FileHub(tmp_path / "ref_hub")
+    ref = MasterOuterLoop(ref_hub, initial_state(0), node_state_dir=tmp_path / "ref_m", **opts)
+    ref.sync_once()
+    _put_frag_deltas(ref_hub, tmp_path / "ref_w")
+    _finish(ref)
+    hub = frag_hubs.open()
+    _put_frag_deltas(hub, tmp_path / "w")
+    spec = ({"kind": "file", "path": str(frag_hubs.root), "cache_dir": str(tmp_path / "sc")} if frag_hubs.kind == "file"
+            else {"kind": "hf", "endpoint": frag_hubs.server.endpoint, "repo": _repo(),
+                  "token": _token(), "cache_dir": str(tmp_path / "sc")})
+    proc = _run_script({"hub": spec, "state_dir": str(tmp_path / "m"), "seed": 0, "crash": crash,
+                        "occurrence": occurrence, "master": opts})
+    assert proc.returncode == -9, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    m = MasterOuterLoop(frag_hubs.open(), initial_state(0), node_state_dir=tmp_path / "m", **opts)
+    _finish(m)
+    step, snap = m.snapshot()
+    rstep, rsnap = ref.snapshot()
+    assert step == rstep
+    for k, v in rsnap.items():
+        assert torch.equal(snap[k], v), k
+    man, rman = m.hub.read_manifest(), ref_hub.read_manifest()
+    assert man.ledger == rman.ledger == {"a": 1, "b": 1, "c": 1}
+    assert [f["outer_step"] for f in man.fragments] == [f["outer_step"] for f in rman.fragments]
+    assert sum(f["outer_step"] for f in man.fragments) == (6 if aggregation == "arrival" else 2)
+
+
+def _repo() -> str:
+    from test_hardening import REPO
+
+    return REPO
+
+
+def _token() -> str:
+    from test_hardening import TOKEN
+
+    return TOKEN
+
+
+# ----------------------------------------------------------------------------- Hydra
+
+
+def test_hydra_fragments_compose_and_reach_worker_and_master(hydra_configs):
+    from hydra import compose, initialize_config_dir
+
+    from diloco_lightning.app.config import CONFIG_DIR, ConfigError, master_config, validate, worker_options
+
+    def cfg_of(*overrides):
+        with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+            return compose("train", overrides=["recipe=tiny", *overrides])
+
+    cfg = validate(cfg_of("diloco.fragments=4", "outer=pa_cgad"))
+    assert worker_options(cfg.diloco)["fragments"] == 4
+    assert master_config(cfg.master, cfg.outer, fragments=cfg.diloco.fragments).fragments == 4
+    cfg = validate(cfg_of("diloco.fragments=[[layers.0,layers.2],[layers.1,layers.3,tok_embeddings,norm]]"))
+    assert worker_options(cfg.diloco)["fragments"] == [["layers.0", "layers.2"], ["layers.1", "layers.3", "tok_embeddings",
+                                                                                    "norm"]]
+    with pytest.raises(ConfigError) as e:
+        validate(cfg_of("diloco.fragments=3"))  # inner_steps 8
+    assert e.value.key == "diloco.fragments" and "multiple of 3" in str(e.value)
