@@ -111,16 +111,19 @@ def _fragments(doc: dict, source: str) -> list[dict[str, Any]] | None:
         return None
     if not isinstance(raw, list) or not 2 <= len(raw) <= 4096:
         raise ManifestError(f"{source}: 'fragments' must be a list of 2 to 4096 objects")
-    out = []
+    out: list[dict[str, Any]] = []
+    ahead: list[int] = []  # per fragment: the higher of its outer_step and updated_at (ints, checked by _int)
     for i, f in enumerate(raw):
         where = f"{source}: fragments[{i}]"
         if not isinstance(f, dict) or f.get("name") != str(i):
             raise ManifestError(f"{where} must be an object named {str(i)!r}")
+        step, updated = _int(f, "outer_step", where), _int(f, "updated_at", where)
         out.append({"name": str(i), "keys_sha256": _sha(f, "keys_sha256", where),
-                    "outer_step": _int(f, "outer_step", where), "updated_at": _int(f, "updated_at", where)})
+                    "outer_step": step, "updated_at": updated})
+        ahead.append(max(step, updated))
     outer = doc.get("outer_step")
-    for f in out:
-        if isinstance(outer, int) and (int(f["updated_at"]) > outer or int(f["outer_step"]) > outer):
+    for f, high in zip(out, ahead):
+        if isinstance(outer, int) and high > outer:
             raise ManifestError(f"{source}: fragment {f['name']} is ahead of outer_step {outer}")
     return out
 

@@ -156,6 +156,8 @@ class Rounds:
 
     def _check(self, ref: DeltaRef, path: Path, outer_step: int):
         run = self.master.run
+        # rounds run only once the run has a global state (given, adopted or installed at start)
+        assert run.state is not None and run.fingerprint is not None
         gate, view = self._gates()
         return self.master.validator.check(ref, path, state=run.state, fingerprint=run.fingerprint, outer_step=outer_step,
                                            gate=gate, fragments=view)
@@ -296,6 +298,8 @@ class Rounds:
         fetched: list[tuple[DeltaRef, Path, int]] = []
         try:
             for ref, path in self.master.intake.fetch(refs, blocked, max_bytes, m):
+                # rounds run only once the run has a global state (given, adopted or installed at start)
+                assert run.state is not None and run.fingerprint is not None
                 fetched.append((ref, path, self.master.validator.header_base(path, run.state, run.fingerprint)))
             faults.point("downloaded", self.master)
             for ref, path, _ in arrival_order(fetched):

@@ -6,18 +6,29 @@ checkpoint (Lightning's, or any ``torch.save``) carries them; :func:`step_offset
 numbering offset, deriving it for checkpoints written before it was recorded.
 :func:`pack_residual` / :func:`unpack_residual` carry the error-feedback residual (what the
 encoding of the deltas sent so far dropped, owed to the next one: ``compression.py``).
+:func:`worker_state` / :func:`anchor_state` (and their ``load_`` inverses) are what
+``DiLoCoWorker.state_dict`` / ``anchor_state`` return and restore.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diloco_lightning.worker.params import anchor_copy
+from diloco_lightning.worker.sync import WorkerError
 from diloco_lightning.worker.uploader import Job, Part
 
-__all__ = ["STATE_VERSION", "pack_unsent", "unpack_unsent", "pack_residual", "unpack_residual", "step_offset_of"]
+if TYPE_CHECKING:  # the worker calls these; a runtime import would be a cycle
+    from diloco_lightning.worker.core import DiLoCoWorker
+
+__all__ = ["STATE_VERSION", "pack_unsent", "unpack_unsent", "pack_residual", "unpack_residual", "step_offset_of",
+           "worker_state", "load_worker_state", "anchor_state", "load_anchor_state"]
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 
@@ -101,3 +112,106 @@ def unpack_residual(residual: Mapping[str, torch.Tensor] | None,
             raise ValueError(f"{k!r} is {getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}, "
                              f"the model's is {want.dtype} {list(want.shape)}")
     return {"residual": dict(residual)}
+
+
+def worker_state(w: DiLoCoWorker) -> dict[str, Any]:
+    """Worker ``w``'s small counters (no tensors): ``DiLoCoWorker.state_dict``."""
+    return {
+        "version": STATE_VERSION,
+        "node_id": w.node_id,
+        "boundaries": w.boundaries,
+        "outer_step": w.outer_step,
+        "next_local_step": w.boundaries + 1 + w._offset(),
+        "step_offset": w._offset(),
+        "totals": dict(w.totals),
+    }
+
+
+def load_worker_state(w: DiLoCoWorker, state: Mapping[str, Any]) -> None:
+    """Inverse of :func:`worker_state` (before the worker starts); another node's delivery counters are ignored."""
+    if w._started:
+        raise WorkerError("load_state_dict must be called before the worker starts")
+    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+        raise ValueError(f"not a DiLoCo worker state (version {STATE_VERSION}): {state!r:.200}")
+    same_node = state.get("node_id") == w.node_id
+    if not same_node:
+        log.warning("node %s: ignoring the delivery counters of node %s's checkpoint", w.node_id, state.get("node_id"))
+    w.boundaries = int(state["boundaries"])
+    if state.get("outer_step") is not None:
+        w.outer_step = int(state["outer_step"])
+    if same_node:
+        w.step_offset = max(w.step_offset, step_offset_of(state))
+        for k, v in (state.get("totals") or {}).items():
+            if k in w.totals:  # in place: the worker's outbox counts into the same dict
+                w.totals[k] = type(w.totals[k])(v)
+
+
+def anchor_state(w: DiLoCoWorker, timeout: float | None = None) -> dict[str, Any]:
+    """Worker ``w``'s anchor (CPU FP32) and whatever is not yet on the hub: ``DiLoCoWorker.anchor_state``."""
+    if w._anchor is None:
+        raise WorkerError("the worker has no anchor yet (call start() first)")
+    outbox = w._outbox
+    if w._started:
+        busy = not outbox.uploader.wait_idle(w.wait_timeout if timeout is None else timeout)
+        outbox.collect()
+        if busy:
+            log.warning("node %s: an upload is still running at checkpoint time; if this process dies now, "
+                        "the phases it carries are not in the checkpoint", w.node_id)
+    if w._pin:
+        torch.cuda.synchronize()
+    unsent = pack_unsent(outbox.jobs.get(None))
+    feedback = w._uploader.feedback_state() if w._uploader is not None else w._feedback.state_dict()
+    extra: dict[str, Any] = w._frags.state()  # per fragment: its anchor's base
+    if w.plan is not None:  # and its undelivered work
+        extra["unsent_fragments"] = [pack_unsent(j) for n, j in sorted((k, j) for k, j in outbox.jobs.items()
+                                                                      if k is not None)]
+    return {
+        **extra,
+        "version": STATE_VERSION,
+        "node_id": w.node_id,
+        "outer_step": w.outer_step,
+        "boundaries": w.boundaries,
+        "next_local_step": w.boundaries + 1 + w._offset(),
+        "step_offset": w._offset(),
+        "anchor": dict(w._anchor),
+        "unsent": unsent,
+        "residual": pack_residual(feedback),
+    }
+
+
+def load_anchor_state(w: DiLoCoWorker, state: Mapping[str, Any]) -> None:
+    """Inverse of :func:`anchor_state` (before the worker starts): ``DiLoCoWorker.load_anchor_state``."""
+    if w._started:
+        raise WorkerError("load_anchor_state must be called before the worker starts")
+    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION or "anchor" not in state:
+        raise ValueError("not a DiLoCo anchor state")
+    anchor = state["anchor"]
+    missing = [k for k in w.synced if k not in anchor]
+    extra = [k for k in anchor if k not in w.synced]
+    if missing or extra:
+        raise WorkerError(
+            f"the checkpoint's DiLoCo anchor does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+    for k in w.synced:
+        if tuple(anchor[k].shape) != tuple(w.params[k].shape):
+            raise WorkerError(
+                f"the checkpoint's DiLoCo anchor has shape {list(anchor[k].shape)} for {k!r}, "
+                f"the model has {list(w.params[k].shape)}"
+            )
+    w._frags.load(state.get("fragment_bases"))
+    w._anchor = {k: anchor_copy(anchor[k], w._pin) for k in w.synced}
+    w.outer_step = int(state["outer_step"])
+    w.boundaries = int(state.get("boundaries", w.boundaries))
+    if state.get("node_id") != w.node_id:
+        log.warning("node %s: restoring the anchor of node %s's checkpoint (its undelivered deltas stay with it)",
+                    w.node_id, state.get("node_id"))
+        return
+    w._restored = True
+    try:
+        w._feedback.load_state_dict(unpack_residual(state.get("residual"), {k: w.params[k] for k in w.synced}))
+    except ValueError as e:
+        raise WorkerError(f"the checkpoint's DiLoCo error-feedback residual does not fit this model: {e}") from None
+    w.step_offset = step_offset_of(state)
+    w._outbox.hold(unpack_unsent(state.get("unsent"), boundaries=w.boundaries, step_offset=w.step_offset))
+    for packed in state.get("unsent_fragments") or []:
+        w._outbox.hold(unpack_unsent(packed, boundaries=w.boundaries, step_offset=w.step_offset))

@@ -1,19 +1,21 @@
-"""The tensors a worker syncs and installs into, and copying a global state into them.
+"""The tensors a worker syncs and installs into, copying a global state into them, and copying them out.
 
 :func:`module_state` names them (the global state's keys); :func:`copy_into` installs a global
 state in place (``tensor.data.copy_``: optimizer and DDP references stay valid). The worker
 installs versions with it, and so does anything else that loads a global state into a model
-(the product's evaluation), so there is one way to do it.
+(the product's evaluation), so there is one way to do it. :func:`anchor_copy` and :func:`snapshot`
+are the worker's CPU FP32 copies (its anchor, and the weights exported at a boundary).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["module_state", "copy_into"]
+__all__ = ["module_state", "copy_into", "anchor_copy", "snapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +58,41 @@ def copy_into(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tens
                 continue
             t.data.copy_(src, non_blocking=src.is_pinned())
     return kept
+
+
+def anchor_copy(t: torch.Tensor, pin: bool = False) -> torch.Tensor:
+    """``t`` as a CPU FP32 tensor (complex64 for complex ones), pinned when ``pin``; ``t`` itself
+    when it is one already (an anchor is never written to in place)."""
+    target = torch.complex64 if t.is_complex() else torch.float32
+    out = t.detach()
+    if out.device.type != "cpu" or out.dtype != target:
+        out = out.to("cpu", target)
+    if pin:
+        out = out.pin_memory()
+    return out
+
+
+def snapshot(params: Mapping[str, torch.Tensor], keys: Sequence[str], pin: bool = False
+             ) -> tuple[dict[str, torch.Tensor], Any]:
+    """A CPU FP32 copy of ``params[k]`` for every key of ``keys`` (the weights a worker exports at
+    a boundary; a new tensor each, never a view of the model). With ``pin`` (a CUDA model) the
+    copies are pinned and non-blocking, and the returned ``torch.cuda.Event`` completes when they
+    are done (None otherwise): the training thread does not wait for them."""
+    snap: dict[str, torch.Tensor] = {}
+    event = None
+    with torch.no_grad():
+        for k in keys:
+            t = params[k].detach()
+            target = torch.complex64 if t.is_complex() else torch.float32
+            if t.device.type == "cuda":
+                buf = torch.empty(t.shape, dtype=target, pin_memory=pin)
+                buf.copy_(t, non_blocking=True)
+            elif t.dtype == target:
+                buf = t.clone(memory_format=torch.contiguous_format)
+            else:
+                buf = t.to(dtype=target, memory_format=torch.contiguous_format)
+            snap[k] = buf
+        if pin:
+            event = torch.cuda.Event()
+            event.record()
+    return snap, event
