@@ -47,7 +47,7 @@ class WorkerOptions:
     inner_steps: int = option(500, "H: inner optimizer steps between two deltas")
     sync: str = option("async", "async (install the newest global, never wait) | lockstep (install exactly version r - delay)")
     delay: Any = option(
-        0, "lockstep staleness tau: an int, a per-worker list, or {distribution: uniform|choice, ...[, seed]}"
+        0, "lockstep staleness tau: an int, a per-worker list, or {distribution: uniform|choice|geometric|pareto, ...[, seed]}"
     )
     delta_dtype: str = option("float32", "pseudo-gradient dtype on the wire: float32 | bfloat16 | float16")
     reset_inner_optimizer: bool = option(False, "clear the inner optimizer state after each install")

@@ -52,7 +52,7 @@ from diloco_lightning.signing import RunKey
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Part", "Job", "UploadReport", "Uploader", "merge_parts", "merge_jobs"]
+__all__ = ["Part", "Job", "UploadReport", "Uploader", "merge_parts", "merge_jobs", "wire_tensors"]
 
 Tensors = dict[str, torch.Tensor]
 
@@ -100,6 +100,16 @@ class Part:
 
     def materialized(self) -> "Part":
         return Part(self.base_outer_step, self.num_tokens, self.phases, residual=self.materialize(), boundary=self.boundary)
+
+
+def wire_tensors(delta: Tensors, delta_dtype: torch.dtype) -> Tensors:
+    """The pseudo-gradient as it goes on the wire: each FP32 tensor cast once to ``delta_dtype``
+    (round to nearest even; complex tensors travel as they are).
+
+    The one place a delta's encoding is applied: the uploader writes what this returns, and the
+    in-process simulator (:mod:`diloco_lightning.sim`) hands the master the same thing, so an
+    encoding added here reaches both."""
+    return {k: (d if d.is_complex() or d.dtype == delta_dtype else d.to(delta_dtype)) for k, d in delta.items()}
 
 
 def _sum_tokens(a: int | None, b: int | None) -> int | None:
@@ -399,9 +409,7 @@ class Uploader:
                 sq += float(torch.linalg.vector_norm(d).double()) ** 2
         norm = math.sqrt(sq)
         content = Part(fresh.base_outer_step, fresh.num_tokens, fresh.phases, residual=delta, boundary=fresh.boundary)
-        tensors = {
-            k: (d if d.is_complex() or d.dtype == self.delta_dtype else d.to(self.delta_dtype)) for k, d in delta.items()
-        }
+        tensors = wire_tensors(delta, self.delta_dtype)
         for _attempt in range(3):
             step = fresh.boundary + self.step_offset
             local = self.spool_dir / f"delta_{step}.safetensors"
