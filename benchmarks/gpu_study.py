@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         rec = run_job((j, common, str(outdir)))
         with open(outdir / "log.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
-        state = f"FAILED: {rec['error'][:300]}" if rec.get("error") else f"eval {rec['eval_loss']:.3f}{' DIVERGED' if rec['diverged'] else ''}"
+        if rec.get("error"):
+            state = f"FAILED: {rec['error'][:300]}"
+        else:
+            state = f"eval {rec['eval_loss']:.3f}{' DIVERGED' if rec['diverged'] else ''}"
         print(f"[{time.time() - t0:6.0f}s] {i + 1}/{len(js)} {j['method']} tau={j['setting'][3:]} seed={j['seed']}: {state}",
               flush=True)
         (outdir / "summary.md").write_text(summary(outdir, js))

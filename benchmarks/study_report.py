@@ -175,7 +175,7 @@ def write_report(study, out: Path) -> None:
         L0 = cells[0]["mean"]
         base[m] = L0
 
-        def R(c):
+        def R(c, L0=L0):
             return (U - c["mean"]) / (U - L0) if c["n"] and math.isfinite(c["mean"]) and math.isfinite(L0) else math.nan
 
         steps = [statistics.mean([s for s in (step_size(r, x) for r in cells[x]["runs"]) if not math.isnan(s)] or [math.nan])
@@ -237,7 +237,7 @@ def write_report(study, out: Path) -> None:
                 ("heavy tail, bf16 outer state", "heavy", ("outer.state_dtype=bfloat16",), lr0),
                 (f"arrivals, tau = {tau}, bf16 weights + 8-bit AdamW", f"arr{tau}", tuple(_bf16w()), lr0)]
     for name, setting, extra, lrmap in settings:
-        def runs(m):
+        def runs(m, lrmap=lrmap, setting=setting, extra=extra):
             if lrmap is None:
                 return T.runs(m, lrr[m], setting, extra) if m in lrr else [None] * len(study.seeds)
             return T.runs(m, lrmap[m], setting, extra) if m in lrmap else [None] * len(study.seeds)

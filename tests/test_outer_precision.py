@@ -175,14 +175,15 @@ def test_master_publishes_bf16_outer_state_and_a_new_master_continues_bit_exact(
     hub = FileHub(tmp_path / "hub", create=True, cache_dir=tmp_path / "cw")
     m1 = master("m1")
     assert m1.sync_once()
+    m = m1
     for i, d in enumerate(deltas):
         p = tmp_path / f"d{i}.safetensors"
         write_delta(p, d, node_id="a", local_step=i, base_outer_step=i, model_fingerprint=model_fingerprint(s0()))
         hub.upload_delta(p, "a", i)
-        m = m1 if i < 2 else (m2 if i > 2 else master("m2"))
         if i == 2:
-            m2 = m
+            m = master("m2")  # a new master takes over from the published (bf16) outer state
         assert m.sync_once(force=True)
+    m2 = m
     manifest = hub.read_manifest()
     assert manifest.optimizer["options"]["state_dtype"] == "bfloat16"
     published = load_outer_state(hub, manifest)["optimizer"]

@@ -169,9 +169,10 @@ class OuterConf:
     name: str = opt("cgad", "outer optimizer: nesterov | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | poly_nesterov")
     lr: float = opt(0.7, "outer learning rate")
     options: Dict[str, Any] = opt(help="the optimizer's other options (momentum, alpha, tau_cut, betas, eps ...)", factory=dict)
-    state_dtype: str = opt("float32", "the outer optimizer's buffers (m, v, momentum): float32 | bfloat16 (half the memory)")
-    stochastic_rounding: bool = opt(False, "with state_dtype=bfloat16: round the buffers stochastically (unbiased) "
-                                           "instead of to nearest even")
+    state_dtype: str = opt("float32", "the outer optimizer's buffers (m, v, momentum): float32 (fp32) | bfloat16 (bf16: "
+                                      "half the memory; the math runs in FP32, the buffers are rounded back once per step)")
+    stochastic_rounding: bool = opt(False, "with state_dtype=bfloat16: round the buffers stochastically (unbiased, "
+                                           "seeded by step and key: a resumed master rounds the same) instead of to nearest even")
 
 
 MasterConf = compose_section(
@@ -305,7 +306,7 @@ def validate_outer(o: DictConfig, prefix: str = "outer.") -> None:
     from diloco_lightning.outer.base import STATE_DTYPES
 
     state_dtype = str(o.get("state_dtype", "float32"))
-    _check(state_dtype in STATE_DTYPES, f"{prefix}state_dtype", f"must be float32 or bfloat16, got {state_dtype!r}")
+    _check(state_dtype in STATE_DTYPES, f"{prefix}state_dtype", f"must be float32 (fp32) or bfloat16 (bf16), got {state_dtype!r}")
     _check(not o.get("stochastic_rounding", False) or STATE_DTYPES[state_dtype] != STATE_DTYPES["float32"],
            f"{prefix}stochastic_rounding", f"needs {prefix}state_dtype=bfloat16 (FP32 buffers are not rounded)")
     try:
