@@ -185,6 +185,26 @@ def write_report(study, out: Path) -> None:
           f"{_fmt(R(c16), 2)} | {_fmt(c16['mean'] + c16['std'] if c16['n'] else math.nan)} | "
           + " | ".join(_fmt(s, 2) for s in steps) + " |")
 
+    # ---------------------------------------------------------------- the step size through the run
+    w(f"\n## The outer step's size through the run (tau = {tau}, lr tuned at tau = 0)\n")
+    w("RMS change of the global weights per outer step in units of the outer lr, mean over the seeds and over blocks "
+      "of outer steps (per-step values: `sim.versions[].update_rms_over_lr` in each results.json). An Adam-type step "
+      "is about 1 lr when its gate is constant; below 1, the gate (through v, which remembers the larger early gated "
+      "values) acts as a learning-rate decay.\n")
+    total = max((len(r["sim"]["versions"]) for m in M for r in T.runs(m, lr0[m], f"arr{tau}") if r), default=0)
+    edges = list(range(0, total, max(1, total // 5))) + [total]
+    w("| method | " + " | ".join(f"steps {a + 1}-{b}" for a, b in zip(edges, edges[1:])) + " |")
+    w("|---|" + "---|" * (len(edges) - 1))
+    for m in M:
+        rs = [r for r in T.runs(m, lr0[m], f"arr{tau}") if r]
+        cols = []
+        for a, b in zip(edges, edges[1:]):
+            xs = [v["update_rms_over_lr"] for r in rs for v in r["sim"]["versions"]
+                  if a < v["outer_step"] <= b and v.get("update_rms_over_lr") is not None
+                  and math.isfinite(v["update_rms_over_lr"])]
+            cols.append(_fmt(statistics.mean(xs), 2) if xs else "—")
+        w(f"| {m} | " + " | ".join(cols) + " |")
+
     # ---------------------------------------------------------------- tuned for staleness
     w(f"\n## tau = {tau}: tuned at tau = 0 vs tuned for the staleness\n")
     w("| method | lr (tau = 0) | eval loss | lr (tau = %d) | eval loss | R (tuned for tau) |" % tau)
