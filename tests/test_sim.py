@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from diloco_lightning.master.config import MasterConfig
+from diloco_lightning.options import OptionError
 from diloco_lightning.sim import InnerLoop, SimMaster, SimOptions, SimWorker, Simulator
 from diloco_lightning.worker.sync import draw_delay
 
@@ -109,6 +110,44 @@ def test_async_clock_with_two_speeds():
 def test_async_equal_speeds_staleness_is_workers_minus_one():
     result, _, _ = _simulate(3, 4, aggregation="arrival", sync="async")
     assert result.staleness_histogram == {"0": 1, "1": 1, "2": 10}
+
+
+def test_a_worker_leaves_and_one_joins():
+    """async, arrivals, phases of H at speed 1: w2 leaves at 2.5 H (its phase due at 3 H is lost), w3 joins at
+    1.5 H from the newest version (v3). By hand (ties by queue order): t=1: w0/1, w1/1, w2/1 (all from v0);
+    t=2: w0/2 (v1), w1/2 (v2), w2/2 (v3); t=2.5: w3/1 (v3); t=3: w0/3 (v4), w1/3 (v5), w2/3 lost; t=3.5: w3/2 (v7);
+    t=4: w0/4 (v8), w1/4 (v9); t=4.5: w3/3 (v10); t=5.5: w3/4 (v13)."""
+    result, applied, master = _simulate(4, 4, aggregation="arrival", sync="async", join_at=[None, None, None, 1.5 * H],
+                                        leave_at=[None, None, 2.5 * H, None])
+    schedule = [[("w0/1", 0)], [("w1/1", 0)], [("w2/1", 0)], [("w0/2", 1)], [("w1/2", 2)], [("w2/2", 3)], [("w3/1", 3)],
+                [("w0/3", 4)], [("w1/3", 5)], [("w3/2", 7)], [("w0/4", 8)], [("w1/4", 9)], [("w3/3", 10)], [("w3/4", 13)]]
+    _check(result, schedule, applied)
+    assert result.lost_phases == 1 and result.sim_time == 5.5 * H
+    assert [r["time"] / H for r in master.records][5:8] == [2.0, 2.5, 3.0]
+
+
+def test_speed_jitter_is_drawn_from_the_seed():
+    def run(seed):
+        workers = _quad_workers(3, 6)
+        master = SimMaster({"w": torch.zeros(N)}, MasterConfig(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0,
+                                                               aggregation="arrival", norm_ratio=None, norm_global_ratio=None))
+        sim = Simulator(workers, master, sync="async", options=SimOptions(speed_jitter=0.5), seed=seed)
+        return sim, sim.run()
+
+    (a, ra), (_, rb), (_, rc) = run(3), run(3), run(4)
+    assert torch.equal(ra.final_state["w"], rb.final_state["w"]) and ra.sim_time == rb.sim_time
+    assert ra.sim_time != rc.sim_time
+    assert a.duration(1, 2) == H * math.exp(0.5 * random.Random("3:speed:1:2").gauss(0.0, 1.0))
+    assert ra.staleness_histogram != {"0": 1, "1": 1, "2": 16}  # equal speeds would give K - 1 after the start
+
+
+def test_membership_needs_async_and_one_time_per_worker():
+    with pytest.raises(ValueError, match="sync='async'"):
+        _simulate(2, 2, aggregation="arrival", sync="lockstep", leave_at=[None, 1.0])
+    with pytest.raises(OptionError, match="leave_at"):
+        SimOptions(leave_at=[1.0]).validate(2)
+    with pytest.raises(OptionError, match="join_at"):
+        SimOptions(join_at=[-1.0, None]).validate(2)
 
 
 @pytest.mark.parametrize("sync,aggregation,speeds", [("lockstep", "round", None), ("async", "arrival", [1.0, 0.5, 0.7]),
@@ -227,10 +266,11 @@ def test_train_py_launch_sim_end_to_end(tmp_path, token_cache):
     assert not (rdir / "hub").exists()
 
 
-def test_sim_config_errors_name_the_key(tmp_path, token_cache):
-    cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "launch=sim", "sim.speeds=[1,0]", f"run_root={tmp_path}"]
+@pytest.mark.parametrize("override,key", [("sim.speeds=[1,0]", "sim.speeds"), ("sim.leave_at=[null,4]", "sim.leave_at")])
+def test_sim_config_errors_name_the_key(tmp_path, token_cache, override, key):
+    cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "launch=sim", override, f"run_root={tmp_path}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path, token_cache), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "sim.speeds" in proc.stderr
+    assert proc.returncode == 2 and key in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2
 
 
 # ----------------------------------------------------------------------------- against the product

@@ -188,7 +188,9 @@ MasterConf = compose_section(
 
 SimConf = compose_section(
     "SimConf", SimOptions,
-    retype={"speeds": (Optional[List[float]], None, SimOptions.__dataclass_fields__["speeds"].metadata["help"])},
+    retype={k: (t, None, SimOptions.__dataclass_fields__[k].metadata["help"])
+            for k, t in (("speeds", Optional[List[float]]), ("join_at", Optional[List[Optional[float]]]),
+                         ("leave_at", Optional[List[Optional[float]]]))},
     doc="``launch=sim``: how the simulator schedules the workers (diloco_lightning.sim.SimOptions).",
 )
 
@@ -434,9 +436,11 @@ def validate_sim_section(cfg: DictConfig) -> None:
     from diloco_lightning.sim.inner import PRECISIONS as SIM_PRECISIONS
 
     try:
-        sim_options(cfg)
+        opts = sim_options(cfg)
     except OptionError as e:
         raise ConfigError(f"sim.{e.option}", e.detail) from None
+    _check(not opts.changes_membership() or cfg.diloco.sync == "async", "sim.join_at" if opts.join_at else "sim.leave_at",
+           "a worker joining late or leaving needs diloco.sync=async (lockstep imposes every worker's every delta)")
     _check(cfg.role == "all", "role", f"launch=sim runs the whole run in one process: use role=all, got {cfg.role!r}")
     _check(cfg.trainer.precision in SIM_PRECISIONS, "trainer.precision",
            f"launch=sim reproduces {', '.join(SIM_PRECISIONS)}; got {cfg.trainer.precision!r}")

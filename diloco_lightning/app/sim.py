@@ -111,7 +111,7 @@ def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_v
     return Simulator(
         workers, master, sync=cfg.diloco.sync, delay=_delay_option(cfg), options=opts,
         delta_dtype=parse_delta_dtype(cfg.diloco.delta_dtype), evaluate=evaluator.loss if evaluator else None,
-        eval_points=points, on_version=on_version, parallel=parallel,
+        eval_points=points, on_version=on_version, parallel=parallel, seed=int(cfg.seed),
     )
 
 
@@ -218,6 +218,11 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             "inner_steps": result.inner_steps, "run_seconds": result.wall_seconds,
             "inner_steps_per_second": result.inner_steps / result.wall_seconds if result.wall_seconds > 0 else 0.0,
             "staleness_histogram": result.staleness_histogram, "null_rounds": sim.master.null_rounds,
+            # loss against simulated time: [time, eval loss] at each eval_curve point
+            "eval_curve_time": [[t, loss] for t, (_, loss) in zip(result.eval_times, result.eval_curve)],
+            "lost_phases": result.lost_phases,
+            "membership": [list(sim._membership[i]) if math.isfinite(sim._membership[i][1])
+                           else [sim._membership[i][0], None] for i in range(cfg.workers)],
             "versions": [
                 {k: r.get(k) for k in ("outer_step", "time", "accepted", "rejected", "rejected_by_reason",
                                        "staleness_histogram", "update_norm", "update_rms", "update_rms_over_lr",

@@ -38,6 +38,13 @@ applied), while the master and the other workers go on. torch releases the GIL i
 and each worker's ops are exactly the sequential ones, so the results do not depend on
 ``parallel``. Phases are otherwise computed when their delta is applied.
 
+Membership and a noisy clock (``sync="async"``): ``join_at`` / ``leave_at`` let a worker start
+late (from the newest version at that time) or stop (a phase not finished when it leaves is
+lost: the master never sees it), and ``speed_jitter`` multiplies each phase's duration by a
+log-normal factor drawn from the seed, worker and phase. The quorum of a round (``quorum``)
+stays what it was: rounds close every ``quorum`` deltas, whoever sends them. Every published
+version and every evaluation carries its simulated time, so loss can be read against time.
+
 The pseudo-gradient goes through :func:`~diloco_lightning.worker.uploader.wire_tensors` (the
 worker's ``delta_dtype`` encoding), as a real delta does, before the master sees it.
 """
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -67,7 +75,7 @@ __all__ = ["SimResult", "Simulator", "as_received"]
 
 log = logging.getLogger(__name__)
 
-_PHASE_END, _UPLOAD = 0, 1
+_PHASE_END, _UPLOAD, _JOIN = 0, 1, 2
 
 
 def as_received(wire: Mapping[str, Any]) -> dict[str, Tensor]:
@@ -109,6 +117,8 @@ class SimResult:
     bytes_sent: int
     deltas: int
     staleness_histogram: dict[str, int] = field(default_factory=dict)
+    eval_times: list[float] = field(default_factory=list)  # simulated time of each eval_curve point
+    lost_phases: int = 0  # phases in flight when their worker left
 
 
 class Simulator:
@@ -127,6 +137,7 @@ class Simulator:
         on_version: called with each version's record (progress lines, metrics files).
         parallel: workers whose phases may be computed at the same time, each on its own thread
             (1: one after the other in this thread); the results are the same.
+        seed: seeds ``speed_jitter``'s draws.
     """
 
     def __init__(
@@ -142,6 +153,7 @@ class Simulator:
         eval_points: Sequence[int] = (),
         on_version: Callable[[dict[str, Any]], None] | None = None,
         parallel: int = 1,
+        seed: int = 0,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -156,6 +168,14 @@ class Simulator:
         self.eval_points = sorted(set(int(p) for p in eval_points))
         self.on_version = on_version
         self.arrival = master.config.aggregation == "arrival"
+        self.seed = int(seed)
+        self._membership = [self.options.membership(w.index) for w in self.workers]
+        if self.options.changes_membership() and sync != "async":
+            raise ValueError("join_at / leave_at need sync='async' (lockstep's imposed delays expect every worker's "
+                             "every delta)")
+        self._active = [False] * len(self.workers)  # joined and not gone
+        self.lost_phases = 0
+        self.eval_times: list[float] = []
         self.quorum = len(self.workers) if sync == "lockstep" else (self.options.quorum or len(self.workers))
         self._delay_spec = delay
         self._per_delta = isinstance(delay, Mapping) and self.options.delay_per == "delta"
@@ -200,15 +220,24 @@ class Simulator:
     def _begin(self, k: int, t: float) -> None:
         """Worker ``k`` starts its next phase at ``t`` (if it has one left)."""
         w = self.workers[k]
-        if self._begun[k] >= w.phases:
+        if self._begun[k] >= w.phases or t >= self._membership[k][1]:
+            self._active[k] = False
             return
+        self._active[k] = True
         self._begun[k] += 1
         r = self._begun[k]
         self._base[k] = self.master.outer_step
         if self._threads is not None:
             base = self._base_of(k, r)
             self._ahead[(k, r)] = (base, self._threads[k].submit(w.phase, self.master.versions[base]))
-        self._push(t + w.duration(), _PHASE_END, k, r)
+        self._push(t + self.duration(k, r), _PHASE_END, k, r)
+
+    def duration(self, k: int, r: int) -> float:
+        """Simulated time of worker ``k``'s phase ``r``: ``H / speed``, times the jitter's draw."""
+        d = self.workers[k].duration()
+        if self.options.speed_jitter > 0:
+            d *= math.exp(self.options.speed_jitter * random.Random(f"{self.seed}:speed:{k}:{r}").gauss(0.0, 1.0))
+        return d
 
     def _base_of(self, k: int, r: int) -> int:
         """The version worker ``k``'s delta ``r`` starts from."""
@@ -222,12 +251,18 @@ class Simulator:
         try:
             self._evaluate_due()
             for w in self.workers:
-                self._begin(w.index, 0.0)
+                joins = self._membership[w.index][0]
+                if joins > 0:
+                    self._push(joins, _JOIN, w.index)
+                else:
+                    self._begin(w.index, 0.0)
             while self._heap:
                 t, _, kind, k, r = heapq.heappop(self._heap)
                 self.now = t
                 if kind == _PHASE_END:
                     self._phase_end(k, r, t)
+                elif kind == _JOIN:
+                    self._begin(k, t)
                 else:
                     self._deliver(k, r, t)
         finally:
@@ -241,14 +276,25 @@ class Simulator:
         if not self.eval_curve or self.eval_curve[-1][0] != self.master.outer_step:
             if self.evaluate is not None:
                 self.eval_curve.append([self.master.outer_step, float(self.evaluate(self.master.state))])
+                self.eval_times.append(self.now)
         return SimResult(
             outer_steps=self.master.outer_step, final_state=self.master.state, records=self.master.records,
             eval_curve=self.eval_curve, sim_time=self.now, wall_seconds=time.perf_counter() - started,
             inner_steps=sum(w.steps for w in self.workers), bytes_sent=self.bytes_sent, deltas=self.deltas,
             staleness_histogram=dict(sorted(self.histogram.items(), key=lambda kv: int(kv[0]))),
+            eval_times=list(self.eval_times), lost_phases=self.lost_phases,
         )
 
     def _phase_end(self, k: int, r: int, t: float) -> None:
+        if t > self._membership[k][1]:  # the worker left before this phase ended: it is lost
+            self.lost_phases += 1
+            self._active[k] = False
+            ahead = self._ahead.pop((k, r), None)
+            if ahead is not None:
+                ahead[1].result()  # let its thread finish (its result goes nowhere)
+            log.info("worker %s left at %.1f: its phase %d (due at %.1f) is lost", self.workers[k].node_id,
+                     self._membership[k][1], r, t)
+            return
         if self.sync == "lockstep" and not self.arrival:
             # delta r is uploaded once version r - 1 exists (the product's gated upload)
             if self.master.outer_step >= r - 1:
@@ -323,12 +369,13 @@ class Simulator:
         while self.eval_points and self.eval_points[0] <= s:
             self.eval_points.pop(0)
         self.eval_curve.append([s, float(self.evaluate(self.master.state))])
+        self.eval_times.append(self.now)
 
     def _prune(self) -> None:
         """Drop the versions no worker can start from any more."""
         s = self.master.outer_step
-        if self.sync == "async":
-            keep = min(self._base)
+        if self.sync == "async":  # a worker that has not joined starts from the newest version
+            keep = min([b for b, active in zip(self._base, self._active) if active] or [s])
         elif self._per_delta:
             keep = s - self.options.max_delay
         else:

@@ -40,6 +40,17 @@ class SimOptions:
         "1 on a GPU); the results do not depend on it"
     )
     save_weights: bool = option(False, "write the final global weights to <run_dir>/global.safetensors")
+    speed_jitter: float = option(
+        0.0, "each phase lasts H / speed times exp(speed_jitter * N(0, 1)), drawn per worker and phase from the seed "
+        "(0: phases last exactly H / speed)"
+    )
+    join_at: list[float | None] | None = option(
+        None, "sync=async: per worker, the simulated time it joins the run, starting from the newest version (null: 0)"
+    )
+    leave_at: list[float | None] | None = option(
+        None, "sync=async: per worker, the simulated time it leaves the run; a phase not finished by then is lost "
+        "(null: never)"
+    )
 
     @classmethod
     def names(cls) -> list[str]:
@@ -62,7 +73,32 @@ class SimOptions:
         check_number(self, "parallel", low=1, integer=True, optional=True)
         if not isinstance(self.save_weights, bool):
             raise OptionError("save_weights", f"must be True or False, got {self.save_weights!r}")
+        check_number(self, "speed_jitter", low=0.0)
+        for name in ("join_at", "leave_at"):
+            times = getattr(self, name)
+            if times is None:
+                continue
+            ok = all(v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)
+                     for v in list(times))
+            if not ok:
+                raise OptionError(name, f"must be a list of times >= 0 or null, one per worker, got {times!r}")
+            if workers is not None and len(list(times)) != workers:
+                raise OptionError(name, f"must give one time (or null) per worker ({workers}), got {len(list(times))}")
         return self
+
+    def membership(self, index: int) -> tuple[float, float]:
+        """Worker ``index``'s (join time, leave time): (0, inf) unless ``join_at`` / ``leave_at`` say otherwise."""
+        def at(times: Any, default: float) -> float:
+            if times is None or index >= len(list(times)) or list(times)[index] is None:
+                return default
+            return float(list(times)[index])
+
+        return at(self.join_at, 0.0), at(self.leave_at, math.inf)
+
+    def changes_membership(self) -> bool:
+        """Whether a worker joins late or leaves."""
+        return any(v is not None and v > 0 for v in list(self.join_at or [])) or any(
+            v is not None for v in list(self.leave_at or []))
 
     def speed(self, index: int) -> float:
         """Worker ``index``'s speed."""
