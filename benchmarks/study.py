@@ -97,6 +97,8 @@ def job(block: str, method: str, lr: float, setting: str, seed: int, extra: tupl
         ov += ["master.aggregation=arrival", f"diloco.delay={HETERO}"]
     elif setting == "heavy":
         ov += ["master.aggregation=arrival", *HEAVY]
+    elif setting == "async":  # no imposed delay: 4 equal workers on the simulated clock (staleness 3 arrivals)
+        ov += ["master.aggregation=arrival", "diloco.sync=async", "diloco.delay=0"]
     else:
         raise ValueError(setting)
     ov += list(extra)
@@ -193,6 +195,8 @@ class Study:
         jobs += [job("bf16-weights", m, lr0[m], f"arr{tau}", s, w16) for m in ("nesterov", "adam_decay", "cgad") if m in M
                  for s in S]
         jobs += [job("bf16-weights", m, lr0[m], "arr0", S[0], w16) for m in ("nesterov", "cgad") if m in M]
+        # a sanity anchor for the imposed delays: the staleness 4 equal asynchronous workers make themselves
+        jobs += [job("async", m, lr0[m], "async", S[0]) for m in ("nesterov", "adam", "adam_decay", "cgad") if m in M]
         seen, out = set(), []
         for j in jobs:  # a run shared by two blocks (e.g. tau = 0 seed 0 is a tuning run) runs once
             if j["id"] not in seen:
