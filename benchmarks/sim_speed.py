@@ -11,9 +11,7 @@ cache built once beforehand, so neither pays for it). Two figures per run:
     python benchmarks/sim_speed.py                       # tiny recipe, 2 repeats
     python benchmarks/sim_speed.py --repeat 3 -- workers=4 trainer.max_steps=64
 
-Prints one line per run, then the medians and the ratio sim / local; for the simulator also the share
-of the run its inner loops took (near 100 %: the run is bound by the model's own compute, and no
-launcher can be much faster on this machine). Figures: docs/simulator.md.
+Prints one line per run, then the medians and the ratio sim / local. Figures: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -62,14 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                 wall, res = _run([*common, f"launch={launch}", f"run_id={launch}{i}"], root, env)
                 steps = res["workers"] * res["max_steps"]
                 rows[launch].append((steps / wall, steps / res["wall_seconds"]))
-                extra = ""
-                if launch == "sim":  # how much of the run the inner loops themselves took (the ceiling is 1.0)
-                    compute = sum(w["wall_seconds"] for w in res["workers_summary"])
-                    lanes = min(res["workers"], os.cpu_count() or 1)
-                    share = compute / (lanes * res["wall_seconds"])
-                    extra = f"; inner loops {compute:.1f} s of compute = {share:.0%} of {lanes} cores x run"
                 print(f"{launch:5} run {i}: {steps} inner steps, command {wall:6.1f} s -> {steps / wall:6.1f} steps/s end to end, "
-                      f"{steps / res['wall_seconds']:6.1f} steps/s in-run; eval loss {res['eval_loss']:.3f}{extra}", flush=True)
+                      f"{steps / res['wall_seconds']:6.1f} steps/s in-run; eval loss {res['eval_loss']:.3f}", flush=True)
     med = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v)) for k, v in rows.items()}
     print(f"# median end to end: local {med['local'][0]:.1f}, sim {med['sim'][0]:.1f} steps/s: "
           f"sim / local = {med['sim'][0] / med['local'][0]:.1f}x")
