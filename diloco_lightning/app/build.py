@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,13 @@ def tau_label(cfg: DictConfig) -> str:
         return str(delay)
     if OmegaConf.is_list(delay) or isinstance(delay, list):
         return str(max(int(x) for x in delay))
-    return str(max(int(x) for x in delay["values"]) if "values" in delay else int(delay["high"]))
+    if "values" in delay:
+        return str(max(int(x) for x in delay["values"]))
+    if "high" in delay:
+        return str(int(delay["high"]))
+    # an unbounded law (geometric, pareto): its name, and its cap when it has one
+    name = str(delay.get("distribution", "delay"))
+    return f"{name}<={int(delay['max'])}" if delay.get("max") is not None else name
 
 
 def build_datamodule(cfg: DictConfig, node_rank: int = 0, num_nodes: int = 1):
@@ -182,7 +189,7 @@ class Evaluator:
         self.cfg, self.dm = cfg, dm
         self.module: Any = None
 
-    def loss(self, state: dict) -> float:
+    def loss(self, state: Mapping[str, Any]) -> float:
         import torch
 
         if self.module is None:

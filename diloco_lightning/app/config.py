@@ -38,6 +38,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig
 from diloco_lightning.options import OptionError
+from diloco_lightning.sim.options import SimOptions
 from diloco_lightning.worker.options import SYNC_MODES, WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ ROLES = ("all", "worker", "master")
 INNER_OPTIMIZERS = ("adamw", "adamw8bit")
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
-LAUNCH_KINDS = ("local", "submitit")
+LAUNCH_KINDS = ("local", "submitit", "sim")
 __all__ = ["SYNC_MODES", "AGGREGATIONS", "WEIGHTINGS", "ConfigError", "TrainConf", "MasterCommandConf", "validate",
            "validate_master_command", "register_configs"]
 
@@ -168,6 +169,10 @@ class OuterConf:
     name: str = opt("cgad", "outer optimizer: nesterov | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | poly_nesterov")
     lr: float = opt(0.7, "outer learning rate")
     options: Dict[str, Any] = opt(help="the optimizer's other options (momentum, alpha, tau_cut, betas, eps ...)", factory=dict)
+    state_dtype: str = opt("float32", "the outer optimizer's buffers (m, v, momentum): float32 (fp32) | bfloat16 (bf16: "
+                                      "half the memory; the math runs in FP32, the buffers are rounded back once per step)")
+    stochastic_rounding: bool = opt(False, "with state_dtype=bfloat16: round the buffers stochastically (unbiased, "
+                                           "seeded by step and key: a resumed master rounds the same) instead of to nearest even")
 
 
 MasterConf = compose_section(
@@ -178,6 +183,15 @@ MasterConf = compose_section(
                                       "nodes (a float in (0, 1]; null: every worker in lockstep, else 1)")},
     extra=[("holder", Optional[str], None, "this master's id in the lease (default host:pid:random)")],
     doc="The master's behaviour: ``master.*`` in a training run, the top level of ``diloco-master``.",
+)
+
+
+SimConf = compose_section(
+    "SimConf", SimOptions,
+    retype={k: (t, None, SimOptions.__dataclass_fields__[k].metadata["help"])
+            for k, t in (("speeds", Optional[List[float]]), ("join_at", Optional[List[Optional[float]]]),
+                         ("leave_at", Optional[List[Optional[float]]]))},
+    doc="``launch=sim``: how the simulator schedules the workers (diloco_lightning.sim.SimOptions).",
 )
 
 
@@ -230,7 +244,8 @@ class TrainerConf:
 
 @dataclass
 class LaunchConf:
-    kind: str = opt("local", "local: master + workers on this machine | submitit: one SLURM job per worker")
+    kind: str = opt("local", "local: master + workers on this machine | submitit: one SLURM job per worker | "
+                             "sim: the run in this process on the simulator (sim.*)")
     devices: Optional[List[str]] = opt(None, "GPUs assigned round-robin to the workers (null: every visible GPU, else CPU)")
     timeout: float = opt(3600.0, "seconds a role=all run may last")
     check_resources: bool = opt(True, "refuse to start when the machine lacks what the recipe needs (false: start anyway)")
@@ -259,6 +274,7 @@ class TrainConf:
     hub: HubConf = opt(help="", factory=HubConf)
     trainer: TrainerConf = opt(help="", factory=TrainerConf)
     launch: LaunchConf = opt(help="", factory=LaunchConf)
+    sim: SimConf = opt(help="", factory=SimConf)  # type: ignore[valid-type]
 
 
 @dataclass
@@ -307,6 +323,12 @@ def validate_outer(o: DictConfig, prefix: str = "outer.") -> None:
            f"unknown outer optimizer {o.name!r}; valid: {', '.join(sorted(OUTER_OPTIMIZERS))}")
     _check(_number(o.lr) and o.lr > 0, f"{prefix}lr", f"must be a number > 0, got {o.lr}")
     _check(isinstance(o.options, (DictConfig, dict)), f"{prefix}options", "must be a mapping")
+    from diloco_lightning.outer.base import STATE_DTYPES
+
+    state_dtype = str(o.get("state_dtype", "float32"))
+    _check(state_dtype in STATE_DTYPES, f"{prefix}state_dtype", f"must be float32 (fp32) or bfloat16 (bf16), got {state_dtype!r}")
+    _check(not o.get("stochastic_rounding", False) or STATE_DTYPES[state_dtype] != STATE_DTYPES["float32"],
+           f"{prefix}stochastic_rounding", f"needs {prefix}state_dtype=bfloat16 (FP32 buffers are not rounded)")
     try:
         outer_options(o, prefix)
     except ValueError as e:
@@ -321,6 +343,11 @@ def outer_options(o: DictConfig, prefix: str = "outer.") -> dict[str, Any]:
     raw = OmegaConf.to_container(o.options, resolve=True) if isinstance(o.options, DictConfig) else dict(o.options or {})
     opts: dict[str, Any] = {str(k): v for k, v in (raw or {}).items()}  # type: ignore[union-attr]
     opts["lr"] = float(o.lr)
+    # the buffers' precision: recorded only when not the default (a published run's options stay as they were)
+    if str(o.get("state_dtype", "float32")) not in ("float32", "fp32"):
+        opts["state_dtype"] = str(o.state_dtype)
+    if o.get("stochastic_rounding", False):
+        opts["stochastic_rounding"] = True
     accepted = outer_optimizer_options(str(o.name))
     dropped = sorted(k for k in opts if k not in accepted)
     if dropped:
@@ -438,7 +465,30 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(la.available_memory_gb is None or la.available_memory_gb > 0, "launch.available_memory_gb", "must be > 0")
     _check(la.eval_points >= 0, "launch.eval_points", "must be >= 0")
     _check(la.timeout > 0, "launch.timeout", "must be > 0")
+    if la.kind == "sim":
+        validate_sim_section(cfg)
     return cfg
+
+
+def validate_sim_section(cfg: DictConfig) -> None:
+    """``launch=sim``: the ``sim`` section, and what the simulator does not reproduce."""
+    from diloco_lightning.sim.inner import PRECISIONS as SIM_PRECISIONS
+
+    try:
+        opts = sim_options(cfg)
+    except OptionError as e:
+        raise ConfigError(f"sim.{e.option}", e.detail) from None
+    _check(not opts.changes_membership() or cfg.diloco.sync == "async", "sim.join_at" if opts.join_at else "sim.leave_at",
+           "a worker joining late or leaving needs diloco.sync=async (lockstep imposes every worker's every delta)")
+    _check(cfg.role == "all", "role", f"launch=sim runs the whole run in one process: use role=all, got {cfg.role!r}")
+    _check(cfg.trainer.precision in SIM_PRECISIONS, "trainer.precision",
+           f"launch=sim reproduces {', '.join(SIM_PRECISIONS)}; got {cfg.trainer.precision!r}")
+    _check(cfg.trainer.devices == 1, "trainer.devices", "launch=sim runs each worker on one device")
+    frags = cfg.diloco.get("fragments")
+    _check(frags is None or frags == 1, "diloco.fragments",
+           "launch=sim does not simulate streaming fragments yet: drop diloco.fragments, or run it with launch=local")
+    _check(cfg.diloco.inner_steps != "auto", "diloco.inner_steps",
+           "launch=sim does not simulate Dynamic Local Updates yet (inner_steps=auto): give a number of inner steps")
 
 
 def validate_master_command(cfg: DictConfig) -> DictConfig:
@@ -516,6 +566,11 @@ def master_config(section: DictConfig, outer: DictConfig, *, min_deltas: int | N
     return MasterConfig(outer_optimizer=str(outer.name), outer_options=outer_options(outer), **values).validate()
 
 
+def sim_options(cfg: DictConfig) -> SimOptions:
+    """The :class:`~diloco_lightning.sim.options.SimOptions` of a run's ``sim`` section (validated)."""
+    return SimOptions(**_section(cfg.sim, SimOptions.names())).validate(int(cfg.workers))
+
+
 def worker_options(section: DictConfig) -> dict[str, Any]:
     """The :class:`WorkerOptions` keywords a ``diloco`` section gives (``delay`` as written)."""
     return _section(section, WorkerOptions.names())
@@ -554,7 +609,7 @@ def describe(schema: type, cfg: DictConfig | None = None, prefix: str = "") -> l
 _SECTION_TYPES = {
     "ModelConf": ModelConf, "DataConf": DataConf, "OptimConf": OptimConf, "DiLoCoConf": DiLoCoConf,
     "OuterConf": OuterConf, "MasterConf": MasterConf, "HubConf": HubConf, "TrainerConf": TrainerConf,
-    "LaunchConf": LaunchConf,
+    "LaunchConf": LaunchConf, "SimConf": SimConf,
 }
 
 

@@ -48,12 +48,16 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     validate(cfg)
     resolve_run_dir(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    finished = cfg.role == "all" and cfg.launch.kind == "local" and finished_results(cfg, run_dir(cfg)) is not None
+    finished = cfg.role == "all" and cfg.launch.kind in ("local", "sim") and finished_results(cfg, run_dir(cfg)) is not None
     if cfg.launch.check_resources and not finished:  # a finished run starts nothing: run_all only says so
         from diloco_lightning.app.resources import check_resources
 
         check_resources(cfg, label=recipe_name())
     _quiet_hub_logs()
+    if cfg.launch.kind == "sim":
+        from diloco_lightning.app.sim import run_sim
+
+        return run_sim(cfg)
     if cfg.launch.kind == "submitit" and cfg.role == "all":
         from diloco_lightning.app.slurm import run_submitit
 

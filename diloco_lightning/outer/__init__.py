@@ -15,7 +15,9 @@ name                   class                           reference
 Every optimizer takes the global state (``dict[str, Tensor]``) and offers ``gate(tau)``,
 ``step(state, delta, staleness=0, *, gated=False, fragment=None) -> bool``, ``state_dict()``,
 ``load_state_dict()``, ``name`` and ``options`` (see :class:`OuterOptimizer`).
-:func:`build_outer_optimizer` builds one by name, so configs can pick it.
+:func:`build_outer_optimizer` builds one by name, so configs can pick it; every one also takes
+``state_dtype`` (``"float32"`` or ``"bfloat16"`` buffers) and ``stochastic_rounding``
+(:meth:`OuterOptimizer.set_state_precision`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "CGAD",
     "OUTER_OPTIMIZERS",
     "PACGAD",
+    "PRECISION_OPTIONS",
     "AdamDecay",
     "DelayedNesterov",
     "NesterovOuterOptimizer",
@@ -61,15 +64,21 @@ OUTER_OPTIMIZERS: Mapping[str, type[OuterOptimizer]] = MappingProxyType(
 )
 
 
+#: Options every outer optimizer takes (:meth:`OuterOptimizer.set_state_precision`): the buffers' dtype
+#: and their rounding.
+PRECISION_OPTIONS: Mapping[str, Any] = MappingProxyType({"state_dtype": "float32", "stochastic_rounding": False})
+
+
 def outer_optimizer_options(name: str) -> dict[str, Any]:
-    """The options ``name`` accepts, each mapped to its default (``inspect.Parameter.empty`` if required).
+    """The options ``name`` accepts, each mapped to its default (``inspect.Parameter.empty`` if required):
+    its constructor's, then :data:`PRECISION_OPTIONS`.
 
     Raises:
         ValueError: on an unknown name, listing the valid ones.
     """
     cls = _lookup(name)
     params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # self, state
-    return {p.name: p.default for p in params}
+    return {**{p.name: p.default for p in params}, **PRECISION_OPTIONS}
 
 
 def _lookup(name: str) -> type[OuterOptimizer]:
@@ -97,4 +106,8 @@ def build_outer_optimizer(name: str, state: Mapping[str, Tensor], **options: Any
     missing = [k for k, v in accepted.items() if v is inspect.Parameter.empty and k not in options]
     if missing:
         raise ValueError(f"outer optimizer {name!r} requires option(s) {missing}; valid options: {described}")
-    return cls(state, **options)
+    precision = {k: options.pop(k) for k in PRECISION_OPTIONS if k in options}
+    opt = cls(state, **options)
+    if precision:
+        opt.set_state_precision(**precision)
+    return opt

@@ -19,7 +19,18 @@ what is common to all of them:
   model never holds a second full copy and runs close to the speed of the FP32 path;
 - ``state_dict()`` / ``load_state_dict()``: a flat ``dict`` whose tensor entries are named
   ``"<buffer>/<key>"`` and whose other entries are plain Python scalars, strings and lists, so a
-  master can save it as safetensors + JSON and another master continue bit-exactly.
+  master can save it as safetensors + JSON and another master continue bit-exactly;
+- the buffers' precision (:meth:`OuterOptimizer.set_state_precision`, the options ``state_dtype``
+  and ``stochastic_rounding`` of :func:`~diloco_lightning.outer.build_outer_optimizer`): FP32 by
+  default; ``state_dtype="bfloat16"`` keeps the buffers of real keys in bf16 (half the memory: a 7B
+  master's two FP32 Adam buffers are 56 GB). The math still runs in FP32: each step reads a chunk
+  of a buffer into the FP32 scratch area (exact), updates it there, and rounds it back once, to
+  nearest even (``torch``'s cast), or, with ``stochastic_rounding=True``, up or down with
+  probabilities that make the rounding unbiased (random bits added below bf16's last mantissa
+  bit, then truncated; :func:`stochastic_round_`), seeded by the step count, the key and the
+  chunk, so a resumed master rounds exactly as the one it replaces. The state update itself uses
+  the FP32 values before they are rounded, so one step equals an FP32 step started from the same
+  (bf16) buffers. Complex keys keep complex64/FP32 buffers.
 
 Subclasses implement :meth:`OuterOptimizer.gate` and :meth:`OuterOptimizer._apply`.
 """
@@ -29,8 +40,9 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -40,13 +52,16 @@ from diloco_lightning.outer.gates import check_staleness
 
 __all__ = [
     "CHUNK_BYTES",
+    "STATE_DTYPES",
     "TEMP_BUDGET_BYTES",
     "OuterOptimizer",
     "Work",
     "check_betas",
     "check_int",
     "check_real",
+    "parse_state_dtype",
     "real_view",
+    "stochastic_round_",
 ]
 
 logger = logging.getLogger(__name__)
@@ -68,6 +83,45 @@ def _math_dtype(is_complex: bool) -> torch.dtype:
 def real_view(tensor: Tensor) -> Tensor:
     """``tensor`` itself, or ``torch.view_as_real(tensor)`` for a complex tensor."""
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+#: ``state_dtype`` names -> the dtype of the buffers of real keys
+STATE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def parse_state_dtype(value: Any) -> torch.dtype:
+    """``"float32"``/``"fp32"``/``"bfloat16"``/``"bf16"`` (or the torch dtype) -> torch dtype.
+
+    Raises:
+        ValueError: naming ``state_dtype`` for anything else.
+    """
+    if isinstance(value, torch.dtype) and value in STATE_DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in STATE_DTYPES:
+        return STATE_DTYPES[value.lower().removeprefix("torch.")]
+    raise ValueError(f"state_dtype must be one of 'float32', 'bfloat16' (or 'fp32', 'bf16'), got {value!r}")
+
+
+def stochastic_round_(src: Tensor, generator: torch.Generator) -> Tensor:
+    """Round the FP32 tensor ``src`` to bf16-representable values, in place, stochastically.
+
+    A value between two neighbouring bf16 values ``lo < x < hi`` becomes ``hi`` with probability
+    ``(x - lo) / (hi - lo)``, else ``lo`` (so ``E[round(x)] = x``): a uniform 16-bit integer is
+    added to the low 16 bits of the FP32 bit pattern (the bits bf16 drops; a carry moves the
+    value to the next bf16 value, through the exponent too), then those bits are cleared. On
+    the sign-magnitude pattern this rounds the magnitude, so it works for both signs. NaN and
+    infinities are left as they are. Returns ``src`` (its bf16 cast is then exact).
+    """
+    if src.dtype != torch.float32 or not src.is_contiguous():
+        raise ValueError("stochastic_round_ needs a contiguous float32 tensor")
+    bits = src.view(torch.int32)
+    finite = torch.isfinite(src)
+    noise = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, generator=generator)
+    rounded = bits.add(noise).bitwise_and_(-(1 << 16))
+    bits.copy_(torch.where(finite, rounded, bits))
+    return src
 
 
 # ----------------------------------------------------------------------------- option checks
@@ -140,6 +194,8 @@ class Work:
     target: Tensor  # the state tensor (or its flat slice) that p stands for
     p_math: Tensor  # p before view_as_real, shaped like target
     writeback: str | None  # None (p is the state tensor), "copy" or "add"
+    #: (stored buffer slice, its FP32 copy in bufs, seed label) for low-precision buffers: rounded back after the math
+    buffer_back: list[tuple[Tensor, Tensor, str]] = field(default_factory=list)
 
     def write_back(self) -> None:
         if self.writeback == "copy":
@@ -169,13 +225,14 @@ class _Unit(NamedTuple):
     need: int  # FP32 scratch elements (aligned) this unit takes
 
 
-def _units(item: _Item, chunk_floats: int) -> list[_Unit]:
-    """Split an item that needs conversions into cache-sized chunks (when both sides are contiguous)."""
+def _units(item: _Item, chunk_floats: int, buffer_conversions: int = 0) -> list[_Unit]:
+    """Split an item that needs conversions into cache-sized chunks (when both sides are contiguous).
+    ``buffer_conversions``: the item's buffers kept in a low precision (each takes an FP32 copy)."""
     param, delta = item.param, item.delta
     is_complex = param.is_complex()
     dtype = _math_dtype(is_complex)
     delta_ok, param_ok = _usable(delta, dtype), _usable(param, dtype)
-    conversions = (not delta_ok) + (not param_ok)
+    conversions = (not delta_ok) + (not param_ok) + buffer_conversions
     n = param.numel()
     width = 2 if is_complex else 1
     chunk = max(1, chunk_floats // width)
@@ -229,12 +286,50 @@ class OuterOptimizer:
         self._key_scalars: dict[str, dict[str, Any]] = {name: {} for name in self._scalar_kinds}
         self._scratch: Tensor | None = None
         self._views: dict[str, dict[str, Tensor]] = {}
+        self._state_dtype: torch.dtype = torch.float32  # of the buffers of real keys (set_state_precision)
+        self._stochastic = False
+        self._rounding_step = 0  # steps taken with stochastic rounding (seeds the rounding; in state_dict)
         for key, tensor in state.items():
             self._check_state_entry(key, tensor)
             if _is_trainable(tensor):
                 self._register(key, tensor)
 
     # --------------------------------------------------------------------- public API
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The dtype of the buffers of real keys (FP32 unless :meth:`set_state_precision` said otherwise)."""
+        return self._state_dtype
+
+    def set_state_precision(self, state_dtype: Any = "float32", stochastic_rounding: bool = False) -> None:
+        """Keep the buffers of real keys in ``state_dtype`` (``"float32"`` or ``"bfloat16"``), rounded
+        back after each step to nearest even or, with ``stochastic_rounding``, stochastically (see the
+        module docstring). Existing buffers are converted now (to nearest). Recorded in
+        :attr:`options` when not the default, so ``build_outer_optimizer(opt.name, state, **opt.options)``
+        builds the same optimizer.
+
+        Raises:
+            ValueError: on an unknown ``state_dtype``, or ``stochastic_rounding`` that is not a bool
+                or is asked with FP32 buffers (there is nothing to round).
+        """
+        dtype = parse_state_dtype(state_dtype)
+        if not isinstance(stochastic_rounding, bool):
+            raise ValueError(f"stochastic_rounding must be True or False, got {stochastic_rounding!r}")  # noqa: TRY004
+        if stochastic_rounding and dtype == torch.float32:
+            raise ValueError("stochastic_rounding needs state_dtype='bfloat16' (FP32 buffers are not rounded)")
+        self._state_dtype, self._stochastic = dtype, stochastic_rounding
+        for family, buffers in self._buffers.items():
+            for key, buf in list(buffers.items()):
+                want = self._buffer_dtype(family, key)
+                if buf.dtype != want:
+                    buffers[key] = buf.to(want)
+        self._views = {}
+        self.options.pop("state_dtype", None)
+        self.options.pop("stochastic_rounding", None)
+        if dtype != torch.float32:
+            self.options["state_dtype"] = "bfloat16"
+            if stochastic_rounding:
+                self.options["stochastic_rounding"] = True
+
     def gate(self, staleness: float) -> float:
         """The scale this optimizer puts on a pseudo-gradient of the given staleness."""
         check_staleness(staleness)
@@ -275,6 +370,8 @@ class OuterOptimizer:
         items = self._plan(state, delta)
         with torch.no_grad():
             applied = self._apply(items, tau, gated, fragment)
+        if applied and self._stochastic:
+            self._rounding_step += 1
         logger.debug(
             "%s step: staleness=%s gated=%s fragment=%s keys=%d applied=%s",
             self.name,
@@ -293,6 +390,8 @@ class OuterOptimizer:
         writes them out before the next step, as the master's publication does."""
         out: dict[str, Any] = {"optimizer": self.name}
         out.update(self._scalar_state())
+        if self._stochastic:
+            out["rounding_step"] = self._rounding_step
         if self._scalar_kinds:
             keys = list(self._specs)
             out["keys"] = keys
@@ -320,12 +419,19 @@ class OuterOptimizer:
             raise ValueError(f"state_dict is for optimizer {kind!r}; {self.name} loads one of {list(self.STATE_KINDS)}")
         tensors = {k: v for k, v in state_dict.items() if isinstance(v, Tensor)}
         scalars = {k: v for k, v in state_dict.items() if not isinstance(v, Tensor) and k != "optimizer"}
+        rounding_step = self._pop_rounding_step(scalars)
         buffers = self._parse_buffers(tensors)
         key_scalars = self._parse_key_scalars(scalars)  # pops the per-key entries
         checked = self._check_scalar_state(scalars)
         self._set_buffers(buffers)
         self._key_scalars = key_scalars
         self._set_scalar_state(checked)
+        self._rounding_step = rounding_step
+
+    @staticmethod
+    def _pop_rounding_step(scalars: dict[str, Any]) -> int:
+        """The ``rounding_step`` entry (stochastic rounding's step count), removed from ``scalars``; 0 if absent."""
+        return check_int("rounding_step", scalars.pop("rounding_step", 0), low=0)
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
@@ -351,10 +457,16 @@ class OuterOptimizer:
         buffers = self._buffers[family]
         buf = buffers.get(key)
         if buf is None:
-            shape, is_complex = self._specs[key]
-            dtype = _math_dtype(is_complex and self._families[family])
-            buf = buffers[key] = torch.zeros(shape, dtype=dtype)
+            buf = buffers[key] = torch.zeros(self._specs[key][0], dtype=self._buffer_dtype(family, key))
         return buf
+
+    def _buffer_dtype(self, family: str, key: str) -> torch.dtype:
+        """What ``family``'s buffer of ``key`` is stored in: complex64 for a complex buffer, FP32 for the
+        real buffers of a complex key, else the state dtype (FP32 or bf16)."""
+        is_complex = self._specs[key][1]
+        if is_complex:
+            return _math_dtype(self._families[family])
+        return self._state_dtype
 
     def _run(self, items: list[_Item], fn: Callable[[list[Work]], None]) -> None:
         """Call ``fn`` on batches of :class:`Work` (flat FP32 views of the items), then write back.
@@ -367,7 +479,9 @@ class OuterOptimizer:
         ``fn`` must treat each :class:`Work` on its own (chunks of one key may land in different
         batches): per-key scalars are to be read before and written after :meth:`_run`.
         """
-        units = [u for item in items for u in _units(item, CHUNK_BYTES // 4)]
+        low = 0 if self._state_dtype == torch.float32 else len(self._families)
+        units = [u for item in items
+                 for u in _units(item, CHUNK_BYTES // 4, 0 if item.param.is_complex() else low)]
         needs = [u.need for u in units]
         if any(needs):
             size = max(TEMP_BUDGET_BYTES // 4, *needs)
@@ -397,11 +511,15 @@ class OuterOptimizer:
         if batch:
             self._flush(batch, fn)
 
-    @staticmethod
-    def _flush(batch: list[Work], fn: Callable[[list[Work]], None]) -> None:
+    def _flush(self, batch: list[Work], fn: Callable[[list[Work]], None]) -> None:
         fn(batch)
         for work in batch:
             work.write_back()
+            for stored, math_copy, label in work.buffer_back:
+                if self._stochastic:
+                    seed = zlib.crc32(f"{self._rounding_step}:{label}".encode())
+                    stochastic_round_(math_copy, torch.Generator().manual_seed(seed))
+                stored.copy_(math_copy)  # to nearest even (exact after a stochastic rounding)
 
     def _make_work(self, unit: _Unit, take: Callable[[_Unit], Tensor]) -> Work:
         item = unit.item
@@ -430,13 +548,24 @@ class OuterOptimizer:
                 p.copy_(target)
                 mode = "copy"
         p_math = p
-        if whole:
-            bufs = self._buffer_views(item.key)
-        else:
-            bufs = {family: real_view(self._buffer(family, item.key).view(-1)[start:stop]) for family in self._families}
+        back: list[tuple[Tensor, Tensor, str]] = []
+        if unit.is_complex or self._state_dtype == torch.float32:
+            if whole:
+                bufs = self._buffer_views(item.key)
+            else:
+                bufs = {family: real_view(self._buffer(family, item.key).view(-1)[start:stop]) for family in self._families}
+        else:  # low-precision buffers: an FP32 copy of each, rounded back in _flush
+            bufs = {}
+            for family in self._families:
+                buf = self._buffer(family, item.key)
+                stored = buf if whole else buf.view(-1)[start:stop]
+                math_copy = take(unit).view(stored.shape)
+                math_copy.copy_(stored)
+                bufs[family] = math_copy
+                back.append((stored, math_copy, f"{family}/{item.key}/{start}"))
         if unit.is_complex:
             p, g = torch.view_as_real(p), torch.view_as_real(g)
-        return Work(item.key, p, g, bufs, unit.is_complex, target, p_math, mode)
+        return Work(item.key, p, g, bufs, unit.is_complex, target, p_math, mode, back)
 
     def _buffer_views(self, key: str) -> dict[str, Tensor]:
         """``{family: real view of key's buffer}``, cached (the buffers are updated in place)."""
@@ -522,9 +651,9 @@ class OuterOptimizer:
             buffers[family][key] = self._checked_buffer(name, key, tensor, self._families[family])
         # Keys with no saved buffer restart from zero.
         for family, per_key in buffers.items():
-            for key, (shape, is_complex) in self._specs.items():
+            for key, (shape, _) in self._specs.items():
                 if key not in per_key:
-                    per_key[key] = torch.zeros(shape, dtype=_math_dtype(is_complex and self._families[family]))
+                    per_key[key] = torch.zeros(shape, dtype=self._buffer_dtype(family, key))
         return buffers
 
     def _parse_key_scalars(self, scalars: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -568,7 +697,9 @@ class OuterOptimizer:
         want_complex = is_complex and follows_complex
         if not _is_trainable(tensor) or (tensor.is_complex() and not want_complex):
             raise ValueError(f"state_dict entry {name!r} has dtype {tensor.dtype}")
-        return tensor.detach().to(device="cpu", dtype=_math_dtype(want_complex), copy=True)
+        family = name.partition("/")[0]
+        # FP32 -> bf16 rounds to nearest (a state saved by an FP32 master loaded by a bf16 one)
+        return tensor.detach().to(device="cpu", dtype=self._buffer_dtype(family, key), copy=True)
 
 
 def check_int(name: str, value: Any, *, low: int) -> int:

@@ -117,19 +117,24 @@ class NesterovOuterOptimizer(_NesterovBase):
         return 1.0
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
-        return {key: buf.clone() if copy else buf for key, buf in self._buffers["momentum"].items()}
+        out: dict[str, Any] = {key: buf.clone() if copy else buf for key, buf in self._buffers["momentum"].items()}
+        if self._stochastic:  # not a Speedtronic option: its step count rides along
+            out["rounding_step"] = self._rounding_step
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         tensors = {}
+        rounding_step = self._pop_rounding_step({"rounding_step": state_dict.get("rounding_step", 0)})
         for key, value in state_dict.items():
-            if key == "optimizer" and value == self.name:
+            if (key == "optimizer" and value == self.name) or key == "rounding_step":
                 continue
             if not isinstance(value, Tensor):
                 raise ValueError(f"nesterov state_dict entry {key!r} is not a tensor: {type(value).__name__}")  # noqa: TRY004
             tensors[f"momentum/{key}"] = value
         self._set_buffers(self._parse_buffers(tensors))
+        self._rounding_step = rounding_step
 
 
 class PolyNesterov(_NesterovBase):

@@ -92,7 +92,7 @@ class WorkerOptions:
     throttle: Any = option(0.0, "test knob: seconds slept after each inner step (a number, or a per-worker list)")
     sync: str = option("async", "async (install the newest global, never wait) | lockstep (install exactly version r - delay)")
     delay: Any = option(
-        0, "lockstep staleness tau: an int, a per-worker list, or {distribution: uniform|choice, ...[, seed]}"
+        0, "lockstep staleness tau: an int, a per-worker list, or {distribution: uniform|choice|geometric|pareto, ...[, seed]}"
     )
     delta_dtype: str = option(
         "float32", "pseudo-gradient encoding on the wire: float32 | bfloat16 | float16 | int8 | int4 | topk (docs/encoding.md)"

@@ -1,0 +1,235 @@
+"""``launch=sim``: the whole run in this process, on the simulator (:mod:`diloco_lightning.sim`).
+
+The same recipe as ``launch=local`` (model, data shards, inner optimizer, outer optimizer,
+master options, ``diloco.sync`` / ``delay`` / ``delta_dtype``), built by the same functions
+(:mod:`diloco_lightning.app.build`), without worker processes, Lightning Trainers or a hub:
+K workers' inner loops run one after the other in this process, on a simulated clock
+(``sim.speeds``). Writes what a real run writes: ``results.json`` (with the same keys, plus a
+``sim`` block: per-version staleness histograms and outer step sizes), ``master/metrics.jsonl``
+(one line per version), ``nodes/<id>/progress.jsonl`` and ``nodes/<id>/summary.json``; no hub
+files (``sim.save_weights=true`` writes the final global weights to ``global.safetensors``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from diloco_lightning.app.build import (
+    RESULTS_FILE,
+    Evaluator,
+    build_datamodule,
+    build_module,
+    node_id,
+    recipe_name,
+    regime,
+    run_dir,
+    tau_label,
+)
+from diloco_lightning.app.config import master_config, sim_options
+from diloco_lightning.app.local import _mean_curve, finished_results, print_round
+
+__all__ = ["build_simulator", "run_sim"]
+
+
+def _delay_option(cfg: DictConfig) -> Any:
+    """``diloco.delay`` as plain Python, a distribution seeded by ``seed`` unless it names its own
+    (as :func:`diloco_lightning.app.build.worker_delay` seeds the product's draw)."""
+    delay = cfg.diloco.delay
+    if isinstance(delay, DictConfig):
+        return {"seed": cfg.seed, **OmegaConf.to_container(delay, resolve=True)}  # type: ignore[dict-item]
+    if OmegaConf.is_list(delay):
+        return list(delay)
+    return delay
+
+
+def _device(cfg: DictConfig):
+    import torch
+
+    acc = str(cfg.trainer.accelerator)
+    if acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def build_worker(cfg: DictConfig, index: int, device):
+    """Worker ``index`` of the run: its model (the product's module), shard, inner optimizer and schedule."""
+    import torch
+
+    from diloco_lightning.sim import InnerLoop, SimWorker
+    from diloco_lightning.worker.params import module_state
+
+    dm = build_datamodule(cfg, node_rank=index, num_nodes=cfg.workers)
+    module = build_module(cfg, dm.vocab_size)
+    if cfg.trainer.precision == "bf16-true":
+        module.to(torch.bfloat16)  # what Lightning's bf16-true precision does to the module
+    module.to(device)
+    module.train()
+    conf = module.configure_optimizers()
+    sched = conf.get("lr_scheduler")
+    scheduler = sched["scheduler"] if isinstance(sched, dict) else sched
+
+    def loss_fn(batch):
+        x, y = module.inputs_targets(batch)
+        return module.model.loss(x, y)
+
+    inner = InnerLoop(
+        loss_fn, conf["optimizer"], iter(dm.train_dataloader()), scheduler=scheduler,
+        gradient_clip_val=cfg.trainer.gradient_clip_val, precision=cfg.trainer.precision, device=device,
+        count_tokens=lambda b: module.inputs_targets(b)[0].numel(),
+    )
+    opts = sim_options(cfg)
+    return SimWorker(index, module_state(module), inner, inner_steps=cfg.diloco.inner_steps,
+                     max_steps=cfg.trainer.max_steps, speed=opts.speed(index), log_every=cfg.trainer.log_every_n_steps,
+                     node_id=node_id(index))
+
+
+def expected_outer_steps(cfg: DictConfig) -> int:
+    rounds = cfg.trainer.max_steps // cfg.diloco.inner_steps
+    return rounds * cfg.workers if cfg.master.aggregation == "arrival" else rounds
+
+
+def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_version=None):
+    """The :class:`~diloco_lightning.sim.Simulator` of a run's configuration (data prepared first)."""
+    from diloco_lightning.sim import SimMaster, Simulator
+    from diloco_lightning.worker.options import resolve_encoding
+
+    device = _device(cfg)
+    workers = [build_worker(cfg, i, device) for i in range(cfg.workers)]
+    config = master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if cfg.diloco.sync == "lockstep" else 1)
+    master = SimMaster(workers[0].params, config)  # version 0: the first worker's initial weights, as its init offer
+    n = int(cfg.launch.eval_points)
+    total = max(1, expected_outer_steps(cfg))
+    points = sorted({0} | {max(1, round(k * total / n)) for k in range(1, n + 1)}) if n > 0 else []
+    opts = sim_options(cfg)
+    encoding, feedback = resolve_encoding(cfg.diloco.delta_dtype, cfg.diloco.topk, cfg.diloco.topk_values,
+                                          cfg.diloco.error_feedback)
+    parallel = opts.parallel or (1 if device.type == "cuda" else min(int(cfg.workers), os.cpu_count() or 1))
+    return Simulator(
+        workers, master, sync=cfg.diloco.sync, delay=_delay_option(cfg), options=opts,
+        delta_dtype=encoding, error_feedback=feedback, evaluate=evaluator.loss if evaluator else None,
+        eval_points=points, on_version=on_version, parallel=parallel, seed=int(cfg.seed),
+    )
+
+
+def run_sim(cfg: DictConfig) -> dict[str, Any]:
+    """Run the configured recipe on the simulator; write and return ``results.json``."""
+    import torch
+
+    rdir = run_dir(cfg)
+    label = recipe_name()
+    done = finished_results(cfg, rdir)
+    if done is not None:
+        print(f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {done.get('eval_loss', math.nan):.3f}). "
+              f"Nothing to do: use another run_id=... or delete {rdir}.", flush=True)
+        return done
+    rdir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    # one thread per op unless told otherwise: the workers run side by side on threads of their own
+    # (sim.parallel), a small model's ops gain little from more, and on a shared machine spinning
+    # threads cost far more than they give
+    torch.set_num_threads(int(cfg.trainer.num_threads or 1))
+    print(f"run {cfg.run_id}{f' (recipe {label})' if label else ''} on the simulator: {cfg.workers} workers, model "
+          f"{cfg.model.preset}, outer {cfg.outer.name} (lr {cfg.outer.lr}), H={cfg.diloco.inner_steps}, sync "
+          f"{cfg.diloco.sync}, aggregation {cfg.master.aggregation}, tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps",
+          flush=True)
+    dm = build_datamodule(cfg)
+    dm.prepare_data()
+    OmegaConf.save(cfg, rdir / "config.yaml", resolve=True)
+    metrics_path = rdir / "master" / "metrics.jsonl"
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    metrics_path.write_text("")
+    total = expected_outer_steps(cfg)
+    last_print = [0.0]
+
+    def on_version(rec: dict) -> None:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+        now = time.perf_counter()
+        if total <= 64 or now - last_print[0] >= 10.0 or rec.get("outer_step") == total:
+            last_print[0] = now
+            print_round(rec)
+
+    evaluator = Evaluator(cfg, dm)
+    sim = build_simulator(cfg, evaluator=evaluator, on_version=on_version)
+    result = sim.run()
+    wall = time.perf_counter() - started
+    results = _results(cfg, sim, result, dm.vocab_size, wall, label)
+    for w in sim.workers:
+        out = rdir / "nodes" / w.node_id
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "progress.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in w.losses))
+        (out / "summary.json").write_text(json.dumps(_worker_summary(cfg, sim, w), indent=2))
+    if sim_options(cfg).save_weights:
+        from diloco_lightning.statefile import save_weights_file
+
+        save_weights_file(rdir / "global.safetensors", result.final_state, metadata={"outer_step": str(result.outer_steps)})
+    (rdir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+    print(f"done in {wall:.0f}s: {result.outer_steps} outer steps, {results['deltas_accepted']} deltas accepted, "
+          f"{results['deltas_rejected']} rejected, {results['sim']['inner_steps_per_second']:.1f} inner steps/s | "
+          f"train loss {results['final_train_loss']:.3f} | eval loss of the global model {results['eval_loss']:.3f} "
+          f"(chance {results['chance_loss']:.2f}){' DIVERGED' if results['diverged'] else ''} | {rdir / RESULTS_FILE}",
+          flush=True)
+    return results
+
+
+def _worker_summary(cfg: DictConfig, sim, w) -> dict[str, Any]:
+    return {
+        "node_id": w.node_id, "delay": sim._worker_delay[w.index] if not sim._per_delta else "per delta",
+        "speed": w.speed, "wall_seconds": w.compute_seconds, "steps": w.steps, "tokens": w.inner.tokens,
+        "final_train_loss": w.last_loss, "deltas_sent": w.boundaries,
+        "bytes_sent": int(sim.bytes_sent * w.boundaries / max(1, sim.deltas)),
+    }
+
+
+def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: str | None) -> dict[str, Any]:
+    """``results.json``: the keys of a real run's (:func:`diloco_lightning.app.local.run_all`), plus ``sim``."""
+    eval_loss = result.eval_curve[-1][1] if result.eval_curve else math.nan
+    chance = math.log(vocab_size)
+    curves = [w.losses for w in sim.workers]
+    finals = [w.last_loss for w in sim.workers]
+    final_train = sum(finals) / len(finals)
+    records = [r for r in result.records]
+    accepted = sum(int(r.get("accepted", 0)) for r in records)
+    rejected = sum(int(r.get("rejected", 0)) for r in records)
+    tokens = sum(w.inner.tokens for w in sim.workers)
+    pending = sim.master.pending_record()
+    if pending is not None:
+        rejected += int(pending.get("rejected", 0))
+    delays = [sim._worker_delay[i] if not sim._per_delta else None for i in range(cfg.workers)]
+    return {
+        "run_id": cfg.run_id, "recipe": label, "outer": cfg.outer.name, "outer_lr": cfg.outer.lr,
+        "tau": tau_label(cfg), "regime": regime(cfg), "delays": delays,
+        "precision": f"{cfg.trainer.precision}/{cfg.optim.name}", "seed": cfg.seed, "workers": cfg.workers,
+        "inner_steps": cfg.diloco.inner_steps, "max_steps": cfg.trainer.max_steps, "outer_steps": result.outer_steps,
+        "final_train_loss": final_train, "eval_loss": eval_loss, "chance_loss": chance,
+        "diverged": not math.isfinite(eval_loss) or eval_loss > chance, "wall_seconds": wall, "tokens": tokens,
+        "tokens_per_second": tokens / wall if wall > 0 else 0.0, "bytes_sent": result.bytes_sent,
+        "deltas_accepted": accepted, "deltas_rejected": rejected, "train_curve": _mean_curve(curves),
+        "eval_curve": result.eval_curve, "workers_summary": [_worker_summary(cfg, sim, w) for w in sim.workers],
+        "launch": "sim",
+        "sim": {
+            "aggregation": cfg.master.aggregation, "sync": cfg.diloco.sync,
+            "outer_state_dtype": str(cfg.outer.get("state_dtype", "float32")),
+            "speeds": [w.speed for w in sim.workers], "sim_time": result.sim_time,
+            "inner_steps": result.inner_steps, "run_seconds": result.wall_seconds,
+            "inner_steps_per_second": result.inner_steps / result.wall_seconds if result.wall_seconds > 0 else 0.0,
+            "staleness_histogram": result.staleness_histogram, "null_rounds": sim.master.null_rounds,
+            # loss against simulated time: [time, eval loss] at each eval_curve point
+            "eval_curve_time": [[t, loss] for t, (_, loss) in zip(result.eval_times, result.eval_curve)],
+            "lost_phases": result.lost_phases,
+            "membership": [list(sim._membership[i]) if math.isfinite(sim._membership[i][1])
+                           else [sim._membership[i][0], None] for i in range(cfg.workers)],
+            "versions": [
+                {k: r.get(k) for k in ("outer_step", "time", "accepted", "rejected", "rejected_by_reason",
+                                       "staleness_histogram", "update_norm", "update_rms", "update_rms_over_lr",
+                                       "null_round")}
+                for r in records
+            ],
+        },
+    }

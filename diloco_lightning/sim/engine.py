@@ -1,0 +1,387 @@
+"""The simulator: K workers' inner loops and a master in one process, on a simulated clock.
+
+A research tool as much as a test of the product ("test an outer optimizer under controlled
+staleness in minutes"): the workers are :class:`~diloco_lightning.sim.inner.SimWorker` (any
+model, any inner optimizer), the master is :class:`~diloco_lightning.sim.master.SimMaster`
+(the product's gate, checks, round mean and outer optimizers), and the schedule is an event
+queue on a simulated clock: worker ``k`` runs a phase of ``inner_steps`` steps in
+``inner_steps / speed_k`` units of time, and events (a phase ends, a delta is uploaded) are
+processed in time order, ties by the order they were queued (so by worker index at equal
+speeds). Nothing else decides the order, so a run is a pure function of its options and seeds.
+
+Staleness, as the product's ``sync`` modes define it:
+
+* ``lockstep``, ``aggregation="round"`` (the product's lockstep with a quorum of every worker):
+  round ``s`` (outer step ``s``) is the ``(s+1)``-th delta of every worker; worker ``k``'s delta
+  ``r`` was computed from version ``max(0, r - 1 - tau)``, so it is applied with staleness
+  ``tau`` counted in rounds (``r - 1`` for the first ``tau`` rounds, whose deltas start from
+  version 0). A worker waits at boundary ``r`` for the version its next delta starts from, and
+  a delta ``r`` is uploaded once version ``r - 1`` exists, as the product's are.
+* ``lockstep``, ``aggregation="arrival"``: every delta is one outer step; the delta applied at
+  outer step ``s`` was computed from version ``max(0, s - tau)``: staleness ``tau`` counted in
+  arrivals. The clock orders the arrivals (round-robin over the workers at equal speeds); the
+  delay is imposed, not caused by the clock (workers never wait).
+* ``async``: no imposed delay. A worker starts each phase from the newest version and its delta
+  is applied when the clock brings it: the staleness is what the speeds make it (K - 1 in
+  arrival mode at equal speeds). In round mode a round closes every ``quorum`` deltas.
+
+``tau`` is the ``delay`` option: an int, a per-worker list, or a distribution drawn once per
+worker (:func:`~diloco_lightning.worker.sync.resolve_delay`, the product's draw) or, with
+``delay_per="delta"``, once per delta (:func:`~diloco_lightning.worker.sync.draw_delay`),
+capped at ``max_delay``; during the first ``burn_in`` outer steps it is 0.
+
+A phase depends only on the version it starts from and the worker's own state (inner optimizer,
+schedule, data position), so it can be computed whenever that version is known: with
+``parallel > 1`` each worker computes its next phase on a thread of its own as soon as it begins
+(round-mode lockstep and async; arrival-mode lockstep learns the version only when the delta is
+applied), while the master and the other workers go on. torch releases the GIL inside its ops
+and each worker's ops are exactly the sequential ones, so the results do not depend on
+``parallel``. Phases are otherwise computed when their delta is applied.
+
+Membership and a noisy clock (``sync="async"``): ``join_at`` / ``leave_at`` let a worker start
+late (from the newest version at that time) or stop (a phase not finished when it leaves is
+lost: the master never sees it), and ``speed_jitter`` multiplies each phase's duration by a
+log-normal factor drawn from the seed, worker and phase. The quorum of a round (``quorum``)
+stays what it was: rounds close every ``quorum`` deltas, whoever sends them. Every published
+version and every evaluation carries its simulated time, so loss can be read against time.
+
+The pseudo-gradient is encoded as a real worker encodes it (``delta_dtype``: a float cast, int8,
+int4 or top-k, with the worker's error-feedback residual: :class:`~diloco_lightning.compression.
+ErrorFeedback`, one per worker) and decoded as the master decodes it, before the master sees it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from diloco_lightning.sim.inner import SimWorker
+from diloco_lightning.sim.master import SimMaster
+from diloco_lightning.sim.options import SimOptions
+from diloco_lightning.worker.options import SYNC_MODES, resolve_encoding
+from diloco_lightning.worker.sync import draw_delay, resolve_delay
+from diloco_lightning.compression import ErrorFeedback, decode_delta, is_lossless
+from diloco_lightning.encoding import EncodingSpec
+
+__all__ = ["SimResult", "Simulator", "as_received"]
+
+log = logging.getLogger(__name__)
+
+_PHASE_END, _UPLOAD, _JOIN = 0, 1, 2
+
+
+def as_received(wire: Mapping[str, Any]) -> dict[str, Tensor]:
+    """What the master adds to its sum from what a worker put on the wire: the tensors themselves,
+    or, for an encoded value (``diloco_lightning.encoding.EncodedTensor``), its FP32 decoding."""
+    return decode_delta(wire)
+
+
+def _wire_bytes(wire: Mapping[str, Any]) -> int:
+    total = 0
+    for v in wire.values():
+        if isinstance(v, Tensor):
+            total += v.numel() * v.element_size()
+        else:  # an encoded tensor: its parts
+            total += v.nbytes()
+    return total
+
+
+@dataclass
+class SimResult:
+    """What a simulated run produced (the product turns it into ``results.json``)."""
+
+    outer_steps: int
+    final_state: dict[str, Tensor]
+    records: list[dict[str, Any]]  # one per published version (and refusals in between)
+    eval_curve: list[list[float]]
+    sim_time: float
+    wall_seconds: float
+    inner_steps: int  # inner steps taken, all workers
+    bytes_sent: int
+    deltas: int
+    staleness_histogram: dict[str, int] = field(default_factory=dict)
+    eval_times: list[float] = field(default_factory=list)  # simulated time of each eval_curve point
+    lost_phases: int = 0  # phases in flight when their worker left
+
+
+class Simulator:
+    """See the module docstring.
+
+    Args:
+        workers: the workers, in index order.
+        master: the master (its ``config.aggregation`` chooses round or arrival mode).
+        sync: ``"lockstep"`` (imposed delays) or ``"async"`` (the clock's staleness).
+        delay: the ``delay`` option (int, list, or a distribution mapping; its ``seed`` key, if
+            any, seeds the draws).
+        options: :class:`SimOptions` (speeds are read from the workers).
+        delta_dtype: the workers' ``delta_dtype`` (the wire encoding: a name such as ``"int4"``,
+            a float torch dtype, or an :class:`~diloco_lightning.encoding.EncodingSpec`).
+        error_feedback: each worker keeps what its encoding dropped and adds it to its next delta
+            (None: on for the lossy encodings, as in a real run).
+        evaluate: ``state -> loss`` of a global version (None: no evaluation).
+        eval_points: outer steps after which to evaluate (the first version at or past each).
+        on_version: called with each version's record (progress lines, metrics files).
+        parallel: workers whose phases may be computed at the same time, each on its own thread
+            (1: one after the other in this thread); the results are the same.
+        seed: seeds ``speed_jitter``'s draws.
+    """
+
+    def __init__(
+        self,
+        workers: Sequence[SimWorker],
+        master: SimMaster,
+        *,
+        sync: str = "lockstep",
+        delay: Any = 0,
+        options: SimOptions | None = None,
+        delta_dtype: torch.dtype | str | EncodingSpec = torch.float32,
+        error_feedback: bool | None = None,
+        evaluate: Callable[[Mapping[str, Tensor]], float] | None = None,
+        eval_points: Sequence[int] = (),
+        on_version: Callable[[dict[str, Any]], None] | None = None,
+        parallel: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+        if not workers:
+            raise ValueError("workers: a simulation needs at least one worker")
+        self.workers = list(workers)
+        self.master = master
+        self.sync = sync
+        self.options = (options or SimOptions()).validate(len(self.workers))
+        if isinstance(delta_dtype, EncodingSpec):
+            spec, feedback = delta_dtype, (not is_lossless(delta_dtype)) if error_feedback is None else error_feedback
+        else:
+            spec, feedback = resolve_encoding(delta_dtype, error_feedback=error_feedback)
+        self.encoding = spec
+        self._feedback = [ErrorFeedback(spec, enabled=feedback) for _ in self.workers]
+        self.evaluate = evaluate
+        self.eval_points = sorted(set(int(p) for p in eval_points))
+        self.on_version = on_version
+        self.arrival = master.config.aggregation == "arrival"
+        self.seed = int(seed)
+        self._membership = [self.options.membership(w.index) for w in self.workers]
+        if self.options.changes_membership() and sync != "async":
+            raise ValueError("join_at / leave_at need sync='async' (lockstep's imposed delays expect every worker's "
+                             "every delta)")
+        self._active = [False] * len(self.workers)  # joined and not gone
+        self.lost_phases = 0
+        self.eval_times: list[float] = []
+        self.quorum = len(self.workers) if sync == "lockstep" else (self.options.quorum or len(self.workers))
+        self._delay_spec = delay
+        self._per_delta = isinstance(delay, Mapping) and self.options.delay_per == "delta"
+        self._seed = delay.get("seed", 0) if isinstance(delay, Mapping) else 0
+        self._worker_delay = [min(resolve_delay(delay, w.node_id, w.index), self.options.max_delay)
+                              if not self._per_delta else 0 for w in self.workers]
+        if sync == "async" and delay not in (0, None):
+            log.warning("sync=async: the delay option is ignored (the clock makes the staleness), as in the product")
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self._held: dict[int, list[tuple[int, int]]] = {}  # version -> (worker, r) uploads waiting for it
+        self._waiting: dict[int, list[int]] = {}  # version -> workers waiting to start their next phase
+        self._base: list[int] = [0] * len(self.workers)  # async: the version each worker's phase started from
+        self._published_at: dict[int, float] = {0: 0.0}
+        self.histogram: dict[str, int] = {}
+        self.eval_curve: list[list[float]] = []
+        self.bytes_sent = 0
+        self.deltas = 0
+        self.now = 0.0
+        self._begun = [0] * len(self.workers)  # phases begun per worker
+        self._ahead: dict[tuple[int, int], tuple[int, Future]] = {}  # (worker, r) -> (base, its phase computing)
+        prefetch = parallel > 1 and not (sync == "lockstep" and self.arrival)
+        self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"sim-{w.node_id}") for w in self.workers] if prefetch else None
+
+    # ------------------------------------------------------------------ delays
+
+    def delay_of(self, index: int, r: int, applied_at: int) -> int:
+        """The staleness imposed on worker ``index``'s ``r``-th delta, applied at outer step ``applied_at``."""
+        if applied_at < self.options.burn_in:
+            return 0
+        if self._per_delta:
+            tau = draw_delay(self._delay_spec, random.Random(f"{self._seed}:{index}:{r}"))
+            return min(tau, self.options.max_delay)
+        return self._worker_delay[index]
+
+    # ------------------------------------------------------------------ the clock
+
+    def _push(self, t: float, kind: int, k: int, r: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, k, r))
+
+    def _begin(self, k: int, t: float) -> None:
+        """Worker ``k`` starts its next phase at ``t`` (if it has one left)."""
+        w = self.workers[k]
+        if self._begun[k] >= w.phases or t >= self._membership[k][1]:
+            self._active[k] = False
+            return
+        self._active[k] = True
+        self._begun[k] += 1
+        r = self._begun[k]
+        self._base[k] = self.master.outer_step
+        if self._threads is not None:
+            base = self._base_of(k, r)
+            self._ahead[(k, r)] = (base, self._threads[k].submit(w.phase, self.master.versions[base]))
+        self._push(t + self.duration(k, r), _PHASE_END, k, r)
+
+    def duration(self, k: int, r: int) -> float:
+        """Simulated time of worker ``k``'s phase ``r``: ``H / speed``, times the jitter's draw."""
+        d = self.workers[k].duration()
+        if self.options.speed_jitter > 0:
+            d *= math.exp(self.options.speed_jitter * random.Random(f"{self.seed}:speed:{k}:{r}").gauss(0.0, 1.0))
+        return d
+
+    def _base_of(self, k: int, r: int) -> int:
+        """The version worker ``k``'s delta ``r`` starts from."""
+        if self.sync == "async":
+            return self._base[k]
+        applied_at = r - 1 if not self.arrival else self.master.outer_step
+        return max(0, applied_at - self.delay_of(k, r, applied_at))
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        try:
+            self._evaluate_due()
+            for w in self.workers:
+                joins = self._membership[w.index][0]
+                if joins > 0:
+                    self._push(joins, _JOIN, w.index)
+                else:
+                    self._begin(w.index, 0.0)
+            while self._heap:
+                t, _, kind, k, r = heapq.heappop(self._heap)
+                self.now = t
+                if kind == _PHASE_END:
+                    self._phase_end(k, r, t)
+                elif kind == _JOIN:
+                    self._begin(k, t)
+                else:
+                    self._deliver(k, r, t)
+        finally:
+            for pool in self._threads or []:
+                pool.shutdown(wait=True, cancel_futures=True)
+        if not self.arrival and self.master.open_deltas:
+            self._publish(self.master.close_round(self.now))  # the master drains what is pending at the end
+        pending = self.master.pending_record()
+        if pending is not None:
+            self._emit(pending)
+        if not self.eval_curve or self.eval_curve[-1][0] != self.master.outer_step:
+            if self.evaluate is not None:
+                self.eval_curve.append([self.master.outer_step, float(self.evaluate(self.master.state))])
+                self.eval_times.append(self.now)
+        return SimResult(
+            outer_steps=self.master.outer_step, final_state=self.master.state, records=self.master.records,
+            eval_curve=self.eval_curve, sim_time=self.now, wall_seconds=time.perf_counter() - started,
+            inner_steps=sum(w.steps for w in self.workers), bytes_sent=self.bytes_sent, deltas=self.deltas,
+            staleness_histogram=dict(sorted(self.histogram.items(), key=lambda kv: int(kv[0]))),
+            eval_times=list(self.eval_times), lost_phases=self.lost_phases,
+        )
+
+    def _phase_end(self, k: int, r: int, t: float) -> None:
+        if t > self._membership[k][1]:  # the worker left before this phase ended: it is lost
+            self.lost_phases += 1
+            self._active[k] = False
+            ahead = self._ahead.pop((k, r), None)
+            if ahead is not None:
+                ahead[1].result()  # let its thread finish (its result goes nowhere)
+            log.info("worker %s left at %.1f: its phase %d (due at %.1f) is lost", self.workers[k].node_id,
+                     self._membership[k][1], r, t)
+            return
+        if self.sync == "lockstep" and not self.arrival:
+            # delta r is uploaded once version r - 1 exists (the product's gated upload)
+            if self.master.outer_step >= r - 1:
+                self._deliver(k, r, t)
+            else:
+                self._held.setdefault(r - 1, []).append((k, r))
+            # the worker waits for the version its next delta starts from
+            target = max(0, r - self.delay_of(k, r + 1, r))
+            if self.master.outer_step >= target:
+                self._begin(k, t)
+            else:
+                self._waiting.setdefault(target, []).append(k)
+            return
+        self._deliver(k, r, t)
+        self._begin(k, t)  # async, or arrival lockstep: never waits
+
+    # ------------------------------------------------------------------ deliveries
+
+    def _deliver(self, k: int, r: int, t: float) -> None:
+        """Worker ``k``'s delta ``r`` reaches the master at ``t``: compute its phase, apply or fold it in."""
+        w = self.workers[k]
+        s = self.master.outer_step
+        tokens_before = w.tokens_at(r - 1)
+        ahead = self._ahead.pop((k, r), None)
+        if ahead is not None:
+            base, future = ahead
+            delta = future.result()
+        else:
+            base = self._base_of(k, r)
+            delta = w.phase(self.master.versions[base])
+        wire = self._feedback[k].encode(delta)
+        del delta
+        self.bytes_sent += _wire_bytes(wire)
+        self.deltas += 1
+        received = as_received(wire)
+        tau = s - base
+        ident = f"{w.node_id}/{r}"
+        tokens = (w.tokens_at(r) - tokens_before) or None
+        if self.arrival:
+            rec = self.master.arrive(ident, received, tau, num_tokens=tokens, now=t)
+            if rec is not None:
+                self._count(tau)
+                self._publish(rec)
+        else:
+            if self.master.add(ident, received, tau, num_tokens=tokens):
+                self._count(tau)
+            if self.master.open_deltas >= self.quorum:
+                self._publish(self.master.close_round(t))
+        self._prune()
+
+    def _count(self, tau: int) -> None:
+        self.histogram[str(tau)] = self.histogram.get(str(tau), 0) + 1
+
+    def _publish(self, rec: dict[str, Any]) -> None:
+        v = self.master.outer_step
+        self._published_at[v] = self.now
+        self._emit(rec)
+        self._evaluate_due()
+        for k, r in self._held.pop(v, []):
+            self._push(self.now, _UPLOAD, k, r)
+        for k in self._waiting.pop(v, []):
+            self._begin(k, self.now)
+
+    def _emit(self, rec: dict[str, Any]) -> None:
+        if self.on_version is not None:
+            self.on_version(rec)
+
+    def _evaluate_due(self) -> None:
+        s = self.master.outer_step
+        if self.evaluate is None or not self.eval_points or self.eval_points[0] > s:
+            return
+        while self.eval_points and self.eval_points[0] <= s:
+            self.eval_points.pop(0)
+        self.eval_curve.append([s, float(self.evaluate(self.master.state))])
+        self.eval_times.append(self.now)
+
+    def _prune(self) -> None:
+        """Drop the versions no worker can start from any more."""
+        s = self.master.outer_step
+        if self.sync == "async":  # a worker that has not joined starts from the newest version
+            keep = min([b for b, active in zip(self._base, self._active) if active] or [s])
+        elif self._per_delta:
+            keep = s - self.options.max_delay
+        else:
+            keep = s - max(self._worker_delay)
+        if self.sync == "lockstep" and not self.arrival:
+            keep -= 1  # a round's deltas start from version (round - tau)
+        self.master.prune(max(0, keep))

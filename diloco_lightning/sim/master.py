@@ -1,0 +1,223 @@
+"""The master's part of a simulated run: the product's own checks, round mean and outer step, without a hub.
+
+What a real master (:mod:`diloco_lightning.master.rounds`) does to a delta, in the same order,
+with the same code: the staleness checks and the gate
+(:func:`~diloco_lightning.master.validation.check_staleness`, the outer optimizer's ``gate``),
+the norm bounds (:class:`~diloco_lightning.master.validation.NormGuard` with the global-relative
+bound of the current version), then either
+
+* ``aggregation="round"``: the gated weighted mean of the round's accepted deltas
+  (:class:`~diloco_lightning.master.aggregation.RoundSum`) and one outer step with
+  ``gated=True`` (PA-CGAD: the ungated mean, gated per fragment on the round's largest
+  staleness), or
+* ``aggregation="arrival"``: one outer step per accepted delta with its own staleness;
+
+then the new state's finiteness (a non-finite update is refused, the optimizer rolled back) and
+the norm window. Each step publishes a *version* (kept in memory while some worker may still
+start from it). Where the product's lockstep master would wait forever (every delta of a round
+refused), the simulator publishes the unchanged state as the next version (a "null round"), so
+the schedule goes on; it is counted in the metrics.
+
+Besides the master's own metrics (``staleness_histogram``, ``rejected_by_reason`` ...), each
+version records the outer step's size: the L2 norm and the RMS of ``new - old`` over the
+floating keys, and the RMS in units of the outer learning rate.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from diloco_lightning.deltafile import is_synced
+from diloco_lightning.master.aggregation import NonFiniteAggregate, RoundSum
+from diloco_lightning.master.config import MasterConfig
+from diloco_lightning.master.metrics import RoundMetrics
+from diloco_lightning.master.validation import DeltaRejected, NormGuard, check_staleness, delta_norm, state_norm
+from diloco_lightning.outer import build_outer_optimizer
+
+__all__ = ["SimMaster"]
+
+log = logging.getLogger(__name__)
+
+
+def _clone(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+class SimMaster:
+    """See the module docstring.
+
+    Args:
+        state: the initial global state (version 0), copied to CPU.
+        config: the master's options (outer optimizer, ``aggregation``, ``weighting``, bounds).
+    """
+
+    def __init__(self, state: Mapping[str, Tensor], config: MasterConfig) -> None:
+        self.config = config.validate()
+        self.state = _clone(state)
+        self.opt = build_outer_optimizer(config.outer_optimizer, self.state, **config.optimizer_options())
+        self.lr = float(self.opt.options.get("lr", float("nan")))
+        self.pa = config.outer_optimizer == "pa_cgad"
+        self.outer_step = 0
+        self.versions: dict[int, dict[str, Tensor]] = {0: _clone(self.state)}
+        self.norms = NormGuard(config.max_delta_norm, config.norm_ratio, config.norm_window, config.norm_min_history,
+                               config.norm_global_ratio)
+        self.norms.set_global(*state_norm(self.state))
+        self.records: list[dict[str, Any]] = []  # one per published version
+        self._acc: RoundSum | None = None
+        self._accepted: list[tuple[str, int, float]] = []  # (ident, staleness, norm) of the open round
+        self._processed = 0  # deltas of the open round, accepted or not
+        self._m = self._new_metrics()
+        self.null_rounds = 0
+        self._prev: dict[str, Tensor] | None = None  # the state before the last outer step
+        self._step_seconds = 0.0
+
+    def _new_metrics(self) -> RoundMetrics:
+        return RoundMetrics(aggregation=self.config.aggregation, optimizer=self.config.outer_optimizer, holder="sim")
+
+    # ------------------------------------------------------------------ checks (the order of DeltaValidator._check)
+
+    def _check(self, tensors: Mapping[str, Tensor], tau: int, num_tokens: int | None) -> tuple[float, float, float]:
+        """``(gate, weight, norm)`` of an acceptable delta, else :class:`DeltaRejected`."""
+        gate = float(self.opt.gate(tau)) if tau >= 0 else 0.0
+        check_staleness(tau, max_staleness=self.config.max_staleness, gate=gate)
+        weight = 1.0
+        if self.config.weighting == "tokens":
+            if not num_tokens:
+                raise DeltaRejected("num_tokens", "weighting='tokens' needs a positive num_tokens")
+            weight = float(num_tokens)
+        norm = delta_norm(tensors)
+        self.norms.check(norm, tensors)
+        return gate, weight, norm
+
+    # ------------------------------------------------------------------ round mode
+
+    @property
+    def open_deltas(self) -> int:
+        """Deltas processed (accepted or refused) in the open round."""
+        return self._processed
+
+    def add(self, ident: str, tensors: Mapping[str, Tensor], tau: int, *, num_tokens: int | None = None) -> bool:
+        """Round mode: check a delta of staleness ``tau`` and fold it into the open round; False if refused."""
+        self._processed += 1
+        try:
+            gate, weight, norm = self._check(tensors, tau, num_tokens)
+        except DeltaRejected as e:
+            self._m.reject(e.reason)
+            log.debug("refused %s (staleness %d): %s", ident, tau, e)
+            return False
+        if self._acc is None:
+            self._acc = RoundSum(self.state)
+        self._acc.add(tensors, weight, 1.0 if self.pa else gate)
+        self._accepted.append((ident, tau, norm))
+        return True
+
+    def close_round(self, now: float = 0.0) -> dict[str, Any]:
+        """Apply the open round's mean (one outer step) and publish the next version; a round with
+        nothing to apply publishes the unchanged state (a null round). Returns the version's record."""
+        accepted, acc = self._accepted, self._acc
+        self._accepted, self._acc, self._processed = [], None, 0
+        applied = False
+        if accepted and acc is not None:
+            try:
+                mean = acc.take_mean()
+            except NonFiniteAggregate as e:
+                self._refuse(accepted, str(e))
+            else:
+                tau_max = max(t for _, t, _ in accepted)
+                if self.pa:
+                    applied = self._step(lambda: self.opt.step(self.state, mean, staleness=tau_max), accepted)
+                else:
+                    applied = self._step(lambda: self.opt.step(self.state, mean, staleness=0, gated=True), accepted)
+        if not applied:
+            self.null_rounds += 1
+        return self._publish(now, applied)
+
+    # ------------------------------------------------------------------ arrival mode
+
+    def arrive(self, ident: str, tensors: Mapping[str, Tensor], tau: int, *, num_tokens: int | None = None,
+               now: float = 0.0) -> dict[str, Any] | None:
+        """Arrival mode: one outer step for this delta and a new version (its record), or None if refused."""
+        try:
+            _, _, norm = self._check(tensors, tau, num_tokens)
+        except DeltaRejected as e:
+            self._m.reject(e.reason)
+            return None
+        if not self._step(lambda: self.opt.step(self.state, tensors, staleness=tau), [(ident, tau, norm)]):
+            return None
+        return self._publish(now, True)
+
+    # ------------------------------------------------------------------ apply and publish
+
+    def _step(self, step, accepted: list[tuple[str, int, float]]) -> bool:
+        """Run one outer step on the state; roll it back and refuse the deltas if the result is not finite."""
+        backup_opt = self.opt.state_dict()
+        self._prev = _clone(self.state)
+        t0 = time.perf_counter()
+        applied = step()
+        self._step_seconds = time.perf_counter() - t0
+        if applied is False:  # fully gated (PA-CGAD): nothing changed
+            for _ in accepted:
+                self._m.reject("too_stale")
+            return False
+        norm, numel = state_norm(self.state)
+        if not math.isfinite(norm):
+            self.state = self._prev
+            self.opt.load_state_dict(backup_opt)
+            self._refuse(accepted, "the outer step made the state non-finite")
+            return False
+        self.norms.extend(n for _, _, n in accepted)
+        self.norms.set_global(norm, numel)
+        for ident, tau, _ in accepted:
+            self._m.apply(ident, tau)
+        return True
+
+    def _refuse(self, accepted: list[tuple[str, int, float]], detail: str) -> None:
+        log.warning("refusing %d delta(s) at outer_step %d: %s", len(accepted), self.outer_step, detail)
+        for _ in accepted:
+            self._m.reject("non_finite_update")
+
+    def _publish(self, now: float, applied: bool) -> dict[str, Any]:
+        self.outer_step += 1
+        self.versions[self.outer_step] = _clone(self.state)
+        m, self._m = self._m, self._new_metrics()
+        m.outer_step, m.published = self.outer_step, 1
+        rec = m.to_dict()
+        rec.update(time=now, round_seconds=self._step_seconds if applied else 0.0, null_round=not applied)
+        rec.update(self._update_size(applied))
+        self.records.append(rec)
+        return rec
+
+    def _update_size(self, applied: bool) -> dict[str, float]:
+        """L2 norm and RMS of ``new - old`` over the floating keys (0 for a null round)."""
+        prev = self._prev
+        if not applied or prev is None:
+            return {"update_norm": 0.0, "update_rms": 0.0, "update_rms_over_lr": 0.0}
+        total, n = 0.0, 0
+        for k, t in self.state.items():
+            if is_synced(t) and t.numel():
+                d = torch.linalg.vector_norm(t.to(torch.float32) - prev[k].to(torch.float32)).item()
+                total += d * d
+                n += t.numel()
+        rms = math.sqrt(total / max(n, 1))
+        self._prev = None
+        return {"update_norm": math.sqrt(total), "update_rms": rms, "update_rms_over_lr": rms / self.lr if self.lr else 0.0}
+
+    def pending_record(self) -> dict[str, Any] | None:
+        """Refusals since the last version (arrival mode), as a record, or None."""
+        if not self._m.rejected:
+            return None
+        m, self._m = self._m, self._new_metrics()
+        m.outer_step = self.outer_step
+        return m.to_dict()
+
+    def prune(self, keep_from: int) -> None:
+        """Forget the versions below ``keep_from`` (no worker can start from them any more)."""
+        for v in [v for v in self.versions if v < keep_from]:
+            del self.versions[v]
