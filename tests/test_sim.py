@@ -159,6 +159,54 @@ def test_phases_on_threads_give_the_same_run(sync, aggregation, speeds):
     assert [r["staleness_histogram"] for r in m1.records] == [r["staleness_histogram"] for r in m2.records]
 
 
+def _encoded_run(delta_dtype, error_feedback=None, phases=12):
+    workers = _quad_workers(2, phases)
+    config = MasterConfig(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0, aggregation="arrival",
+                          norm_ratio=None, norm_global_ratio=None)
+    master = SimMaster({"w": torch.zeros(N)}, config)
+    sim = Simulator(workers, master, sync="lockstep", delay=0, delta_dtype=delta_dtype, error_feedback=error_feedback)
+    return sim.run(), sim
+
+
+def test_deltas_go_through_the_workers_encoding_and_error_feedback():
+    """The simulator sends what a worker sends: the encoded delta (bytes of the encoding) with the
+    worker's error-feedback residual, decoded as the master decodes it."""
+    exact, _ = _encoded_run("float32")
+    int8, sim8 = _encoded_run("int8")
+    assert sim8.encoding.name == "int8" and all(f.enabled for f in sim8._feedback)
+    # one int8 code per value and one FP32 scale per (here: the only) block, against 4 bytes a value
+    assert int8.bytes_sent == int8.deltas * (N + 4) and exact.bytes_sent == exact.deltas * 4 * N
+    torch.testing.assert_close(int8.final_state["w"], exact.final_state["w"], atol=2e-2, rtol=0)
+    # error feedback: for each worker, what reached the master plus the residual it still owes is
+    # exactly the sum of its true pseudo-gradients (nothing lost); without feedback the drop is lost
+    for feedback in (True, False):
+        workers = _quad_workers(2, 10)
+        master = SimMaster({"w": torch.zeros(N)}, MasterConfig(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0,
+                                                               aggregation="arrival", norm_ratio=None, norm_global_ratio=None))
+        true = {w.node_id: torch.zeros(N) for w in workers}
+        got = {w.node_id: torch.zeros(N) for w in workers}
+        for w in workers:
+            def phase(version, _orig=w.phase, _id=w.node_id):
+                d = _orig(version)
+                true[_id] += d["w"]
+                return d
+            w.phase = phase
+        arrive = master.arrive
+
+        def arrive_and_count(ident, received, *a, **kw):
+            got[ident.split("/")[0]] += received["w"]
+            return arrive(ident, received, *a, **kw)
+        master.arrive = arrive_and_count
+        sim = Simulator(workers, master, sync="lockstep", delay=0, delta_dtype="topk", error_feedback=feedback)
+        sim.run()
+        for k, w in enumerate(workers):
+            residual = sim._feedback[k].residual
+            if feedback:
+                torch.testing.assert_close(got[w.node_id] + residual["w"], true[w.node_id], atol=1e-6, rtol=0)
+            else:
+                assert residual is None and float((got[w.node_id] - true[w.node_id]).abs().max()) > 1e-3
+
+
 def test_burn_in_and_per_delta_draws():
     """Per-delta delays from a law, 0 during the burn-in; each delta's staleness is its own draw."""
     spec = {"distribution": "choice", "values": [0, 1, 2], "seed": 7}
@@ -266,7 +314,9 @@ def test_train_py_launch_sim_end_to_end(tmp_path, token_cache):
     assert not (rdir / "hub").exists()
 
 
-@pytest.mark.parametrize("override,key", [("sim.speeds=[1,0]", "sim.speeds"), ("sim.leave_at=[null,4]", "sim.leave_at")])
+@pytest.mark.parametrize("override,key", [("sim.speeds=[1,0]", "sim.speeds"), ("sim.leave_at=[null,4]", "sim.leave_at"),
+                                          ("diloco.fragments=2", "diloco.fragments"),
+                                          ("diloco.inner_steps=auto", "diloco.inner_steps")])
 def test_sim_config_errors_name_the_key(tmp_path, token_cache, override, key):
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "launch=sim", override, f"run_root={tmp_path}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path, token_cache), capture_output=True, text=True, timeout=120)

@@ -92,7 +92,7 @@ def _wire_bytes(wire: Mapping[str, Any]) -> int:
         if isinstance(v, Tensor):
             total += v.numel() * v.element_size()
         else:  # an encoded tensor: its parts
-            total += v.nbytes()
+            total += v.nbytes
     return total
 
 
