@@ -46,14 +46,14 @@ ROWS = {
 }
 
 
-def run_key(row: str, seed: int, tau: int, steps: int) -> str:
-    return f"{row}|seed={seed}|tau={tau}|steps={steps}"
+def run_key(row: str, seed: int, tau: int, steps: int, launch: str = "local") -> str:
+    return f"{row}|seed={seed}|tau={tau}|steps={steps}" + ("" if launch == "local" else f"|launch={launch}")
 
 
-def run_one(row: str, seed: int, tau: int, steps: int, threads: int) -> dict:
+def run_one(row: str, seed: int, tau: int, steps: int, threads: int, launch: str = "local") -> dict:
     with tempfile.TemporaryDirectory(prefix="comploss-") as tmp:
         overrides = ["recipe=tiny", *ROWS[row], f"seed={seed}", f"diloco.delay={tau}", f"trainer.max_steps={steps}",
-                     f"run_root={tmp}", "run_id=r"]
+                     f"run_root={tmp}", "run_id=r"] + ([f"launch={launch}"] if launch != "local" else [])
         if threads:
             overrides.append(f"trainer.num_threads={threads}")
         t0 = time.perf_counter()
@@ -63,15 +63,15 @@ def run_one(row: str, seed: int, tau: int, steps: int, threads: int) -> dict:
             raise RuntimeError(f"train.py {' '.join(overrides)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
         res = json.loads((Path(tmp) / "r" / "results.json").read_text())
         deltas = sum(s["deltas_sent"] for s in res["workers_summary"])
-        return {"row": row, "seed": seed, "tau": tau, "steps": steps, "eval_loss": res["eval_loss"],
+        return {"row": row, "seed": seed, "tau": tau, "steps": steps, "launch": launch, "eval_loss": res["eval_loss"],
                 "final_train_loss": res["final_train_loss"], "bytes_per_delta": res["bytes_sent"] / max(1, deltas),
                 "outer_steps": res["outer_steps"], "rejected": res["deltas_rejected"], "diverged": res["diverged"],
                 "wall": time.perf_counter() - t0,
                 "command": "python train.py " + " ".join(o for o in overrides if not o.startswith("run_root"))}
 
 
-def table(runs: list[dict], rows: list[str], taus: list[int], seeds: list[int], steps: int) -> str:
-    by = {(r["row"], r["seed"], r["tau"]): r for r in runs if r["steps"] == steps}
+def table(runs: list[dict], rows: list[str], taus: list[int], seeds: list[int], steps: int, launch: str = "local") -> str:
+    by = {(r["row"], r["seed"], r["tau"]): r for r in runs if r["steps"] == steps and r.get("launch", "local") == launch}
     out = [f"{'encoding':<16} {'tau':>3} {'seeds':>5} {'eval loss':>10} {'spread':>8} {'vs float32':>11} "
            f"{'(per seed)':<28} {'bytes/delta':>12}"]
     for tau in taus:
@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=160, help="inner steps per worker (the recipe's 160)")
     ap.add_argument("--threads", type=int, default=0, help="trainer.num_threads per worker (0: the recipe's)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "perf" / "compression_loss.json"))
+    ap.add_argument("--launch", default="local", choices=["local", "sim"],
+                    help="local: real processes and a folder hub; sim: the in-process simulator (launch=sim, the same "
+                         "encodings and error feedback, deterministic, faster)")
     ap.add_argument("--table-only", action="store_true", help="print the table of what --out holds")
     args = ap.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
@@ -110,23 +113,23 @@ def main(argv: list[str] | None = None) -> int:
     taus = [int(t) for t in args.taus.split(",")]
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.is_file() else {"runs": []}
-    done = {run_key(r["row"], r["seed"], r["tau"], r["steps"]) for r in data["runs"]}
+    done = {run_key(r["row"], r["seed"], r["tau"], r["steps"], r.get("launch", "local")) for r in data["runs"]}
     if not args.table_only:
         out.parent.mkdir(parents=True, exist_ok=True)
         for tau in taus:
             for seed in seeds:  # seeds outermost within a tau: a partial study is still paired
                 for row in rows:
-                    if run_key(row, seed, tau, args.max_steps) in done:
+                    if run_key(row, seed, tau, args.max_steps, args.launch) in done:
                         continue
                     load = os.getloadavg()[0]
-                    r = run_one(row, seed, tau, args.max_steps, args.threads)
+                    r = run_one(row, seed, tau, args.max_steps, args.threads, args.launch)
                     r["load_before"] = load
                     data["runs"].append(r)
                     data["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
                     out.write_text(json.dumps(data, indent=1))
                     print(f"{row:<16} seed {seed} tau {tau}: eval loss {r['eval_loss']:.4f} "
                           f"({r['wall']:.0f} s, load {load:.1f})", flush=True)
-    print(table(data["runs"], rows, taus, seeds, args.max_steps))
+    print(table(data["runs"], rows, taus, seeds, args.max_steps, args.launch))
     return 0
 
 
