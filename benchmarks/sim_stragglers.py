@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=160, help="inner steps per worker (the tiny recipe's 160)")
     ap.add_argument("--out", default=str(ROOT / "bench_sim_stragglers"))
     ap.add_argument("--report", action="store_true", help="run nothing: print the table of the finished runs")
+    ap.add_argument("--plot", default=None, help="write a PNG of eval loss against simulated time (seed 0) here")
     args = ap.parse_args(argv)
     out = Path(args.out)
     results: dict[tuple[str, str, int], dict] = {}
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                              "sync_q": loss_at(sync_curve, t_sync / 4), "diverged": r["diverged"]})
             if not rows:
                 continue
-            m = lambda k: statistics.fmean(x[k] for x in rows if x[k] is not None) if any(x[k] is not None for x in rows) else float("nan")  # noqa: E731
+            m = lambda k, rows=rows: statistics.fmean(x[k] for x in rows if x[k] is not None) if any(x[k] is not None for x in rows) else float("nan")  # noqa: E731
             sd = statistics.stdev([x["loss"] for x in rows]) if len(rows) > 1 else 0.0
             reached = sum(x["reach"] is not None for x in rows)
             print(f"{config:<16} {len(rows):>5} {m('time'):>9.0f} {m('x_time'):>7.2f} {m('loss'):>6.3f}±{sd:<4.2f} "
@@ -129,7 +130,35 @@ def main(argv: list[str] | None = None) -> int:
             summary.append({"profile": profile, "config": config, "runs": rows})
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if args.plot:
+        plot(results, args.profiles, args.configs, min(args.seeds), Path(args.plot))
     return 0
+
+
+def plot(results: dict, profiles: list[str], configs: list[str], seed: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(profiles), figsize=(5.5 * len(profiles), 4), squeeze=False)
+    for ax, profile in zip(axes[0], profiles):
+        for config in configs:
+            r = results.get((profile, config, seed))
+            if r is None:
+                continue
+            t, loss = zip(*r["sim"]["eval_curve_time"])
+            ax.plot(t, loss, marker=".", label=config)
+        ax.set_title(f"speeds {[round(s, 2) for s in PROFILES[profile]]}, seed {seed}")
+        ax.set_xlabel("simulated wall time (inner steps of a speed-1 worker)")
+        ax.set_ylabel("eval loss of the global model")
+        ax.set_ylim(top=min(9.0, ax.get_ylim()[1]))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
