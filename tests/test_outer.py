@@ -503,7 +503,7 @@ def test_low_precision_state_is_fp32_math_rounded_once(name, dtype):
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_temporaries_in_small_batches_give_the_same_result(name, monkeypatch):
     """Converting a bf16 state/delta in small chunks and batches (scratch area) changes nothing."""
-    import diloco_lightning.outer.base as base
+    import diloco_lightning.outer.work as work  # the scratch area and its chunks live there
 
     whole = make_state(dtype=torch.bfloat16)
     batched = clone(whole)
@@ -511,8 +511,8 @@ def test_temporaries_in_small_batches_give_the_same_result(name, monkeypatch):
     for tau, delta in zip(staleness_sequence(5), make_deltas(whole, 5)):
         delta = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in delta.items()}
         opt_whole.step(whole, delta, staleness=tau)
-        monkeypatch.setattr(base, "TEMP_BUDGET_BYTES", 1)  # one unit per batch
-        monkeypatch.setattr(base, "CHUNK_BYTES", 256)  # 64 floats: tensors are cut into chunks
+        monkeypatch.setattr(work, "TEMP_BUDGET_BYTES", 1)  # one unit per batch
+        monkeypatch.setattr(work, "CHUNK_BYTES", 256)  # 64 floats: tensors are cut into chunks
         opt_batched.step(batched, delta, staleness=tau)
         monkeypatch.undo()
     assert_states_equal(whole, batched)

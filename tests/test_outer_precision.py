@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from diloco_lightning.outer import OUTER_OPTIMIZERS, build_outer_optimizer, kernels
-from diloco_lightning.outer.base import stochastic_round_
+from diloco_lightning.outer.precision import stochastic_round_
 
 OPTIONS = {
     "nesterov": {"lr": 0.7, "momentum": 0.9},

@@ -42,14 +42,13 @@ from torch import Tensor
 
 from diloco_lightning.outer.base import (
     OuterOptimizer,
-    Work,
-    _Item,
     check_betas,
     check_int,
     check_real,
 )
 from diloco_lightning.outer.gates import cgad_gate, check_staleness, exp_gate
 from diloco_lightning.outer.kernels import adam_step_
+from diloco_lightning.outer.work import Item, Work
 
 __all__ = ["CGAD", "AdamDecay", "OuterAdam", "adam_kernel_constants"]
 
@@ -128,7 +127,7 @@ class _AdamBase(OuterOptimizer):
         self.eps = eps
         self._t = 0
 
-    def _apply(self, items: list[_Item], tau: float, gated: bool, fragment: str | None) -> bool:
+    def _apply(self, items: list[Item], tau: float, gated: bool, fragment: str | None) -> bool:
         gate = self.gate(tau)
         if gate == 0.0:
             return False
@@ -136,7 +135,7 @@ class _AdamBase(OuterOptimizer):
         self._t += 1
         return True
 
-    def _adam_update(self, items: list[_Item], gate: float) -> None:
+    def _adam_update(self, items: list[Item], gate: float) -> None:
         """One Adam step on ``gate * delta`` for ``items`` (each key's own step count and scales)."""
         names = ("steps", "exp_avg_scales", "exp_avg_sq_scales")
         updates: dict[str, tuple[int, float, float]] = {}

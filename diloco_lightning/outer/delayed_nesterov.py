@@ -39,12 +39,11 @@ from torch import Tensor
 from diloco_lightning.outer import kernels
 from diloco_lightning.outer.base import (
     OuterOptimizer,
-    Work,
-    _Item,
     check_int,
     check_real,
 )
 from diloco_lightning.outer.gates import check_staleness
+from diloco_lightning.outer.work import Item, Work
 
 __all__ = ["DelayedNesterov"]
 
@@ -103,7 +102,7 @@ class DelayedNesterov(OuterOptimizer):
         check_staleness(staleness)
         return 1.0
 
-    def _apply(self, items: list[_Item], tau: float, gated: bool, fragment: str | None) -> bool:
+    def _apply(self, items: list[Item], tau: float, gated: bool, fragment: str | None) -> bool:
         n, beta, c, lr = self.buffer_size, self.momentum, self.activation, self.lr
         k = 1.0 - c * n + c
         boundary = (self._t + 1) % n == 0

@@ -31,9 +31,10 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from diloco_lightning.outer.base import OuterOptimizer, Work, _Item, check_real
+from diloco_lightning.outer.base import OuterOptimizer, check_real
 from diloco_lightning.outer.gates import check_staleness, poly_gate
 from diloco_lightning.outer.kernels import nesterov_step_
+from diloco_lightning.outer.work import Item, Work
 
 __all__ = ["NesterovOuterOptimizer", "PolyNesterov"]
 
@@ -64,7 +65,7 @@ class _NesterovBase(OuterOptimizer):
         self.lr = lr
         self.momentum = momentum
 
-    def _apply(self, items: list[_Item], tau: float, gated: bool, fragment: str | None) -> bool:
+    def _apply(self, items: list[Item], tau: float, gated: bool, fragment: str | None) -> bool:
         gate = self.gate(tau)
         if gate == 0.0:
             return False

@@ -27,8 +27,9 @@ from typing import Any
 from torch import Tensor
 
 from diloco_lightning.outer.adam import _AdamBase, check_cgad_gate_args
-from diloco_lightning.outer.base import _Item, check_int
+from diloco_lightning.outer.base import check_int
 from diloco_lightning.outer.gates import cgad_gate, check_staleness
+from diloco_lightning.outer.work import Item
 
 __all__ = ["PACGAD"]
 
@@ -168,10 +169,10 @@ class PACGAD(_AdamBase):
         super()._register(key, tensor)
 
     # ------------------------------------------------------------------ step
-    def _apply(self, items: list[_Item], tau: float, gated: bool, fragment: str | None) -> bool:
+    def _apply(self, items: list[Item], tau: float, gated: bool, fragment: str | None) -> bool:
         if fragment is not None:
             self._check_fragment_name(fragment)
-        groups: dict[str, list[_Item]] = {}
+        groups: dict[str, list[Item]] = {}
         for item in items:
             name = self.fragment_of(item.key)
             if fragment is not None and name != fragment:

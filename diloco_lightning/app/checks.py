@@ -1,0 +1,323 @@
+"""Checks of a composed configuration, and its sections turned into the library's objects.
+
+The schema (:mod:`diloco_lightning.app.config`) types every key; what types cannot express
+(ranges, choices, what one key implies for another) is checked here: :func:`validate`
+(``train.py``) and :func:`validate_master_command` (``diloco-master``) share one check per
+section (:func:`validate_outer`, :func:`validate_hub`, :func:`validate_master_section`) and raise
+:class:`ConfigError` naming the key. The library's own option classes (``MasterConfig``,
+``WorkerOptions``, ``SimOptions``) stay the one validation of their options: a section is handed
+to them and their error comes back with the key's full name. :func:`hub_options`,
+:func:`master_config`, :func:`worker_options`, :func:`sim_options` and :func:`outer_options` turn
+sections into what the library takes. Every name here is importable from
+:mod:`diloco_lightning.app.config` too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from diloco_lightning.master.config import MasterConfig
+from diloco_lightning.options import OptionError
+from diloco_lightning.sim.options import SimOptions
+from diloco_lightning.worker.options import WorkerOptions
+
+log = logging.getLogger(__name__)
+
+ROLES = ("all", "worker", "master")
+INNER_OPTIMIZERS = ("adamw", "adamw8bit")
+PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+LAUNCH_KINDS = ("local", "submitit", "sim")
+__all__ = [
+    "ACCELERATORS", "INNER_OPTIMIZERS", "LAUNCH_KINDS", "PRECISIONS", "ROLES", "ConfigError", "hub_options",
+    "master_config", "open_configured_hub", "outer_options", "sim_options", "validate", "validate_diloco_section",
+    "validate_hub", "validate_master_command", "validate_master_section", "validate_outer", "validate_sim_section",
+    "worker_options",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value out of range; the message starts with the key."""
+
+    def __init__(self, key: str, detail: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {detail}")
+
+
+def _check(cond: bool, key: str, detail: str) -> None:
+    if not cond:
+        raise ConfigError(key, detail)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ----------------------------------------------------------------------------- shared section checks
+
+
+def validate_outer(o: DictConfig, prefix: str = "outer.") -> None:
+    """The outer optimizer section (both commands)."""
+    from diloco_lightning.outer import OUTER_OPTIMIZERS
+
+    _check(o.name in OUTER_OPTIMIZERS, f"{prefix}name",
+           f"unknown outer optimizer {o.name!r}; valid: {', '.join(sorted(OUTER_OPTIMIZERS))}")
+    _check(_number(o.lr) and o.lr > 0, f"{prefix}lr", f"must be a number > 0, got {o.lr}")
+    _check(isinstance(o.options, (DictConfig, dict)), f"{prefix}options", "must be a mapping")
+    from diloco_lightning.outer.precision import STATE_DTYPES
+
+    state_dtype = str(o.get("state_dtype", "float32"))
+    _check(state_dtype in STATE_DTYPES, f"{prefix}state_dtype", f"must be float32 (fp32) or bfloat16 (bf16), got {state_dtype!r}")
+    _check(not o.get("stochastic_rounding", False) or STATE_DTYPES[state_dtype] != STATE_DTYPES["float32"],
+           f"{prefix}stochastic_rounding", f"needs {prefix}state_dtype=bfloat16 (FP32 buffers are not rounded)")
+    try:
+        outer_options(o, prefix)
+    except ValueError as e:
+        raise ConfigError(f"{prefix}options", str(e)) from None
+
+
+def outer_options(o: DictConfig, prefix: str = "outer.") -> dict[str, Any]:
+    """``{"lr": o.lr, **o.options}`` for the named optimizer; options it does not take are dropped
+    with a warning, so ``outer.name=X`` works on top of another group's options."""
+    from diloco_lightning.outer import outer_optimizer_options
+
+    raw = OmegaConf.to_container(o.options, resolve=True) if isinstance(o.options, DictConfig) else dict(o.options or {})
+    opts: dict[str, Any] = {str(k): v for k, v in (raw or {}).items()}  # type: ignore[union-attr]
+    opts["lr"] = float(o.lr)
+    # the buffers' precision: recorded only when not the default (a published run's options stay as they were)
+    if str(o.get("state_dtype", "float32")) not in ("float32", "fp32"):
+        opts["state_dtype"] = str(o.state_dtype)
+    if o.get("stochastic_rounding", False):
+        opts["stochastic_rounding"] = True
+    accepted = outer_optimizer_options(str(o.name))
+    dropped = sorted(k for k in opts if k not in accepted)
+    if dropped:
+        log.warning("outer optimizer %r takes no option(s) %s; ignoring %s", o.name, dropped,
+                    ", ".join(f"{prefix}options.{k}" for k in dropped))
+        opts = {k: v for k, v in opts.items() if k in accepted}
+    if isinstance(opts.get("betas"), list):
+        opts["betas"] = tuple(opts["betas"])
+    return opts
+
+
+def validate_hub(h: DictConfig, prefix: str = "hub.", *, required: bool = False) -> None:
+    """The hub section (both commands): the URL's form (whether it exists is checked when it is opened)."""
+    from omegaconf import MISSING
+
+    _check(not OmegaConf.is_missing(h, "url"), f"{prefix}url", "is required: file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix")
+    url = h.url
+    if url is None or url == MISSING:
+        _check(not required, f"{prefix}url", "is required: file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix")
+        return
+    _check(isinstance(url, str) and url.strip() != "", f"{prefix}url", f"must be a non-empty string, got {url!r}")
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    _check(scheme in ("", "file", "hf", "s3"), f"{prefix}url",
+           f"unsupported scheme in {url!r}; use file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix")
+    _check(scheme == "hf" or not h.get("revision"), f"{prefix}revision", f"applies to hf:// hubs only (hub.url is {url!r})")
+    for key in ("endpoint_url", "endpoint"):
+        _check(scheme in ("hf", "s3") or not h.get(key), f"{prefix}{key}",
+               f"applies to hf:// and s3:// hubs only (hub.url is {url!r})")
+    _check(not (h.get("endpoint") and h.get("endpoint_url") and h.endpoint != h.endpoint_url), f"{prefix}endpoint_url",
+           f"and {prefix}endpoint are the same option and disagree ({h.endpoint_url!r}, {h.endpoint!r}); set one of them")
+    for key in ("region", "addressing_style"):
+        _check(scheme == "s3" or not h.get(key), f"{prefix}{key}", f"applies to s3:// hubs only (hub.url is {url!r})")
+    _check(h.get("addressing_style") in (None, "path", "virtual", "auto"), f"{prefix}addressing_style",
+           f"must be path, virtual or auto, got {h.get('addressing_style')!r}")
+    layout = h.get("layout", "shared")
+    _check(layout in ("shared", "per_node"), f"{prefix}layout", f"must be shared or per_node, got {layout!r}")
+    _check(scheme == "hf" or layout == "shared", f"{prefix}layout", f"per_node applies to hf:// hubs only (hub.url is {url!r})")
+    if scheme == "hf" and layout == "per_node":
+        from diloco_lightning.hub.hf_nodes import parse_node_repo
+
+        try:
+            org, _, name = url[len("hf://"):].strip("/").partition("/")
+            parse_node_repo(h.node_repo, org, name)
+        except ValueError as e:
+            raise ConfigError(f"{prefix}node_repo", str(e)) from None
+    cph = h.get("commits_per_hour", 128.0)
+    _check(_number(cph) and (cph == 0 or cph >= 1), f"{prefix}commits_per_hour", f"must be 0 (no limit) or >= 1, got {cph}")
+
+
+def _section(node: DictConfig, names: list[str]) -> dict[str, Any]:
+    return {k: OmegaConf.to_container(node[k], resolve=True) if isinstance(node[k], (DictConfig, ListConfig)) else node[k]
+            for k in names if k in node}
+
+
+def validate_master_section(m: DictConfig, prefix: str = "master.") -> None:
+    """The master's behaviour (``master.*`` of a training run, the top level of ``diloco-master``):
+    :meth:`MasterConfig.validate`, the one validation, with the key's full name in the error."""
+    values = _section(m, [n for n in MasterConfig.names() if n in m])
+    if values.get("min_deltas") is None:
+        values.pop("min_deltas", None)  # null: decided by the run (every worker in lockstep, else 1)
+    try:
+        MasterConfig(**values).validate()
+    except OptionError as e:
+        raise ConfigError(f"{prefix}{e.option}", e.detail) from None
+
+
+def validate_diloco_section(d: DictConfig, workers: int, prefix: str = "diloco.") -> None:
+    """The workers' options: :meth:`WorkerOptions.validate` (``delay`` resolved for every worker)."""
+    opts = WorkerOptions(**_section(d, WorkerOptions.names()))
+    try:
+        for i in range(max(1, workers)):
+            opts.validate(f"w{i}", i)
+    except OptionError as e:
+        raise ConfigError(f"{prefix}{e.option}", e.detail) from None
+
+
+# ----------------------------------------------------------------------------- the two commands
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """``train.py``'s checks (range and choice checks the schema's types cannot express). Returns ``cfg``."""
+    _check(cfg.role in ROLES, "role", f"must be one of {list(ROLES)}, got {cfg.role!r}")
+    _check(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
+    _check(cfg.workers >= 1, "workers", f"must be >= 1, got {cfg.workers}")
+    _check(0 <= cfg.node_index < cfg.workers, "node_index", f"must be in [0, workers={cfg.workers}), got {cfg.node_index}")
+    if cfg.run_id is not None:
+        _check(re.fullmatch(r"[A-Za-z0-9._=,+-]{1,200}", cfg.run_id) is not None, "run_id",
+               f"must be 1-200 characters of [A-Za-z0-9._=,+-], got {cfg.run_id!r}")
+    validate_diloco_section(cfg.diloco, cfg.workers)
+    o = cfg.optim
+    _check(o.name in INNER_OPTIMIZERS, "optim.name", f"must be one of {list(INNER_OPTIMIZERS)}, got {o.name!r}")
+    _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", f"must be two values in [0, 1), got {list(o.betas)}")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    validate_outer(cfg.outer, "outer.")
+    validate_master_section(cfg.master, "master.")
+    validate_hub(cfg.hub, "hub.")
+    t = cfg.trainer
+    _check(t.accelerator in ACCELERATORS, "trainer.accelerator", f"must be one of {list(ACCELERATORS)}, got {t.accelerator!r}")
+    _check(t.precision in PRECISIONS, "trainer.precision", f"must be one of {list(PRECISIONS)}, got {t.precision!r}")
+    _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")
+    _check(t.max_time is None or t.max_time > 0, "trainer.max_time", f"must be > 0 seconds or null, got {t.max_time}")
+    _check(t.devices >= 1, "trainer.devices", "must be >= 1")
+    _check(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
+    da = cfg.data
+    _check(da.source in ("stdlib", "text", "tokens"), "data.source", f"must be stdlib, text or tokens, got {da.source!r}")
+    _check(da.source == "stdlib" or da.paths, "data.paths", f"required when data.source={da.source}")
+    _check(da.seq_len >= 1, "data.seq_len", "must be >= 1")
+    _check(da.batch_size >= 1, "data.batch_size", "must be >= 1")
+    _check(0 < da.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
+    _check(cfg.model.max_seq_len >= da.seq_len, "model.max_seq_len", f"must be >= data.seq_len ({da.seq_len})")
+    la = cfg.launch
+    _check(la.kind in LAUNCH_KINDS, "launch.kind", f"must be one of {list(LAUNCH_KINDS)}, got {la.kind!r}")
+    _check(la.available_memory_gb is None or la.available_memory_gb > 0, "launch.available_memory_gb", "must be > 0")
+    _check(la.eval_points >= 0, "launch.eval_points", "must be >= 0")
+    _check(la.timeout > 0, "launch.timeout", "must be > 0")
+    if la.kind == "sim":
+        validate_sim_section(cfg)
+    return cfg
+
+
+def validate_sim_section(cfg: DictConfig) -> None:
+    """``launch=sim``: the ``sim`` section, and what the simulator does not reproduce."""
+    from diloco_lightning.sim.inner import PRECISIONS as SIM_PRECISIONS
+
+    try:
+        opts = sim_options(cfg)
+    except OptionError as e:
+        raise ConfigError(f"sim.{e.option}", e.detail) from None
+    _check(not opts.changes_membership() or cfg.diloco.sync == "async", "sim.join_at" if opts.join_at else "sim.leave_at",
+           "a worker joining late or leaving needs diloco.sync=async (lockstep imposes every worker's every delta)")
+    _check(cfg.role == "all", "role", f"launch=sim runs the whole run in one process: use role=all, got {cfg.role!r}")
+    _check(cfg.trainer.precision in SIM_PRECISIONS, "trainer.precision",
+           f"launch=sim reproduces {', '.join(SIM_PRECISIONS)}; got {cfg.trainer.precision!r}")
+    _check(cfg.trainer.devices == 1, "trainer.devices", "launch=sim runs each worker on one device")
+    frags = cfg.diloco.get("fragments")
+    _check(frags is None or frags == 1, "diloco.fragments",
+           "launch=sim does not simulate streaming fragments yet: drop diloco.fragments, or run it with launch=local")
+    _check(cfg.diloco.inner_steps != "auto", "diloco.inner_steps",
+           "launch=sim does not simulate Dynamic Local Updates yet (inner_steps=auto): give a number of inner steps")
+
+
+def validate_master_command(cfg: DictConfig) -> DictConfig:
+    """``diloco-master``'s checks: the same section checks as a training run's. Returns ``cfg``."""
+    validate_hub(cfg.hub, "hub.", required=True)
+    validate_outer(cfg.outer, "outer.")
+    validate_master_section(cfg, "")
+    _check(cfg.max_rounds is None or cfg.max_rounds >= 0, "max_rounds", f"must be >= 0, got {cfg.max_rounds}")
+    _check(cfg.max_seconds is None or cfg.max_seconds > 0, "max_seconds", f"must be > 0, got {cfg.max_seconds}")
+    _check(str(cfg.log_level).upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
+           f"must be DEBUG, INFO, WARNING or ERROR, got {cfg.log_level!r}")
+    if cfg.init is not None:
+        _check(Path(cfg.init).expanduser().is_file(), "init", f"no such weights file: {cfg.init}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- turning sections into objects
+
+
+def hub_options(h: DictConfig, url: str, *, create: bool | None = None) -> dict[str, Any]:
+    """``open_hub`` options of a hub section for ``url`` (only those that apply to its transport)."""
+    opts: dict[str, Any] = {}
+    if h.get("cache_dir"):
+        opts["cache_dir"] = h.cache_dir
+    endpoint = h.get("endpoint_url") or h.get("endpoint")  # one option, two names
+    if url.startswith("s3://"):  # a bucket is never created; a prefix needs no creating
+        if endpoint:
+            opts["endpoint_url"] = endpoint
+        for key in ("region", "addressing_style"):
+            if h.get(key):
+                opts[key] = h[key]
+        return opts
+    opts["create"] = bool(h.create) if create is None else create
+    if url.startswith("hf://"):
+        if endpoint:
+            opts["endpoint"] = endpoint
+        if h.get("revision"):
+            opts["revision"] = h.revision
+        opts["private"] = bool(h.get("private", True))
+        opts["commits_per_hour"] = float(h.get("commits_per_hour", 128.0))
+        if h.get("layout", "shared") == "per_node":
+            opts["layout"] = "per_node"
+            opts["node_repo"] = h.node_repo
+    return opts
+
+
+def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool | None = None, prefix: str = "hub."):
+    """Open the hub a section names (``url`` overrides ``h.url``). A hub that does not exist is a
+    :class:`ConfigError` naming ``hub.url`` unless ``hub.create`` (or ``create``) asks to create it."""
+    from diloco_lightning.hub import HubNotFoundError, open_hub
+
+    url = url or h.url
+    opts = hub_options(h, url, create=create)
+    try:
+        return open_hub(url, **opts)
+    except HubNotFoundError as e:
+        if str(url).startswith("s3://"):  # the transport's message says what to do (a bucket is never created)
+            raise ConfigError(f"{prefix}url", str(e)) from None
+        raise ConfigError(f"{prefix}url", f"{e}; check the spelling, or pass {prefix}create=true to create it") from None
+    except ValueError as e:
+        raise ConfigError(f"{prefix}url", str(e)) from None
+    except OSError as e:  # a folder hub that cannot be created or read (permissions, a file in the way)
+        raise ConfigError(f"{prefix}url", f"cannot open the hub folder {url}: {e.strerror or e}") from None
+
+
+def master_config(section: DictConfig, outer: DictConfig, *, min_deltas: int | None = None,
+                  fragments: Any = None) -> MasterConfig:
+    """The :class:`MasterConfig` a master section and the ``outer`` group describe (``min_deltas``,
+    ``fragments``: the values when the section leaves them null; a training run's are the workers')."""
+    values = _section(section, [n for n in MasterConfig.names() if n in section])
+    if values.get("min_deltas") is None:
+        values["min_deltas"] = min_deltas or 1
+    if values.get("fragments") is None and fragments is not None:
+        values["fragments"] = OmegaConf.to_container(fragments) if isinstance(fragments, ListConfig) else fragments
+    return MasterConfig(outer_optimizer=str(outer.name), outer_options=outer_options(outer), **values).validate()
+
+
+def sim_options(cfg: DictConfig) -> SimOptions:
+    """The :class:`~diloco_lightning.sim.options.SimOptions` of a run's ``sim`` section (validated)."""
+    return SimOptions(**_section(cfg.sim, SimOptions.names())).validate(int(cfg.workers))
+
+
+def worker_options(section: DictConfig) -> dict[str, Any]:
+    """The :class:`WorkerOptions` keywords a ``diloco`` section gives (``delay`` as written)."""
+    return _section(section, WorkerOptions.names())
