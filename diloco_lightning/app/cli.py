@@ -204,7 +204,7 @@ def configuration_markdown() -> str:
     out = [
         "# Configuration",
         "",
-        "Generated from the schema (`diloco_lightning/config.py`) by "
+        "Generated from the schema (`diloco_lightning/app/config.py`) by "
         "`python -m diloco_lightning.app.cli --write-docs`; `tests/test_cli.py` checks it is current.",
         "Each key is set on the command line as `key=value`; a group is chosen as `group=option`.",
         "`python train.py --help` and `diloco-master --help` print the same lines with the values in effect.",
