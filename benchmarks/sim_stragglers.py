@@ -8,6 +8,9 @@ Four workers of ``recipe=tiny`` on the in-process simulator, with per-worker spe
 * ``async_nesterov``: ``diloco.sync=async``, one outer step per arriving delta
   (``master.aggregation=arrival``), Nesterov: nobody waits, stale deltas are not gated.
 * ``async_cgad``: the same with CGAD (the staleness gate).
+* ``async_cgad_q3``: asynchronous CGAD with rounds of 3 deltas (``master.aggregation=round``,
+  ``sim.quorum=3``: whichever 3 arrive first; the master of ``benchmarks/stragglers.py`` uses a
+  quorum of 3 of 4 live workers), so that each outer step averages deltas as DiLoCo's does.
 
 Every run trains each worker for the same number of inner steps (``trainer.max_steps``), so the
 totals of tokens are equal; the fast workers of an asynchronous run finish early. Reported per
@@ -46,6 +49,7 @@ CONFIGS = {
     "sync": ["diloco.sync=lockstep", "diloco.delay=0", "outer=nesterov"],
     "async_nesterov": ["diloco.sync=async", "master.aggregation=arrival", "outer=nesterov"],
     "async_cgad": ["diloco.sync=async", "master.aggregation=arrival", "outer=cgad"],
+    "async_cgad_q3": ["diloco.sync=async", "master.aggregation=round", "sim.quorum=3", "outer=cgad"],
 }
 
 

@@ -46,9 +46,12 @@ class Run:
         elif kind == "hf":
             server = request.getfixturevalue("hf_server")
             self.url = f"hf://{REPO}"
-            self.options = {"endpoint": server.endpoint, "token": TOKEN, "cache_dir": str(tmp / "wcache"), "create": True}
+            # no commit budget on the loopback Hub: heartbeats every second and one publication per delta
+            # are far beyond the real Hub's 128 commits an hour (tests/test_hub_pacing.py tests the budget)
+            self.options = {"endpoint": server.endpoint, "token": TOKEN, "cache_dir": str(tmp / "wcache"), "create": True,
+                            "commits_per_hour": 0}
             self.open = lambda: open_hub(self.url, endpoint=server.endpoint, token=TOKEN, cache_dir=tmp / "mcache",
-                                         create=True)
+                                         create=True, commits_per_hour=0)
         else:
             import boto3
 
