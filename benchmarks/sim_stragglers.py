@@ -5,6 +5,7 @@ Four workers of ``recipe=tiny`` on the in-process simulator, with per-worker spe
 
 * ``sync``: synchronous DiLoCo: ``diloco.sync=lockstep`` (delay 0), Nesterov (DiLoCo's outer
   optimizer); every round waits for the slowest worker.
+* ``sync_cgad``: the same synchronous run with CGAD (a control: the outer optimizer, not the waiting).
 * ``async_nesterov``: ``diloco.sync=async``, one outer step per arriving delta
   (``master.aggregation=arrival``), Nesterov: nobody waits, stale deltas are not gated.
 * ``async_cgad``: the same with CGAD (the staleness gate).
@@ -47,6 +48,7 @@ PROFILES = {
 }
 CONFIGS = {
     "sync": ["diloco.sync=lockstep", "diloco.delay=0", "outer=nesterov"],
+    "sync_cgad": ["diloco.sync=lockstep", "diloco.delay=0", "outer=cgad"],
     "async_nesterov": ["diloco.sync=async", "master.aggregation=arrival", "outer=nesterov"],
     "async_cgad": ["diloco.sync=async", "master.aggregation=arrival", "outer=cgad"],
     "async_cgad_q3": ["diloco.sync=async", "master.aggregation=round", "sim.quorum=3", "outer=cgad"],
