@@ -272,12 +272,19 @@ LOSS_ROWS = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8+ef", "i
              "topk1%+int4": "topk1%+int4+ef"}
 
 
+def _loss_launch(loss: dict | None) -> str:
+    """The simulator's runs when there are any (deterministic: differences are the encodings'), else real ones."""
+    return "sim" if loss and any(r.get("launch") == "sim" for r in loss["runs"]) else "local"
+
+
 def _loss_cells(loss: dict | None, row: str, tau: int = 0) -> tuple[str, str]:
     """(mean eval loss ± spread over seeds, mean paired difference to float32) or pending."""
     if not loss:
         return "pending", "pending"
-    runs = [r for r in loss["runs"] if r["row"] == row and r["tau"] == tau and r["steps"] == 160]
-    base = {r["seed"]: r["eval_loss"] for r in loss["runs"] if r["row"] == "float32" and r["tau"] == tau and r["steps"] == 160}
+    launch = _loss_launch(loss)
+    mine = [r for r in loss["runs"] if r.get("launch", "local") == launch and r["tau"] == tau and r["steps"] == 160]
+    runs = [r for r in mine if r["row"] == row]
+    base = {r["seed"]: r["eval_loss"] for r in mine if r["row"] == "float32"}
     if not runs:
         return "pending", "pending"
     vals = [r["eval_loss"] for r in runs]
@@ -296,8 +303,10 @@ def write_compression(w, d: dict, loss: dict | None) -> None:
       "end). Speeds on the 25M model's real pseudo-gradient (10 AdamW steps on Zipf tokens), GB/s of FP32 input: "
       "*worker* = `ErrorFeedback.encode(in_place=True)`, the uploader's whole step (residual added, encoded, new "
       "residual kept); *master* = `decode_add_` into the round's FP32 sum. Loss: final eval loss of `train.py "
-      "recipe=tiny` (2 workers, H = 8, lockstep, tau = 0, CGAD, 160 steps), mean over seeds, and the mean paired "
-      "difference to float32 (same seeds), from `python benchmarks/compression_loss.py`.")
+      "recipe=tiny` (2 workers, H = 8, lockstep, tau = 0, CGAD, 160 steps; on the simulator, `launch=sim`, when its "
+      "runs exist: the same encodings and error feedback, deterministic, so a difference is the encoding's, not the "
+      "machine's), mean over seeds, and the mean paired difference to float32 (same seeds), from "
+      "`python benchmarks/compression_loss.py [--launch sim]`.")
     w("")
     rows = {(r["model"], r["encoding"]): r for r in d["figures"]["rows"]}
     w("| encoding | tiny file bytes | vs FP32 | 25M file bytes | vs FP32 | worker GB/s | master GB/s | rel. error | "
@@ -317,7 +326,7 @@ def write_compression(w, d: dict, loss: dict | None) -> None:
         w("| " + " | ".join(cells) + " |")
     w("")
     if loss:
-        w("Loss per encoding, with and without error feedback (`ef`), tau 0 (the study's raw table, "
+        w("Loss per encoding, with and without error feedback (`ef`) (the raw tables, "
           f"`python benchmarks/compression_loss.py --table-only`; runs of {loss.get('when', '?')}):")
         w("")
         import importlib.util
@@ -325,10 +334,16 @@ def write_compression(w, d: dict, loss: dict | None) -> None:
         spec = importlib.util.spec_from_file_location("compression_loss", ROOT / "benchmarks" / "compression_loss.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)  # type: ignore[union-attr]
-        seeds = sorted({r["seed"] for r in loss["runs"]})
-        taus = sorted({r["tau"] for r in loss["runs"]})
-        w(_block(mod.table(loss["runs"], list(mod.ROWS), taus, seeds, 160)))
-        w("")
+        for launch in ("sim", "local"):
+            runs = [r for r in loss["runs"] if r.get("launch", "local") == launch]
+            if not runs:
+                continue
+            seeds = sorted({r["seed"] for r in runs})
+            taus = sorted({r["tau"] for r in runs})
+            w(f"`--launch {launch}` ({'the simulator' if launch == 'sim' else 'real processes and a folder hub'}):")
+            w("")
+            w(_block(mod.table(runs, list(mod.ROWS), taus, seeds, 160, launch)))
+            w("")
     else:
         w("The loss column is **pending**: run `python benchmarks/compression_loss.py` (24 runs of `train.py "
           "recipe=tiny`, about 30 min on 2 cores), then `python benchmarks/run_all.py --doc-only`.")
