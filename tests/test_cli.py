@@ -205,8 +205,11 @@ def test_signals_stop_train_py_workers_and_master_cleanly(tmp_path, sig):
     and how to resume (no results.json: the run is not done)."""
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "trainer.max_steps=800", "data.max_bytes=300000",
            "data.seq_len=32", "data.vocab_size=512", "launch.eval_points=0", f"run_root={tmp_path / 'runs'}"]
+    # SIGINT at its default, as in a terminal: a shell without job control starts background commands with
+    # SIGINT ignored, and a process that inherits that never sees Ctrl-C (Python then installs no handler)
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         out = []
