@@ -68,9 +68,9 @@ from torch import Tensor
 from diloco_lightning.sim.inner import SimWorker
 from diloco_lightning.sim.master import SimMaster
 from diloco_lightning.sim.options import SimOptions
-from diloco_lightning.worker.options import SYNC_MODES, resolve_encoding
+from diloco_lightning.worker.options import SYNC_MODES, feedback_of, resolve_encoding
 from diloco_lightning.worker.sync import draw_delay, resolve_delay
-from diloco_lightning.compression import ErrorFeedback, decode_delta, is_lossless
+from diloco_lightning.compression import ErrorFeedback, decode_delta
 from diloco_lightning.encoding import EncodingSpec
 
 __all__ = ["SimResult", "Simulator", "as_received"]
@@ -161,7 +161,7 @@ class Simulator:
         self.sync = sync
         self.options = (options or SimOptions()).validate(len(self.workers))
         if isinstance(delta_dtype, EncodingSpec):
-            spec, feedback = delta_dtype, (not is_lossless(delta_dtype)) if error_feedback is None else error_feedback
+            spec, feedback = delta_dtype, feedback_of(delta_dtype, error_feedback)
         else:
             spec, feedback = resolve_encoding(delta_dtype, error_feedback=error_feedback)
         self.encoding = spec

@@ -72,9 +72,15 @@ def resolve_encoding(delta_dtype: Any = "float32", topk: Any = 0.01, topk_values
     if error_feedback is not None and not isinstance(error_feedback, bool):
         raise OptionError("error_feedback", f"must be True, False or None (automatic), got {error_feedback!r}")
     spec = EncodingSpec(name, topk=float(topk), topk_values=topk_values)
-    lossy = spec.value_encoding is not None
-    feedback = lossy if error_feedback is None else (error_feedback and name != "float32")
-    return spec, feedback
+    return spec, feedback_of(spec, error_feedback)
+
+
+def feedback_of(spec: EncodingSpec, error_feedback: bool | None = None) -> bool:
+    """Whether error feedback is on for ``spec``: ``error_feedback``, or (None) on for the quantized
+    encodings (int8, int4, topk) and off for the float casts; always off for float32."""
+    if error_feedback is None:
+        return spec.value_encoding is not None
+    return bool(error_feedback) and spec.name != "float32"
 
 
 @dataclass
