@@ -255,7 +255,8 @@ class Simulator:
         self._base[k] = self.master.outer_step
         if self._threads is not None:
             base = self._base_of(k, r)
-            self._ahead[(k, r)] = (base, self._threads[k].submit(w.phase, **self._phase_args(base)))
+            self._ahead[(k, r)] = (base, self._threads[k].submit(w.phase, self.master.versions[base],
+                                                                       **self._phase_args(k, base)))
         self._push(t + self.duration(k, r), _PHASE_END, k, r)
 
     def duration(self, k: int, r: int) -> float:
@@ -265,12 +266,14 @@ class Simulator:
             d *= math.exp(self.options.speed_jitter * random.Random(f"{self.seed}:speed:{k}:{r}").gauss(0.0, 1.0))
         return d
 
-    def _phase_args(self, base: int) -> dict[str, Any]:
-        """What a phase starting from version ``base`` is given: the version, its fragments' outer
-        step counts, and whether the fragment due is installed whatever they say (lockstep
-        installs exactly its target version, async only what updated the fragment)."""
-        return {"base": self.master.versions[base], "version": base, "steps": self.master.version_steps.get(base),
-                "exact": self.sync != "async"}
+    def _phase_args(self, k: int, base: int) -> dict[str, Any]:
+        """What worker ``k``'s phase starting from version ``base`` is given besides that version,
+        with fragments: its number, its fragments' outer step counts, and whether the fragment due
+        is installed whatever they say (lockstep installs exactly its target version, async only
+        what updated the fragment)."""
+        if self.workers[k].plan is None:
+            return {}
+        return {"version": base, "steps": self.master.version_steps.get(base), "exact": self.sync != "async"}
 
     def _base_of(self, k: int, r: int) -> int:
         """The version worker ``k``'s delta ``r`` starts from."""
@@ -356,7 +359,7 @@ class Simulator:
             delta = future.result()
         else:
             base = self._base_of(k, r)
-            delta = w.phase(**self._phase_args(base))
+            delta = w.phase(self.master.versions[base], **self._phase_args(k, base))
         wire = self._feedback[k].encode(delta)
         del delta
         self.bytes_sent += _wire_bytes(wire)
