@@ -31,10 +31,11 @@ def _workers(k: int, h: int, boundaries: int, fragments) -> list[SimWorker]:
     out = []
     for i in range(k):
         params = {n: torch.nn.Parameter(torch.zeros(N)) for n in TARGET}
-        loss = (lambda _b, p=params: sum(0.5 * ((p[n] - TARGET[n]) ** 2).sum() for n in TARGET))
+
+        def loss(_batch, p=params):
+            return sum(0.5 * ((p[n] - TARGET[n]) ** 2).sum() for n in TARGET)
         inner = InnerLoop(loss, torch.optim.SGD(list(params.values()), lr=ETA), itertools.repeat(None))
-        frag = 2 if fragments == 2 else fragments
-        out.append(SimWorker(i, params, inner, inner_steps=h, max_steps=(h // (frag or 1)) * boundaries,
+        out.append(SimWorker(i, params, inner, inner_steps=h, max_steps=(h // (fragments or 1)) * boundaries,
                              fragments=fragments))
     return out
 

@@ -162,14 +162,12 @@ class SimMaster:
             log.debug("refused %s (staleness %d): %s", ident, tau, e)
             return False
         coef = 1.0 if self.legacy else gate  # the older PA-CGAD rule gates each fragment itself
-        if self.plan is not None:
-            if self._acc is None:
-                self._acc = FragmentSums(self.plan, self.state)
-            assert isinstance(self._acc, FragmentSums) and fragment is not None
+        if self._acc is None:
+            self._acc = RoundSum(self.state) if self.plan is None else FragmentSums(self.plan, self.state)
+        if isinstance(self._acc, FragmentSums):
+            assert fragment is not None  # _check refuses a delta without one in a run with fragments
             self._acc.add(tensors, weight, coef, fragment=fragment)
         else:
-            if self._acc is None:
-                self._acc = RoundSum(self.state)
             self._acc.add(tensors, weight, coef)
         self._accepted.append((ident, tau, norm))
         return True
