@@ -125,9 +125,11 @@ def table(runs: list[dict], seeds: list[int], steps: int) -> str:
                 a, b = losses(outer, f, lat), losses("cgad", 1, lat)
                 cells.append(_ci([a[s] - b[s] for s in seeds if s in a and s in b]))
             out.append(f"| {lat} | F={f} − F=1 | {cells[0]} | {cells[1]} |")
+    out += ["", "| latency | F | pa_cgad − cgad |", "|---|---|---|"]
+    for lat in LATENCIES:
         for f in (2, 4):
             a, b = losses("pa_cgad", f, lat), losses("cgad", f, lat)
-            out.append(f"| {lat} | pa_cgad − cgad, F={f} | {_ci([a[s] - b[s] for s in seeds if s in a and s in b])} | |")
+            out.append(f"| {lat} | {f} | {_ci([a[s] - b[s] for s in seeds if s in a and s in b])} |")
     return "\n".join(out)
 
 

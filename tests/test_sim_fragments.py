@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+import math
 
 import pytest
 import torch
@@ -164,3 +166,20 @@ def test_matches_the_product_with_fragments(tmp_path, token_cache):  # noqa: F81
                             rounds=3, fragments=2)
     print(f"largest |sim - product| over the published weights: {worst:.3g}")
     assert worst <= 1e-6
+
+
+def test_train_py_launch_sim_with_fragments(tmp_path):
+    """``python train.py recipe=tiny launch=sim diloco.fragments=4 outer=pa_cgad``: a boundary every
+    H / 4 = 2 steps, one round each; lockstep delay 4 rounds (one H of latency) gives every fragment
+    delta staleness 1 of its fragment's outer steps once the first 4 rounds (from version 0) are past."""
+    from test_sim import _train
+
+    proc = _train(tmp_path, tmp_path / "cache", "recipe=tiny", "launch=sim", "diloco.fragments=4", "outer=pa_cgad",
+                  "diloco.delay=4", "trainer.max_steps=16", "data.tokenizer=byte", "model.d_model=32",
+                  "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_hidden=64", "run_id=f",
+                  "launch.eval_points=1")
+    assert "outer_step 8" in proc.stdout
+    res = json.loads((tmp_path / "runs" / "f" / "results.json").read_text())
+    assert res["outer_steps"] == 8 and res["deltas_accepted"] == 16 and res["deltas_rejected"] == 0
+    assert res["sim"]["staleness_histogram"] == {"0": 8, "1": 8} and math.isfinite(res["eval_loss"])
+    assert [w["deltas_sent"] for w in res["workers_summary"]] == [8, 8]

@@ -241,13 +241,14 @@ class SimWorker:
         if not (exact or self.book.updated(name, steps)):
             return
         assert steps is not None
+        src = plan.substate(name, base)
         with torch.no_grad():
             for k, dst in plan.substate(name, self.params).items():
-                dst.copy_(plan.substate(name, base)[k])
+                dst.copy_(src[k])
         buffers = {k: v for k, v in base.items() if k in self.params and k not in self.synced}
         if buffers:  # integer buffers travel with every install
             copy_into(self.params, buffers, what="a global version")
-        self._anchors[name] = {k: _fp32(v) for k, v in plan.substate(name, base).items()}
+        self._anchors[name] = {k: _fp32(v) for k, v in src.items()}
         self.book.base[name] = (version, int(steps[name]))
 
     def _export(self, r: int, tokens: int) -> dict[str, Tensor]:
@@ -272,7 +273,7 @@ class SimWorker:
         """The ``num_tokens`` of boundary ``boundary``'s delta: the tokens of its phase, or with
         fragments those since its fragment's last delta (the product's count)."""
         if self.plan is not None:
-            return self._num_tokens.get(boundary) or None
+            return self._num_tokens.pop(boundary, None) or None
         return (self.tokens_at(boundary) - self.tokens_at(boundary - 1)) or None
 
 
