@@ -133,17 +133,23 @@ def test_pa_cgad_gates_each_fragment_on_its_age():
     assert cgad_gate(1.0) < 0.9  # the age gate is a visible factor, not rounding
 
 
-def test_async_installs_only_updated_fragments():
-    """async, two speeds: every delta's staleness is its fragment's own; the run ends with every
-    boundary delivered and each version's counts adding up to the versions that updated something."""
+def test_async_two_speeds_with_fragments():
+    """async, arrival mode, two speeds: every boundary's delta is delivered and applied, each outer
+    step updating exactly one fragment (the counts of the last version add up to the steps), and
+    each worker's fragment anchors carry the counts of the versions they were installed from."""
     workers = _workers(2, 4, 6, 2)
     workers[1].speed = 0.5
     config = MasterConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.0, aggregation="arrival",
                           norm_ratio=None, norm_global_ratio=None, fragments=2)
     master = SimMaster({n: torch.zeros(N) for n in TARGET}, config)
-    result = Simulator(workers, master, sync="async", options=SimOptions()).run()
+    sim = Simulator(workers, master, sync="async", options=SimOptions())
+    sim._prune = lambda: None  # keep every version
+    result = sim.run()
     assert result.deltas == 12 and result.outer_steps == 12
     assert sum(master.version_steps[result.outer_steps].values()) == 12
+    for w in workers:
+        for name, (version, count) in w.book.base.items():
+            assert count == master.version_steps[version][name]
 
 
 def test_fragment_options_must_agree():
