@@ -28,7 +28,7 @@ from diloco_lightning.globals import load_global, load_outer_state
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.manifest import Manifest
 from diloco_lightning.master import localstate
-from diloco_lightning.master.config import MasterConfig, MasterConfigError
+from diloco_lightning.master.config import MasterConfig, MasterConfigError, with_run_fragments
 from diloco_lightning.names import init_path
 from diloco_lightning.signing import RunKey
 from diloco_lightning.statefile import StateFileError, load_state_file, load_weights_file
@@ -99,10 +99,7 @@ class RunState:
     def build_optimizer(self, state: Mapping[str, torch.Tensor]):
         from diloco_lightning.outer import build_outer_optimizer
 
-        options = dict(self.opt_options)
-        plan = self.plan_for(state)
-        if plan is not None and self.config.outer_optimizer == "pa_cgad":  # PA-CGAD's fragments are the run's
-            options["fragments"] = plan.optimizer_fragments()
+        options = with_run_fragments(self.config.outer_optimizer, self.opt_options, self.plan_for(state))
         return build_outer_optimizer(self.config.outer_optimizer, state, **options)
 
     def _fragment_steps(self, plan: FragmentPlan | None, outer_step: int, manifest: Manifest | None) -> dict[str, tuple[int, int]]:

@@ -66,6 +66,12 @@ class FragmentBook:
             raise WorkerError(f"global version {outer_step} on {url} does not say its fragments' outer steps")
         return int(steps[fragment])
 
+    def updated(self, fragment: str, steps: Mapping[str, int] | None) -> bool:
+        """Whether a version whose fragments' outer step counts are ``steps`` updated ``fragment``
+        since this worker's anchor of it (only then is the fragment installed from it; the simulator
+        asks the same)."""
+        return steps is not None and fragment in steps and steps[fragment] > self.base[fragment][1]
+
     def keep(self, manifest: Manifest, state: Mapping[str, torch.Tensor]) -> None:
         """A newer prefetched version: its fragments are installed one by one (:meth:`take`)."""
         self._latest = (manifest, dict(state))
@@ -79,8 +85,7 @@ class FragmentBook:
             return None
         m, state = self._latest
         keys = self.keys(fragment)
-        steps = m.fragment_steps_at(m.outer_step) or {}
-        due = fragment in steps and steps[fragment] > self.base[fragment][1] and all(k in state for k in keys)
+        due = self.updated(fragment, m.fragment_steps_at(m.outer_step)) and all(k in state for k in keys)
         # the caller installs before the keys are dropped: hand it the fragment's tensors
         picked = (m, dict(state)) if due else None
         for k in keys:
