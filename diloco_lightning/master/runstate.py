@@ -103,7 +103,19 @@ class RunState:
         plan = self.plan_for(state)
         if plan is not None and self.config.outer_optimizer == "pa_cgad":  # PA-CGAD's fragments are the run's
             options["fragments"] = plan.optimizer_fragments()
-        return build_outer_optimizer(self.config.outer_optimizer, state, **options)
+        return build_outer_optimizer(self.config.outer_optimizer, self.opt_state(state, plan), **options)
+
+    def opt_state(self, state: dict[str, torch.Tensor], plan: FragmentPlan | None = None) -> dict[str, torch.Tensor]:
+        """What the outer optimizer steps on: ``state`` itself, or, when the fragments split a tensor
+        by rows, its pieces by name (views: the step writes into ``state``), so each row range has
+        its own buffers (and PA-CGAD step counts), moved only by its fragment's deltas."""
+        plan = plan if plan is not None else self.plan
+        return plan.pieces(state) if plan is not None and plan.split else state
+
+    def check_split(self, state: Mapping[str, torch.Tensor], hm: Manifest) -> None:
+        """Refuse (MasterConfigError, one line) a version whose fragments are split otherwise than
+        this master's, before its optimizer state (named by piece) is read."""
+        self._fragment_steps(self.plan_for(state), hm.outer_step, hm)
 
     def _fragment_steps(self, plan: FragmentPlan | None, outer_step: int, manifest: Manifest | None) -> dict[str, tuple[int, int]]:
         """Per fragment (outer steps, last updated at) of ``manifest``; a version without fragment
@@ -265,6 +277,7 @@ class RunState:
         if opts and opts != dict(self.opt.options if self.opt is not None else self.opt_options):
             log.info("the hub's run used optimizer options %s; continuing with %s", opts, self.opt_options)
         state, outer, src_w, src_o = self._load_version(hm)
+        self.check_split(state, hm)
         opt = self.build_optimizer(state)
         if outer is not None:
             opt.load_state_dict(outer.get("optimizer") or {})
@@ -343,6 +356,7 @@ class RunState:
             self.record = None
             log.warning("ignoring the local state in %s: %s", self.node_state_dir, e)
             return None
+        self.check_split(state, hm)
         opt = self.build_optimizer(state)
         if outer is not None:
             opt.load_state_dict(outer.get("optimizer") or {})
