@@ -626,3 +626,75 @@ def test_hydra_fragments_compose_and_reach_worker_and_master(hydra_configs):
     with pytest.raises(ConfigError) as e:
         validate(cfg_of("diloco.fragments=3"))  # inner_steps 8
     assert e.value.key == "diloco.fragments" and "multiple of 3" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- row pieces: bad deltas, a changed split
+
+
+def test_a_delta_whose_pieces_are_not_the_fragments_is_refused_and_the_round_goes_on(tmp_path):
+    """Embedding and head are split by rows (F=2): a fragment delta must carry exactly its pieces,
+    each of its piece's shape; a wrong shape, an unknown piece name, or the whole tensor where a row
+    range is expected is refused with a reason, and the good delta of the round is applied."""
+    from diloco_lightning.master import MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    plan = build_plan(2, init)
+    hub = FileHub(tmp_path / "hub")
+    m = MasterOuterLoop(hub, init, node_state_dir=tmp_path / "m", fragments=2, norm_ratio=None, outer_lr=1.0,
+                        outer_momentum=0.0, poll_interval=0.01)
+    assert m.sync_once()
+    good = {k: torch.full_like(v, 0.01) for k, v in plan.substate("0", init).items()}
+    short = {**good, "embed.weight[0:16]": torch.zeros(15, 4)}  # a piece of the wrong shape
+    unknown = {k if k != "embed.weight[0:16]" else "embed.weight[0:17]": v for k, v in good.items()}
+    unknown["embed.weight[0:17]"] = torch.zeros(17, 4)
+    whole = {k: v for k, v in good.items() if k != "embed.weight[0:16]"}
+    whole["embed.weight"] = torch.zeros(32, 4)  # the whole tensor where its rows are expected
+    extra = {**good, "embed.weight[16:32]": torch.zeros(16, 4)}  # another fragment's piece too
+    for node, tensors in (("a", good), ("b", short), ("c", unknown), ("d", whole), ("e", extra)):
+        _put(hub, tmp_path, node, 1, tensors, 0, ("0", 2, 0))
+    m.sync_once(force=True)
+    got = m.last_metrics["rejected_by_reason"]
+    # the wrong shape; the row range 0:16 missing (unknown name, whole tensor); another fragment's piece
+    assert got == {"shape": 1, "missing_key": 2, "extra_key": 1}, got
+    man = hub.read_manifest()
+    assert man.outer_step == 1 and man.ledger == {"a": 1}
+    state = m.snapshot()[1]
+    assert torch.equal(state["embed.weight"][:16], init["embed.weight"][:16] - 0.01)
+    assert torch.equal(state["embed.weight"][16:], init["embed.weight"][16:])  # fragment 1's rows untouched
+
+
+def test_a_run_split_otherwise_is_refused_on_resume(tmp_path):
+    """A run whose fragments held whole tensors (what this build did before splitting rows; here the
+    same assignment as patterns) cannot be continued by a master or a worker that splits rows: the
+    manifest's keys_sha256 covers the piece names, a checkpoint's anchor is named by piece."""
+    from diloco_lightning.master import MasterConfigError, MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    old = [["embed.weight", "layers.0", "norm.weight"], ["head.weight", "layers.1"]]  # whole tensors
+    assert not build_plan(old, init).split and build_plan(2, init).split
+    root = tmp_path / "hub"
+    m = MasterOuterLoop(FileHub(root), init, node_state_dir=tmp_path / "m", fragments=old, norm_ratio=None,
+                        outer_lr=1.0, outer_momentum=0.0, poll_interval=0.01)
+    assert m.sync_once()
+    params = _module_params(init)
+    w = DiLoCoWorker(FileHub(root), "w0", params, fragments=old, **FAST)
+    w.start()
+    with torch.no_grad():
+        params["embed.weight"].add_(1.0)
+    w.boundary()
+    assert w.flush()
+    saved = w.anchor_state()
+    w.close()
+    m.sync_once(force=True)
+    assert FileHub(root).read_manifest().outer_step == 1
+    m.stop()  # releases the lease: the next master would take over at once
+    for state_dir in ("m", "fresh"):  # its own local copy, or the hub's version
+        with pytest.raises(MasterConfigError, match="another way"):
+            MasterOuterLoop(FileHub(root), None, node_state_dir=tmp_path / state_dir, fragments=2, norm_ratio=None,
+                            poll_interval=0.01).sync_once()
+    w2 = DiLoCoWorker(FileHub(root), "w1", _module_params(init), fragments=2, claim=False, **FAST)
+    with pytest.raises(Exception, match="split another way"):
+        w2.start()
+    w3 = DiLoCoWorker(FileHub(root), "w0", _module_params(init), fragments=2, claim=False, **FAST)
+    with pytest.raises(Exception, match="split into fragments otherwise: resume with the same fragments"):
+        w3.load_anchor_state(saved)
