@@ -13,12 +13,15 @@ split, shared by the worker (what a delta carries) and the master (what a delta 
   to a transformer block ``i`` and goes to fragment ``i mod F``. Every other synced key
   (embeddings, the final norm, the output head: no block index) that is *large* -- at least ``F``
   rows (first dimension) and more than ``1/(2F)`` of the model's synced values -- is split by
-  rows into ``F`` contiguous ranges, range ``p`` (rows ``p*n//F`` to ``(p+1)*n//F - 1`` of its
-  ``n``) going to fragment ``p``: a tied embedding (42 % of the tiny recipe's model, 68 % of a
-  25M-parameter Llama) would otherwise put a floor under the largest upload. The remaining
-  no-block keys are placed, largest first (ties by name), in the fragment holding the fewest
-  values so far (ties: the lowest index), so the fragments, and therefore the uploads, are as
-  even in bytes as the split allows.
+  rows (a tied embedding, 42 % of the tiny recipe's model and 68 % of a 25M-parameter Llama,
+  would otherwise put a floor under the largest upload): once the blocks are placed, each large
+  key in turn (state order) is cut into contiguous row ranges, one per fragment in fragment
+  order, sized so that the fragments come out as even as whole rows allow (water-filling: the
+  lightest fragments are filled first up to a common level; leftover rows to the largest
+  remainders, ties to the lowest index). With blocks spread evenly that is ``n/F`` rows each,
+  range ``p`` in fragment ``p``; a fragment already above the level gets no rows of that key.
+  The remaining no-block keys are placed, largest first (ties by name), in the fragment holding
+  the fewest values so far (ties: the lowest index).
 * a list of pattern groups: fragment ``i`` is the ``i``-th entry, a pattern or a list of
   patterns. A pattern with ``*``, ``?`` or ``[`` is a shell glob on the key name (``fnmatch``);
   any other pattern names a key exactly or is a prefix of dotted names (``layers.1`` takes
@@ -215,6 +218,25 @@ def _splits(keys: Sequence[str], state: Mapping[str, torch.Tensor], count: int) 
             and 2 * count * state[k].numel() > total}
 
 
+def _row_shares(rows: int, per_row: int, sizes: Sequence[int]) -> list[int]:
+    """How many of ``rows`` rows (``per_row`` values each) each fragment gets so that the fragments
+    (``sizes`` values so far) come out as even as whole rows allow: water-filling, the lightest
+    filled first up to a common level; the rows a level leaves over (fractions of a row) go to the
+    largest remainders, ties to the lowest index."""
+    total = rows * per_row
+    order = sorted(sizes)
+    level = 0.0
+    for k in range(1, len(order) + 1):
+        level = (total + sum(order[:k])) / k
+        if k == len(order) or level <= order[k]:
+            break
+    want = [max(0.0, level - s) / per_row for s in sizes]
+    out = [int(w) for w in want]
+    for i in sorted(range(len(sizes)), key=lambda i: (-(want[i] - out[i]), i))[: rows - sum(out)]:
+        out[i] += 1
+    return out
+
+
 def build_plan(value: Any, state: Mapping[str, torch.Tensor]) -> FragmentPlan | None:
     """The :class:`FragmentPlan` of ``value`` for the model ``state`` (its floating and complex
     keys); None when ``value`` asks for one fragment (no fragmentation). :class:`FragmentError`
@@ -233,20 +255,25 @@ def build_plan(value: Any, state: Mapping[str, torch.Tensor]) -> FragmentPlan | 
         for k in keys:
             b = block_index(k)
             if k in split:
-                n, per_row = state[k].shape[0], state[k][:1].numel()
-                for i in range(v):
-                    start, stop = i * n // v, (i + 1) * n // v
-                    piece = piece_name(k, start, stop)
-                    if piece in state:
-                        raise FragmentError(f"the model has a key {piece!r}, the name of a row range of {k!r}")
-                    rows[piece] = (k, start, stop)
-                    out[names[i]].append(piece)
-                    sizes[i] += (stop - start) * per_row
-            elif b is None:
+                continue
+            if b is None:
                 rest.append(k)
             else:
                 out[names[b % v]].append(k)
                 sizes[b % v] += state[k].numel()
+        for k in [k for k in keys if k in split]:  # after the blocks: their rows even the fragments out
+            n, per_row = state[k].shape[0], state[k][:1].numel()
+            start = 0
+            for i, count in enumerate(_row_shares(n, per_row, sizes)):
+                if not count:
+                    continue
+                piece = piece_name(k, start, start + count)
+                if piece in state:
+                    raise FragmentError(f"the model has a key {piece!r}, the name of a row range of {k!r}")
+                rows[piece] = (k, start, start + count)
+                out[names[i]].append(piece)
+                sizes[i] += count * per_row
+                start += count
         for k in sorted(rest, key=lambda k: (-state[k].numel(), k)):
             i = min(range(v), key=lambda i: (sizes[i], i))
             out[names[i]].append(k)

@@ -84,10 +84,17 @@ def test_large_tensors_without_a_block_are_split_by_rows_into_even_fragments():
                                 "embed.weight[24:32]", "layers.0.attn.weight"]
     assert sum(t.numel() for t in pieces.values()) == 340 and len(pieces) == 2 * 4 + 2 * 4 + 1
     assert plan.optimizer_fragments()["3"] == list(plan.keys["3"]) and plan.fragment_of("head.weight[24:32]") == "3"
-    # uneven rows: 30 rows into 4 ranges of 7, 8, 7, 8; the digest covers the piece names
+    # uneven rows: 30 rows into 4 ranges of 8, 8, 7, 7 (leftover rows to the lowest index); the
+    # digest covers the piece names
     odd = {**state, "embed.weight": torch.zeros(30, 4)}
-    assert [plan2 for plan2 in build_plan(4, odd).keys["1"] if "embed" in plan2] == ["embed.weight[7:15]"]
+    assert [p for p in build_plan(4, odd).keys["1"] if "embed" in p] == ["embed.weight[8:16]"]
     assert build_plan(4, odd).digest("0") != plan.digest("0")
+    # uneven blocks (3 over F = 2): the rows even the fragments out, not n/F each
+    three = llama_like(blocks=3, d=4, vocab=40)  # blocks 0, 2 in fragment 0: 20 values more
+    plan3 = build_plan(2, three)
+    assert plan3.keys["0"][:2] == ("embed.weight[0:18]", "head.weight[0:20]")
+    assert plan3.keys["1"][:2] == ("embed.weight[18:40]", "head.weight[20:40]")
+    assert [plan3.numel(n, three) for n in plan3.names] == [192, 192]  # 384 / 2
     # F = 2: still split (128 > 340 / 4); 64 rows of a 64-row tensor over F = 128 is not (fewer rows than F)
     assert build_plan(2, state).keys["1"][:2] == ("embed.weight[16:32]", "head.weight[16:32]")
     wide = {"embed.weight": torch.zeros(2, 400), "layers.0.w": torch.zeros(10), "layers.1.w": torch.zeros(10),
