@@ -105,12 +105,14 @@ class RunState:
             options["fragments"] = plan.optimizer_fragments()
         return build_outer_optimizer(self.config.outer_optimizer, self.opt_state(state, plan), **options)
 
-    def opt_state(self, state: dict[str, torch.Tensor], plan: FragmentPlan | None = None) -> dict[str, torch.Tensor]:
+    def opt_state(self, state: Mapping[str, torch.Tensor], plan: FragmentPlan | None = None) -> dict[str, torch.Tensor]:
         """What the outer optimizer steps on: ``state`` itself, or, when the fragments split a tensor
         by rows, its pieces by name (views: the step writes into ``state``), so each row range has
         its own buffers (and PA-CGAD step counts), moved only by its fragment's deltas."""
         plan = plan if plan is not None else self.plan
-        return plan.pieces(state) if plan is not None and plan.split else state
+        if plan is not None and plan.split:
+            return plan.pieces(state)
+        return state if isinstance(state, dict) else dict(state)
 
     def check_split(self, state: Mapping[str, torch.Tensor], hm: Manifest) -> None:
         """Refuse (MasterConfigError, one line) a version whose fragments are split otherwise than
