@@ -694,7 +694,11 @@ def test_a_run_split_otherwise_is_refused_on_resume(tmp_path):
     w.close()
     m.sync_once(force=True)
     assert FileHub(root).read_manifest().outer_step == 1
+    sd = m.state_dict()
     m.stop()  # releases the lease: the next master would take over at once
+    m4 = MasterOuterLoop(FileHub(tmp_path / "hub4"), init, node_state_dir=tmp_path / "m4", fragments=2, lease=False)
+    with pytest.raises(ValueError, match="split the model otherwise: resume with the same fragments"):
+        m4.load_state_dict(sd)  # a master checkpoint: its optimizer state is named by whole key
     for state_dir in ("m", "fresh"):  # its own local copy, or the hub's version
         with pytest.raises(MasterConfigError, match="another way"):
             MasterOuterLoop(FileHub(root), None, node_state_dir=tmp_path / state_dir, fragments=2, norm_ratio=None,

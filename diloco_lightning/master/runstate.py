@@ -423,6 +423,14 @@ class RunState:
             raise ValueError("state_dict['ledger'] must map node ids to integers")
         state = cpu_clone(check_state(sd.get("global"), "state_dict['global']"))
         opt = self.build_optimizer(state)
-        opt.load_state_dict(sd.get("optimizer") or {})
+        try:
+            opt.load_state_dict(sd.get("optimizer") or {})
+        except ValueError as e:
+            plan = self.plan_for(state)
+            if plan is None or not plan.split:
+                raise
+            # its buffers are named by piece (key[start:stop]) when a tensor is split: another split names others
+            raise ValueError(f"{e}; the state_dict's optimizer state may be of a run whose fragments split the model "
+                             f"otherwise: resume with the same fragments") from None
         self.set(state, opt, fingerprint=model_fingerprint(state), outer_step=step, ledger=ledger, manifest=None)
         self.committed_outer_file = None
