@@ -204,7 +204,8 @@ def load_anchor_state(w: DiLoCoWorker, state: Mapping[str, Any]) -> None:
                 f"the checkpoint's DiLoCo anchor has shape {list(anchor[k].shape)} for {k!r}, "
                 f"the model has {list(t.shape)}"
             )
-    w._anchor = {k: anchor_copy(anchor[k], w._pin, own=True) for k in units}
+    rows = w.plan.rows if w.plan is not None else {}
+    w._anchor = {k: anchor_copy(anchor[k], w._pin, own=k in rows) for k in units}
     w.outer_step = int(state["outer_step"])
     w.boundaries = int(state.get("boundaries", w.boundaries))
     if state.get("node_id") != w.node_id:
