@@ -161,9 +161,9 @@ class FragmentSums:
             fragment: str) -> None:
         acc = self.sums.get(fragment)
         if acc is None:
-            keys = self.plan.keys[fragment]
-            storage = None if self._storage is None else {k: self._storage[k] for k in keys}
-            acc = self.sums[fragment] = RoundSum({k: self._like[k] for k in keys}, storage)
+            # by piece name: a split tensor's rows sum into the rows of the storage (views, disjoint per fragment)
+            storage = None if self._storage is None else self.plan.substate(fragment, self._storage)
+            acc = self.sums[fragment] = RoundSum(self.plan.substate(fragment, self._like), storage)
         acc.add(tensors, weight, coef)
 
     @property

@@ -357,7 +357,7 @@ class Rounds:
             self.master._discard()
 
         try:
-            applied = step(buf)
+            applied = step(run.opt_state(buf))  # by piece when the fragments split a tensor (runstate.py)
             if applied is False:  # fully gated (e.g. PA-CGAD fragments all too old): nothing changed
                 run.give_back(buf)
                 for a in accepted:

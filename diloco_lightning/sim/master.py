@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from diloco_lightning.deltafile import is_synced
-from diloco_lightning.fragments import build_plan
+from diloco_lightning.fragments import build_plan, stepped_state
 from diloco_lightning.master.aggregation import FragmentSums, NonFiniteAggregate, RoundSum, arrival_step, round_step
 from diloco_lightning.master.config import MasterConfig, with_run_fragments
 from diloco_lightning.master.metrics import RoundMetrics
@@ -81,7 +81,7 @@ class SimMaster:
         self.state = _clone(state)
         #: the fragments (None: every delta carries the whole model)
         self.plan = build_plan(config.fragments, self.state)
-        self.opt = build_outer_optimizer(config.outer_optimizer, self.state,
+        self.opt = build_outer_optimizer(config.outer_optimizer, stepped_state(self.plan, self.state),
                                          **with_run_fragments(config.outer_optimizer, config.optimizer_options(), self.plan))
         self.lr = float(self.opt.options.get("lr", float("nan")))
         self.legacy = legacy_pa(config.outer_optimizer, self.plan, self.opt)
@@ -187,7 +187,7 @@ class SimMaster:
             else:
                 step = round_step(self.opt, self.config.outer_optimizer, legacy=self.legacy,
                                   tau_max=max(t for _, t, _ in accepted))
-                applied = self._step(lambda: step(self.state, mean), accepted, updated)
+                applied = self._step(lambda: step(stepped_state(self.plan, self.state), mean), accepted, updated)
         if not applied:
             self.null_rounds += 1
         return self._publish(now, applied)
@@ -203,7 +203,8 @@ class SimMaster:
         except DeltaRejected as e:
             self._m.reject(e.reason)
             return None
-        if not self._step(lambda: arrival_step(self.opt, self.config.outer_optimizer, self.state, tensors, tau, fragment),
+        if not self._step(lambda: arrival_step(self.opt, self.config.outer_optimizer,
+                                                         stepped_state(self.plan, self.state), tensors, tau, fragment),
                           [(ident, tau, norm)], [fragment] if fragment is not None else []):
             return None
         return self._publish(now, True)
