@@ -128,6 +128,13 @@ def _fragments(doc: dict, source: str) -> list[dict[str, Any]] | None:
     return out
 
 
+def parse_fragments(raw: Any, outer_step: int, source: str) -> list[dict[str, Any]] | None:
+    """A ``fragments`` list as a manifest holds it (per fragment: name, keys_sha256, outer_step,
+    updated_at), checked as a manifest's is, for a version at ``outer_step``; :class:`ManifestError`
+    otherwise. A master's ``state_dict`` carries the same list."""
+    return _fragments({"fragments": raw, "outer_step": outer_step}, source)
+
+
 @dataclass(frozen=True)
 class GlobalVersion:
     """An older published version still kept on the hub."""

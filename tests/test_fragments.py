@@ -709,3 +709,37 @@ def test_a_run_split_otherwise_is_refused_on_resume(tmp_path):
     w3 = DiLoCoWorker(FileHub(root), "w0", _module_params(init), fragments=2, claim=False, **FAST)
     with pytest.raises(Exception, match="split into fragments otherwise: resume with the same fragments"):
         w3.load_anchor_state(saved)
+
+
+def test_master_state_dict_keeps_each_fragments_counters(tmp_path):
+    """MasterOuterLoop.state_dict() carries each fragment's outer step count and the version that
+    last updated it (what the staleness and age a_f of its next deltas are counted from); a master
+    loaded from it continues them instead of restarting them at the outer step."""
+    from diloco_lightning.master import MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    plan = build_plan(2, init)
+    hub = FileHub(tmp_path / "hub")
+    m = MasterOuterLoop(hub, init, node_state_dir=tmp_path / "m", fragments=2, norm_ratio=None, outer_lr=1.0,
+                        outer_momentum=0.0, poll_interval=0.01, aggregation="arrival")
+    assert m.sync_once()
+    for step, frag, base_fragment_step in ((1, "0", 0), (2, "0", 1), (3, "1", 0)):
+        tensors = {k: torch.full_like(v, 0.01) for k, v in plan.substate(frag, init).items()}
+        _put(hub, tmp_path, "a", step, tensors, step - 1, (frag, 2, base_fragment_step))
+        m.sync_once(force=True)
+    counters = {f["name"]: (f["outer_step"], f["updated_at"]) for f in hub.read_manifest().fragments}
+    assert counters == {"0": (2, 2), "1": (1, 3)}, counters
+    sd = m.state_dict()
+    assert [(f["name"], f["outer_step"], f["updated_at"]) for f in sd["fragments"]] == [("0", 2, 2), ("1", 1, 3)]
+    m.stop()
+    m2 = MasterOuterLoop(FileHub(tmp_path / "hub2"), init, node_state_dir=tmp_path / "m2", fragments=2, lease=False,
+                         norm_ratio=None, outer_lr=1.0, outer_momentum=0.0)
+    m2.load_state_dict(sd)
+    assert m2.run.fragment_steps == {"0": (2, 2), "1": (1, 3)}
+    m3 = MasterOuterLoop(FileHub(tmp_path / "hub3"), init, node_state_dir=tmp_path / "m3", fragments=3, lease=False,
+                         norm_ratio=None, outer_lr=1.0, outer_momentum=0.0)
+    with pytest.raises(ValueError, match="resume with the same fragments"):
+        m3.load_state_dict(sd)
+    bad = {**sd, "fragments": [{"name": "0", "keys_sha256": "x" * 10**6}]}
+    with pytest.raises(ValueError, match="fragments"):
+        m2.load_state_dict(bad)

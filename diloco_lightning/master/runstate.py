@@ -26,7 +26,7 @@ from diloco_lightning.deltafile import is_synced, model_fingerprint
 from diloco_lightning.fragments import FragmentError, FragmentPlan, build_plan, fragment_count, stepped_state
 from diloco_lightning.globals import load_global, load_outer_state
 from diloco_lightning.hub.base import Hub
-from diloco_lightning.manifest import Manifest
+from diloco_lightning.manifest import Manifest, ManifestError, parse_fragments
 from diloco_lightning.master import localstate
 from diloco_lightning.master.config import MasterConfig, MasterConfigError, with_run_fragments
 from diloco_lightning.names import init_path
@@ -397,6 +397,9 @@ class RunState:
                 "outer_options": dict(self.opt.options),
                 "ledger": dict(self.ledger),
                 "history": [asdict(v) for v in (self.manifest.history if self.manifest else [])],
+                # per fragment: its outer step count and the version that last updated it (the staleness
+                # and age a_f of its next deltas), as the manifest records them; None without fragments
+                "fragments": self.fragment_doc(self.outer_step),
                 **extra,
             }
 
@@ -425,5 +428,26 @@ class RunState:
             # its buffers are named by piece (key[start:stop]) when a tensor is split: another split names others
             raise ValueError(f"{e}; the state_dict's optimizer state may be of a run whose fragments split the model "
                              f"otherwise: resume with the same fragments") from None
+        steps = self._state_dict_fragments(sd.get("fragments"), self.plan_for(state), step)
         self.set(state, opt, fingerprint=model_fingerprint(state), outer_step=step, ledger=ledger, manifest=None)
+        if steps is not None:
+            with self.lock:
+                self.fragment_steps = steps
         self.committed_outer_file = None
+
+    @staticmethod
+    def _state_dict_fragments(raw: Any, plan: FragmentPlan | None, outer_step: int) -> dict[str, tuple[int, int]] | None:
+        """The per-fragment counters of a ``state_dict`` (None: it has none, e.g. one written before
+        they were kept, and the counters restart from ``outer_step`` as after a fresh install)."""
+        if raw is None:
+            return None
+        try:
+            doc = parse_fragments(raw, outer_step, "state_dict['fragments']")
+        except ManifestError as e:
+            raise ValueError(str(e)) from None
+        theirs = [f["keys_sha256"] for f in doc or []]
+        if plan is None or theirs != [plan.digest(n) for n in plan.names]:
+            raise ValueError(f"state_dict['fragments'] is of a run split into {len(theirs)} fragments"
+                             f"{'' if plan is None else ' another way'}; this master has "
+                             f"{'none' if plan is None else plan.count}: resume with the same fragments")
+        return {f["name"]: (f["outer_step"], f["updated_at"]) for f in doc or []}
