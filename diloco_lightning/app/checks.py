@@ -234,8 +234,6 @@ def validate_sim_section(cfg: DictConfig) -> None:
     frags = cfg.diloco.get("fragments")
     _check(frags is None or frags == 1, "diloco.fragments",
            "launch=sim does not simulate streaming fragments yet: drop diloco.fragments, or run it with launch=local")
-    _check(cfg.diloco.inner_steps != "auto", "diloco.inner_steps",
-           "launch=sim does not simulate Dynamic Local Updates yet (inner_steps=auto): give a number of inner steps")
 
 
 def validate_master_command(cfg: DictConfig) -> DictConfig:

@@ -112,9 +112,10 @@ class SimWorker:
         params: ``name -> tensor`` to install into and export from
             (:func:`~diloco_lightning.worker.params.module_state` of its model).
         inner: its :class:`InnerLoop`.
-        inner_steps: H, inner steps per phase.
-        max_steps: its inner steps in all (the trailing ``max_steps % inner_steps``, which never
-            reach the master, are not run).
+        inner_steps: H, inner steps per phase (the first phase's with Dynamic Local Updates: the
+            engine gives each later phase its own, :meth:`phase`'s ``steps``).
+        max_steps: a cap on its inner steps (the trailing steps that would not fill a phase, which
+            never reach the master, are not run; None: no cap, the engine's ``max_time`` decides).
         speed: inner steps per unit of simulated time.
         log_every: record the loss at step 1, every ``log_every`` steps and at the last step (the
             product's ``progress.jsonl``).
@@ -127,7 +128,7 @@ class SimWorker:
         inner: InnerLoop,
         *,
         inner_steps: int,
-        max_steps: int,
+        max_steps: int | None,
         speed: float = 1.0,
         log_every: int = 10,
         node_id: str | None = None,
@@ -138,7 +139,7 @@ class SimWorker:
         self.synced = synced_keys(self.params)
         self.inner = inner
         self.inner_steps = int(inner_steps)
-        self.max_steps = int(max_steps)
+        self.max_steps = None if max_steps is None or max_steps < 0 else int(max_steps)
         self.speed = float(speed)
         self.log_every = max(1, int(log_every))
         self.steps = 0  # inner steps taken
@@ -147,15 +148,22 @@ class SimWorker:
         self.compute_seconds = 0.0
         self.last_loss = float("nan")
         self._tokens_after = [0]  # tokens trained on after each phase (num_tokens of its delta)
+        self.planned = 0  # inner steps of the phases begun (computed or not)
+        self.phase_steps: list[int] = []  # H of each phase begun
 
     @property
-    def phases(self) -> int:
-        """The phases this worker exports in all."""
-        return self.max_steps // self.inner_steps
+    def phases(self) -> int | None:
+        """The phases of ``inner_steps`` this worker exports in all under its step cap (None: no cap)."""
+        return None if self.max_steps is None else self.max_steps // self.inner_steps
 
-    def duration(self) -> float:
-        """Simulated time of one phase."""
-        return self.inner_steps / self.speed
+    def fits(self, steps: int) -> bool:
+        """Whether a phase of ``steps`` more inner steps stays within ``max_steps``."""
+        return self.max_steps is None or self.planned + steps <= self.max_steps
+
+    def plan(self, steps: int) -> None:
+        """A phase of ``steps`` inner steps begins (its steps count against ``max_steps``)."""
+        self.planned += steps
+        self.phase_steps.append(steps)
 
     def install(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Copy ``state`` into the params in place; returns the FP32 anchor (CPU) it becomes."""
@@ -163,20 +171,24 @@ class SimWorker:
                   required=self.synced)
         return {k: _fp32(state[k]) for k in self.synced}
 
-    def phase(self, base: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Install ``base``, take ``inner_steps`` steps, return the pseudo-gradient ``anchor - local`` (CPU FP32)."""
+    def phase(self, base: Mapping[str, Tensor], steps: int | None = None) -> dict[str, Tensor]:
+        """Install ``base``, take ``steps`` (default ``inner_steps``) steps, return the
+        pseudo-gradient ``anchor - local`` (CPU FP32)."""
         t0 = time.perf_counter()
         anchor = self.install(base)
         pending: list[tuple[int, Tensor]] = []
-        for _ in range(self.inner_steps):
+        n = self.inner_steps if steps is None else int(steps)
+        last_step = None if self.phases is None else self.phases * self.inner_steps
+        loss = None
+        for _ in range(n):
             loss = self.inner.step()
             self.steps += 1
             s = self.steps
-            if s == 1 or s % self.log_every == 0 or s == self.max_steps or s == self.phases * self.inner_steps:
+            if s == 1 or s % self.log_every == 0 or s == self.max_steps or s == last_step:
                 pending.append((s, loss))
         self.losses.extend((s, float(v)) for s, v in pending)  # one device sync per phase
-        if pending:
-            self.last_loss = self.losses[-1][1]
+        if loss is not None:
+            self.last_loss = float(loss)
         with torch.no_grad():
             delta = {k: anchor[k] - _fp32(self.params[k]) for k in self.synced}
         self.boundaries += 1
