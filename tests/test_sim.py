@@ -315,8 +315,7 @@ def test_train_py_launch_sim_end_to_end(tmp_path, token_cache):
 
 
 @pytest.mark.parametrize("override,key", [("sim.speeds=[1,0]", "sim.speeds"), ("sim.leave_at=[null,4]", "sim.leave_at"),
-                                          ("diloco.fragments=2", "diloco.fragments"),
-                                          ("diloco.inner_steps=auto", "diloco.inner_steps")])
+                                          ("diloco.fragments=2", "diloco.fragments")])
 def test_sim_config_errors_name_the_key(tmp_path, token_cache, override, key):
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "launch=sim", override, f"run_root={tmp_path}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path, token_cache), capture_output=True, text=True, timeout=120)

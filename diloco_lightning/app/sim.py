@@ -5,8 +5,10 @@ master options, ``diloco.sync`` / ``delay`` / ``delta_dtype``), built by the sam
 (:mod:`diloco_lightning.app.build`), without worker processes, Lightning Trainers or a hub:
 K workers' inner loops run one after the other in this process, on a simulated clock
 (``sim.speeds``, ``sim.speed_law``, ``sim.traces``; a budget of simulated time: ``sim.max_time``;
-``diloco.inner_steps=auto``: Dynamic Local Updates on the simulated step rates). Writes what a real run writes: ``results.json`` (with the same keys, plus a
-``sim`` block: per-version staleness histograms and outer step sizes), ``master/metrics.jsonl``
+``diloco.inner_steps=auto``: Dynamic Local Updates on the simulated step rates). Writes what a
+real run writes: ``results.json`` (with the same keys, plus a ``sim`` block: per-version
+staleness histograms and outer step sizes, loss against simulated time and against delivered
+tokens, each worker's H per phase), ``master/metrics.jsonl``
 (one line per version), ``nodes/<id>/progress.jsonl`` and ``nodes/<id>/summary.json``; no hub
 files (``sim.save_weights=true`` writes the final global weights to ``global.safetensors``).
 """

@@ -205,8 +205,10 @@ class Simulator:
         self.eval_tokens: list[int] = []
         self._eval_at = sorted(set(float(t) for t in eval_times))
         self._last_eval: tuple[int, float] | None = None  # (outer step, loss) of the last evaluation
-        self.dylu = None if dylu is None else {"max_steps": int(dylu["max_steps"]), "min_steps": dylu.get("min_steps"),
-                                               "seconds": dylu.get("seconds")}
+        self.dylu: dict[str, Any] | None = None
+        if dylu is not None:
+            self.dylu = {"max_steps": int(dylu["max_steps"]), "min_steps": dylu.get("min_steps"),
+                         "seconds": dylu.get("seconds")}
         self._rate: list[float | None] = [None] * len(self.workers)  # steps per unit of time, last finished phase
         self._phase: dict[tuple[int, int], tuple[float, int]] = {}  # (worker, r) -> (start, steps)
         self._tokens_in = 0  # tokens of the deltas delivered to the master
