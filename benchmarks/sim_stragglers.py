@@ -15,8 +15,10 @@ synchronous run's. Configs:
 * ``async_cgad``: the same with CGAD (the staleness gate).
 * ``async_cgad_dylu``: plus Dynamic Local Updates (``diloco.inner_steps=auto``, ``dylu_steps=H``):
   the slow workers take fewer inner steps per phase (arrival mode: each delta is its own outer step).
-* ``async_cgad_q3_dylu``: CGAD + DyLU in rounds of any 3 deltas (``aggregation=round``,
-  ``sim.quorum=3``) with ``master.weighting=tokens`` (each delta weighted by its tokens).
+* ``async_cgad_q3``: CGAD in rounds of any 3 deltas (``aggregation=round``, ``sim.quorum=3``: the
+  real master's quorum of 3 of 4 live workers), a fixed H.
+* ``async_cgad_q3_dylu``: the same with DyLU and ``master.weighting=tokens`` (each delta weighted
+  by its tokens in the round's mean).
 
 Model (``--model study``, the default): ``benchmarks/study.py``'s (a Llama of d_model 96, 3
 layers, UTF-8 bytes, sequences of 64, batch 8, AdamW lr 4e-3), ~4x cheaper per step than
@@ -69,6 +71,7 @@ CONFIGS = {
     "async_cgad": ["diloco.sync=async", "master.aggregation=arrival", "outer=cgad"],
     "async_cgad_dylu": ["diloco.sync=async", "master.aggregation=arrival", "outer=cgad", "diloco.inner_steps=auto",
                         f"diloco.dylu_steps={H}"],
+    "async_cgad_q3": ["diloco.sync=async", "master.aggregation=round", "sim.quorum=3", "outer=cgad"],
     "async_cgad_q3_dylu": ["diloco.sync=async", "master.aggregation=round", "sim.quorum=3", "outer=cgad",
                            "diloco.inner_steps=auto", f"diloco.dylu_steps={H}", "master.weighting=tokens"],
 }
