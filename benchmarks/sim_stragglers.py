@@ -38,7 +38,7 @@ the first profile: 3 outer lrs per config, the same budget for every method: Nes
 0.7, CGAD 0.001 / 0.003 / 0.01), ``tuned`` (the other seeds of the first profile at each config's
 tuned lr, the lowest final loss of ``tune``).
 
-    python benchmarks/sim_stragglers.py                         # grid, ~27 min on 2 loaded cores
+    python benchmarks/sim_stragglers.py                         # grid: 36 runs, 47 min on 2 cores at load 6-8
     python benchmarks/sim_stragglers.py --phases grid tune tuned --plot docs/figures/stragglers_sim_time.png
     python benchmarks/sim_stragglers.py --report                # the tables again from the finished runs
 
@@ -211,6 +211,7 @@ def table(args, profile: str, configs: list[str], seeds: list[int], lrs: dict[st
         print(f"{config:<20} {used_lr:>8g} {lm:>10.3f} ± {ls:<5.3f} {rm:>11.0f} {xm:>9.2f} {tm:>11.3f} ± {ts:<5.3f} "
               f"{km:>13.2f} | " + (f"{paired(rows, ref, 'loss')}, {paired(rows, ref, 'loss_tok')}" if config != "sync" else "")
               + "  per seed: " + " ".join(f"{x['loss']:.3f}" for x in rows)
+              + " | x budget per seed: " + " ".join("-" if x["x_reach"] is None else f"{x['x_reach']:.2f}" for x in rows)
               + (f"  (reached sync's final loss in {reached}/{len(rows)})" if reached < len(rows) else ""))
         out.append({"profile": profile, "config": config, "outer_lr": used_lr, "budget": t_budget, "runs": rows})
     return out
