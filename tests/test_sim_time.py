@@ -122,7 +122,7 @@ def test_dylu_sets_each_workers_h_with_the_pacing_rule(min_steps, seconds):
             hs.append(rule(speed))
             t += rule(speed) / speed
         expected.append(hs)
-    assert [w.phase_steps for w in sim.workers] == expected
+    assert [w.phase_lengths for w in sim.workers] == expected
     if min_steps is None and seconds is None:
         assert expected == [[8] * 8] * 3 + [[8, 2, 2, 2, 2]]
     assert sum(w.steps for w in sim.workers) == sum(map(sum, expected))
@@ -134,7 +134,7 @@ def test_dylu_in_lockstep_with_token_weighting():
     both end at 40, and round 2 is (8 C_8 + 2 C_2) / 10 (v1 - target)."""
     sim, result, _, master = _sim([1.0, 0.25], 8, sync="lockstep", aggregation="round", weighting="tokens",
                                   dylu={"max_steps": 8}, max_time=40.0)
-    assert [w.phase_steps for w in sim.workers] == [[8, 8], [8, 2]]
+    assert [w.phase_lengths for w in sim.workers] == [[8, 8], [8, 2]]
     assert [r["time"] for r in master.records] == [32.0, 40.0]
     schedule = [[("w0/1", 0, 8), ("w1/1", 0, 8)], [("w0/2", 1, 8), ("w1/2", 1, 2)]]
     expected = _versions(schedule, weights=[[8.0, 8.0], [8.0, 2.0]])

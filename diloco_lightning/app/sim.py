@@ -248,7 +248,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             # tokens of the deltas delivered to the master by each eval_curve point: [tokens, eval loss]
             "eval_curve_tokens": [[n, loss] for n, (_, loss) in zip(result.eval_tokens, result.eval_curve)],
             # H of each phase each worker began (differs between phases with inner_steps=auto)
-            "phase_steps": [list(w.phase_steps) for w in sim.workers],
+            "phase_steps": [list(w.phase_lengths) for w in sim.workers],
             "traces": [sim_options(cfg).trace(i) for i in range(cfg.workers)],
             "membership": [list(sim._membership[i]) if math.isfinite(sim._membership[i][1])
                            else [sim._membership[i][0], None] for i in range(cfg.workers)],

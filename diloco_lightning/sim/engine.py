@@ -267,12 +267,12 @@ class Simulator:
             return
         self._active[k] = True
         self._begun[k] = r
-        w.plan(steps)
+        w.begin_phase(steps)
         self._phase[(k, r)] = (t, steps)
         self._base[k] = self.master.outer_step
         if self._threads is not None:
             base = self._base_of(k, r)
-            self._ahead[(k, r)] = (base, self._threads[k].submit(w.phase, self.master.versions[base], steps))
+            self._ahead[(k, r)] = (base, self._threads[k].submit(w.phase, self.master.versions[base], inner_steps=steps))
         self._push(end, _PHASE_END, k, r)
 
     def next_inner_steps(self, k: int) -> int:
@@ -391,7 +391,7 @@ class Simulator:
             delta = future.result()
         else:
             base = self._base_of(k, r)
-            delta = w.phase(self.master.versions[base], self._phase[(k, r)][1])
+            delta = w.phase(self.master.versions[base], inner_steps=self._phase[(k, r)][1])
         self._phase.pop((k, r), None)
         wire = self._feedback[k].encode(delta)
         del delta

@@ -113,7 +113,7 @@ class SimWorker:
             (:func:`~diloco_lightning.worker.params.module_state` of its model).
         inner: its :class:`InnerLoop`.
         inner_steps: H, inner steps per phase (the first phase's with Dynamic Local Updates: the
-            engine gives each later phase its own, :meth:`phase`'s ``steps``).
+            engine gives each later phase its own, :meth:`phase`'s ``inner_steps``).
         max_steps: a cap on its inner steps (the trailing steps that would not fill a phase, which
             never reach the master, are not run; None: no cap, the engine's ``max_time`` decides).
         speed: inner steps per unit of simulated time.
@@ -149,7 +149,7 @@ class SimWorker:
         self.last_loss = float("nan")
         self._tokens_after = [0]  # tokens trained on after each phase (num_tokens of its delta)
         self.planned = 0  # inner steps of the phases begun (computed or not)
-        self.phase_steps: list[int] = []  # H of each phase begun
+        self.phase_lengths: list[int] = []  # H of each phase begun
 
     @property
     def phases(self) -> int | None:
@@ -160,10 +160,10 @@ class SimWorker:
         """Whether a phase of ``steps`` more inner steps stays within ``max_steps``."""
         return self.max_steps is None or self.planned + steps <= self.max_steps
 
-    def plan(self, steps: int) -> None:
+    def begin_phase(self, steps: int) -> None:
         """A phase of ``steps`` inner steps begins (its steps count against ``max_steps``)."""
         self.planned += steps
-        self.phase_steps.append(steps)
+        self.phase_lengths.append(steps)
 
     def install(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Copy ``state`` into the params in place; returns the FP32 anchor (CPU) it becomes."""
@@ -171,13 +171,13 @@ class SimWorker:
                   required=self.synced)
         return {k: _fp32(state[k]) for k in self.synced}
 
-    def phase(self, base: Mapping[str, Tensor], steps: int | None = None) -> dict[str, Tensor]:
-        """Install ``base``, take ``steps`` (default ``inner_steps``) steps, return the
+    def phase(self, base: Mapping[str, Tensor], *, inner_steps: int | None = None) -> dict[str, Tensor]:
+        """Install ``base``, take ``inner_steps`` (default :attr:`inner_steps`) steps, return the
         pseudo-gradient ``anchor - local`` (CPU FP32)."""
         t0 = time.perf_counter()
         anchor = self.install(base)
         pending: list[tuple[int, Tensor]] = []
-        n = self.inner_steps if steps is None else int(steps)
+        n = self.inner_steps if inner_steps is None else int(inner_steps)
         last_step = None if self.phases is None else self.phases * self.inner_steps
         loss = None
         for _ in range(n):
