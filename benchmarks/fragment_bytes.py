@@ -2,8 +2,10 @@
 
 For each model (``tiny``: the tiny recipe's 1.25M-parameter Llama, vocab 4096, tied 4096 x 128
 embedding; ``llama25m``: 23.5M parameters, tied 50304 x 320 embedding) and ``F`` in 1, 2, 4
-(``diloco_lightning/fragments.py``: block i in fragment i mod F, the other tensors placed largest
-first in the lightest fragment), every fragment's delta file is written exactly as a worker writes
+(``diloco_lightning/fragments.py``: block i in fragment i mod F; a tensor without a block index
+that has at least F rows and more than 1/(2F) of the model -- the tied embedding here -- split
+into F row ranges, range p in fragment p; the other tensors placed largest first in the lightest
+fragment), every fragment's delta file is written exactly as a worker writes
 it (``deltafile.write_delta``, FP32 or ``--dtype``, with the worker's header: identity, tokens,
 fingerprint, ``phases`` and the fragment entries) and measured on disk. Printed per F: the bytes of
 each fragment's file, the largest one (a worker's peak upload: one every ``H/F`` inner steps), its
@@ -15,8 +17,8 @@ Usage::
     python benchmarks/fragment_bytes.py --models tiny --dtype bfloat16
 
 The total bytes sent per ``H`` inner steps are the same for every F (each parameter is sent once
-per H); only the peak changes. A single tensor is never split, so a model whose tied embedding is
-a large share of its parameters (68 % of llama25m) cannot go below that share.
+per H); only the peak changes. Without the row split a model whose tied embedding is a large
+share of its parameters (68 % of llama25m) could not go below that share.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ from diloco_lightning.worker.params import module_state  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def file_bytes(tmp: Path, state: dict[str, torch.Tensor], keys, dtype: torch.dtype, fp: str, extra: dict) -> int:
+def file_bytes(tmp: Path, state: dict[str, torch.Tensor], dtype: torch.dtype, fp: str, extra: dict) -> int:
+    """The bytes of a delta of ``state``'s tensors (a fragment's: its pieces, by piece name)."""
     path = tmp / "delta_1.safetensors"
-    tensors = {k: torch.zeros(state[k].shape, dtype=dtype) for k in keys}
+    tensors = {k: torch.zeros(v.shape, dtype=dtype) for k, v in state.items()}
     n = write_delta(path, tensors, node_id="w0", local_step=1, base_outer_step=0, num_tokens=123456,
                     model_fingerprint=fp, extra_metadata={"phases": "1", **extra})
     path.unlink()
@@ -69,9 +72,9 @@ def main() -> None:
             for f in args.fragments:
                 plan = build_plan(f, state)
                 if plan is None:
-                    sizes = [file_bytes(tmp, state, synced_keys(state), dtype, fp, {})]
+                    sizes = [file_bytes(tmp, {k: state[k] for k in synced_keys(state)}, dtype, fp, {})]
                 else:
-                    sizes = [file_bytes(tmp, state, plan.keys[name], dtype, fp,
+                    sizes = [file_bytes(tmp, plan.substate(name, state), dtype, fp,
                                         {"fragment": name, "fragments": str(f), "base_fragment_step": "0"})
                              for name in plan.names]
                 full = full or max(sizes)

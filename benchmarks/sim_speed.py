@@ -12,6 +12,14 @@ cache built once beforehand, so neither pays for it). Two figures per run:
     python benchmarks/sim_speed.py --repeat 3 -- workers=4 trainer.max_steps=64
 
 Prints one line per run, then the medians and the ratio sim / local. Figures: docs/simulator.md.
+
+``--ceiling`` adds a third figure, the most any in-process launcher could reach here: the bare
+inner step (the product's model, batches, AdamW, clipping and schedule, built by the same
+functions as ``launch=sim``: forward, backward, clip, step, nothing else) of ``min(workers,
+cores)`` workers side by side on threads, one intra-op thread each, as the simulator runs them.
+Its ratio to the multi-process run bounds the simulator's speed-up on this machine.
+
+    python benchmarks/sim_speed.py --repeat 2 --ceiling
 """
 
 from __future__ import annotations
@@ -40,16 +48,54 @@ def _run(args: list[str], root: Path, env: dict) -> tuple[float, dict]:
     return wall, json.loads((root / run_id / "results.json").read_text())
 
 
+def _ceiling(overrides: list[str], root: Path, steps: int = 24) -> float:
+    """Inner steps per second of bare inner loops, ``min(workers, cores)`` on threads (see the docstring)."""
+    import threading
+
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from diloco_lightning.app.config import CONFIG_DIR, register_configs, validate
+    from diloco_lightning.app.sim import build_worker
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = validate(compose(config_name="train", overrides=[*overrides, f"run_root={root}", "run_id=ceiling"]))
+    torch.set_num_threads(1)
+    n = max(1, min(int(cfg.workers), os.cpu_count() or 1))
+    workers = [build_worker(cfg, i, torch.device("cpu")) for i in range(n)]
+    for w in workers:  # warm-up: first-call allocations and the data loader's start
+        for _ in range(2):
+            w.inner.step()
+    barrier = threading.Barrier(n + 1)
+
+    def loop(w) -> None:
+        barrier.wait()
+        for _ in range(steps):
+            w.inner.step()
+
+    threads = [threading.Thread(target=loop, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return n * steps / (time.perf_counter() - t0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="tiny")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--ceiling", action="store_true", help="also time the bare inner loops (the in-process bound)")
     ap.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
     a = ap.parse_args(argv)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     common = [f"recipe={a.recipe}", *a.overrides]
     rows: dict[str, list[tuple[float, float]]] = {"local": [], "sim": []}
+    bare: list[float] = []
     with tempfile.TemporaryDirectory(prefix="sim_speed_") as tmp:
         root = Path(tmp)
         env.setdefault("DILOCO_CACHE_DIR", str(root / "cache"))
@@ -62,11 +108,18 @@ def main(argv: list[str] | None = None) -> int:
                 rows[launch].append((steps / wall, steps / res["wall_seconds"]))
                 print(f"{launch:5} run {i}: {steps} inner steps, command {wall:6.1f} s -> {steps / wall:6.1f} steps/s end to end, "
                       f"{steps / res['wall_seconds']:6.1f} steps/s in-run; eval loss {res['eval_loss']:.3f}", flush=True)
+            if a.ceiling:
+                bare.append(_ceiling(common, root))
+                print(f"bare  run {i}: {bare[-1]:6.1f} steps/s (inner steps only, no launcher)", flush=True)
     med = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v)) for k, v in rows.items()}
     print(f"# median end to end: local {med['local'][0]:.1f}, sim {med['sim'][0]:.1f} steps/s: "
           f"sim / local = {med['sim'][0] / med['local'][0]:.1f}x")
     print(f"# median in-run:     local {med['local'][1]:.1f}, sim {med['sim'][1]:.1f} steps/s: "
           f"sim / local = {med['sim'][1] / med['local'][1]:.1f}x")
+    if bare:
+        b = statistics.median(bare)
+        print(f"# median bare inner loops: {b:.1f} steps/s: bare / local (in-run) = {b / med['local'][1]:.1f}x, "
+              f"sim / bare = {med['sim'][1] / b:.2f}")
     print(f"# load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -27,7 +27,7 @@ per delta), round mode at tau in {0, 4} rounds, bf16 outer state (to nearest at 
 heavy tail, stochastic in the heavy tail), bf16 weights + 8-bit AdamW inner at tau = 16 (3 seeds)
 and 0 (1 seed).
 
-Runs 2 at a time (``--jobs 2``), one thread each: 160 runs, about an hour on 2 cores (68 min here).
+Runs 2 at a time (``--jobs 2``), one thread each: 157 runs, about an hour on 2 cores (71 min from a fresh clone on a loaded machine).
 """
 
 from __future__ import annotations

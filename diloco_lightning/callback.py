@@ -134,9 +134,10 @@ class DiLoCo(Callback):
         error_feedback: add what the encoding dropped to the next delta; None (default): on for
             int8, int4 and topk, off for the float casts.
         fragments: Streaming DiLoCo (arXiv 2501.18512): ``F`` fragments (transformer block ``i`` in
-            fragment ``i mod F``; ``diloco_lightning/fragments.py``), or a list of parameter-name
-            pattern groups. A boundary then comes every ``inner_steps / F`` steps and sends one
-            fragment's delta, about ``1/F`` of the bytes. None or 1 (default): the whole model.
+            fragment ``i mod F``, a large embedding or head split by rows among them;
+            ``diloco_lightning/fragments.py``), or a list of parameter-name pattern groups. A
+            boundary then comes every ``inner_steps / F`` steps and sends one fragment's delta,
+            about ``1/F`` of the bytes. None or 1 (default): the whole model.
         reset_inner_optimizer: clear the inner optimizers' state after each install (default
             False: keep it, as DiLoCo does).
         hub_options: options for ``open_hub`` (``token=``, ``endpoint=``, ``cache_dir=`` ...).

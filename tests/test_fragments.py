@@ -46,20 +46,63 @@ def llama_like(blocks: int = 4, d: int = 4, vocab: int = 32) -> dict[str, torch.
 
 
 def test_strided_assignment_and_where_the_rest_goes():
-    state = llama_like()
+    state = llama_like(blocks=8, d=8, vocab=8)  # no tensor without a block index is large: nothing split
     plan = build_plan(4, state)
-    assert plan is not None and plan.names == ("0", "1", "2", "3")
-    for i in range(4):
+    assert plan is not None and plan.names == ("0", "1", "2", "3") and not plan.split and plan.rows == {}
+    for i in range(8):
         assert {f"layers.{i}.attn.weight", f"layers.{i}.norm.weight"} <= set(plan.keys[str(i % 4)])
     # embeddings, final norm and head (no block index) go, largest first, to the lightest fragment
     assert "embed.weight" in plan.keys["0"] and "head.weight" in plan.keys["1"] and "norm.weight" in plan.keys["2"]
     assert "steps" not in [k for ks in plan.keys.values() for k in ks]
     assert sorted(k for ks in plan.keys.values() for k in ks) == sorted(k for k in state if k != "steps")
     assert block_index("model.layers.12.mlp.w1.weight") == 12 and block_index("lm_head.weight") is None
-    assert build_plan(2, state).keys["1"] == ("head.weight", "layers.1.attn.weight", "layers.1.norm.weight",
-                                               "layers.3.attn.weight", "layers.3.norm.weight")  # sorted names
+    assert build_plan(2, llama_like(blocks=4, d=8, vocab=8)).keys["1"] == (
+        "head.weight", "layers.1.attn.weight", "layers.1.norm.weight", "layers.3.attn.weight", "layers.3.norm.weight")
     # F = 1, None and a one-group list: no fragments at all
     assert build_plan(1, state) is None and build_plan(None, state) is None and build_plan([["layers"]], state) is None
+
+
+def test_large_tensors_without_a_block_are_split_by_rows_into_even_fragments():
+    """Embedding and head of llama_like() are 128 of 340 values each (> 1/(2F) for F = 2, 4): each is
+    split into F row ranges, range p in fragment p; a tensor with fewer than F rows stays whole."""
+    state = llama_like()  # embed 32x4, head 32x4, 4 blocks of 4x4 + 4, norm 4
+    plan = build_plan(4, state)
+    assert plan.split and plan.keys["0"] == ("embed.weight[0:8]", "head.weight[0:8]", "layers.0.attn.weight",
+                                             "layers.0.norm.weight", "norm.weight")
+    for p in range(4):
+        assert plan.keys[str(p)][:2] == (f"embed.weight[{8 * p}:{8 * p + 8}]", f"head.weight[{8 * p}:{8 * p + 8}]")
+        assert plan.rows[f"embed.weight[{8 * p}:{8 * p + 8}]"] == ("embed.weight", 8 * p, 8 * p + 8)
+        assert plan.base_keys(str(p))[:2] == ("embed.weight", "head.weight")
+    assert [plan.numel(n, state) for n in plan.names] == [88, 84, 84, 84]  # even: 340 / 4 = 85
+    sub = plan.substate("2", state)  # views: an in-place update writes into the full tensor
+    assert sub["embed.weight[16:24]"].shape == (8, 4) and sub["layers.2.attn.weight"] is state["layers.2.attn.weight"]
+    sub["embed.weight[16:24]"].add_(1.0)
+    assert torch.equal(state["embed.weight"][16:24], llama_like()["embed.weight"][16:24] + 1.0)
+    assert torch.equal(state["embed.weight"][:16], llama_like()["embed.weight"][:16])
+    pieces = plan.pieces(state)  # every piece once, in the state's key order, rows in order
+    assert list(pieces)[:5] == ["embed.weight[0:8]", "embed.weight[8:16]", "embed.weight[16:24]",
+                                "embed.weight[24:32]", "layers.0.attn.weight"]
+    assert sum(t.numel() for t in pieces.values()) == 340 and len(pieces) == 2 * 4 + 2 * 4 + 1
+    assert plan.optimizer_fragments()["3"] == list(plan.keys["3"]) and plan.fragment_of("head.weight[24:32]") == "3"
+    # uneven rows: 30 rows into 4 ranges of 8, 8, 7, 7 (leftover rows to the lowest index); the
+    # digest covers the piece names
+    odd = {**state, "embed.weight": torch.zeros(30, 4)}
+    assert [p for p in build_plan(4, odd).keys["1"] if "embed" in p] == ["embed.weight[8:16]"]
+    assert build_plan(4, odd).digest("0") != plan.digest("0")
+    # uneven blocks (3 over F = 2): the rows even the fragments out, not n/F each
+    three = llama_like(blocks=3, d=4, vocab=40)  # blocks 0, 2 in fragment 0: 20 values more
+    plan3 = build_plan(2, three)
+    assert plan3.keys["0"][:2] == ("embed.weight[0:18]", "head.weight[0:20]")
+    assert plan3.keys["1"][:2] == ("embed.weight[18:40]", "head.weight[20:40]")
+    assert [plan3.numel(n, three) for n in plan3.names] == [192, 192]  # 384 / 2
+    # F = 2: still split (128 > 340 / 4); 64 rows of a 64-row tensor over F = 128 is not (fewer rows than F)
+    assert build_plan(2, state).keys["1"][:2] == ("embed.weight[16:32]", "head.weight[16:32]")
+    wide = {"embed.weight": torch.zeros(2, 400), "layers.0.w": torch.zeros(10), "layers.1.w": torch.zeros(10),
+            "layers.2.w": torch.zeros(10)}
+    assert not build_plan(3, wide).split  # 2 rows < 3 fragments: kept whole
+    # pattern groups place whole tensors
+    assert not build_plan([["embed", "layers.0", "layers.2", "norm.weight", "layers.3"], ["head", "layers.1"]],
+                          state).split
 
 
 def test_pattern_groups_and_errors():
@@ -187,9 +230,11 @@ def test_fragments_1_is_todays_run_bit_for_bit(tmp_path):
 
 
 def test_lockstep_fragments_send_one_fragment_each_and_match_a_reference(tmp_path):
-    """F=2, one worker in lockstep, Nesterov: boundary r sends fragment r mod 2 (its keys only, its
-    own base), the master applies it to that fragment's keys; the result equals a hand-run
-    reference (the same inner updates, the same optimizer, fragment by fragment)."""
+    """F=2, one worker in lockstep, Nesterov: boundary r sends fragment r mod 2 (its pieces only, its
+    own base), the master applies it to that fragment's pieces; the result equals a hand-run
+    reference (the same inner updates, the same optimizer, fragment by fragment). Embedding and head
+    are split by rows (rows 0-15 in fragment 0, 16-31 in fragment 1), so each row range has its own
+    anchor, momentum and schedule."""
     init = llama_like(blocks=2)
     state, m, seen, params = _run_lockstep(tmp_path, 2, boundaries=6)
     plan = build_plan(2, init)
@@ -198,12 +243,22 @@ def test_lockstep_fragments_send_one_fragment_each_and_match_a_reference(tmp_pat
     assert [h["fragment"] for h, _ in seen] == ["1", "0", "1", "0", "1", "0"]
     for h, names in seen:
         assert names == sorted(plan.keys[h["fragment"]]) and h["fragments"] == "2"
+    assert "embed.weight[16:32]" in seen[0][1] and "head.weight[0:16]" in seen[1][1]
     # fragment 1 first syncs at boundary 1 from version 0; later syncs from the version that applied its last delta
     assert [(h["base"], h["base_fragment_step"]) for h, _ in seen] == [("0", "0"), ("0", "0"), ("1", "1"), ("2", "1"),
                                                                        ("3", "2"), ("4", "2")]
-    # the reference: the worker's local weights, its per-fragment anchors, the master's Nesterov per fragment
+    # the reference: the worker's local weights, its per-fragment anchors, the master's Nesterov per
+    # fragment; the row ranges written out here, not taken from the plan
+    half = {"0": slice(0, 16), "1": slice(16, 32)}
+    whole = {"0": ["layers.0.attn.weight", "layers.0.norm.weight", "norm.weight"],
+             "1": ["layers.1.attn.weight", "layers.1.norm.weight"]}
+
+    def pieces(f, t):  # fragment f's tensors of t (views of the rows of embed / head)
+        out = {f"{k}[{half[f].start}:{half[f].stop}]": t[k][half[f]] for k in ("embed.weight", "head.weight")}
+        return {**out, **{k: t[k] for k in whole[f]}}
+
     ref = {k: v.clone() for k, v in init.items()}
-    opt = NesterovOuterOptimizer(ref, lr=0.7, momentum=0.9)
+    opt = NesterovOuterOptimizer({**pieces("0", ref), **pieces("1", ref)}, lr=0.7, momentum=0.9)
     local = {k: v.clone() for k, v in init.items()}
     anchor = {k: v.clone() for k, v in init.items() if v.is_floating_point()}
     g = torch.Generator().manual_seed(1)
@@ -211,11 +266,13 @@ def test_lockstep_fragments_send_one_fragment_each_and_match_a_reference(tmp_pat
         for v in local.values():
             if v.is_floating_point():
                 v.add_(torch.randn(v.shape, generator=g) * 0.01)
-        keys = plan.keys[plan.fragment_at(r)]
-        assert opt.step(ref, {k: anchor[k] - local[k] for k in keys}, staleness=0)
-        for k in keys:
-            local[k] = ref[k].clone()
-            anchor[k] = ref[k].clone()
+        f = plan.fragment_at(r)
+        a, lo, gl = pieces(f, anchor), pieces(f, local), pieces(f, ref)
+        assert sorted(gl) == sorted(plan.keys[f])
+        assert opt.step(gl, {k: a[k] - lo[k] for k in gl}, staleness=0)
+        for k in gl:
+            lo[k].copy_(gl[k])
+            a[k].copy_(gl[k])
     for k in ref:
         assert torch.allclose(state[k], ref[k], atol=1e-6, rtol=0), k
         assert torch.allclose(params[k].detach(), local[k], atol=1e-6, rtol=0), k
@@ -262,7 +319,7 @@ def test_master_checks_a_fragment_delta_against_its_fragment_only(tmp_path):
     assert [f["outer_step"] for f in man.fragments] == [0, 0] and man.fragments[0]["keys_sha256"] == plan.digest("0")
 
     def frag(name, scale=0.01):
-        return {k: torch.full_like(init[k], scale) for k in plan.keys[name]}
+        return {k: torch.full_like(v, scale) for k, v in plan.substate(name, init).items()}
 
     full = {k: torch.zeros_like(v) for k, v in init.items() if v.is_floating_point()}
     _put(hub, tmp_path, "a", 1, frag("0"), 0, ("0", 2, 0))  # good
@@ -277,10 +334,10 @@ def test_master_checks_a_fragment_delta_against_its_fragment_only(tmp_path):
     assert man.outer_step == 1 and man.ledger == {"a": 1}
     assert [(f["outer_step"], f["updated_at"]) for f in man.fragments] == [(1, 1), (0, 0)]
     state = m.snapshot()[1]
-    for k in plan.keys["0"]:
-        assert torch.equal(state[k], init[k] - 0.01), k
-    for k in plan.keys["1"]:
-        assert torch.equal(state[k], init[k]), k
+    for k, v in plan.substate("0", init).items():
+        assert torch.equal(plan.view(k, state), v - 0.01), k
+    for k, v in plan.substate("1", init).items():
+        assert torch.equal(plan.view(k, state), v), k
     # a delta of a fragment run is refused by a master without fragments, and the reverse
     hub2 = FileHub(tmp_path / "hub2")
     m2 = MasterOuterLoop(hub2, init, node_state_dir=tmp_path / "m2", norm_ratio=None, poll_interval=0.01)
@@ -310,9 +367,10 @@ def test_pa_cgad_gates_each_delta_on_max_tau_and_age_before_averaging(tmp_path):
     g = torch.Generator().manual_seed(3)
 
     def frag(name):
-        return {k: torch.randn(init[k].shape, generator=g) * 0.01 for k in plan.keys[name]}
+        return {k: torch.randn(v.shape, generator=g) * 0.01 for k, v in plan.substate(name, init).items()}
 
-    ref_state = {k: v.clone() for k, v in init.items()}
+    ref_full = {k: v.clone() for k, v in init.items()}
+    ref_state = plan.pieces(ref_full)  # embed and head are split: PA-CGAD steps on the pieces (views)
     ref = PACGAD(ref_state, fragments=plan.optimizer_fragments(), **opts)
     sent = []
     for step in (1, 2, 3):  # three rounds of fragment 0: fragment 1 ages
@@ -332,8 +390,8 @@ def test_pa_cgad_gates_each_delta_on_max_tau_and_age_before_averaging(tmp_path):
     mean = {k: (d_fresh[k] * g0 + d_stale[k] * g0) / 2 for k in d_fresh}
     assert ref.step_pregated(ref_state, mean)
     state = m.snapshot()[1]
-    for k in ref_state:
-        assert torch.allclose(state[k], ref_state[k], atol=1e-7, rtol=0), k
+    for k in ref_full:
+        assert torch.allclose(state[k], ref_full[k], atol=1e-7, rtol=0), k
     man = hub.read_manifest()
     assert [(f["outer_step"], f["updated_at"]) for f in man.fragments] == [(3, 3), (1, 4)]
     assert man.history[0].fragment_steps == [3, 0]
@@ -376,10 +434,10 @@ def test_async_worker_installs_only_its_fragments_newer_version_and_resumes(tmp_
     r3 = w.boundary()  # fragment 1 again: version 1 updated it: installed, the rest kept
     assert r3.installed is not None and r3.installed.outer_step == 1
     g = m.snapshot()[1]
-    for k in plan.keys["1"]:
-        assert torch.equal(params[k], g[k]), k
+    for k in plan.keys["1"]:  # embed and head rows 16-31 are fragment 1's, rows 0-15 fragment 0's
+        assert torch.equal(plan.view(k, params), plan.view(k, g)), k
     for k in plan.keys["0"]:
-        assert torch.equal(params[k], before[k] + 1.0), k
+        assert torch.equal(plan.view(k, params), plan.view(k, before) + 1.0), k
     assert w.fragment_base == {"0": (0, 0), "1": (1, 1)}
     saved = w.anchor_state()
     counters = w.state_dict()
@@ -430,8 +488,9 @@ def test_worker_kill9_in_fragment_traffic_loses_and_duplicates_nothing(frag_hubs
     """A Lightning worker with 2 fragments (vectors p and q, +1 per step each; H=4, a boundary every
     2 steps) is killed at its 3rd boundary (before, while and after a fragment's delta is sent),
     resumes from its checkpoint, and a master applies everything (arrival, Nesterov lr 1, no
-    momentum): p (fragment 0, synced at steps 4, 8, ..., 20) ends at exactly 10 + 20, q (fragment 1,
-    steps 2, 6, ..., 18) at 10 + 18: no fragment's progress lost or applied twice."""
+    momentum). p and q are split by rows (half of the model each): rows 0-3 (fragment 0, synced at
+    steps 4, 8, ..., 20) end at exactly 10 + 20, rows 4-7 (fragment 1, steps 2, 6, ..., 18) at
+    10 + 18: no fragment's progress lost or applied twice."""
     from test_hardening import _run_worker
 
     from diloco_lightning.master import MasterOuterLoop
@@ -456,8 +515,9 @@ def test_worker_kill9_in_fragment_traffic_loses_and_duplicates_nothing(frag_hubs
             break
     assert m.ledger["w0"] == 10
     state = m.snapshot()[1]
-    assert torch.equal(state["p"], torch.full((8,), 30.0)), state["p"]
-    assert torch.equal(state["q"], torch.full((8,), 28.0)), state["q"]
+    want = torch.tensor([30.0] * 4 + [28.0] * 4)
+    assert torch.equal(state["p"], want), state["p"]
+    assert torch.equal(state["q"], want), state["q"]
     man = hub.read_manifest()
     assert [f["outer_step"] for f in man.fragments] == [5, 5]
 
@@ -471,8 +531,8 @@ def _frag_deltas():
     for i, (node, step, frag) in enumerate([("a", 0, "0"), ("a", 1, "1"), ("b", 0, "1"), ("c", 0, "0"), ("c", 1, "1"),
                                             ("b", 1, "0")]):
         g = torch.Generator().manual_seed(2000 + i)
-        out.append((node, step, frag, {k: (torch.randn(st[k].shape, generator=g) * 0.01).to(st[k].dtype)
-                                       for k in plan.keys[frag]}))
+        out.append((node, step, frag, {k: (torch.randn(v.shape, generator=g) * 0.01).to(v.dtype)
+                                       for k, v in plan.substate(frag, st).items()}))
     return out
 
 
@@ -573,3 +633,79 @@ def test_hydra_fragments_compose_and_reach_worker_and_master(hydra_configs):
     with pytest.raises(ConfigError) as e:
         validate(cfg_of("diloco.fragments=3"))  # inner_steps 8
     assert e.value.key == "diloco.fragments" and "multiple of 3" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- row pieces: bad deltas, a changed split
+
+
+def test_a_delta_whose_pieces_are_not_the_fragments_is_refused_and_the_round_goes_on(tmp_path):
+    """Embedding and head are split by rows (F=2): a fragment delta must carry exactly its pieces,
+    each of its piece's shape; a wrong shape, an unknown piece name, or the whole tensor where a row
+    range is expected is refused with a reason, and the good delta of the round is applied."""
+    from diloco_lightning.master import MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    plan = build_plan(2, init)
+    hub = FileHub(tmp_path / "hub")
+    m = MasterOuterLoop(hub, init, node_state_dir=tmp_path / "m", fragments=2, norm_ratio=None, outer_lr=1.0,
+                        outer_momentum=0.0, poll_interval=0.01)
+    assert m.sync_once()
+    good = {k: torch.full_like(v, 0.01) for k, v in plan.substate("0", init).items()}
+    short = {**good, "embed.weight[0:16]": torch.zeros(15, 4)}  # a piece of the wrong shape
+    unknown = {k if k != "embed.weight[0:16]" else "embed.weight[0:17]": v for k, v in good.items()}
+    unknown["embed.weight[0:17]"] = torch.zeros(17, 4)
+    whole = {k: v for k, v in good.items() if k != "embed.weight[0:16]"}
+    whole["embed.weight"] = torch.zeros(32, 4)  # the whole tensor where its rows are expected
+    extra = {**good, "embed.weight[16:32]": torch.zeros(16, 4)}  # another fragment's piece too
+    for node, tensors in (("a", good), ("b", short), ("c", unknown), ("d", whole), ("e", extra)):
+        _put(hub, tmp_path, node, 1, tensors, 0, ("0", 2, 0))
+    m.sync_once(force=True)
+    got = m.last_metrics["rejected_by_reason"]
+    # the wrong shape; the row range 0:16 missing (unknown name, whole tensor); another fragment's piece
+    assert got == {"shape": 1, "missing_key": 2, "extra_key": 1}, got
+    man = hub.read_manifest()
+    assert man.outer_step == 1 and man.ledger == {"a": 1}
+    state = m.snapshot()[1]
+    assert torch.equal(state["embed.weight"][:16], init["embed.weight"][:16] - 0.01)
+    assert torch.equal(state["embed.weight"][16:], init["embed.weight"][16:])  # fragment 1's rows untouched
+
+
+def test_a_run_split_otherwise_is_refused_on_resume(tmp_path):
+    """A run whose fragments held whole tensors (what this build did before splitting rows; here the
+    same assignment as patterns) cannot be continued by a master or a worker that splits rows: the
+    manifest's keys_sha256 covers the piece names, a checkpoint's anchor is named by piece."""
+    from diloco_lightning.master import MasterConfigError, MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    old = [["embed.weight", "layers.0", "norm.weight"], ["head.weight", "layers.1"]]  # whole tensors
+    assert not build_plan(old, init).split and build_plan(2, init).split
+    root = tmp_path / "hub"
+    m = MasterOuterLoop(FileHub(root), init, node_state_dir=tmp_path / "m", fragments=old, norm_ratio=None,
+                        outer_lr=1.0, outer_momentum=0.0, poll_interval=0.01)
+    assert m.sync_once()
+    params = _module_params(init)
+    w = DiLoCoWorker(FileHub(root), "w0", params, fragments=old, **FAST)
+    w.start()
+    with torch.no_grad():
+        params["embed.weight"].add_(1.0)
+    w.boundary()
+    assert w.flush()
+    saved = w.anchor_state()
+    w.close()
+    m.sync_once(force=True)
+    assert FileHub(root).read_manifest().outer_step == 1
+    sd = m.state_dict()
+    m.stop()  # releases the lease: the next master would take over at once
+    m4 = MasterOuterLoop(FileHub(tmp_path / "hub4"), init, node_state_dir=tmp_path / "m4", fragments=2, lease=False)
+    with pytest.raises(ValueError, match="split the model otherwise: resume with the same fragments"):
+        m4.load_state_dict(sd)  # a master checkpoint: its optimizer state is named by whole key
+    for state_dir in ("m", "fresh"):  # its own local copy, or the hub's version
+        with pytest.raises(MasterConfigError, match="another way"):
+            MasterOuterLoop(FileHub(root), None, node_state_dir=tmp_path / state_dir, fragments=2, norm_ratio=None,
+                            poll_interval=0.01).sync_once()
+    w2 = DiLoCoWorker(FileHub(root), "w1", _module_params(init), fragments=2, claim=False, **FAST)
+    with pytest.raises(Exception, match="split another way"):
+        w2.start()
+    w3 = DiLoCoWorker(FileHub(root), "w0", _module_params(init), fragments=2, claim=False, **FAST)
+    with pytest.raises(Exception, match="split into fragments otherwise: resume with the same fragments"):
+        w3.load_anchor_state(saved)

@@ -315,7 +315,7 @@ def test_train_py_launch_sim_end_to_end(tmp_path, token_cache):
 
 
 @pytest.mark.parametrize("override,key", [("sim.speeds=[1,0]", "sim.speeds"), ("sim.leave_at=[null,4]", "sim.leave_at"),
-                                          ("diloco.fragments=2", "diloco.fragments")])
+                                          ("diloco.fragments=3", "diloco.fragments")])
 def test_sim_config_errors_name_the_key(tmp_path, token_cache, override, key):
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "launch=sim", override, f"run_root={tmp_path}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path, token_cache), capture_output=True, text=True, timeout=120)
@@ -325,10 +325,12 @@ def test_sim_config_errors_name_the_key(tmp_path, token_cache, override, key):
 # ----------------------------------------------------------------------------- against the product
 
 
-def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, rounds: int = 3) -> float:
+def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, rounds: int = 3,
+                    fragments: int = 1) -> float:
     """Run the recipe for real (master + 2 worker processes, lockstep, folder hub), then simulate the
     same saved configuration in this process; compare every published version. Returns the
-    largest absolute difference."""
+    largest absolute difference. With ``fragments`` F, ``rounds`` of H steps are ``F * rounds``
+    outer steps (a boundary every H / F steps)."""
     from omegaconf import OmegaConf
 
     from diloco_lightning.app.sim import build_simulator
@@ -357,9 +359,9 @@ def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, r
             os.environ["DILOCO_CACHE_DIR"] = old
     hub = open_hub(str(rdir / "hub"))
     manifest, _ = load_global(hub)
-    assert manifest.outer_step == result.outer_steps == rounds
+    assert manifest.outer_step == result.outer_steps == rounds * fragments
     worst = 0.0
-    for v in range(1, rounds + 1):
+    for v in range(1, rounds * fragments + 1):
         _, real = load_version(hub, manifest, v)
         for k, t in real.items():
             torch.testing.assert_close(sim.master.versions[v][k], t, rtol=1e-5, atol=1e-6)

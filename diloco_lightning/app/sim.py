@@ -90,13 +90,22 @@ def build_worker(cfg: DictConfig, index: int, device):
     opts = sim_options(cfg)
     return SimWorker(index, module_state(module), inner, inner_steps=nominal_inner_steps(cfg),
                      max_steps=cfg.trainer.max_steps, speed=opts.speed(index), log_every=cfg.trainer.log_every_n_steps,
-                     node_id=node_id(index))
+                     node_id=node_id(index), fragments=_fragments(cfg))
+
+
+def _fragments(cfg: DictConfig) -> Any:
+    """``diloco.fragments`` as plain Python (an int, a list of pattern groups, or None)."""
+    frags = cfg.diloco.get("fragments")
+    return OmegaConf.to_container(frags) if OmegaConf.is_list(frags) else frags
 
 
 def expected_outer_steps(cfg: DictConfig) -> int:
     """The outer steps of a run of ``trainer.max_steps`` per worker (a step budget; with
     ``sim.max_time`` only an indication: the time decides)."""
-    rounds = cfg.trainer.max_steps // nominal_inner_steps(cfg)
+    from diloco_lightning.fragments import fragment_count
+
+    # a boundary every H steps, or every H / F with fragments: one round per boundary
+    rounds = cfg.trainer.max_steps // (nominal_inner_steps(cfg) // fragment_count(_fragments(cfg)))
     return rounds * cfg.workers if cfg.master.aggregation == "arrival" else rounds
 
 
@@ -115,7 +124,8 @@ def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_v
 
     device = _device(cfg)
     workers = [build_worker(cfg, i, device) for i in range(cfg.workers)]
-    config = master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if cfg.diloco.sync == "lockstep" else 1)
+    config = master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if cfg.diloco.sync == "lockstep" else 1,
+                           fragments=cfg.diloco.get("fragments"))
     master = SimMaster(workers[0].params, config)  # version 0: the first worker's initial weights, as its init offer
     n = int(cfg.launch.eval_points)
     total = max(1, expected_outer_steps(cfg))

@@ -25,7 +25,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -39,9 +39,11 @@ __all__ = [
     "OpenRound",
     "RoundSum",
     "arrival_order",
+    "arrival_step",
     "cap_round_robin",
     "mean_of",
     "merge_marks",
+    "round_step",
 ]
 
 
@@ -159,9 +161,9 @@ class FragmentSums:
             fragment: str) -> None:
         acc = self.sums.get(fragment)
         if acc is None:
-            keys = self.plan.keys[fragment]
-            storage = None if self._storage is None else {k: self._storage[k] for k in keys}
-            acc = self.sums[fragment] = RoundSum({k: self._like[k] for k in keys}, storage)
+            # by piece name: a split tensor's rows sum into the rows of the storage (views, disjoint per fragment)
+            storage = None if self._storage is None else self.plan.substate(fragment, self._storage)
+            acc = self.sums[fragment] = RoundSum(self.plan.substate(fragment, self._like), storage)
         acc.add(tensors, weight, coef)
 
     @property
@@ -178,6 +180,26 @@ class FragmentSums:
         if not out:
             raise ValueError("no delta was added")
         return out
+
+
+def round_step(opt: Any, outer_optimizer: str, *, legacy: bool,
+               tau_max: int) -> Callable[[dict[str, torch.Tensor], Mapping[str, torch.Tensor]], bool]:
+    """How a round's mean is applied, ``(state, mean) -> applied``: with the older PA-CGAD rule
+    (``legacy``) gated per fragment on ``max(tau_max, age_f)``; PA-CGAD's deltas were each gated on
+    ``max(tau_i, age_f)`` before the mean (``step_pregated``); any other optimizer's were gated by
+    their own staleness (``gated=True``). The master's rounds and the simulator both step here."""
+    if legacy:
+        return lambda state, mean: opt.step(state, mean, staleness=tau_max)
+    if outer_optimizer == "pa_cgad":
+        return lambda state, mean: opt.step_pregated(state, mean)
+    return lambda state, mean: opt.step(state, mean, staleness=0, gated=True)
+
+
+def arrival_step(opt: Any, outer_optimizer: str, state: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor],
+                 tau: int, fragment: str | None) -> bool:
+    """Arrival mode: one outer step for one delta of staleness ``tau`` (PA-CGAD: of ``fragment``,
+    gated on ``max(tau, age_f)``)."""
+    return opt.step(state, tensors, staleness=tau, fragment=fragment if outer_optimizer == "pa_cgad" else None)
 
 
 @dataclass

@@ -13,9 +13,10 @@ from typing import Any
 
 from diloco_lightning.master.quorum import AUTO, is_fraction
 from diloco_lightning.options import OptionError, check_choice, check_number, option
-from diloco_lightning.fragments import FragmentError, check_fragments_option, fragment_count
+from diloco_lightning.fragments import FragmentError, FragmentPlan, check_fragments_option, fragment_count
 
-__all__ = ["AGGREGATIONS", "COMPAT_MODES", "WEIGHTINGS", "MasterConfig", "MasterConfigError", "OptionError"]
+__all__ = ["AGGREGATIONS", "COMPAT_MODES", "WEIGHTINGS", "MasterConfig", "MasterConfigError", "OptionError",
+           "with_run_fragments"]
 
 #: ``round``: one outer step per round over every accepted delta; ``arrival``: one per delta
 AGGREGATIONS = ("round", "arrival")
@@ -167,3 +168,12 @@ class MasterConfig:
         if self.lease_ttl is not None:
             return self.lease_ttl
         return max(3.0 * self.poll_interval, 900.0 if rate_limited_writes else 30.0)
+
+
+def with_run_fragments(outer_optimizer: str, options: Mapping[str, Any], plan: FragmentPlan | None) -> dict[str, Any]:
+    """The outer optimizer's options in a run split by ``plan``: PA-CGAD's fragments are the run's
+    (its age ``a_f`` is counted per run fragment); any other optimizer's are unchanged."""
+    out = dict(options)
+    if plan is not None and outer_optimizer == "pa_cgad":
+        out["fragments"] = plan.optimizer_fragments()
+    return out

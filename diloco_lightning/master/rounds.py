@@ -45,13 +45,23 @@ from diloco_lightning.master.aggregation import (
     OpenRound,
     RoundSum,
     arrival_order,
+    arrival_step,
     cap_round_robin,
     merge_marks,
+    round_step,
 )
 from diloco_lightning.master.metrics import RoundMetrics
 from diloco_lightning.master.publication import LeaseLost
 from diloco_lightning.master.quorum import AUTO, ArrivalDeadline, is_fraction, quorum_count, quorum_size
-from diloco_lightning.master.validation import Accepted, DeltaRejected, FragmentView, max_abs, state_norm
+from diloco_lightning.master.validation import (
+    Accepted,
+    DeltaRejected,
+    FragmentView,
+    delta_gates,
+    legacy_pa,
+    max_abs,
+    state_norm,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from diloco_lightning.master.loop import MasterOuterLoop
@@ -137,22 +147,14 @@ class Rounds:
     def _legacy_pa(self) -> bool:
         """PA-CGAD given fragments of its own in a run without fragments: the older round rule."""
         run = self.master.run
-        return self.master.config.outer_optimizer == "pa_cgad" and run.plan is None and len(run.opt.fragments) > 1
+        return legacy_pa(self.master.config.outer_optimizer, run.plan, run.opt)
 
     def _gates(self) -> tuple[Callable[[int], float], FragmentView | None]:
         """The gate of a delta by staleness, and (a run with fragments) the view that checks and gates
         a fragment's delta: PA-CGAD's gate is ``gate(max(tau, age_f))`` of the delta's fragment."""
         run = self.master.run
-        opt = run.opt
-        pa = self.master.config.outer_optimizer == "pa_cgad"
-        if run.plan is not None:
-            def by_fragment(name: str, tau: int) -> float:
-                return opt.fragment_gate(name, tau) if pa else opt.gate(tau)
-            return opt.gate, FragmentView(run.plan, {n: c for n, (c, _) in run.fragment_steps.items()}, by_fragment)
-        if pa and not self._legacy_pa():
-            only = opt.fragments[0]
-            return (lambda tau: opt.fragment_gate(only, tau)), None
-        return opt.gate, None
+        return delta_gates(run.opt, self.master.config.outer_optimizer, run.plan,
+                           {n: c for n, (c, _) in run.fragment_steps.items()})
 
     def _check(self, ref: DeltaRef, path: Path, outer_step: int):
         run = self.master.run
@@ -247,16 +249,10 @@ class Rounds:
         # optimizer state is copied for publication (the round's peak stays one buffer lower)
         box = [mean]
         del mean
-        opt = self.master.run.opt
-        if legacy:  # gated per fragment on max(tau_max, age_f)
-            def step(buf):
-                return opt.step(buf, box.pop(), staleness=tau_max)
-        elif self.master.config.outer_optimizer == "pa_cgad":  # each delta was gated on max(tau_i, age_f)
-            def step(buf):
-                return opt.step_pregated(buf, box.pop())
-        else:
-            def step(buf):
-                return opt.step(buf, box.pop(), staleness=0, gated=True)
+        stepper = round_step(self.master.run.opt, self.master.config.outer_optimizer, legacy=legacy, tau_max=tau_max)
+
+        def step(buf):
+            return stepper(buf, box.pop())
         new_ledger = merge_marks(self.master.run.ledger, rnd.marks)
         processed = self.master.intake.pending + [a.ref.path for a in accepted]
         if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted, updated):
@@ -315,10 +311,9 @@ class Rounds:
                 del delta
                 new_ledger = merge_marks(run.ledger, {ref.node_id: ref.local_step})
                 processed = self.master.intake.pending + [ref.path]
-                pa = self.master.config.outer_optimizer == "pa_cgad" and acc.fragment is not None
-
-                def step(buf, t=tensors, tau=acc.staleness, opt=run.opt, f=acc.fragment if pa else None):
-                    return opt.step(buf, t, staleness=tau, fragment=f)
+                def step(buf, t=tensors, tau=acc.staleness, opt=run.opt, f=acc.fragment,
+                         name=self.master.config.outer_optimizer):
+                    return arrival_step(opt, name, buf, t, tau, f)
 
                 ok = self._apply_and_publish(step, new_ledger, processed, [acc.norm], m, [acc],
                                              [acc.fragment] if acc.fragment is not None else [])
@@ -362,7 +357,7 @@ class Rounds:
             self.master._discard()
 
         try:
-            applied = step(buf)
+            applied = step(run.opt_state(buf))  # by piece when the fragments split a tensor (runstate.py)
             if applied is False:  # fully gated (e.g. PA-CGAD fragments all too old): nothing changed
                 run.give_back(buf)
                 for a in accepted:

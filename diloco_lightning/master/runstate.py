@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from diloco_lightning.deltafile import is_synced, model_fingerprint
-from diloco_lightning.fragments import FragmentError, FragmentPlan, build_plan, fragment_count
+from diloco_lightning.fragments import FragmentError, FragmentPlan, build_plan, fragment_count, stepped_state
 from diloco_lightning.globals import load_global, load_outer_state
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.manifest import Manifest
 from diloco_lightning.master import localstate
-from diloco_lightning.master.config import MasterConfig, MasterConfigError
+from diloco_lightning.master.config import MasterConfig, MasterConfigError, with_run_fragments
 from diloco_lightning.names import init_path
 from diloco_lightning.signing import RunKey
 from diloco_lightning.statefile import StateFileError, load_state_file, load_weights_file
@@ -99,11 +99,18 @@ class RunState:
     def build_optimizer(self, state: Mapping[str, torch.Tensor]):
         from diloco_lightning.outer import build_outer_optimizer
 
-        options = dict(self.opt_options)
         plan = self.plan_for(state)
-        if plan is not None and self.config.outer_optimizer == "pa_cgad":  # PA-CGAD's fragments are the run's
-            options["fragments"] = plan.optimizer_fragments()
-        return build_outer_optimizer(self.config.outer_optimizer, state, **options)
+        options = with_run_fragments(self.config.outer_optimizer, self.opt_options, plan)
+        return build_outer_optimizer(self.config.outer_optimizer, self.opt_state(state, plan), **options)
+
+    def opt_state(self, state: Mapping[str, torch.Tensor], plan: FragmentPlan | None = None) -> dict[str, torch.Tensor]:
+        """What the outer optimizer steps on (:func:`~diloco_lightning.fragments.stepped_state`)."""
+        return stepped_state(plan if plan is not None else self.plan, state)
+
+    def check_split(self, state: Mapping[str, torch.Tensor], hm: Manifest) -> None:
+        """Refuse (MasterConfigError, one line) a version whose fragments are split otherwise than
+        this master's, before its optimizer state (named by piece) is read."""
+        self._fragment_steps(self.plan_for(state), hm.outer_step, hm)
 
     def _fragment_steps(self, plan: FragmentPlan | None, outer_step: int, manifest: Manifest | None) -> dict[str, tuple[int, int]]:
         """Per fragment (outer steps, last updated at) of ``manifest``; a version without fragment
@@ -265,6 +272,7 @@ class RunState:
         if opts and opts != dict(self.opt.options if self.opt is not None else self.opt_options):
             log.info("the hub's run used optimizer options %s; continuing with %s", opts, self.opt_options)
         state, outer, src_w, src_o = self._load_version(hm)
+        self.check_split(state, hm)
         opt = self.build_optimizer(state)
         if outer is not None:
             opt.load_state_dict(outer.get("optimizer") or {})
@@ -343,6 +351,7 @@ class RunState:
             self.record = None
             log.warning("ignoring the local state in %s: %s", self.node_state_dir, e)
             return None
+        self.check_split(state, hm)
         opt = self.build_optimizer(state)
         if outer is not None:
             opt.load_state_dict(outer.get("optimizer") or {})
@@ -407,6 +416,14 @@ class RunState:
             raise ValueError("state_dict['ledger'] must map node ids to integers")
         state = cpu_clone(check_state(sd.get("global"), "state_dict['global']"))
         opt = self.build_optimizer(state)
-        opt.load_state_dict(sd.get("optimizer") or {})
+        try:
+            opt.load_state_dict(sd.get("optimizer") or {})
+        except ValueError as e:
+            plan = self.plan_for(state)
+            if plan is None or not plan.split:
+                raise
+            # its buffers are named by piece (key[start:stop]) when a tensor is split: another split names others
+            raise ValueError(f"{e}; the state_dict's optimizer state may be of a run whose fragments split the model "
+                             f"otherwise: resume with the same fragments") from None
         self.set(state, opt, fingerprint=model_fingerprint(state), outer_step=step, ledger=ledger, manifest=None)
         self.committed_outer_file = None

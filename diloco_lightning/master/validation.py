@@ -117,6 +117,8 @@ __all__ = [
     "state_norm",
     "max_abs",
     "check_staleness",
+    "delta_gates",
+    "legacy_pa",
 ]
 
 REASONS = (
@@ -477,3 +479,26 @@ class FragmentView:
                 f"(it has {now} outer steps at version {outer_step})"
             )
         return name, (now - fbase if base_outer_step <= outer_step else outer_step - base_outer_step)
+
+
+def legacy_pa(outer_optimizer: str, plan: FragmentPlan | None, opt: Any) -> bool:
+    """PA-CGAD given fragments of its own (``outer_options``) in a run without fragments: the older
+    round rule (average ungated, gate each fragment on ``max(tau_max, age_f)``)."""
+    return outer_optimizer == "pa_cgad" and plan is None and len(opt.fragments) > 1
+
+
+def delta_gates(opt: Any, outer_optimizer: str, plan: FragmentPlan | None,
+                fragment_steps: Mapping[str, int]) -> tuple[Callable[[int], float], FragmentView | None]:
+    """The gate of a delta by staleness, and (a run with fragments: ``plan``, each fragment's outer
+    step count now ``fragment_steps``) the view that checks and gates a fragment's delta: PA-CGAD's
+    gate is ``gate(max(tau, age_f))`` of the delta's fragment (arXiv 2605.09126). The master's
+    rounds and the simulator both ask here."""
+    pa = outer_optimizer == "pa_cgad"
+    if plan is not None:
+        def by_fragment(name: str, tau: int) -> float:
+            return opt.fragment_gate(name, tau) if pa else opt.gate(tau)
+        return opt.gate, FragmentView(plan, fragment_steps, by_fragment)
+    if pa and not legacy_pa(outer_optimizer, plan, opt):
+        only = opt.fragments[0]
+        return (lambda tau: opt.fragment_gate(only, tau)), None
+    return opt.gate, None

@@ -45,6 +45,14 @@ log-normal factor drawn from the seed, worker and phase. The quorum of a round (
 stays what it was: rounds close every ``quorum`` deltas, whoever sends them. Every published
 version and every evaluation carries its simulated time, so loss can be read against time.
 
+Fragments (Streaming DiLoCo, ``diloco_lightning/fragments.py``; the workers' and the master's
+``fragments`` must agree): a phase is then the ``H / F`` steps between two boundaries and its
+delta carries one fragment (:class:`~diloco_lightning.sim.inner.SimWorker`), so every schedule
+above counts boundaries where it counted phases (lockstep: round ``s`` is every worker's
+``(s+1)``-th boundary, one fragment each). The staleness the master applies is the fragment's
+own (its outer steps since the delta's base, as the product's master counts it), which is what
+the histogram records; the imposed delay is still counted in versions.
+
 A budget of simulated time (``max_time``, :mod:`diloco_lightning.sim.options` for the units): a
 worker begins a phase only if it would end by ``max_time``, so each keeps working as long as the
 budget allows, as ``trainer.max_time`` makes a real worker. Lockstep's rounds wait for the
@@ -190,6 +198,7 @@ class Simulator:
             spec, feedback = resolve_encoding(delta_dtype, error_feedback=error_feedback)
         self.encoding = spec
         self._feedback = [ErrorFeedback(spec, enabled=feedback) for _ in self.workers]
+        self._check_fragments(feedback)
         self.evaluate = evaluate
         self.eval_points = sorted(set(int(p) for p in eval_points))
         self.on_version = on_version
@@ -237,6 +246,21 @@ class Simulator:
         prefetch = parallel > 1 and not (sync == "lockstep" and self.arrival)
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"sim-{w.node_id}") for w in self.workers] if prefetch else None
 
+    def _check_fragments(self, feedback: bool) -> None:
+        """The workers split the model as the master does; no error feedback with fragments (as the product)."""
+        def split(plan) -> list[str] | None:
+            return None if plan is None else [plan.digest(n) for n in plan.names]
+
+        ours = split(self.master.plan)
+        for w in self.workers:
+            if split(w.plan) != ours:
+                raise ValueError(f"worker {w.node_id} splits the model into "
+                                 f"{'no' if w.plan is None else w.plan.count} fragments, the master into "
+                                 f"{'none' if ours is None else len(ours)}: give both the same fragments")
+        if ours is not None and feedback:
+            raise ValueError(f"fragments={len(ours)} cannot be combined with error feedback yet "
+                             f"(delta_dtype={self.encoding.name}): pass error_feedback=False or a float delta_dtype")
+
     # ------------------------------------------------------------------ delays
 
     def delay_of(self, index: int, r: int, applied_at: int) -> int:
@@ -272,13 +296,15 @@ class Simulator:
         self._base[k] = self.master.outer_step
         if self._threads is not None:
             base = self._base_of(k, r)
-            self._ahead[(k, r)] = (base, self._threads[k].submit(w.phase, self.master.versions[base], inner_steps=steps))
+            self._ahead[(k, r)] = (base, self._threads[k].submit(w.phase, self.master.versions[base],
+                                                                       inner_steps=steps, **self._phase_args(k, base)))
         self._push(end, _PHASE_END, k, r)
 
     def next_inner_steps(self, k: int) -> int:
-        """H of worker ``k``'s next phase: its ``inner_steps``, or DyLU's rule on the measured rates."""
+        """Inner steps of worker ``k``'s next phase: its ``phase_steps`` (H, or H / F with
+        fragments), or DyLU's rule on the measured rates."""
         if self.dylu is None:
-            return self.workers[k].inner_steps
+            return self.workers[k].phase_steps
         peers = [self._rate[j] for j in range(len(self.workers)) if j != k and self._active[j]]
         return dylu_inner_steps(self._rate[k], peers, max_steps=self.dylu["max_steps"],
                                 min_steps=self.dylu["min_steps"], seconds=self.dylu["seconds"])
@@ -291,10 +317,19 @@ class Simulator:
         return phase_end(start, work, w.speed, self.options.trace(w.index))
 
     def duration(self, k: int, r: int, start: float = 0.0, steps: int | None = None) -> float:
-        """Simulated time of worker ``k``'s phase ``r`` of ``steps`` steps (default its ``inner_steps``)
+        """Simulated time of worker ``k``'s phase ``r`` of ``steps`` steps (default its ``phase_steps``)
         begun at ``start``: the time its speed (and trace) takes to integrate to ``steps``, times
         the jitter's draw."""
-        return self._end_of(k, r, start, self.workers[k].inner_steps if steps is None else steps) - start
+        return self._end_of(k, r, start, self.workers[k].phase_steps if steps is None else steps) - start
+
+    def _phase_args(self, k: int, base: int) -> dict[str, Any]:
+        """What worker ``k``'s phase starting from version ``base`` is given besides that version,
+        with fragments: its number, its fragments' outer step counts, and whether the fragment due
+        is installed whatever they say (lockstep installs exactly its target version, async only
+        what updated the fragment)."""
+        if self.workers[k].plan is None:
+            return {}
+        return {"version": base, "steps": self.master.version_steps.get(base), "exact": self.sync != "async"}
 
     def _base_of(self, k: int, r: int) -> int:
         """The version worker ``k``'s delta ``r`` starts from."""
@@ -384,31 +419,34 @@ class Simulator:
         """Worker ``k``'s delta ``r`` reaches the master at ``t``: compute its phase, apply or fold it in."""
         w = self.workers[k]
         s = self.master.outer_step
-        tokens_before = w.tokens_at(r - 1)
         ahead = self._ahead.pop((k, r), None)
         if ahead is not None:
             base, future = ahead
             delta = future.result()
         else:
             base = self._base_of(k, r)
-            delta = w.phase(self.master.versions[base], inner_steps=self._phase[(k, r)][1])
+            delta = w.phase(self.master.versions[base], inner_steps=self._phase[(k, r)][1], **self._phase_args(k, base))
         self._phase.pop((k, r), None)
         wire = self._feedback[k].encode(delta)
         del delta
         self.bytes_sent += _wire_bytes(wire)
         self.deltas += 1
         received = as_received(wire)
-        tau = s - base
+        fragment = None
+        if w.plan is not None:  # the fragment's own staleness, from its header (as the product's master)
+            fragment, tau = self.master.fragment_staleness(*w.headers.pop(r))
+        else:
+            tau = s - base
         ident = f"{w.node_id}/{r}"
-        tokens = (w.tokens_at(r) - tokens_before) or None
+        tokens = w.delta_tokens(r)
         self._tokens_in += tokens or 0
         if self.arrival:
-            rec = self.master.arrive(ident, received, tau, num_tokens=tokens, now=t)
+            rec = self.master.arrive(ident, received, tau, num_tokens=tokens, now=t, fragment=fragment)
             if rec is not None:
                 self._count(tau)
                 self._publish(rec)
         else:
-            if self.master.add(ident, received, tau, num_tokens=tokens):
+            if self.master.add(ident, received, tau, num_tokens=tokens, fragment=fragment):
                 self._count(tau)
             if self.master.open_deltas >= self.quorum:
                 self._publish(self.master.close_round(t))

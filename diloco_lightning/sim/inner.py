@@ -10,6 +10,16 @@ does between two boundaries: install a global version in place
 ``inner_steps`` steps, export ``anchor - local`` in FP32 (DiLoCo, Douillard et al. 2023, arXiv
 2311.08105). The inner optimizer's state, the learning-rate schedule and the data stream go on
 from phase to phase, as in the product.
+
+With fragments (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512;
+``diloco_lightning/fragments.py``) a phase is ``inner_steps / F`` steps between two boundaries,
+as the product's worker has them: the ``r``-th boundary exports fragment ``plan.fragment_at(r)``
+against that fragment's own anchor, and that same fragment is then installed from the version
+the next phase starts from: always in lockstep (the product installs exactly version
+``r - delay``), and in ``async`` only when that version updated the fragment since the anchor's
+base (:meth:`~diloco_lightning.worker.fragstate.FragmentBook.updated`, the product's rule). The
+anchor's bases and the tokens per fragment are the product's
+:class:`~diloco_lightning.worker.fragstate.FragmentBook`.
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import torch
 from torch import Tensor
 
 from diloco_lightning.deltafile import synced_keys
+from diloco_lightning.fragments import build_plan
+from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.params import copy_into
 
 __all__ = ["PRECISIONS", "InnerLoop", "SimWorker", "precision_context"]
@@ -119,6 +131,7 @@ class SimWorker:
         speed: inner steps per unit of simulated time.
         log_every: record the loss at step 1, every ``log_every`` steps and at the last step (the
             product's ``progress.jsonl``).
+        fragments: the ``fragments`` option (None or 1: none); ``inner_steps`` must be a multiple of F.
     """
 
     def __init__(
@@ -132,6 +145,7 @@ class SimWorker:
         speed: float = 1.0,
         log_every: int = 10,
         node_id: str | None = None,
+        fragments: Any = None,
     ) -> None:
         self.index = index
         self.node_id = node_id or f"w{index}"
@@ -150,11 +164,28 @@ class SimWorker:
         self._tokens_after = [0]  # tokens trained on after each phase (num_tokens of its delta)
         self.planned = 0  # inner steps of the phases begun (computed or not)
         self.phase_lengths: list[int] = []  # H of each phase begun
+        #: the fragments (None: every phase exports every synced key)
+        self.plan = build_plan(fragments, {k: self.params[k] for k in self.synced})
+        if self.plan is not None and self.inner_steps % self.plan.count:
+            raise ValueError(f"fragments={self.plan.count} needs inner_steps to be a multiple of {self.plan.count}, "
+                             f"got inner_steps={self.inner_steps}")
+        #: per fragment: the anchor's (base_outer_step, fragment outer steps) and tokens since its last delta
+        self.book = FragmentBook(self.plan)
+        self._anchors: dict[str, dict[str, Tensor]] = {}  # per fragment: its FP32 anchor
+        #: boundary -> (base_outer_step, the fragment header entries) of its delta (fragments only)
+        self.headers: dict[int, tuple[int, dict[str, str]]] = {}
+        self._num_tokens: dict[int, int | None] = {}  # boundary -> tokens its fragment's delta covers
+
+    @property
+    def phase_steps(self) -> int:
+        """Inner steps between two boundaries: H, or H / F with fragments."""
+        return self.inner_steps // (self.plan.count if self.plan is not None else 1)
 
     @property
     def phases(self) -> int | None:
-        """The phases of ``inner_steps`` this worker exports in all under its step cap (None: no cap)."""
-        return None if self.max_steps is None else self.max_steps // self.inner_steps
+        """The phases (boundaries) of :attr:`phase_steps` this worker exports in all under its
+        step cap (None: no cap)."""
+        return None if self.max_steps is None else self.max_steps // self.phase_steps
 
     def fits(self, steps: int) -> bool:
         """Whether a phase of ``steps`` more inner steps stays within ``max_steps``."""
@@ -171,34 +202,91 @@ class SimWorker:
                   required=self.synced)
         return {k: _fp32(state[k]) for k in self.synced}
 
-    def phase(self, base: Mapping[str, Tensor], *, inner_steps: int | None = None) -> dict[str, Tensor]:
-        """Install ``base``, take ``inner_steps`` (default :attr:`inner_steps`) steps, return the
-        pseudo-gradient ``anchor - local`` (CPU FP32)."""
+    def phase(self, base: Mapping[str, Tensor], *, version: int = 0, steps: Mapping[str, int] | None = None,
+              exact: bool = True, inner_steps: int | None = None) -> dict[str, Tensor]:
+        """Install ``base``, take a phase's steps (``inner_steps``, default :attr:`phase_steps`),
+        return the pseudo-gradient ``anchor - local`` (CPU FP32).
+
+        With fragments: ``base`` is global version ``version``, whose fragments' outer step counts
+        are ``steps``; the first phase installs all of it, a later one the fragment of the last
+        boundary (``exact``: always, as lockstep does; else only when ``base`` updated it), and
+        the delta returned is the next boundary's fragment's (its header: :attr:`headers`)."""
         t0 = time.perf_counter()
-        anchor = self.install(base)
+        if self.plan is None:
+            anchor = self.install(base)
+        else:
+            self._install_fragments(base, version, steps, exact)
         pending: list[tuple[int, Tensor]] = []
-        n = self.inner_steps if inner_steps is None else int(inner_steps)
-        last_step = None if self.phases is None else self.phases * self.inner_steps
+        n = self.phase_steps if inner_steps is None else int(inner_steps)
+        last = None if self.phases is None else self.phases * self.phase_steps
         loss = None
         for _ in range(n):
             loss = self.inner.step()
             self.steps += 1
             s = self.steps
-            if s == 1 or s % self.log_every == 0 or s == self.max_steps or s == last_step:
+            if s == 1 or s % self.log_every == 0 or s == self.max_steps or s == last:
                 pending.append((s, loss))
         self.losses.extend((s, float(v)) for s, v in pending)  # one device sync per phase
         if loss is not None:
             self.last_loss = float(loss)
+        tokens = self.inner.tokens - self._tokens_after[-1]
         with torch.no_grad():
-            delta = {k: anchor[k] - _fp32(self.params[k]) for k in self.synced}
+            if self.plan is None:
+                delta = {k: anchor[k] - _fp32(self.params[k]) for k in self.synced}
+            else:
+                delta = self._export(self.boundaries + 1, tokens)
         self.boundaries += 1
         self._tokens_after.append(self.inner.tokens)
         self.compute_seconds += time.perf_counter() - t0
         return delta
 
+    def _install_fragments(self, base: Mapping[str, Tensor], version: int, steps: Mapping[str, int] | None,
+                           exact: bool) -> None:
+        plan = self.plan
+        assert plan is not None
+        if self.boundaries == 0:  # the start: the whole version (the product's first install)
+            anchor = self.install(base)
+            self.book.rebase_all(version, steps, "the simulator")
+            self._anchors = {n: plan.substate(n, anchor) for n in plan.names}
+            return
+        name = plan.fragment_at(self.boundaries)  # the fragment the last boundary synced
+        if not (exact or self.book.updated(name, steps)):
+            return
+        assert steps is not None
+        src = plan.substate(name, base)
+        with torch.no_grad():
+            for k, dst in plan.substate(name, self.params).items():
+                dst.copy_(src[k])
+        buffers = {k: v for k, v in base.items() if k in self.params and k not in self.synced}
+        if buffers:  # integer buffers travel with every install
+            copy_into(self.params, buffers, what="a global version")
+        self._anchors[name] = {k: _fp32(v) for k, v in src.items()}
+        self.book.base[name] = (version, int(steps[name]))
+
+    def _export(self, r: int, tokens: int) -> dict[str, Tensor]:
+        """Boundary ``r``: fragment ``plan.fragment_at(r)``'s ``anchor - local``; its anchor moves to the local values."""
+        plan = self.plan
+        assert plan is not None
+        name = plan.fragment_at(r)
+        local = {k: _fp32(v) for k, v in plan.substate(name, self.params).items()}
+        anchor = self._anchors[name]
+        delta = {k: anchor[k] - local[k] for k in local}
+        self._anchors[name] = local
+        base, fbase = self.book.base[name]
+        self.headers[r] = (base, {"fragment": name, "fragments": str(plan.count), "base_fragment_step": str(fbase)})
+        self._num_tokens[r] = self.book.tokens(name, tokens if self.inner.count_tokens is not None else None)
+        return delta
+
     def tokens_at(self, boundary: int) -> int:
         """Tokens trained on up to ``boundary`` (0 before the first phase)."""
         return self._tokens_after[boundary]
+
+    def delta_tokens(self, boundary: int) -> int | None:
+        """The ``num_tokens`` of boundary ``boundary``'s delta: the tokens of its phase, or with
+        fragments those since its fragment's last delta (the product's count)."""
+        if self.plan is not None:
+            return self._num_tokens.pop(boundary, None) or None
+        return (self.tokens_at(boundary) - self.tokens_at(boundary - 1)) or None
 
 
 def _fp32(t: Tensor) -> Tensor:

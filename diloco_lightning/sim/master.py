@@ -7,10 +7,18 @@ the norm bounds (:class:`~diloco_lightning.master.validation.NormGuard` with the
 bound of the current version), then either
 
 * ``aggregation="round"``: the gated weighted mean of the round's accepted deltas
-  (:class:`~diloco_lightning.master.aggregation.RoundSum`) and one outer step with
-  ``gated=True`` (PA-CGAD: the ungated mean, gated per fragment on the round's largest
-  staleness), or
+  (:class:`~diloco_lightning.master.aggregation.RoundSum`) and one outer step
+  (:func:`~diloco_lightning.master.aggregation.round_step`: ``gated=True``; PA-CGAD's deltas each
+  gated on ``max(tau_i, age_f)`` before the mean, :func:`~diloco_lightning.master.validation.delta_gates`), or
 * ``aggregation="arrival"``: one outer step per accepted delta with its own staleness;
+
+With fragments (``config.fragments``, Streaming DiLoCo): a delta carries one fragment's keys and
+its header entries; its staleness is that fragment's outer steps since its base
+(:meth:`~diloco_lightning.master.validation.FragmentView.staleness`), its gate the fragment's
+(PA-CGAD: ``max(tau, a_f)``), its norm scaled as the product scales it; each fragment's deltas make
+their own mean (:class:`~diloco_lightning.master.aggregation.FragmentSums`), the step updates the
+fragments that had deltas, and each version records its fragments' outer step counts
+(:attr:`SimMaster.version_steps`, what a worker reads in the manifest).
 
 then the new state's finiteness (a non-finite update is refused, the optimizer rolled back) and
 the norm window. Each step publishes a *version* (kept in memory while some worker may still
@@ -35,10 +43,20 @@ import torch
 from torch import Tensor
 
 from diloco_lightning.deltafile import is_synced
-from diloco_lightning.master.aggregation import NonFiniteAggregate, RoundSum
-from diloco_lightning.master.config import MasterConfig
+from diloco_lightning.fragments import build_plan, stepped_state
+from diloco_lightning.master.aggregation import FragmentSums, NonFiniteAggregate, RoundSum, arrival_step, round_step
+from diloco_lightning.master.config import MasterConfig, with_run_fragments
 from diloco_lightning.master.metrics import RoundMetrics
-from diloco_lightning.master.validation import DeltaRejected, NormGuard, check_staleness, delta_norm, state_norm
+from diloco_lightning.master.validation import (
+    DeltaRejected,
+    FragmentView,
+    NormGuard,
+    check_staleness,
+    delta_gates,
+    delta_norm,
+    legacy_pa,
+    state_norm,
+)
 from diloco_lightning.outer import build_outer_optimizer
 
 __all__ = ["SimMaster"]
@@ -61,16 +79,24 @@ class SimMaster:
     def __init__(self, state: Mapping[str, Tensor], config: MasterConfig) -> None:
         self.config = config.validate()
         self.state = _clone(state)
-        self.opt = build_outer_optimizer(config.outer_optimizer, self.state, **config.optimizer_options())
+        #: the fragments (None: every delta carries the whole model)
+        self.plan = build_plan(config.fragments, self.state)
+        self.opt = build_outer_optimizer(config.outer_optimizer, stepped_state(self.plan, self.state),
+                                         **with_run_fragments(config.outer_optimizer, config.optimizer_options(), self.plan))
         self.lr = float(self.opt.options.get("lr", float("nan")))
-        self.pa = config.outer_optimizer == "pa_cgad"
+        self.legacy = legacy_pa(config.outer_optimizer, self.plan, self.opt)
         self.outer_step = 0
         self.versions: dict[int, dict[str, Tensor]] = {0: _clone(self.state)}
+        #: per fragment: (outer steps that updated it, the version that last did), as the manifest has them
+        self.fragment_steps: dict[str, tuple[int, int]] = {n: (0, 0) for n in (self.plan.names if self.plan else ())}
+        #: per version: its fragments' outer step counts (with fragments)
+        self.version_steps: dict[int, dict[str, int]] = {0: self._counts()}
+        self._updated: list[str] = []  # the fragments the outer step being published updated
         self.norms = NormGuard(config.max_delta_norm, config.norm_ratio, config.norm_window, config.norm_min_history,
                                config.norm_global_ratio)
         self.norms.set_global(*state_norm(self.state))
         self.records: list[dict[str, Any]] = []  # one per published version
-        self._acc: RoundSum | None = None
+        self._acc: RoundSum | FragmentSums | None = None
         self._accepted: list[tuple[str, int, float]] = []  # (ident, staleness, norm) of the open round
         self._processed = 0  # deltas of the open round, accepted or not
         self._m = self._new_metrics()
@@ -83,16 +109,37 @@ class SimMaster:
 
     # ------------------------------------------------------------------ checks (the order of DeltaValidator._check)
 
-    def _check(self, tensors: Mapping[str, Tensor], tau: int, num_tokens: int | None) -> tuple[float, float, float]:
+    def _counts(self) -> dict[str, int]:
+        return {n: c for n, (c, _) in self.fragment_steps.items()}
+
+    def _gates(self) -> tuple[Any, FragmentView | None]:
+        return delta_gates(self.opt, self.config.outer_optimizer, self.plan, self._counts())
+
+    def fragment_staleness(self, base_outer_step: int, extra: Mapping[str, str]) -> tuple[str, int]:
+        """``(fragment, tau)`` of a fragment delta whose header has ``base_outer_step`` and the fragment
+        entries ``extra``, checked now (:meth:`~diloco_lightning.master.validation.FragmentView.staleness`)."""
+        _, view = self._gates()
+        assert view is not None, "fragment_staleness needs a run with fragments"
+        return view.staleness(extra, base_outer_step, self.outer_step)
+
+    def _check(self, tensors: Mapping[str, Tensor], tau: int, num_tokens: int | None,
+               fragment: str | None = None) -> tuple[float, float, float]:
         """``(gate, weight, norm)`` of an acceptable delta, else :class:`DeltaRejected`."""
-        gate = float(self.opt.gate(tau)) if tau >= 0 else 0.0
+        if (fragment is None) != (self.plan is None):
+            raise ValueError(f"this run has {'no' if self.plan is None else self.plan.count} fragments; "
+                             f"the delta names {fragment!r}")
+        by_tau, view = self._gates()
+        if view is None or fragment is None:
+            gate = float(by_tau(tau)) if tau >= 0 else 0.0
+        else:
+            gate = float(view.gate(fragment, tau)) if tau >= 0 else 0.0
         check_staleness(tau, max_staleness=self.config.max_staleness, gate=gate)
         weight = 1.0
         if self.config.weighting == "tokens":
             if not num_tokens:
                 raise DeltaRejected("num_tokens", "weighting='tokens' needs a positive num_tokens")
             weight = float(num_tokens)
-        norm = delta_norm(tensors)
+        norm = delta_norm(tensors) * (view.norm_scale(fragment, self.state) if view is not None and fragment else 1.0)
         self.norms.check(norm, tensors)
         return gate, weight, norm
 
@@ -103,18 +150,25 @@ class SimMaster:
         """Deltas processed (accepted or refused) in the open round."""
         return self._processed
 
-    def add(self, ident: str, tensors: Mapping[str, Tensor], tau: int, *, num_tokens: int | None = None) -> bool:
-        """Round mode: check a delta of staleness ``tau`` and fold it into the open round; False if refused."""
+    def add(self, ident: str, tensors: Mapping[str, Tensor], tau: int, *, num_tokens: int | None = None,
+            fragment: str | None = None) -> bool:
+        """Round mode: check a delta of staleness ``tau`` (of ``fragment``, with fragments) and fold it
+        into the open round; False if refused."""
         self._processed += 1
         try:
-            gate, weight, norm = self._check(tensors, tau, num_tokens)
+            gate, weight, norm = self._check(tensors, tau, num_tokens, fragment)
         except DeltaRejected as e:
             self._m.reject(e.reason)
             log.debug("refused %s (staleness %d): %s", ident, tau, e)
             return False
+        coef = 1.0 if self.legacy else gate  # the older PA-CGAD rule gates each fragment itself
         if self._acc is None:
-            self._acc = RoundSum(self.state)
-        self._acc.add(tensors, weight, 1.0 if self.pa else gate)
+            self._acc = RoundSum(self.state) if self.plan is None else FragmentSums(self.plan, self.state)
+        if isinstance(self._acc, FragmentSums):
+            assert fragment is not None  # _check refuses a delta without one in a run with fragments
+            self._acc.add(tensors, weight, coef, fragment=fragment)
+        else:
+            self._acc.add(tensors, weight, coef)
         self._accepted.append((ident, tau, norm))
         return True
 
@@ -125,16 +179,15 @@ class SimMaster:
         self._accepted, self._acc, self._processed = [], None, 0
         applied = False
         if accepted and acc is not None:
+            updated = acc.fragments if isinstance(acc, FragmentSums) else []
             try:
                 mean = acc.take_mean()
             except NonFiniteAggregate as e:
                 self._refuse(accepted, str(e))
             else:
-                tau_max = max(t for _, t, _ in accepted)
-                if self.pa:
-                    applied = self._step(lambda: self.opt.step(self.state, mean, staleness=tau_max), accepted)
-                else:
-                    applied = self._step(lambda: self.opt.step(self.state, mean, staleness=0, gated=True), accepted)
+                step = round_step(self.opt, self.config.outer_optimizer, legacy=self.legacy,
+                                  tau_max=max(t for _, t, _ in accepted))
+                applied = self._step(lambda: step(stepped_state(self.plan, self.state), mean), accepted, updated)
         if not applied:
             self.null_rounds += 1
         return self._publish(now, applied)
@@ -142,21 +195,25 @@ class SimMaster:
     # ------------------------------------------------------------------ arrival mode
 
     def arrive(self, ident: str, tensors: Mapping[str, Tensor], tau: int, *, num_tokens: int | None = None,
-               now: float = 0.0) -> dict[str, Any] | None:
-        """Arrival mode: one outer step for this delta and a new version (its record), or None if refused."""
+               now: float = 0.0, fragment: str | None = None) -> dict[str, Any] | None:
+        """Arrival mode: one outer step for this delta (of ``fragment``, with fragments) and a new
+        version (its record), or None if refused."""
         try:
-            _, _, norm = self._check(tensors, tau, num_tokens)
+            _, _, norm = self._check(tensors, tau, num_tokens, fragment)
         except DeltaRejected as e:
             self._m.reject(e.reason)
             return None
-        if not self._step(lambda: self.opt.step(self.state, tensors, staleness=tau), [(ident, tau, norm)]):
+        if not self._step(lambda: arrival_step(self.opt, self.config.outer_optimizer,
+                                                         stepped_state(self.plan, self.state), tensors, tau, fragment),
+                          [(ident, tau, norm)], [fragment] if fragment is not None else []):
             return None
         return self._publish(now, True)
 
     # ------------------------------------------------------------------ apply and publish
 
-    def _step(self, step, accepted: list[tuple[str, int, float]]) -> bool:
-        """Run one outer step on the state; roll it back and refuse the deltas if the result is not finite."""
+    def _step(self, step, accepted: list[tuple[str, int, float]], updated: list[str] | None = None) -> bool:
+        """Run one outer step on the state; roll it back and refuse the deltas if the result is not finite.
+        ``updated``: the fragments the step updates (counted when it is published)."""
         backup_opt = self.opt.state_dict()
         self._prev = _clone(self.state)
         t0 = time.perf_counter()
@@ -176,6 +233,7 @@ class SimMaster:
         self.norms.set_global(norm, numel)
         for ident, tau, _ in accepted:
             self._m.apply(ident, tau)
+        self._updated = list(updated or [])
         return True
 
     def _refuse(self, accepted: list[tuple[str, int, float]], detail: str) -> None:
@@ -186,6 +244,10 @@ class SimMaster:
     def _publish(self, now: float, applied: bool) -> dict[str, Any]:
         self.outer_step += 1
         self.versions[self.outer_step] = _clone(self.state)
+        updated, self._updated = (self._updated if applied else []), []
+        for n in updated:
+            self.fragment_steps[n] = (self.fragment_steps[n][0] + 1, self.outer_step)
+        self.version_steps[self.outer_step] = self._counts()
         m, self._m = self._m, self._new_metrics()
         m.outer_step, m.published = self.outer_step, 1
         rec = m.to_dict()
@@ -221,3 +283,4 @@ class SimMaster:
         """Forget the versions below ``keep_from`` (no worker can start from them any more)."""
         for v in [v for v in self.versions if v < keep_from]:
             del self.versions[v]
+            self.version_steps.pop(v, None)

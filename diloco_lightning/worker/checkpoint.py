@@ -186,20 +186,26 @@ def load_anchor_state(w: DiLoCoWorker, state: Mapping[str, Any]) -> None:
     if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION or "anchor" not in state:
         raise ValueError("not a DiLoCo anchor state")
     anchor = state["anchor"]
-    missing = [k for k in w.synced if k not in anchor]
-    extra = [k for k in anchor if k not in w.synced]
+    # the anchor's entries: the synced keys, or with fragments their pieces (a split key's row ranges)
+    units = w._frags.units({k: w.params[k].detach() for k in w.synced}, w.synced)
+    w._frags.load(state.get("fragment_bases"))
+    missing = [k for k in units if k not in anchor]
+    extra = [k for k in anchor if k not in units]
     if missing or extra:
+        split = w.plan is not None and (w.plan.split or any(k not in w.params for k in anchor))
         raise WorkerError(
             f"the checkpoint's DiLoCo anchor does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}"
+            + ("; it was written with the model's tensors split into fragments otherwise: resume with the same "
+               "fragments" if split else "")
         )
-    for k in w.synced:
-        if tuple(anchor[k].shape) != tuple(w.params[k].shape):
+    for k, t in units.items():
+        if tuple(anchor[k].shape) != tuple(t.shape):
             raise WorkerError(
                 f"the checkpoint's DiLoCo anchor has shape {list(anchor[k].shape)} for {k!r}, "
-                f"the model has {list(w.params[k].shape)}"
+                f"the model has {list(t.shape)}"
             )
-    w._frags.load(state.get("fragment_bases"))
-    w._anchor = {k: anchor_copy(anchor[k], w._pin) for k in w.synced}
+    rows = w.plan.rows if w.plan is not None else {}
+    w._anchor = {k: anchor_copy(anchor[k], w._pin, own=k in rows) for k in units}
     w.outer_step = int(state["outer_step"])
     w.boundaries = int(state.get("boundaries", w.boundaries))
     if state.get("node_id") != w.node_id:

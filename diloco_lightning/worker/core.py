@@ -60,7 +60,7 @@ from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, parse_delta_dtype, resolve_encoding
 from diloco_lightning.worker.pacing import Pacing
 from diloco_lightning.worker.outbox import Outbox
-from diloco_lightning.worker.params import anchor_copy, copy_into, module_state, snapshot
+from diloco_lightning.worker.params import copy_into, module_state, snapshot
 from diloco_lightning.worker.results import BoundaryResult, InstallResult
 from diloco_lightning.worker.waits import Waits
 from diloco_lightning.worker.restart import hub_high_step
@@ -327,7 +327,7 @@ class DiLoCoWorker:
         for k in kept:
             log.warning("node %s: global version %d has no %r (an integer buffer); keeping the local one",
                         self.node_id, outer_step, k)
-        self._anchor = {k: anchor_copy(state[k], self._pin) for k in self.synced}
+        self._anchor = self._frags.anchor_of(state, self.synced, self._pin)
         previous, self.outer_step = self.outer_step, outer_step
         self._newest_seen = max(self._newest_seen, outer_step, -1 if newest is None else newest)
         self.totals["installs_total"] += 1
@@ -340,7 +340,10 @@ class DiLoCoWorker:
     def _export(self, num_tokens: int | None, fragment: str | None = None) -> Part:
         """Snapshot the local weights (CPU FP32) and move the anchor onto them (``fragment``'s only)."""
         keys = self.synced if fragment is None else self._frags.keys(fragment)
-        snap, event = snapshot(self.params, keys, self._pin)
+        # a fragment's pieces: whole tensors or views of their rows (detached: no autograd view)
+        source = self.params if fragment is None else self._frags.units(
+            {k: self.params[k].detach() for k in self.synced}, self.synced, fragment)
+        snap, event = snapshot(source, keys, self._pin)
         if fragment is not None:
             base, fbase = self._frags.base[fragment]
             anchor = self._anchor or {}

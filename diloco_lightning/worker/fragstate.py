@@ -10,13 +10,14 @@ installed one by one (each at its turn). Without fragments (``plan`` None) it ho
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from diloco_lightning.fragments import FragmentPlan
 from diloco_lightning.manifest import Manifest
+from diloco_lightning.worker.params import anchor_copy
 from diloco_lightning.worker.sync import WorkerError
 
 __all__ = ["FragmentBook"]
@@ -33,10 +34,30 @@ class FragmentBook:
         self._tokens: dict[str, int | None] = {n: 0 for n in (plan.names if plan else ())}
         #: the newest prefetched version, whose fragments are installed one by one
         self._latest: tuple[Manifest, dict[str, torch.Tensor]] | None = None
+        #: the fragments that did not have their turn at the kept version yet
+        self._pending: set[str] = set()
 
     def keys(self, fragment: str) -> tuple[str, ...]:
+        """The fragment's piece names (whole keys, or row ranges ``key[start:stop]``: fragments.py)."""
         assert self.plan is not None  # a fragment name exists only when there is a plan
         return self.plan.keys[fragment]
+
+    def units(self, state: Mapping[str, torch.Tensor], synced: Sequence[str],
+              fragment: str | None = None) -> dict[str, torch.Tensor]:
+        """``state``'s tensors as the anchor holds them, by name: every key of ``synced`` without
+        fragments; with fragments every piece (only ``fragment``'s when given), a row piece as a
+        view of its rows."""
+        if self.plan is None:
+            return {k: state[k] for k in synced}
+        if fragment is not None:
+            return self.plan.substate(fragment, state)
+        return self.plan.pieces({k: state[k] for k in synced})
+
+    def anchor_of(self, state: Mapping[str, torch.Tensor], synced: Sequence[str], pin: bool,
+                  fragment: str | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`units` of ``state`` as anchor tensors (CPU FP32; a row piece in memory of its own)."""
+        rows = self.plan.rows if self.plan is not None else {}
+        return {u: anchor_copy(t, pin, own=u in rows) for u, t in self.units(state, synced, fragment).items()}
 
     def digests(self) -> list[str] | None:
         """The fragments' key digests (what the manifest's ``fragments`` must list), None without fragments."""
@@ -66,9 +87,16 @@ class FragmentBook:
             raise WorkerError(f"global version {outer_step} on {url} does not say its fragments' outer steps")
         return int(steps[fragment])
 
+    def updated(self, fragment: str, steps: Mapping[str, int] | None) -> bool:
+        """Whether a version whose fragments' outer step counts are ``steps`` updated ``fragment``
+        since this worker's anchor of it (only then is the fragment installed from it; the simulator
+        asks the same)."""
+        return steps is not None and fragment in steps and steps[fragment] > self.base[fragment][1]
+
     def keep(self, manifest: Manifest, state: Mapping[str, torch.Tensor]) -> None:
         """A newer prefetched version: its fragments are installed one by one (:meth:`take`)."""
         self._latest = (manifest, dict(state))
+        self._pending = set(self.plan.names) if self.plan is not None else set()
 
     def take(self, fragment: str, synced: list[str]) -> tuple[Manifest, dict[str, torch.Tensor]] | None:
         """The kept version, when it updated ``fragment`` since this worker's anchor of it (the
@@ -78,13 +106,17 @@ class FragmentBook:
         if self._latest is None:
             return None
         m, state = self._latest
-        keys = self.keys(fragment)
-        steps = m.fragment_steps_at(m.outer_step) or {}
-        due = fragment in steps and steps[fragment] > self.base[fragment][1] and all(k in state for k in keys)
+        assert self.plan is not None  # a fragment name exists only when there is a plan
+        keys = self.plan.base_keys(fragment)
+        due = self.updated(fragment, m.fragment_steps_at(m.outer_step)) and all(k in state for k in keys)
         # the caller installs before the keys are dropped: hand it the fragment's tensors
         picked = (m, dict(state)) if due else None
+        self._pending.discard(fragment)
+        # a key split by rows is dropped once every fragment holding rows of it had its turn
+        needed = {k for n in self._pending for k in self.plan.base_keys(n)}
         for k in keys:
-            state.pop(k, None)
+            if k not in needed:
+                state.pop(k, None)
         if not any(k in state for k in synced):
             self._latest = None
         return picked

@@ -18,7 +18,7 @@ import torch
 
 from diloco_lightning.hub import HubNotFoundError
 from diloco_lightning.manifest import Manifest
-from diloco_lightning.worker.params import anchor_copy, copy_into
+from diloco_lightning.worker.params import copy_into
 from diloco_lightning.worker.results import InstallResult
 from diloco_lightning.worker.sync import WorkerError, load_version
 
@@ -80,15 +80,25 @@ def install_fragment(w: DiLoCoWorker, fragment: str, outer_step: int, manifest: 
     t0 = time.perf_counter()
     check_global(w, manifest)
     step = w._frags.step_of(manifest, outer_step, fragment, w.hub.url)
-    keys = w._frags.keys(fragment)
+    keys = w._frags.keys(fragment)  # piece names: whole keys, or row ranges of a split key
     synced = set(w.synced)
-    sub = {k: state[k] for k in keys if k in state}
+    what = f"global version {outer_step}"
+    assert w.plan is not None  # a fragment name exists only when there is a plan
+    for k in w.plan.base_keys(fragment):  # the whole tensor of a split key is checked, not only its rows
+        if k not in state:
+            raise WorkerError(f"{what} lacks key(s) {[k]} of this model")
+        if tuple(state[k].shape) != tuple(w.params[k].shape):
+            raise WorkerError(f"{what}: key {k!r} has shape {list(state[k].shape)}, the model's is "
+                              f"{list(w.params[k].shape)}")
+    targets = w._frags.units({k: w.params[k].detach() for k in w.synced}, w.synced, fragment)
+    targets.update({k: v for k, v in w.params.items() if k not in synced})
+    sub = w._frags.units(state, w.synced, fragment)
     sub.update({k: v for k, v in state.items() if k in w.params and k not in synced})
     try:
-        copy_into(w.params, sub, what=f"global version {outer_step}", required=list(keys))
+        copy_into(targets, sub, what=what, required=list(keys))
     except ValueError as e:
         raise WorkerError(str(e)) from None
-    w._anchor = {**(w._anchor or {}), **{k: anchor_copy(state[k], w._pin) for k in keys}}
+    w._anchor = {**(w._anchor or {}), **w._frags.anchor_of(state, w.synced, w._pin, fragment)}
     w._frags.base[fragment] = (outer_step, step)
     previous = w.outer_step
     w.outer_step = outer_step if previous is None else max(previous, outer_step)

@@ -109,8 +109,9 @@ class WorkerOptions:
         None, "add what the encoding dropped to the next delta (null: on for int8, int4 and topk, off for the float casts)"
     )
     fragments: Any = option(
-        None, "Streaming DiLoCo fragments: F (transformer block i syncs in fragment i mod F, one fragment every "
-        "inner_steps/F steps), or a list of parameter-name pattern groups (null or 1: the whole model at once)"
+        None, "Streaming DiLoCo fragments: F (transformer block i syncs in fragment i mod F, a large embedding or "
+        "head split by rows among them; one fragment every inner_steps/F steps), or a list of parameter-name "
+        "pattern groups (whole tensors; null or 1: the whole model at once)"
     )
     reset_inner_optimizer: bool = option(False, "clear the inner optimizer state after each install")
     wait_timeout: float = option(1200.0, "seconds a worker waits for the master (bootstrap, lockstep) before giving up")

@@ -60,15 +60,19 @@ def copy_into(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tens
     return kept
 
 
-def anchor_copy(t: torch.Tensor, pin: bool = False) -> torch.Tensor:
+def anchor_copy(t: torch.Tensor, pin: bool = False, own: bool = False) -> torch.Tensor:
     """``t`` as a CPU FP32 tensor (complex64 for complex ones), pinned when ``pin``; ``t`` itself
-    when it is one already (an anchor is never written to in place)."""
+    when it is one already (an anchor is never written to in place). ``own``: a view of a larger
+    tensor (a fragment's row range) is copied, so the anchor never keeps the whole tensor alive
+    nor saves it whole in a checkpoint."""
     target = torch.complex64 if t.is_complex() else torch.float32
     out = t.detach()
     if out.device.type != "cpu" or out.dtype != target:
         out = out.to("cpu", target)
     if pin:
         out = out.pin_memory()
+    if own and out.untyped_storage().nbytes() > out.numel() * out.element_size():
+        out = out.clone(memory_format=torch.contiguous_format)
     return out
 
 
