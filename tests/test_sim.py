@@ -186,8 +186,8 @@ def test_deltas_go_through_the_workers_encoding_and_error_feedback():
         true = {w.node_id: torch.zeros(N) for w in workers}
         got = {w.node_id: torch.zeros(N) for w in workers}
         for w in workers:
-            def phase(version, _orig=w.phase, _id=w.node_id):
-                d = _orig(version)
+            def phase(version, _orig=w.phase, _id=w.node_id, **kw):
+                d = _orig(version, **kw)
                 true[_id] += d["w"]
                 return d
             w.phase = phase
@@ -315,8 +315,7 @@ def test_train_py_launch_sim_end_to_end(tmp_path, token_cache):
 
 
 @pytest.mark.parametrize("override,key", [("sim.speeds=[1,0]", "sim.speeds"), ("sim.leave_at=[null,4]", "sim.leave_at"),
-                                          ("diloco.fragments=3", "diloco.fragments"),
-                                          ("diloco.inner_steps=auto", "diloco.inner_steps")])
+                                          ("diloco.fragments=3", "diloco.fragments")])
 def test_sim_config_errors_name_the_key(tmp_path, token_cache, override, key):
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "launch=sim", override, f"run_root={tmp_path}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path, token_cache), capture_output=True, text=True, timeout=120)

@@ -231,8 +231,9 @@ def validate_sim_section(cfg: DictConfig) -> None:
     _check(cfg.trainer.precision in SIM_PRECISIONS, "trainer.precision",
            f"launch=sim reproduces {', '.join(SIM_PRECISIONS)}; got {cfg.trainer.precision!r}")
     _check(cfg.trainer.devices == 1, "trainer.devices", "launch=sim runs each worker on one device")
-    _check(cfg.diloco.inner_steps != "auto", "diloco.inner_steps",
-           "launch=sim does not simulate Dynamic Local Updates yet (inner_steps=auto): give a number of inner steps")
+    _check(cfg.diloco.inner_steps != "auto" or cfg.diloco.get("fragments") in (None, 1), "diloco.inner_steps",
+           "launch=sim simulates Dynamic Local Updates (inner_steps=auto) without fragments: give a number of inner "
+           "steps, or drop diloco.fragments")
 
 
 def validate_master_command(cfg: DictConfig) -> DictConfig:

@@ -207,7 +207,8 @@ SimConf = compose_section(
     "SimConf", SimOptions,
     retype={k: (t, None, SimOptions.__dataclass_fields__[k].metadata["help"])
             for k, t in (("speeds", Optional[List[float]]), ("join_at", Optional[List[Optional[float]]]),
-                         ("leave_at", Optional[List[Optional[float]]]))},
+                         ("leave_at", Optional[List[Optional[float]]]), ("speed_law", Any),
+                         ("traces", Optional[List[Any]]))},
     doc="``launch=sim``: how the simulator schedules the workers (diloco_lightning.sim.SimOptions).",
 )
 

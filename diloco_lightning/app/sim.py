@@ -4,8 +4,11 @@ The same recipe as ``launch=local`` (model, data shards, inner optimizer, outer 
 master options, ``diloco.sync`` / ``delay`` / ``delta_dtype``), built by the same functions
 (:mod:`diloco_lightning.app.build`), without worker processes, Lightning Trainers or a hub:
 K workers' inner loops run one after the other in this process, on a simulated clock
-(``sim.speeds``). Writes what a real run writes: ``results.json`` (with the same keys, plus a
-``sim`` block: per-version staleness histograms and outer step sizes), ``master/metrics.jsonl``
+(``sim.speeds``, ``sim.speed_law``, ``sim.traces``; a budget of simulated time: ``sim.max_time``;
+``diloco.inner_steps=auto``: Dynamic Local Updates on the simulated step rates). Writes what a
+real run writes: ``results.json`` (with the same keys, plus a ``sim`` block: per-version
+staleness histograms and outer step sizes, loss against simulated time and against delivered
+tokens, each worker's H per phase), ``master/metrics.jsonl``
 (one line per version), ``nodes/<id>/progress.jsonl`` and ``nodes/<id>/summary.json``; no hub
 files (``sim.save_weights=true`` writes the final global weights to ``global.safetensors``).
 """
@@ -26,6 +29,7 @@ from diloco_lightning.app.build import (
     build_datamodule,
     build_module,
     node_id,
+    nominal_inner_steps,
     recipe_name,
     regime,
     run_dir,
@@ -84,7 +88,7 @@ def build_worker(cfg: DictConfig, index: int, device):
         count_tokens=lambda b: module.inputs_targets(b)[0].numel(),
     )
     opts = sim_options(cfg)
-    return SimWorker(index, module_state(module), inner, inner_steps=cfg.diloco.inner_steps,
+    return SimWorker(index, module_state(module), inner, inner_steps=nominal_inner_steps(cfg),
                      max_steps=cfg.trainer.max_steps, speed=opts.speed(index), log_every=cfg.trainer.log_every_n_steps,
                      node_id=node_id(index), fragments=_fragments(cfg))
 
@@ -96,11 +100,21 @@ def _fragments(cfg: DictConfig) -> Any:
 
 
 def expected_outer_steps(cfg: DictConfig) -> int:
+    """The outer steps of a run of ``trainer.max_steps`` per worker (a step budget; with
+    ``sim.max_time`` only an indication: the time decides)."""
     from diloco_lightning.fragments import fragment_count
 
     # a boundary every H steps, or every H / F with fragments: one round per boundary
-    rounds = cfg.trainer.max_steps // (cfg.diloco.inner_steps // fragment_count(_fragments(cfg)))
+    rounds = cfg.trainer.max_steps // (nominal_inner_steps(cfg) // fragment_count(_fragments(cfg)))
     return rounds * cfg.workers if cfg.master.aggregation == "arrival" else rounds
+
+
+def dylu_option(cfg: DictConfig) -> dict[str, Any] | None:
+    """The simulator's ``dylu`` argument: the product's ``diloco.dylu_*`` options with ``inner_steps=auto``."""
+    if cfg.diloco.inner_steps != "auto":
+        return None
+    return {"max_steps": int(cfg.diloco.dylu_steps), "min_steps": cfg.diloco.get("dylu_min_steps"),
+            "seconds": cfg.diloco.get("dylu_seconds")}
 
 
 def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_version=None):
@@ -115,15 +129,21 @@ def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_v
     master = SimMaster(workers[0].params, config)  # version 0: the first worker's initial weights, as its init offer
     n = int(cfg.launch.eval_points)
     total = max(1, expected_outer_steps(cfg))
-    points = sorted({0} | {max(1, round(k * total / n)) for k in range(1, n + 1)}) if n > 0 else []
     opts = sim_options(cfg)
+    points: list[int] = []
+    times: list[float] = []
+    if n > 0 and opts.max_time is not None:  # evenly over simulated time: runs line up on one axis
+        times = [k * float(opts.max_time) / n for k in range(n + 1)]
+    elif n > 0:
+        points = sorted({0} | {max(1, round(k * total / n)) for k in range(1, n + 1)})
     encoding, feedback = resolve_encoding(cfg.diloco.delta_dtype, cfg.diloco.topk, cfg.diloco.topk_values,
                                           cfg.diloco.error_feedback)
     parallel = opts.parallel or (1 if device.type == "cuda" else min(int(cfg.workers), os.cpu_count() or 1))
     return Simulator(
         workers, master, sync=cfg.diloco.sync, delay=_delay_option(cfg), options=opts,
         delta_dtype=encoding, error_feedback=feedback, evaluate=evaluator.loss if evaluator else None,
-        eval_points=points, on_version=on_version, parallel=parallel, seed=int(cfg.seed),
+        eval_points=points, on_version=on_version, parallel=parallel, seed=int(cfg.seed), eval_times=times,
+        dylu=dylu_option(cfg),
     )
 
 
@@ -146,7 +166,8 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
     torch.set_num_threads(int(cfg.trainer.num_threads or 1))
     print(f"run {cfg.run_id}{f' (recipe {label})' if label else ''} on the simulator: {cfg.workers} workers, model "
           f"{cfg.model.preset}, outer {cfg.outer.name} (lr {cfg.outer.lr}), H={cfg.diloco.inner_steps}, sync "
-          f"{cfg.diloco.sync}, aggregation {cfg.master.aggregation}, tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps",
+          f"{cfg.diloco.sync}, aggregation {cfg.master.aggregation}, tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps"
+          + (f", simulated time {sim_options(cfg).max_time:g}" if sim_options(cfg).max_time is not None else ""),
           flush=True)
     dm = build_datamodule(cfg)
     dm.prepare_data()
@@ -233,6 +254,12 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             # loss against simulated time: [time, eval loss] at each eval_curve point
             "eval_curve_time": [[t, loss] for t, (_, loss) in zip(result.eval_times, result.eval_curve)],
             "lost_phases": result.lost_phases,
+            "max_time": sim_options(cfg).max_time,
+            # tokens of the deltas delivered to the master by each eval_curve point: [tokens, eval loss]
+            "eval_curve_tokens": [[n, loss] for n, (_, loss) in zip(result.eval_tokens, result.eval_curve)],
+            # H of each phase each worker began (differs between phases with inner_steps=auto)
+            "phase_steps": [list(w.phase_lengths) for w in sim.workers],
+            "traces": [sim_options(cfg).trace(i) for i in range(cfg.workers)],
             "membership": [list(sim._membership[i]) if math.isfinite(sim._membership[i][1])
                            else [sim._membership[i][0], None] for i in range(cfg.workers)],
             "versions": [

@@ -53,6 +53,21 @@ above counts boundaries where it counted phases (lockstep: round ``s`` is every 
 own (its outer steps since the delta's base, as the product's master counts it), which is what
 the histogram records; the imposed delay is still counted in versions.
 
+A budget of simulated time (``max_time``, :mod:`diloco_lightning.sim.options` for the units): a
+worker begins a phase only if it would end by ``max_time``, so each keeps working as long as the
+budget allows, as ``trainer.max_time`` makes a real worker. Lockstep's rounds wait for the
+slowest worker as always; a round that some worker could not finish in time is not applied (the
+product's lockstep master would still be waiting for it). Evaluations are then taken at given
+simulated times (``eval_times``: the newest version at each), so runs of different speeds and
+modes line up on one time axis; each also records the tokens of the deltas delivered by then.
+
+Dynamic Local Updates (``dylu``): each worker chooses the H of its next phase when it begins it,
+with the product's rule (:func:`~diloco_lightning.worker.pacing.dylu_inner_steps`), fed by the
+step rates a heartbeat would carry: each worker's rate over its last finished phase in simulated
+time (``H / duration``, jitter and trace included; none before its first phase ends), the peers'
+those of the workers still live. Deltas then carry different numbers of tokens; the master's
+``weighting="tokens"`` weights them by it.
+
 The pseudo-gradient is encoded as a real worker encodes it (``delta_dtype``: a float cast, int8,
 int4 or top-k, with the worker's error-feedback residual: :class:`~diloco_lightning.compression.
 ErrorFeedback`, one per worker) and decoded as the master decodes it, before the master sees it.
@@ -75,8 +90,9 @@ from torch import Tensor
 
 from diloco_lightning.sim.inner import SimWorker
 from diloco_lightning.sim.master import SimMaster
-from diloco_lightning.sim.options import SimOptions
+from diloco_lightning.sim.options import SimOptions, phase_end
 from diloco_lightning.worker.options import SYNC_MODES, feedback_of, resolve_encoding
+from diloco_lightning.worker.pacing import dylu_inner_steps
 from diloco_lightning.worker.sync import draw_delay, resolve_delay
 from diloco_lightning.compression import ErrorFeedback, decode_delta
 from diloco_lightning.encoding import EncodingSpec
@@ -120,6 +136,7 @@ class SimResult:
     staleness_histogram: dict[str, int] = field(default_factory=dict)
     eval_times: list[float] = field(default_factory=list)  # simulated time of each eval_curve point
     lost_phases: int = 0  # phases in flight when their worker left
+    eval_tokens: list[int] = field(default_factory=list)  # tokens delivered to the master by each eval_curve point
 
 
 class Simulator:
@@ -142,6 +159,11 @@ class Simulator:
         parallel: workers whose phases may be computed at the same time, each on its own thread
             (1: one after the other in this thread); the results are the same.
         seed: seeds ``speed_jitter``'s draws.
+        eval_times: simulated times at which to evaluate the newest version (instead of
+            ``eval_points``; the ones past the end are taken on the final state).
+        dylu: Dynamic Local Updates: ``{"max_steps": H_max, "min_steps": H_min or None,
+            "seconds": a target time per phase or None}`` (None: every phase has the worker's
+            ``inner_steps``).
     """
 
     def __init__(
@@ -159,6 +181,8 @@ class Simulator:
         on_version: Callable[[dict[str, Any]], None] | None = None,
         parallel: int = 1,
         seed: int = 0,
+        eval_times: Sequence[float] = (),
+        dylu: Mapping[str, Any] | None = None,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -187,6 +211,17 @@ class Simulator:
         self._active = [False] * len(self.workers)  # joined and not gone
         self.lost_phases = 0
         self.eval_times: list[float] = []
+        self.eval_tokens: list[int] = []
+        self._eval_at = sorted(set(float(t) for t in eval_times))
+        self._last_eval: tuple[int, float] | None = None  # (outer step, loss) of the last evaluation
+        self.dylu: dict[str, Any] | None = None
+        if dylu is not None:
+            self.dylu = {"max_steps": int(dylu["max_steps"]), "min_steps": dylu.get("min_steps"),
+                         "seconds": dylu.get("seconds")}
+        self._rate: list[float | None] = [None] * len(self.workers)  # steps per unit of time, last finished phase
+        self._phase: dict[tuple[int, int], tuple[float, int]] = {}  # (worker, r) -> (start, steps)
+        self._tokens_in = 0  # tokens of the deltas delivered to the master
+        self.max_time = self.options.max_time
         self.quorum = len(self.workers) if sync == "lockstep" else (self.options.quorum or len(self.workers))
         self._delay_spec = delay
         self._per_delta = isinstance(delay, Mapping) and self.options.delay_per == "delta"
@@ -244,27 +279,48 @@ class Simulator:
         heapq.heappush(self._heap, (t, self._seq, kind, k, r))
 
     def _begin(self, k: int, t: float) -> None:
-        """Worker ``k`` starts its next phase at ``t`` (if it has one left)."""
+        """Worker ``k`` starts its next phase at ``t`` (if its step cap, its membership and the
+        time budget leave it one: a phase that would end after ``max_time`` is not run)."""
         w = self.workers[k]
-        if self._begun[k] >= w.phases or t >= self._membership[k][1]:
+        steps = self.next_inner_steps(k)
+        r = self._begun[k] + 1
+        end = self._end_of(k, r, t, steps)
+        over = self.max_time is not None and end > self.max_time * (1 + 1e-12)
+        if not w.fits(steps) or t >= self._membership[k][1] or over:
             self._active[k] = False
             return
         self._active[k] = True
-        self._begun[k] += 1
-        r = self._begun[k]
+        self._begun[k] = r
+        w.begin_phase(steps)
+        self._phase[(k, r)] = (t, steps)
         self._base[k] = self.master.outer_step
         if self._threads is not None:
             base = self._base_of(k, r)
             self._ahead[(k, r)] = (base, self._threads[k].submit(w.phase, self.master.versions[base],
-                                                                       **self._phase_args(k, base)))
-        self._push(t + self.duration(k, r), _PHASE_END, k, r)
+                                                                       inner_steps=steps, **self._phase_args(k, base)))
+        self._push(end, _PHASE_END, k, r)
 
-    def duration(self, k: int, r: int) -> float:
-        """Simulated time of worker ``k``'s phase ``r``: ``H / speed``, times the jitter's draw."""
-        d = self.workers[k].duration()
+    def next_inner_steps(self, k: int) -> int:
+        """Inner steps of worker ``k``'s next phase: its ``phase_steps`` (H, or H / F with
+        fragments), or DyLU's rule on the measured rates."""
+        if self.dylu is None:
+            return self.workers[k].phase_steps
+        peers = [self._rate[j] for j in range(len(self.workers)) if j != k and self._active[j]]
+        return dylu_inner_steps(self._rate[k], peers, max_steps=self.dylu["max_steps"],
+                                min_steps=self.dylu["min_steps"], seconds=self.dylu["seconds"])
+
+    def _end_of(self, k: int, r: int, start: float, steps: int) -> float:
+        w = self.workers[k]
+        work = float(steps)
         if self.options.speed_jitter > 0:
-            d *= math.exp(self.options.speed_jitter * random.Random(f"{self.seed}:speed:{k}:{r}").gauss(0.0, 1.0))
-        return d
+            work *= math.exp(self.options.speed_jitter * random.Random(f"{self.seed}:speed:{k}:{r}").gauss(0.0, 1.0))
+        return phase_end(start, work, w.speed, self.options.trace(w.index))
+
+    def duration(self, k: int, r: int, start: float = 0.0, steps: int | None = None) -> float:
+        """Simulated time of worker ``k``'s phase ``r`` of ``steps`` steps (default its ``phase_steps``)
+        begun at ``start``: the time its speed (and trace) takes to integrate to ``steps``, times
+        the jitter's draw."""
+        return self._end_of(k, r, start, self.workers[k].phase_steps if steps is None else steps) - start
 
     def _phase_args(self, k: int, base: int) -> dict[str, Any]:
         """What worker ``k``'s phase starting from version ``base`` is given besides that version,
@@ -286,6 +342,7 @@ class Simulator:
         started = time.perf_counter()
         try:
             self._evaluate_due()
+            self._evaluate_times(0.0, inclusive=False)
             for w in self.workers:
                 joins = self._membership[w.index][0]
                 if joins > 0:
@@ -294,6 +351,7 @@ class Simulator:
                     self._begin(w.index, 0.0)
             while self._heap:
                 t, _, kind, k, r = heapq.heappop(self._heap)
+                self._evaluate_times(t, inclusive=False)  # the versions published before t
                 self.now = t
                 if kind == _PHASE_END:
                     self._phase_end(k, r, t)
@@ -304,24 +362,32 @@ class Simulator:
         finally:
             for pool in self._threads or []:
                 pool.shutdown(wait=True, cancel_futures=True)
-        if not self.arrival and self.master.open_deltas:
-            self._publish(self.master.close_round(self.now))  # the master drains what is pending at the end
+        # the master drains what is pending at the end; under a time budget a lockstep round that
+        # some worker could not finish is not applied (the product's master would still wait)
+        if not self.arrival and self.master.open_deltas and not (self.sync == "lockstep" and self.max_time is not None):
+            self._publish(self.master.close_round(self.now))
         pending = self.master.pending_record()
         if pending is not None:
             self._emit(pending)
-        if not self.eval_curve or self.eval_curve[-1][0] != self.master.outer_step:
+        if self._eval_at:
+            self._evaluate_times(math.inf, inclusive=True)  # the points past the last event: the final state
+        elif not self.eval_curve or self.eval_curve[-1][0] != self.master.outer_step:
             if self.evaluate is not None:
                 self.eval_curve.append([self.master.outer_step, float(self.evaluate(self.master.state))])
                 self.eval_times.append(self.now)
+                self.eval_tokens.append(self._tokens_in)
         return SimResult(
             outer_steps=self.master.outer_step, final_state=self.master.state, records=self.master.records,
             eval_curve=self.eval_curve, sim_time=self.now, wall_seconds=time.perf_counter() - started,
             inner_steps=sum(w.steps for w in self.workers), bytes_sent=self.bytes_sent, deltas=self.deltas,
             staleness_histogram=dict(sorted(self.histogram.items(), key=lambda kv: int(kv[0]))),
-            eval_times=list(self.eval_times), lost_phases=self.lost_phases,
+            eval_times=list(self.eval_times), lost_phases=self.lost_phases, eval_tokens=list(self.eval_tokens),
         )
 
     def _phase_end(self, k: int, r: int, t: float) -> None:
+        start, steps = self._phase[(k, r)]
+        if t > start:
+            self._rate[k] = steps / (t - start)  # what its next heartbeat reports
         if t > self._membership[k][1]:  # the worker left before this phase ended: it is lost
             self.lost_phases += 1
             self._active[k] = False
@@ -359,7 +425,8 @@ class Simulator:
             delta = future.result()
         else:
             base = self._base_of(k, r)
-            delta = w.phase(self.master.versions[base], **self._phase_args(k, base))
+            delta = w.phase(self.master.versions[base], inner_steps=self._phase[(k, r)][1], **self._phase_args(k, base))
+        self._phase.pop((k, r), None)
         wire = self._feedback[k].encode(delta)
         del delta
         self.bytes_sent += _wire_bytes(wire)
@@ -372,6 +439,7 @@ class Simulator:
             tau = s - base
         ident = f"{w.node_id}/{r}"
         tokens = w.delta_tokens(r)
+        self._tokens_in += tokens or 0
         if self.arrival:
             rec = self.master.arrive(ident, received, tau, num_tokens=tokens, now=t, fragment=fragment)
             if rec is not None:
@@ -409,6 +477,18 @@ class Simulator:
             self.eval_points.pop(0)
         self.eval_curve.append([s, float(self.evaluate(self.master.state))])
         self.eval_times.append(self.now)
+        self.eval_tokens.append(self._tokens_in)
+
+    def _evaluate_times(self, t: float, *, inclusive: bool) -> None:
+        """Evaluate the newest version at each of ``eval_times`` before ``t`` (or at it)."""
+        while self.evaluate is not None and self._eval_at and (self._eval_at[0] < t or (inclusive and self._eval_at[0] <= t)):
+            at = self._eval_at.pop(0)
+            s = self.master.outer_step
+            if self._last_eval is None or self._last_eval[0] != s:  # an unchanged version is not evaluated twice
+                self._last_eval = (s, float(self.evaluate(self.master.state)))
+            self.eval_curve.append([s, self._last_eval[1]])
+            self.eval_times.append(at)
+            self.eval_tokens.append(self._tokens_in)
 
     def _prune(self) -> None:
         """Drop the versions no worker can start from any more."""

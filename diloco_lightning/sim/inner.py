@@ -124,9 +124,10 @@ class SimWorker:
         params: ``name -> tensor`` to install into and export from
             (:func:`~diloco_lightning.worker.params.module_state` of its model).
         inner: its :class:`InnerLoop`.
-        inner_steps: H, inner steps per phase.
-        max_steps: its inner steps in all (the trailing ``max_steps % inner_steps``, which never
-            reach the master, are not run).
+        inner_steps: H, inner steps per phase (the first phase's with Dynamic Local Updates: the
+            engine gives each later phase its own, :meth:`phase`'s ``inner_steps``).
+        max_steps: a cap on its inner steps (the trailing steps that would not fill a phase, which
+            never reach the master, are not run; None: no cap, the engine's ``max_time`` decides).
         speed: inner steps per unit of simulated time.
         log_every: record the loss at step 1, every ``log_every`` steps and at the last step (the
             product's ``progress.jsonl``).
@@ -140,7 +141,7 @@ class SimWorker:
         inner: InnerLoop,
         *,
         inner_steps: int,
-        max_steps: int,
+        max_steps: int | None,
         speed: float = 1.0,
         log_every: int = 10,
         node_id: str | None = None,
@@ -152,7 +153,7 @@ class SimWorker:
         self.synced = synced_keys(self.params)
         self.inner = inner
         self.inner_steps = int(inner_steps)
-        self.max_steps = int(max_steps)
+        self.max_steps = None if max_steps is None or max_steps < 0 else int(max_steps)
         self.speed = float(speed)
         self.log_every = max(1, int(log_every))
         self.steps = 0  # inner steps taken
@@ -161,6 +162,8 @@ class SimWorker:
         self.compute_seconds = 0.0
         self.last_loss = float("nan")
         self._tokens_after = [0]  # tokens trained on after each phase (num_tokens of its delta)
+        self.planned = 0  # inner steps of the phases begun (computed or not)
+        self.phase_lengths: list[int] = []  # H of each phase begun
         #: the fragments (None: every phase exports every synced key)
         self.plan = build_plan(fragments, {k: self.params[k] for k in self.synced})
         if self.plan is not None and self.inner_steps % self.plan.count:
@@ -179,13 +182,19 @@ class SimWorker:
         return self.inner_steps // (self.plan.count if self.plan is not None else 1)
 
     @property
-    def phases(self) -> int:
-        """The phases (boundaries) this worker exports in all."""
-        return self.max_steps // self.phase_steps
+    def phases(self) -> int | None:
+        """The phases (boundaries) of :attr:`phase_steps` this worker exports in all under its
+        step cap (None: no cap)."""
+        return None if self.max_steps is None else self.max_steps // self.phase_steps
 
-    def duration(self) -> float:
-        """Simulated time of one phase."""
-        return self.phase_steps / self.speed
+    def fits(self, steps: int) -> bool:
+        """Whether a phase of ``steps`` more inner steps stays within ``max_steps``."""
+        return self.max_steps is None or self.planned + steps <= self.max_steps
+
+    def begin_phase(self, steps: int) -> None:
+        """A phase of ``steps`` inner steps begins (its steps count against ``max_steps``)."""
+        self.planned += steps
+        self.phase_lengths.append(steps)
 
     def install(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Copy ``state`` into the params in place; returns the FP32 anchor (CPU) it becomes."""
@@ -194,8 +203,9 @@ class SimWorker:
         return {k: _fp32(state[k]) for k in self.synced}
 
     def phase(self, base: Mapping[str, Tensor], *, version: int = 0, steps: Mapping[str, int] | None = None,
-              exact: bool = True) -> dict[str, Tensor]:
-        """Install ``base``, take a phase's steps, return the pseudo-gradient ``anchor - local`` (CPU FP32).
+              exact: bool = True, inner_steps: int | None = None) -> dict[str, Tensor]:
+        """Install ``base``, take a phase's steps (``inner_steps``, default :attr:`phase_steps`),
+        return the pseudo-gradient ``anchor - local`` (CPU FP32).
 
         With fragments: ``base`` is global version ``version``, whose fragments' outer step counts
         are ``steps``; the first phase installs all of it, a later one the fragment of the last
@@ -207,16 +217,18 @@ class SimWorker:
         else:
             self._install_fragments(base, version, steps, exact)
         pending: list[tuple[int, Tensor]] = []
-        last = self.phases * self.phase_steps
-        for _ in range(self.phase_steps):
+        n = self.phase_steps if inner_steps is None else int(inner_steps)
+        last = None if self.phases is None else self.phases * self.phase_steps
+        loss = None
+        for _ in range(n):
             loss = self.inner.step()
             self.steps += 1
             s = self.steps
             if s == 1 or s % self.log_every == 0 or s == self.max_steps or s == last:
                 pending.append((s, loss))
         self.losses.extend((s, float(v)) for s, v in pending)  # one device sync per phase
-        if pending:
-            self.last_loss = self.losses[-1][1]
+        if loss is not None:
+            self.last_loss = float(loss)
         tokens = self.inner.tokens - self._tokens_after[-1]
         with torch.no_grad():
             if self.plan is None:
