@@ -23,11 +23,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from trainrun import train_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,11 +58,7 @@ def run_one(row: str, seed: int, tau: int, steps: int, threads: int, launch: str
         if threads:
             overrides.append(f"trainer.num_threads={threads}")
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True,
-                              timeout=3600, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"train.py {' '.join(overrides)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-        res = json.loads((Path(tmp) / "r" / "results.json").read_text())
+        res = train_results(overrides, tmp)
         deltas = sum(s["deltas_sent"] for s in res["workers_summary"])
         return {"row": row, "seed": seed, "tau": tau, "steps": steps, "launch": launch, "eval_loss": res["eval_loss"],
                 "final_train_loss": res["final_train_loss"], "bytes_per_delta": res["bytes_sent"] / max(1, deltas),

@@ -38,11 +38,12 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from trainrun import train_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,11 +78,7 @@ def run_one(outer: str, fragments: int, latency: int, seed: int, steps: int, thr
                      f"diloco.delay={delay}", f"seed={seed}", f"trainer.max_steps={steps}",
                      f"sim.parallel={threads}", f"run_root={tmp}", "run_id=r"]
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True,
-                              timeout=3600, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"train.py {' '.join(overrides)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-        res = json.loads((Path(tmp) / "r" / "results.json").read_text())
+        res = train_results(overrides, tmp)
         return {"outer": runs_as(outer, fragments), "fragments": fragments, "latency": latency, "delay": delay,
                 "seed": seed, "steps": steps, "eval_loss": res["eval_loss"], "final_train_loss": res["final_train_loss"],
                 "outer_steps": res["outer_steps"], "rejected": res["deltas_rejected"], "diverged": res["diverged"],
