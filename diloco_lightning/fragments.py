@@ -247,6 +247,36 @@ def stepped_state(plan: FragmentPlan | None, state: Mapping[str, torch.Tensor]) 
     return state if isinstance(state, dict) else dict(state)
 
 
+def split_optimizer_state(plan: FragmentPlan, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """An outer optimizer's ``state_dict`` of whole keys (``"<buffer>/<key>"`` or ``"<key>"``
+    tensors, per-key ``keys`` lists), given per piece of ``plan``: a split key's buffers cut into its row ranges
+    (exact: the buffers are elementwise) and its per-key counters repeated for each piece. What a
+    master that splits rows needs to continue a run that had no fragments."""
+    pieces: dict[str, list[tuple[str, int, int]]] = {}
+    for piece, (key, start, stop) in plan.rows.items():
+        pieces.setdefault(key, []).append((piece, start, stop))
+    for ranges in pieces.values():
+        ranges.sort(key=lambda r: r[1])
+    out: dict[str, Any] = {}
+    for name, value in saved.items():
+        family, sep, key = name.partition("/")
+        if not sep:  # one buffer per key, named by the key alone (Nesterov's momentum)
+            family, key = "", name
+        if isinstance(value, torch.Tensor) and key in pieces:
+            for piece, start, stop in pieces[key]:
+                out[f"{family}/{piece}" if family else piece] = value[start:stop].clone()
+        else:
+            out[name] = value
+    keys = saved.get("keys")
+    if isinstance(keys, list) and any(k in pieces for k in keys):
+        order = [(i, p) for i, k in enumerate(keys) for p in ([r[0] for r in pieces[k]] if k in pieces else [k])]
+        out["keys"] = [p for _, p in order]
+        for name, value in saved.items():  # per-key counters: one list entry per key, in ``keys`` order
+            if name != "keys" and isinstance(value, list) and len(value) == len(keys):
+                out[name] = [value[i] for i, _ in order]
+    return out
+
+
 def build_plan(value: Any, state: Mapping[str, torch.Tensor]) -> FragmentPlan | None:
     """The :class:`FragmentPlan` of ``value`` for the model ``state`` (its floating and complex
     keys); None when ``value`` asks for one fragment (no fragmentation). :class:`FragmentError`

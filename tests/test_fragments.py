@@ -743,3 +743,40 @@ def test_master_state_dict_keeps_each_fragments_counters(tmp_path):
     bad = {**sd, "fragments": [{"name": "0", "keys_sha256": "x" * 10**6}]}
     with pytest.raises(ValueError, match="fragments"):
         m2.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("outer", ["nesterov", "cgad"])
+def test_a_run_without_fragments_is_continued_by_a_master_that_splits_rows(tmp_path, outer):
+    """spec: a master with fragments may adopt a version without them. When its fragments split a
+    tensor by rows, the version's optimizer state (named by whole key) is cut into the pieces,
+    exactly (the buffers are elementwise; per-key counters repeat), and training goes on."""
+    from diloco_lightning.master import MasterOuterLoop
+
+    init = llama_like(blocks=2)
+    plan = build_plan(2, init)
+    assert plan.split
+    hub = FileHub(tmp_path / "hub")
+    kw = {"outer_optimizer": outer, "norm_ratio": None, "poll_interval": 0.01}
+    m = MasterOuterLoop(hub, init, node_state_dir=tmp_path / "m", outer_lr=0.5, **kw)
+    assert m.sync_once()
+    whole = {k: torch.randn_like(v) * 0.01 for k, v in init.items() if v.is_floating_point()}
+    _put(hub, tmp_path, "a", 1, whole, 0)
+    m.sync_once(force=True)
+    before = m.run.opt.state_dict()
+    m.stop()
+    m2 = MasterOuterLoop(hub, init, node_state_dir=tmp_path / "m2", fragments=2, outer_lr=0.5, **kw)
+    m2.sync_once()
+    assert m2.run.outer_step == 1
+    after = m2.run.opt.state_dict()
+    for piece, (key, start, stop) in plan.rows.items():
+        got = {n: t for n, t in after.items() if isinstance(t, torch.Tensor) and n.split("/")[-1] == piece}
+        want = {n: t for n, t in before.items() if isinstance(t, torch.Tensor) and n.split("/")[-1] == key}
+        assert len(got) == len(want) >= 1
+        for n, t in want.items():
+            assert torch.equal(got[n.replace(key, piece)], t[start:stop])
+    fragment = plan.fragment_of("embed.weight[0:16]")
+    _put(hub, tmp_path, "a", 2, {k: torch.full_like(v, 0.01) for k, v in plan.substate(fragment, init).items()}, 1,
+         (fragment, 2, 0))
+    m2.sync_once(force=True)
+    man = hub.read_manifest()
+    assert man.outer_step == 2 and man.ledger == {"a": 2}

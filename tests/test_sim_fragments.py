@@ -163,6 +163,9 @@ def test_fragment_options_must_agree():
     config = MasterConfig(outer_optimizer="nesterov", norm_ratio=None, norm_global_ratio=None, fragments=2)
     with pytest.raises(ValueError, match="error feedback"):
         Simulator(_workers(2, 4, 2, 2), SimMaster({n: torch.zeros(N) for n in TARGET}, config), delta_dtype="int8")
+    with pytest.raises(ValueError, match="Dynamic Local Updates"):  # the product refuses it too (app/checks.py)
+        Simulator(_workers(2, 4, 2, 2), SimMaster({n: torch.zeros(N) for n in TARGET}, config),
+                  dylu={"max_steps": 4})
 
 
 @pytest.mark.slow

@@ -220,3 +220,12 @@ def test_config_refuses_bad_clock_values_in_one_line(override, key):
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert e.value.key == key and len(str(e.value).splitlines()) == 1
+
+
+def test_a_run_with_no_step_cap_needs_a_time_budget():
+    """Without max_steps and without max_time a worker would start phases forever: refused up front."""
+    workers = _workers([1.0, 1.0], 2, None)
+    config = MasterConfig(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0, norm_ratio=None,
+                          norm_global_ratio=None)
+    with pytest.raises(ValueError, match="needs a time budget"):
+        Simulator(workers, SimMaster({"w": torch.zeros(N)}, config), sync="async", options=SimOptions())

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 
 from diloco_lightning.deltafile import is_synced, model_fingerprint
-from diloco_lightning.fragments import FragmentError, FragmentPlan, build_plan, fragment_count, stepped_state
+from diloco_lightning.fragments import (
+    FragmentError,
+    FragmentPlan,
+    build_plan,
+    fragment_count,
+    split_optimizer_state,
+    stepped_state,
+)
 from diloco_lightning.globals import load_global, load_outer_state
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.manifest import Manifest, ManifestError, parse_fragments
@@ -106,6 +113,22 @@ class RunState:
     def opt_state(self, state: Mapping[str, torch.Tensor], plan: FragmentPlan | None = None) -> dict[str, torch.Tensor]:
         """What the outer optimizer steps on (:func:`~diloco_lightning.fragments.stepped_state`)."""
         return stepped_state(plan if plan is not None else self.plan, state)
+
+    def _load_optimizer(self, opt: Any, saved: Mapping[str, Any], state: Mapping[str, torch.Tensor], hm: Manifest) -> None:
+        """Load version ``hm``'s optimizer state into ``opt``. A version without fragments, continued
+        by a master whose fragments split tensors by rows (spec: "a master with fragments may adopt
+        a version without them"), has its buffers named by whole key: they are cut into the pieces."""
+        plan = self.plan_for(state)
+        if plan is None or not plan.split or hm.fragments:
+            opt.load_state_dict(saved)
+            return
+        try:
+            opt.load_state_dict(split_optimizer_state(plan, saved))
+        except ValueError as e:
+            raise MasterConfigError(
+                f"outer_step {hm.outer_step} on {self.hub.url} has no fragments and its optimizer state cannot be "
+                f"split by rows for fragments={plan.count} ({e}); continue it without fragments"
+            ) from None
 
     def check_split(self, state: Mapping[str, torch.Tensor], hm: Manifest) -> None:
         """Refuse (MasterConfigError, one line) a version whose fragments are split otherwise than
@@ -275,7 +298,7 @@ class RunState:
         self.check_split(state, hm)
         opt = self.build_optimizer(state)
         if outer is not None:
-            opt.load_state_dict(outer.get("optimizer") or {})
+            self._load_optimizer(opt, outer.get("optimizer") or {}, state, hm)
         elif hm.outer_step > 0:
             log.warning("outer_step %d on %s has no optimizer state; starting the optimizer afresh", hm.outer_step, self.hub.url)
         self.set(state, opt, fingerprint=hm.model_fingerprint, outer_step=hm.outer_step, ledger=hm.ledger, manifest=hm)
@@ -354,7 +377,7 @@ class RunState:
         self.check_split(state, hm)
         opt = self.build_optimizer(state)
         if outer is not None:
-            opt.load_state_dict(outer.get("optimizer") or {})
+            self._load_optimizer(opt, outer.get("optimizer") or {}, state, hm)
         self.set(state, opt, fingerprint=hm.model_fingerprint, outer_step=hm.outer_step, ledger=hm.ledger, manifest=hm)
         self.committed_outer_file = rec.outer_state_file
         log.info("resumed outer_step %d from %s", hm.outer_step, self.node_state_dir)
@@ -418,6 +441,7 @@ class RunState:
         ):
             raise ValueError("state_dict['ledger'] must map node ids to integers")
         state = cpu_clone(check_state(sd.get("global"), "state_dict['global']"))
+        steps = self._state_dict_fragments(sd.get("fragments"), self.plan_for(state), step)
         opt = self.build_optimizer(state)
         try:
             opt.load_state_dict(sd.get("optimizer") or {})
@@ -428,7 +452,6 @@ class RunState:
             # its buffers are named by piece (key[start:stop]) when a tensor is split: another split names others
             raise ValueError(f"{e}; the state_dict's optimizer state may be of a run whose fragments split the model "
                              f"otherwise: resume with the same fragments") from None
-        steps = self._state_dict_fragments(sd.get("fragments"), self.plan_for(state), step)
         self.set(state, opt, fingerprint=model_fingerprint(state), outer_step=step, ledger=ledger, manifest=None)
         if steps is not None:
             with self.lock:
@@ -447,7 +470,7 @@ class RunState:
             raise ValueError(str(e)) from None
         theirs = [f["keys_sha256"] for f in doc or []]
         if plan is None or theirs != [plan.digest(n) for n in plan.names]:
-            raise ValueError(f"state_dict['fragments'] is of a run split into {len(theirs)} fragments"
-                             f"{'' if plan is None else ' another way'}; this master has "
-                             f"{'none' if plan is None else plan.count}: resume with the same fragments")
+            raise ValueError(f"state_dict['fragments'] is of a run with {len(theirs)} fragments and this master has "
+                             f"{'none' if plan is None else plan.count}, which split the model otherwise: "
+                             f"resume with the same fragments")
         return {f["name"]: (f["outer_step"], f["updated_at"]) for f in doc or []}

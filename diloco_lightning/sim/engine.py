@@ -92,6 +92,7 @@ from diloco_lightning.sim.inner import SimWorker
 from diloco_lightning.sim.master import SimMaster
 from diloco_lightning.sim.options import SimOptions, phase_end
 from diloco_lightning.worker.options import SYNC_MODES, feedback_of, resolve_encoding
+from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.pacing import dylu_inner_steps
 from diloco_lightning.worker.sync import draw_delay, resolve_delay
 from diloco_lightning.compression import ErrorFeedback, decode_delta
@@ -198,7 +199,14 @@ class Simulator:
             spec, feedback = resolve_encoding(delta_dtype, error_feedback=error_feedback)
         self.encoding = spec
         self._feedback = [ErrorFeedback(spec, enabled=feedback) for _ in self.workers]
+        self.dylu: dict[str, Any] | None = None
+        if dylu is not None:
+            self.dylu = {"max_steps": int(dylu["max_steps"]), "min_steps": dylu.get("min_steps"),
+                         "seconds": dylu.get("seconds")}
         self._check_fragments(feedback)
+        self.max_time = self.options.max_time
+        if self.max_time is None and any(w.max_steps is None for w in self.workers):
+            raise ValueError("a worker without max_steps needs a time budget (options.max_time), or the run never ends")
         self.evaluate = evaluate
         self.eval_points = sorted(set(int(p) for p in eval_points))
         self.on_version = on_version
@@ -214,14 +222,9 @@ class Simulator:
         self.eval_tokens: list[int] = []
         self._eval_at = sorted(set(float(t) for t in eval_times))
         self._last_eval: tuple[int, float] | None = None  # (outer step, loss) of the last evaluation
-        self.dylu: dict[str, Any] | None = None
-        if dylu is not None:
-            self.dylu = {"max_steps": int(dylu["max_steps"]), "min_steps": dylu.get("min_steps"),
-                         "seconds": dylu.get("seconds")}
         self._rate: list[float | None] = [None] * len(self.workers)  # steps per unit of time, last finished phase
         self._phase: dict[tuple[int, int], tuple[float, int]] = {}  # (worker, r) -> (start, steps)
         self._tokens_in = 0  # tokens of the deltas delivered to the master
-        self.max_time = self.options.max_time
         self.quorum = len(self.workers) if sync == "lockstep" else (self.options.quorum or len(self.workers))
         self._delay_spec = delay
         self._per_delta = isinstance(delay, Mapping) and self.options.delay_per == "delta"
@@ -247,19 +250,20 @@ class Simulator:
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"sim-{w.node_id}") for w in self.workers] if prefetch else None
 
     def _check_fragments(self, feedback: bool) -> None:
-        """The workers split the model as the master does; no error feedback with fragments (as the product)."""
-        def split(plan) -> list[str] | None:
-            return None if plan is None else [plan.digest(n) for n in plan.names]
-
-        ours = split(self.master.plan)
+        """The workers split the model as the master does; no error feedback and no DyLU with
+        fragments (as the product)."""
+        ours = FragmentBook(self.master.plan).digests()
         for w in self.workers:
-            if split(w.plan) != ours:
+            if w.book.digests() != ours:
                 raise ValueError(f"worker {w.node_id} splits the model into "
                                  f"{'no' if w.plan is None else w.plan.count} fragments, the master into "
                                  f"{'none' if ours is None else len(ours)}: give both the same fragments")
         if ours is not None and feedback:
             raise ValueError(f"fragments={len(ours)} cannot be combined with error feedback yet "
                              f"(delta_dtype={self.encoding.name}): pass error_feedback=False or a float delta_dtype")
+        if ours is not None and self.dylu is not None:
+            raise ValueError(f"fragments={len(ours)} cannot be combined with Dynamic Local Updates (dylu): the "
+                             f"boundaries every H / F steps are the fragments' schedule")
 
     # ------------------------------------------------------------------ delays
 
