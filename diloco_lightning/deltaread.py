@@ -213,13 +213,7 @@ def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_by
         return _read_encoded(f, path, path_str, layout, header, spec, want, reference, signing_key, expected_fingerprint,
                              copy)
     if want is not None:
-        missing = sorted(set(want).difference(names))
-        if missing:
-            raise MissingKeyError(path, f"missing key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        extra = sorted(set(names).difference(want))
-        if extra:
-            shown = [n[:80] for n in extra[:5]]
-            raise ExtraKeyError(path, f"unexpected key(s) {shown}{' ...' if len(extra) > 5 else ''}")
+        _check_keys(path, names, want)
     cast = None if spec is None else _ST_CODE_OF[spec.name]  # a header naming a cast fixes the dtype
     for name in names:
         info = layout.tensors[name]
@@ -279,6 +273,18 @@ def _read_tensors(f, path, layout, names, raw_md, signing_key, copy) -> tuple[di
     return tensors, nbytes
 
 
+def _check_keys(path, present, want) -> None:
+    """The delta holds exactly the keys ``want``: MissingKeyError or ExtraKeyError (names cut short:
+    they are a hub writer's text) otherwise."""
+    missing = sorted(set(want).difference(present))
+    if missing:
+        raise MissingKeyError(path, f"missing key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    extra = sorted(set(present).difference(want))
+    if extra:
+        shown = [n[:80] for n in extra[:5]]
+        raise ExtraKeyError(path, f"unexpected key(s) {shown}{' ...' if len(extra) > 5 else ''}")
+
+
 def _check_fingerprint(path, header: DeltaHeader, expected: str | None) -> None:
     if expected is not None and header.model_fingerprint is not None and header.model_fingerprint != expected:
         raise FingerprintMismatchError(
@@ -299,13 +305,7 @@ def _read_encoded(f, path, path_str, layout, header, spec, want, reference, sign
         if part_name(key, part) != name:  # "w::q": the codes are stored as "w" itself
             raise EncodingFileError(path, f"tensor {name[:80]!r} is not a part name (codes are stored as the key)")
         parts.setdefault(key, {})[part] = name
-    missing = sorted(set(want).difference(parts))
-    if missing:
-        raise MissingKeyError(path, f"missing key(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    extra = sorted(set(parts).difference(want))
-    if extra:
-        shown = [n[:80] for n in extra[:5]]
-        raise ExtraKeyError(path, f"unexpected key(s) {shown}{' ...' if len(extra) > 5 else ''}")
+    _check_keys(path, parts, want)
     for key in want:
         found = {p: (layout.tensors[n].dtype, layout.tensors[n].shape) for p, n in parts[key].items()}
         try:
