@@ -262,7 +262,8 @@ def split_optimizer_state(plan: FragmentPlan, saved: Mapping[str, Any]) -> dict[
         family, sep, key = name.partition("/")
         if not sep:  # one buffer per key, named by the key alone (Nesterov's momentum)
             family, key = "", name
-        if isinstance(value, torch.Tensor) and key in pieces:
+        # a buffer of another shape is passed on whole, for the optimizer's load to refuse by name
+        if isinstance(value, torch.Tensor) and key in pieces and value.dim() >= 1 and value.shape[0] == pieces[key][-1][2]:
             for piece, start, stop in pieces[key]:
                 out[f"{family}/{piece}" if family else piece] = value[start:stop].clone()
         else:

@@ -780,3 +780,21 @@ def test_a_run_without_fragments_is_continued_by_a_master_that_splits_rows(tmp_p
     m2.sync_once(force=True)
     man = hub.read_manifest()
     assert man.outer_step == 2 and man.ledger == {"a": 2}
+
+
+def test_splitting_a_hostile_optimizer_state_ends_in_the_loads_refusal():
+    """A hub's outer state is a writer's bytes: a buffer of the wrong size for a split key is not
+    cut (no IndexError, no silent slice of a bigger tensor) but passed on for the load to refuse."""
+    from diloco_lightning.fragments import split_optimizer_state, stepped_state
+    from diloco_lightning.outer import build_outer_optimizer
+
+    init = llama_like(blocks=2)
+    plan = build_plan(2, init)
+    opt = build_outer_optimizer("nesterov", stepped_state(plan, {k: v.clone() for k, v in init.items()}), lr=0.1)
+    for bad in (torch.tensor(1.0), torch.zeros(40, 4), torch.zeros(31, 4), torch.zeros(32, 5)):
+        with pytest.raises(ValueError, match="embed.weight"):
+            opt.load_state_dict(split_optimizer_state(plan, {"embed.weight": bad}))
+    good = torch.arange(128.0).reshape(32, 4)
+    opt.load_state_dict(split_optimizer_state(plan, {"embed.weight": good}))
+    sd = opt.state_dict()
+    assert torch.equal(sd["embed.weight[0:16]"], good[:16]) and torch.equal(sd["embed.weight[16:32]"], good[16:])
