@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco_lightning.compression import ErrorFeedback, encode_delta
-from diloco_lightning.deltafile import model_fingerprint, write_delta
+from diloco_lightning.encoding.feedback import ErrorFeedback, encode_delta
+from diloco_lightning.wire.delta import model_fingerprint, write_delta
 from diloco_lightning.encoding import EncodingSpec, decode, decode_add_, encode, encode_with_residual
 from diloco_lightning.models.llama import Llama, llama_config
 

@@ -2,7 +2,7 @@
 
 For each model (``tiny``: the tiny recipe's 1.25M-parameter Llama, vocab 4096, tied 4096 x 128
 embedding; ``llama25m``: 23.5M parameters, tied 50304 x 320 embedding) and ``F`` in 1, 2, 4
-(``diloco_lightning/fragments.py``: block i in fragment i mod F; a tensor without a block index
+(``diloco_lightning/wire/fragments.py``: block i in fragment i mod F; a tensor without a block index
 that has at least F rows and more than 1/(2F) of the model -- the tied embedding here -- split
 into F row ranges, range p in fragment p; the other tensors placed largest first in the lightest
 fragment), every fragment's delta file is written exactly as a worker writes
@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco_lightning.deltafile import model_fingerprint, synced_keys, write_delta  # noqa: E402
-from diloco_lightning.fragments import build_plan  # noqa: E402
+from diloco_lightning.wire.delta import model_fingerprint, synced_keys, write_delta  # noqa: E402
+from diloco_lightning.wire.fragments import build_plan  # noqa: E402
 from diloco_lightning.models.llama import Llama, llama_config  # noqa: E402
 from diloco_lightning.worker.params import module_state  # noqa: E402
 
@@ -87,7 +87,7 @@ def main() -> None:
 
 
 def block_free(key: str) -> bool:
-    from diloco_lightning.fragments import block_index
+    from diloco_lightning.wire.fragments import block_index
 
     return block_index(key) is None
 

@@ -172,7 +172,7 @@ def _writer_main(spec: dict, nodes: list[str], conn: Any) -> None:
     os.environ.update(FAKE_AWS)
     import torch
 
-    from diloco_lightning.deltafile import write_delta
+    from diloco_lightning.wire.delta import write_delta
 
     tmp = Path(tempfile.mkdtemp(prefix="hub-scale-writers-"))
     hubs = [open_spec(spec, tmp / f"cache{i}") for i in range(WRITER_THREADS)]
@@ -240,7 +240,7 @@ def _timed(server: Server, fn) -> tuple[Any, float, dict[str, int]]:
 def measure(transport: str, n: int, rounds: int, period: float) -> dict:
     import torch
 
-    from diloco_lightning.deltafile import model_fingerprint
+    from diloco_lightning.wire.delta import model_fingerprint
     from diloco_lightning.master import MasterOuterLoop
 
     os.environ.update(FAKE_AWS)

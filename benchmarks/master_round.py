@@ -86,8 +86,8 @@ def _status(field: str) -> float:
 def write_pool(pool: Path, n: int, encoding: str = "float32") -> None:
     import torch
 
-    from diloco_lightning.compression import encode_delta
-    from diloco_lightning.deltafile import model_fingerprint, write_delta
+    from diloco_lightning.encoding.feedback import encode_delta
+    from diloco_lightning.wire.delta import model_fingerprint, write_delta
     from diloco_lightning.encoding import EncodingSpec
 
     state = make_state()

@@ -167,8 +167,8 @@ def _shapes_25m() -> dict[str, tuple[int, ...]]:
 def run_bytes_files() -> list[dict]:
     import torch
 
-    from diloco_lightning.compression import encode_delta
-    from diloco_lightning.deltafile import model_fingerprint, write_delta
+    from diloco_lightning.encoding.feedback import encode_delta
+    from diloco_lightning.wire.delta import model_fingerprint, write_delta
     from diloco_lightning.encoding import EncodingSpec
 
     shapes = _shapes_25m()

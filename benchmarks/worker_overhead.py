@@ -141,7 +141,7 @@ def run_once(args, h: int | None, workdir: Path) -> dict:
                 if not proc.is_alive() or time.monotonic() > deadline:
                     raise RuntimeError(f"the master process did not start (exit code {proc.exitcode})")
         else:  # publish outer step 0 by hand: the worker exports and uploads but never installs
-            from diloco_lightning.globals import stage_global
+            from diloco_lightning.hub.versions import stage_global
             from diloco_lightning.hub.local import FileHub
 
             hub = FileHub(root)

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from diloco_lightning import DiLoCo
-from diloco_lightning.globals import load_global
+from diloco_lightning.hub.versions import load_global
 from diloco_lightning.hub.local import FileHub
 from diloco_lightning.worker import module_state
 

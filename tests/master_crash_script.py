@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco_lightning import faults  # noqa: E402
+from diloco_lightning.util import faults  # noqa: E402
 from diloco_lightning.master import MasterOuterLoop  # noqa: E402
 
 

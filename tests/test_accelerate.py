@@ -1,4 +1,4 @@
-"""``diloco_lightning.accelerate.DiLoCo`` in a plain Accelerate loop, against the real master."""
+"""``diloco_lightning.adapters.accelerate.DiLoCo`` in a plain Accelerate loop, against the real master."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
-from diloco_lightning.accelerate import DiLoCo  # noqa: E402
-from diloco_lightning.deltafile import read_delta  # noqa: E402
+from diloco_lightning.adapters.accelerate import DiLoCo  # noqa: E402
+from diloco_lightning.wire.delta import read_delta  # noqa: E402
 from diloco_lightning.hub.local import FileHub  # noqa: E402
 from diloco_lightning.master import MasterOuterLoop  # noqa: E402
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from diloco_lightning import DiLoCo
-from diloco_lightning.deltafile import model_fingerprint, read_delta
+from diloco_lightning.wire.delta import model_fingerprint, read_delta
 from diloco_lightning.hub.local import FileHub
 from diloco_lightning.master import MasterOuterLoop
 from diloco_lightning.worker import module_state

@@ -21,11 +21,11 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from hf_server import FakeHubServer
 
-from diloco_lightning.deltafile import write_delta
+from diloco_lightning.wire.delta import write_delta
 from diloco_lightning.hub import ClaimConflictError, open_hub
 from diloco_lightning.hub.local import FileHub
 from diloco_lightning.master import MasterOuterLoop
-from diloco_lightning.nodeclaim import MAX_CLAIM_BYTES, ClaimError, NodeClaim
+from diloco_lightning.wire.claims import MAX_CLAIM_BYTES, ClaimError, NodeClaim
 from diloco_lightning.worker import DiLoCoWorker, NodeIdTakenError
 from diloco_lightning.worker.claim import ClaimKeeper
 

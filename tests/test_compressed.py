@@ -31,12 +31,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from diloco_lightning.compression import ErrorFeedback, decode_delta, encode_delta
-from diloco_lightning.deltafile import DeltaHeader, model_fingerprint, read_delta, write_delta
+from diloco_lightning.encoding.feedback import ErrorFeedback, decode_delta, encode_delta
+from diloco_lightning.wire.delta import DeltaHeader, model_fingerprint, read_delta, write_delta
 from diloco_lightning.encoding import EncodingSpec, decode
 from diloco_lightning.hub.local import FileHub
 from diloco_lightning.master import MasterOuterLoop
-from diloco_lightning.signing import RunKey
+from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.worker import DiLoCoWorker
 
 from test_encoding import bits, ref_decode, ref_encode
@@ -331,7 +331,7 @@ def test_a_huge_declared_part_is_refused_unread(tmp_path):
     code = f"""
 import resource, sys, torch
 sys.path.insert(0, {str(ROOT)!r})
-from diloco_lightning.deltafile import read_delta, DeltaFileError
+from diloco_lightning.wire.delta import read_delta, DeltaFileError
 ref = {{"w": torch.zeros(4, 3), "b": torch.zeros(3)}}
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 out = []

@@ -263,7 +263,7 @@ class _BatchRecorder(L.Callback):
 
 def test_trainer_checkpoint_resume_continues_at_next_batch(tmp_path):
     """Lightning prefetches one batch; the resumed run must still start at the first unseen one."""
-    from diloco_lightning.lit_module import LlamaLightningModule
+    from diloco_lightning.models.lit_module import LlamaLightningModule
 
     rng = np.random.default_rng(0)
     rng.integers(0, 97, size=6000).astype(np.uint16).tofile(tmp_path / "t.bin")

@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import diloco_lightning.deltafile as deltafile
-from diloco_lightning.deltafile import (
+import diloco_lightning.wire.delta as deltafile
+from diloco_lightning.wire.delta import (
     FORMAT,
     DeltaFileError,
     DtypeError,
@@ -40,8 +40,8 @@ from diloco_lightning.deltafile import (
     synced_keys,
     write_delta,
 )
-from diloco_lightning.manifest import GlobalVersion, Lease, Manifest, ManifestError
-from diloco_lightning.names import (
+from diloco_lightning.wire.manifest import GlobalVersion, Lease, Manifest, ManifestError
+from diloco_lightning.wire.names import (
     InvalidNameError,
     delta_path,
     global_weights_path,
@@ -50,8 +50,8 @@ from diloco_lightning.names import (
     validate_hub_path,
     validate_node_id,
 )
-from diloco_lightning.signing import ENV_KEY, ENV_KEY_FILE, RunKey, load_run_key
-from diloco_lightning.statefile import (
+from diloco_lightning.wire.signing import ENV_KEY, ENV_KEY_FILE, RunKey, load_run_key
+from diloco_lightning.wire.statefile import (
     StateFileError,
     load_state_file,
     load_weights_file,

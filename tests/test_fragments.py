@@ -10,19 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_lightning.deltafile import read_delta_header, write_delta
-from diloco_lightning.fragments import (
-    FragmentError,
-    block_index,
-    build_plan,
-    check_fragments_option,
-    parse_fragment_header,
-)
+from diloco_lightning.wire.delta import read_delta_header, write_delta
+from diloco_lightning.wire.fragments import FragmentError, block_index, build_plan, check_fragments_option, parse_fragment_header
 from diloco_lightning.hub.local import FileHub
-from diloco_lightning.manifest import Manifest
-from diloco_lightning.options import OptionError
+from diloco_lightning.wire.manifest import Manifest
+from diloco_lightning.util.options import OptionError
 from diloco_lightning.outer import PACGAD, NesterovOuterOptimizer
-from diloco_lightning.stheader import read_layout
+from diloco_lightning.wire.layout import read_layout
 from diloco_lightning.worker import DiLoCoWorker
 from diloco_lightning.worker.options import WorkerOptions
 from diloco_lightning.worker.pacing import Pacing
@@ -297,7 +291,7 @@ def test_e2e_pa_cgad_fragments_lockstep(tmp_path):
 
 
 def _put(hub: FileHub, tmp: Path, node: str, step: int, tensors, base: int, frag=None, fp=None) -> None:
-    from diloco_lightning.deltafile import model_fingerprint
+    from diloco_lightning.wire.delta import model_fingerprint
 
     extra = {} if frag is None else {"fragment": frag[0], "fragments": str(frag[1]), "base_fragment_step": str(frag[2])}
     p = tmp / f"{node}-{step}.safetensors"
@@ -539,7 +533,7 @@ def _frag_deltas():
 def _put_frag_deltas(hub, tmp: Path) -> None:
     from master_crash_script import initial_state
 
-    from diloco_lightning.deltafile import model_fingerprint
+    from diloco_lightning.wire.delta import model_fingerprint
 
     fp = model_fingerprint(initial_state(0))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -785,7 +779,7 @@ def test_a_run_without_fragments_is_continued_by_a_master_that_splits_rows(tmp_p
 def test_splitting_a_hostile_optimizer_state_ends_in_the_loads_refusal():
     """A hub's outer state is a writer's bytes: a buffer of the wrong size for a split key is not
     cut (no IndexError, no silent slice of a bigger tensor) but passed on for the load to refuse."""
-    from diloco_lightning.fragments import split_optimizer_state, stepped_state
+    from diloco_lightning.wire.fragments import split_optimizer_state, stepped_state
     from diloco_lightning.outer import build_outer_optimizer
 
     init = llama_like(blocks=2)

@@ -24,19 +24,15 @@ import torch
 from safetensors.torch import save_file
 
 
-from diloco_lightning import faults  # noqa: E402
-from diloco_lightning.deltafile import (  # noqa: E402
-    HeaderError,
-    model_fingerprint,
-    write_delta,
-)
-from diloco_lightning.fileio import owner_tag  # noqa: E402
-from diloco_lightning.globals import UnauthenticatedVersionError, load_global, stage_global  # noqa: E402
+from diloco_lightning.util import faults  # noqa: E402
+from diloco_lightning.wire.delta import HeaderError, model_fingerprint, write_delta  # noqa: E402
+from diloco_lightning.util.fileio import owner_tag  # noqa: E402
+from diloco_lightning.hub.versions import UnauthenticatedVersionError, load_global, stage_global  # noqa: E402
 from diloco_lightning.hub.local import FileHub  # noqa: E402
-from diloco_lightning.manifest import Lease, Manifest  # noqa: E402
+from diloco_lightning.wire.manifest import Lease, Manifest  # noqa: E402
 from diloco_lightning.master import MasterOuterLoop  # noqa: E402
-from diloco_lightning.names import MAX_STEP  # noqa: E402
-from diloco_lightning.signing import RunKey  # noqa: E402
+from diloco_lightning.wire.names import MAX_STEP  # noqa: E402
+from diloco_lightning.wire.signing import RunKey  # noqa: E402
 from diloco_lightning.worker import DiLoCoWorker  # noqa: E402
 from diloco_lightning.worker.sync import WaitTimeoutError  # noqa: E402
 
@@ -224,7 +220,7 @@ def test_a_hub_path_with_a_huge_step_is_ignored_not_fatal(hubs, tmp_path):
 
 
 def test_header_parser_bounds_each_integer():
-    from diloco_lightning.deltafile import _parse_header
+    from diloco_lightning.wire.delta.header import _parse_header
 
     base = {"format": "diloco-delta/1", "node_id": "a", "local_step": "1", "base_outer_step": "0"}
     for key, value in (("local_step", str(MAX_STEP + 1)), ("base_outer_step", HUGE), ("num_tokens", str(10**15 + 1)),
@@ -408,8 +404,8 @@ def test_signed_run_rejects_a_huge_forged_delta_before_reading_it(tmp_path):
     code = f"""
 import resource, sys, torch
 sys.path.insert(0, {str(ROOT)!r})
-from diloco_lightning.deltafile import read_delta, DeltaFileError
-from diloco_lightning.signing import RunKey
+from diloco_lightning.wire.delta import read_delta, DeltaFileError
+from diloco_lightning.wire.signing import RunKey
 ref = {{"w": torch.zeros(4, 3), "b": torch.zeros(3)}}
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 reasons = []

@@ -25,16 +25,10 @@ import pytest
 import torch
 
 import diloco_lightning
-from diloco_lightning import faults  # noqa: E402
-from diloco_lightning.deltafile import model_fingerprint, read_delta, write_delta
-from diloco_lightning.fileio import sha256_file
-from diloco_lightning.globals import (
-    GlobalIntegrityError,
-    NothingPublishedError,
-    load_global,
-    load_outer_state,
-    stage_global,
-)
+from diloco_lightning.util import faults  # noqa: E402
+from diloco_lightning.wire.delta import model_fingerprint, read_delta, write_delta
+from diloco_lightning.util.fileio import sha256_file
+from diloco_lightning.hub.versions import GlobalIntegrityError, NothingPublishedError, load_global, load_outer_state, stage_global
 from diloco_lightning.hub import (
     DeltaExistsError,
     DeltaRef,
@@ -45,8 +39,8 @@ from diloco_lightning.hub import (
     open_hub,
 )
 from diloco_lightning.hub.local import FileHub
-from diloco_lightning.manifest import GlobalVersion, Lease, ManifestError
-from diloco_lightning.names import InvalidNameError
+from diloco_lightning.wire.manifest import GlobalVersion, Lease, ManifestError
+from diloco_lightning.wire.names import InvalidNameError
 
 REPO_ROOT = str(Path(diloco_lightning.__file__).resolve().parent.parent)
 
@@ -110,7 +104,7 @@ _PRELUDE = """
 import json, os, sys, time
 from diloco_lightning.hub.local import FileHub
 from diloco_lightning.hub.base import DeltaExistsError, PublishConflictError
-from diloco_lightning.manifest import Manifest
+from diloco_lightning.wire.manifest import Manifest
 args = json.loads(sys.argv[1])
 hub = FileHub(args["root"])
 print("READY", flush=True)

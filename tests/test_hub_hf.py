@@ -17,8 +17,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from hf_server import FakeHubServer
 
-from diloco_lightning import faults  # noqa: E402
-from diloco_lightning.deltafile import read_delta, write_delta
+from diloco_lightning.util import faults  # noqa: E402
+from diloco_lightning.wire.delta import read_delta, write_delta
 from diloco_lightning.hub import (
     DeltaExistsError,
     DeltaRef,
@@ -30,12 +30,8 @@ from diloco_lightning.hub import (
     open_hub,
 )
 from diloco_lightning.hub.hf import HFHub, HubUnavailableError
-from diloco_lightning.manifest import GlobalVersion, Lease, Manifest, ManifestError
-from diloco_lightning.names import (
-    InvalidNameError,
-    global_outer_state_path,
-    global_weights_path,
-)
+from diloco_lightning.wire.manifest import GlobalVersion, Lease, Manifest, ManifestError
+from diloco_lightning.wire.names import InvalidNameError, global_outer_state_path, global_weights_path
 
 REPO = "org/diloco-run"
 TOKEN = "hf_secretTOKENvalue0123456789"

@@ -18,13 +18,13 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from hf_server import FakeHubServer  # noqa: E402
 
-from diloco_lightning.deltafile import write_delta  # noqa: E402
-from diloco_lightning.globals import stage_global  # noqa: E402
+from diloco_lightning.wire.delta import write_delta  # noqa: E402
+from diloco_lightning.hub.versions import stage_global  # noqa: E402
 from diloco_lightning.hub import open_hub  # noqa: E402
 from diloco_lightning.hub.hf_nodes import HFNodesHub  # noqa: E402
 from diloco_lightning.master import MasterOuterLoop  # noqa: E402
-from diloco_lightning.names import InvalidNameError  # noqa: E402
-from diloco_lightning.signing import RunKey  # noqa: E402
+from diloco_lightning.wire.names import InvalidNameError  # noqa: E402
+from diloco_lightning.wire.signing import RunKey  # noqa: E402
 from diloco_lightning.worker import DiLoCoWorker  # noqa: E402
 
 REPO = "org/run"

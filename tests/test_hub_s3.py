@@ -32,10 +32,10 @@ moto_server = pytest.importorskip("moto.server")
 from s3_proxy import S3Proxy  # noqa: E402
 
 import diloco_lightning  # noqa: E402
-from diloco_lightning import faults  # noqa: E402
-from diloco_lightning.deltafile import read_delta, write_delta  # noqa: E402
-from diloco_lightning.fileio import sha256_file  # noqa: E402
-from diloco_lightning.globals import load_global, load_outer_state, stage_global  # noqa: E402
+from diloco_lightning.util import faults  # noqa: E402
+from diloco_lightning.wire.delta import read_delta, write_delta  # noqa: E402
+from diloco_lightning.util.fileio import sha256_file  # noqa: E402
+from diloco_lightning.hub.versions import load_global, load_outer_state, stage_global  # noqa: E402
 from diloco_lightning.hub import (  # noqa: E402
     DeltaExistsError,
     DeltaRef,
@@ -47,8 +47,8 @@ from diloco_lightning.hub import (  # noqa: E402
     open_hub,
 )
 from diloco_lightning.hub.s3 import HubUnavailableError, S3Hub, parse_s3_url  # noqa: E402
-from diloco_lightning.manifest import GlobalVersion, Lease, ManifestError  # noqa: E402
-from diloco_lightning.names import InvalidNameError  # noqa: E402
+from diloco_lightning.wire.manifest import GlobalVersion, Lease, ManifestError  # noqa: E402
+from diloco_lightning.wire.names import InvalidNameError  # noqa: E402
 
 REPO_ROOT = str(Path(diloco_lightning.__file__).resolve().parent.parent)
 ACCESS_KEY = "AKIDLOOPBACKTEST0001"
@@ -210,7 +210,7 @@ _PRELUDE = """
 import json, os, sys, time
 from diloco_lightning.hub.s3 import S3Hub
 from diloco_lightning.hub.base import DeltaExistsError, PublishConflictError
-from diloco_lightning.manifest import Manifest
+from diloco_lightning.wire.manifest import Manifest
 args = json.loads(sys.argv[1])
 hub = S3Hub(args["bucket"], args["prefix"], endpoint_url=args["endpoint"], addressing_style="path",
             cache_dir=args["cache"], max_retries=3, retry_base_delay=0.001, retry_max_delay=0.01,

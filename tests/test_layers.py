@@ -1,6 +1,7 @@
-"""The package's layering (docs/design.md): no import cycles anywhere in it, and the product
-(``diloco_lightning.app``) depends on the library, never the other way. Read from the source
-(every import, at module level or inside a function), so a new edge fails here, not in review."""
+"""The package's layering (docs/design.md): the folders are the layers and each imports only
+the ones below it, no import cycles anywhere, and the product (``diloco_lightning.app``) depends on
+the library, never the other way. Read from the source (every import, at module level or inside
+a function; ``TYPE_CHECKING`` imports too for the layers), so a new edge fails here, not in review."""
 
 from __future__ import annotations
 
@@ -13,8 +14,22 @@ PACKAGE = Path(diloco_lightning.__file__).resolve().parent
 #: modules that only keep an old command's name working (``python -m diloco_lightning.summarize``)
 SHIMS = {"diloco_lightning.summarize"}
 
+#: the layers, lowest first; a module may import its own package and the layers below its own,
+#: never a peer of its rank (``master`` and ``worker`` never import each other) nor a layer above
+LAYERS: list[set[str]] = [
+    {"util"},
+    {"encoding", "outer", "models", "data"},  # torch only: the encodings, the outer optimizers, the product's model
+    {"wire"},
+    {"hub"},
+    {"master", "worker"},
+    {"sim"},
+    {"adapters"},
+    {"app"},
+]
+RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
-def _graph() -> dict[str, set[str]]:
+
+def _graph(type_checking: bool = False) -> dict[str, set[str]]:
     mods = {}
     for p in PACKAGE.rglob("*.py"):
         name = ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -28,7 +43,8 @@ def _graph() -> dict[str, set[str]]:
     def nodes(tree: ast.AST):
         """Every node, except what sits under ``if TYPE_CHECKING:`` (annotations, never imported at run time)."""
         for node in ast.iter_child_nodes(tree):
-            if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            if (not type_checking and isinstance(node, ast.If)
+                    and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"):
                 continue
             yield node
             yield from nodes(node)
@@ -93,3 +109,48 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def _package(module: str) -> str | None:
+    """``diloco_lightning.wire.delta.read`` -> ``wire``; the root package (and its shims) -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in RANK) else None
+
+
+def test_every_package_has_a_layer():
+    top = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert top - {"configs", "recipes"} <= set(RANK), f"packages without a layer in LAYERS: {sorted(top - set(RANK))}"
+    flat = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert flat == ["summarize"], f"modules outside the layer folders: {flat}"
+
+
+def test_each_layer_imports_only_the_layers_below():
+    bad = []
+    for m, deps in _graph(type_checking=True).items():
+        src = _package(m)
+        if src is None or m in SHIMS:
+            continue
+        for d in deps:
+            dst = _package(d)
+            if dst is None:
+                # the root package is the public face (DiLoCo, the old names): only the product may use it
+                if src != "app":
+                    bad.append((m, d))
+            elif dst != src and RANK[dst] >= RANK[src]:
+                bad.append((m, d))
+    assert not bad, "imports of a layer at or above the importer's own:\n" + "\n".join(f"  {m} -> {d}" for m, d in sorted(bad))
+
+
+def test_the_old_module_names_are_the_moved_modules():
+    import importlib
+
+    from diloco_lightning.util.aliases import MOVED
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from diloco_lightning.accelerate import DiLoCo as old_accelerate
+    from diloco_lightning.adapters.accelerate import DiLoCo as new_accelerate
+    from diloco_lightning.deltafile import read_delta, write_delta
+    from diloco_lightning.wire.delta import read_delta as new_read, write_delta as new_write
+
+    assert old_accelerate is new_accelerate and read_delta is new_read and write_delta is new_write

@@ -20,18 +20,18 @@ import torch
 from safetensors.torch import save_file
 
 
-from diloco_lightning import faults  # noqa: E402
-from diloco_lightning.deltafile import model_fingerprint, write_delta  # noqa: E402
-from diloco_lightning.globals import load_global, load_outer_state  # noqa: E402
+from diloco_lightning.util import faults  # noqa: E402
+from diloco_lightning.wire.delta import model_fingerprint, write_delta  # noqa: E402
+from diloco_lightning.hub.versions import load_global, load_outer_state  # noqa: E402
 from diloco_lightning.hub.base import DeltaRef  # noqa: E402
 from diloco_lightning.hub import open_hub  # noqa: E402
 from diloco_lightning.hub.local import FileHub  # noqa: E402
-from diloco_lightning.manifest import Lease  # noqa: E402
+from diloco_lightning.wire.manifest import Lease  # noqa: E402
 from diloco_lightning.master import REASONS, MasterConfigError, MasterOuterLoop  # noqa: E402
 from diloco_lightning.master.staging import write_safetensors_hashed  # noqa: E402
-from diloco_lightning.fileio import sha256_file  # noqa: E402
-from diloco_lightning.signing import RunKey  # noqa: E402
-from diloco_lightning.statefile import load_state_file, load_weights_file, save_state_file, save_weights_file  # noqa: E402
+from diloco_lightning.util.fileio import sha256_file  # noqa: E402
+from diloco_lightning.wire.signing import RunKey  # noqa: E402
+from diloco_lightning.wire.statefile import load_state_file, load_weights_file, save_state_file, save_weights_file  # noqa: E402
 
 from hf_server import FakeHubServer  # noqa: E402
 

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
 
-from diloco_lightning.deltafile import model_fingerprint, write_delta  # noqa: E402
+from diloco_lightning.wire.delta import model_fingerprint, write_delta  # noqa: E402
 from diloco_lightning.hub.local import FileHub  # noqa: E402
 from diloco_lightning.master import MasterOuterLoop  # noqa: E402
 

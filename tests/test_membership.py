@@ -11,14 +11,14 @@ import time
 import pytest
 import torch
 
-from diloco_lightning.deltafile import write_delta
+from diloco_lightning.wire.delta import write_delta
 from diloco_lightning.hub.local import FileHub
 from diloco_lightning.master import MasterOuterLoop
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.master.membership import Membership
 from diloco_lightning.master.quorum import ArrivalDeadline, deadline_from_offsets, quorum_count, quorum_size
-from diloco_lightning.nodeclaim import NodeClaim, NodeReport
-from diloco_lightning.options import OptionError
+from diloco_lightning.wire.claims import NodeClaim, NodeReport
+from diloco_lightning.util.options import OptionError
 from diloco_lightning.worker import DiLoCoWorker, WorkerOptions
 from diloco_lightning.worker.pacing import Pacing, StepClock, dylu_inner_steps
 
@@ -381,7 +381,7 @@ def test_accelerate_adapter_with_dylu(tmp_path):
     from accelerate.state import AcceleratorState, GradientState
     from torch import nn
 
-    from diloco_lightning.accelerate import DiLoCo
+    from diloco_lightning.adapters.accelerate import DiLoCo
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

@@ -243,7 +243,7 @@ def test_trainer_loss_goes_down(tmp_path, caplog):
     import time
 
     from diloco_lightning.data import TextDataModule
-    from diloco_lightning.lit_module import LlamaLightningModule
+    from diloco_lightning.models.lit_module import LlamaLightningModule
 
     caplog.set_level(logging.INFO)
     dm = TextDataModule(
@@ -279,7 +279,7 @@ def test_trainer_loss_goes_down(tmp_path, caplog):
 
 def _few_steps(tmp_path, **kw):
     from diloco_lightning.data import TextDataModule
-    from diloco_lightning.lit_module import LlamaLightningModule
+    from diloco_lightning.models.lit_module import LlamaLightningModule
 
     precision = kw.pop("precision", "32-true")
     dm = TextDataModule(
@@ -325,7 +325,7 @@ def test_bf16_mixed_runs(tmp_path):
 
 
 def test_lit_module_validation_and_schedule():
-    from diloco_lightning.lit_module import LlamaLightningModule, WarmupCosine, build_inner_optimizer
+    from diloco_lightning.models.lit_module import LlamaLightningModule, WarmupCosine, build_inner_optimizer
 
     with pytest.raises(ValueError, match="optimizer"):
         LlamaLightningModule(SMALL, optimizer="sgd")

@@ -151,8 +151,8 @@ def test_bad_precision_options_name_themselves():
 def test_master_publishes_bf16_outer_state_and_a_new_master_continues_bit_exact(tmp_path):
     """A master with ``state_dtype=bfloat16`` publishes bf16 buffers; another master adopts them
     (after the first one is gone) and continues exactly as one optimizer would have."""
-    from diloco_lightning.deltafile import model_fingerprint, write_delta
-    from diloco_lightning.globals import load_outer_state
+    from diloco_lightning.wire.delta import model_fingerprint, write_delta
+    from diloco_lightning.hub.versions import load_outer_state
     from diloco_lightning.hub.local import FileHub
     from diloco_lightning.master import MasterOuterLoop
 

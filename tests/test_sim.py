@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from diloco_lightning.master.config import MasterConfig
-from diloco_lightning.options import OptionError
+from diloco_lightning.util.options import OptionError
 from diloco_lightning.sim import InnerLoop, SimMaster, SimOptions, SimWorker, Simulator
 from diloco_lightning.worker.sync import draw_delay
 
@@ -334,7 +334,7 @@ def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, r
     from omegaconf import OmegaConf
 
     from diloco_lightning.app.sim import build_simulator
-    from diloco_lightning.globals import load_global
+    from diloco_lightning.hub.versions import load_global
     from diloco_lightning.hub import open_hub
     from diloco_lightning.worker.sync import load_version
 

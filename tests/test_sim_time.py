@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_dir
 from diloco_lightning.app.config import CONFIG_DIR, ConfigError, register_configs, validate
 
 from diloco_lightning.master.config import MasterConfig
-from diloco_lightning.options import OptionError
+from diloco_lightning.util.options import OptionError
 from diloco_lightning.sim import InnerLoop, SimMaster, SimOptions, SimWorker, Simulator
 from diloco_lightning.worker.pacing import dylu_inner_steps
 

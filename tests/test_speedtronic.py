@@ -27,12 +27,12 @@ from safetensors.torch import load_file, save_file
 
 import speedtronic_side as st  # noqa: E402  (skips this module when speedtronic is not installed)
 
-from diloco_lightning.deltafile import write_delta
+from diloco_lightning.wire.delta import write_delta
 from diloco_lightning.hub.hf import HFHub
 from diloco_lightning.hub.local import FileHub
 from diloco_lightning.master import MasterOuterLoop
-from diloco_lightning.names import LATEST_WEIGHTS_PATH, STEP_COUNT_PATH
-from diloco_lightning.options import OptionError
+from diloco_lightning.wire.names import LATEST_WEIGHTS_PATH, STEP_COUNT_PATH
+from diloco_lightning.util.options import OptionError
 from diloco_lightning.worker import DiLoCoWorker
 
 TOKEN = "hf_x"

@@ -19,7 +19,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from diloco_lightning import DiLoCo
 from diloco_lightning.hub.local import FileHub
 from diloco_lightning.master import MasterOuterLoop
-from diloco_lightning.waiting import Patience, format_duration
+from diloco_lightning.util.waiting import Patience, format_duration
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ ACCELERATE_SCRIPT = textwrap.dedent("""
     import sys
     import torch
     from accelerate import Accelerator
-    from diloco_lightning.accelerate import DiLoCo
+    from diloco_lightning.adapters.accelerate import DiLoCo
 
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(4, 1)

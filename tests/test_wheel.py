@@ -95,7 +95,7 @@ def test_diloco_master_from_a_foreign_folder(venv):
     _ok(_run([str(bin_dir / "python"), "-c", textwrap.dedent("""
         import torch
         from diloco_lightning.hub import open_hub
-        from diloco_lightning.statefile import save_weights_file
+        from diloco_lightning.wire.statefile import save_weights_file
         save_weights_file("init.safetensors", {"w": torch.ones(3, 2)})
         open_hub("hub").upload_init("init.safetensors", "w0")
     """)], cwd, env))

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_lightning.deltafile import model_fingerprint, read_delta
-from diloco_lightning.globals import stage_global
+from diloco_lightning.wire.delta import model_fingerprint, read_delta
+from diloco_lightning.hub.versions import stage_global
 from diloco_lightning.hub.local import FileHub
-from diloco_lightning.manifest import GlobalVersion, Manifest
-from diloco_lightning.signing import RunKey
-from diloco_lightning.statefile import load_weights_file
+from diloco_lightning.wire.manifest import GlobalVersion, Manifest
+from diloco_lightning.wire.signing import RunKey
+from diloco_lightning.wire.statefile import load_weights_file
 from diloco_lightning.worker import (
     DiLoCoWorker,
     WaitTimeoutError,

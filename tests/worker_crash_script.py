@@ -8,7 +8,7 @@ The model is one parameter vector ``p`` (initialised to 10) trained with SGD(lr=
 worker has done is a whole number of steps, and a master applying every delta exactly once
 (arrival mode, Nesterov lr=1, momentum 0) ends at ``10 + max_steps``, bit for bit. A
 checkpoint (``last.ckpt``) is saved at every boundary; the run resumes from it when it exists.
-Kill points come from ``DILOCO_FAULTS`` (``diloco_lightning.faults``).
+Kill points come from ``DILOCO_FAULTS`` (``diloco_lightning.util.faults``).
 
 Config: ``hub`` (a URL), ``hub_options``, ``ckpt_dir``, ``max_steps``, ``inner_steps``,
 ``signing_key`` (optional); for the elasticity tests (tests/test_elastic.py) also ``node_id``

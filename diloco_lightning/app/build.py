@@ -156,7 +156,7 @@ def model_config(cfg: DictConfig, vocab_size: int):
 
 
 def build_module(cfg: DictConfig, vocab_size: int):
-    from diloco_lightning.lit_module import LlamaLightningModule
+    from diloco_lightning.models.lit_module import LlamaLightningModule
 
     o = cfg.optim
     return LlamaLightningModule(
@@ -209,7 +209,7 @@ class Evaluator:
 
 def evaluate_global(cfg: DictConfig, hub, dm, evaluator: Evaluator | None = None) -> tuple[int, float]:
     """(outer_step, mean held-out loss) of the newest published global model."""
-    from diloco_lightning.globals import load_global
+    from diloco_lightning.hub.versions import load_global
 
     manifest, state = load_global(hub)
     return manifest.outer_step, (evaluator or Evaluator(cfg, dm)).loss(state)

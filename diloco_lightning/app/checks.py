@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from diloco_lightning.master.config import MasterConfig
-from diloco_lightning.options import OptionError
+from diloco_lightning.util.options import OptionError
 from diloco_lightning.sim.options import SimOptions
 from diloco_lightning.worker.options import WorkerOptions
 

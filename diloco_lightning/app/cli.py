@@ -60,8 +60,8 @@ def is_user_error(e: BaseException) -> bool:
 
     from diloco_lightning.app.config import ConfigError
     from diloco_lightning.hub.base import HubError
-    from diloco_lightning.manifest import ManifestError
-    from diloco_lightning.names import InvalidNameError
+    from diloco_lightning.wire.manifest import ManifestError
+    from diloco_lightning.wire.names import InvalidNameError
     from diloco_lightning.app.resources import ResourceError
 
     kinds: tuple[type[BaseException], ...] = (

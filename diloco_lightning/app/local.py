@@ -83,7 +83,7 @@ def _read_progress_timed(path: Path) -> list[tuple[int, float, float | None]]:
 
 def _progress_line(cfg: DictConfig, rdir: Path, elapsed: float) -> tuple[str, tuple]:
     """``[  42s] w0 step 30/160 loss 6.53 (0.3 s/step, ~39 s left) | w1 ...`` and a key that changes with news."""
-    from diloco_lightning.waiting import format_duration
+    from diloco_lightning.util.waiting import format_duration
 
     parts, key = [], []
     total = cfg.trainer.max_steps

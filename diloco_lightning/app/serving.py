@@ -26,7 +26,7 @@ def build(cfg):
     """The hub and the :class:`~diloco_lightning.master.MasterOuterLoop` a config describes."""
     from diloco_lightning.app.config import master_config, open_configured_hub, validate_master_command
     from diloco_lightning.master import MasterOuterLoop
-    from diloco_lightning.statefile import load_weights_file
+    from diloco_lightning.wire.statefile import load_weights_file
 
     validate_master_command(cfg)
     hub = open_configured_hub(cfg.hub)

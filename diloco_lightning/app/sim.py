@@ -102,7 +102,7 @@ def _fragments(cfg: DictConfig) -> Any:
 def expected_outer_steps(cfg: DictConfig) -> int:
     """The outer steps of a run of ``trainer.max_steps`` per worker (a step budget; with
     ``sim.max_time`` only an indication: the time decides)."""
-    from diloco_lightning.fragments import fragment_count
+    from diloco_lightning.wire.fragments import fragment_count
 
     # a boundary every H steps, or every H / F with fragments: one round per boundary
     rounds = cfg.trainer.max_steps // (nominal_inner_steps(cfg) // fragment_count(_fragments(cfg)))
@@ -197,7 +197,7 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
         (out / "progress.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in w.losses))
         (out / "summary.json").write_text(json.dumps(_worker_summary(cfg, sim, w), indent=2))
     if sim_options(cfg).save_weights:
-        from diloco_lightning.statefile import save_weights_file
+        from diloco_lightning.wire.statefile import save_weights_file
 
         save_weights_file(rdir / "global.safetensors", result.final_state, metadata={"outer_step": str(result.outer_steps)})
     (rdir / RESULTS_FILE).write_text(json.dumps(results, indent=2))

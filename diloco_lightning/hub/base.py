@@ -4,11 +4,11 @@ A hub holds (SPEC.md, "Hub layout")::
 
     nodes/<node_id>/delta_<local_step>.safetensors   one worker writes it once, never rewritten
     nodes/<node_id>/init.safetensors                 a worker's offered initial weights
-    global/manifest.json                             the published version (see diloco_lightning.manifest)
+    global/manifest.json                             the published version (see diloco_lightning.wire.manifest)
     global/weights_<outer_step>_<token>.safetensors  versioned weights, named by the manifest
     global/outer_state_<outer_step>_<token>.safetensors  the outer optimizer state of that version
     global/lease.json                                which master may publish (holder, epoch, expiry)
-    nodes/<node_id>/claim.json                       which worker runs node_id now (diloco_lightning.nodeclaim)
+    nodes/<node_id>/claim.json                       which worker runs node_id now (diloco_lightning.wire.claims)
     global/latest.safetensors, global/step_count.json   compat="speedtronic" only: Speedtronic's view
 
 Rules every transport keeps:
@@ -25,7 +25,7 @@ Rules every transport keeps:
 * Downloads land in a cache namespaced by hub path, so ``nodes/a/delta_3`` and
   ``nodes/b/delta_3`` can never share a cache file (Speedtronic 2.0.0 averages three
   copies of one file exactly this way).
-* Every path from the hub (listing, manifest) is validated by ``diloco_lightning.names``
+* Every path from the hub (listing, manifest) is validated by ``diloco_lightning.wire.names``
   before use; a bad node id or a path outside ``nodes/`` / ``global/`` raises
   ``InvalidNameError`` and nothing is written.
 """
@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Union
 
-from diloco_lightning.fileio import cache_root, sweep_temporaries
-from diloco_lightning.manifest import Lease, Manifest
-from diloco_lightning.nodeclaim import NodeClaim
-from diloco_lightning.names import (
+from diloco_lightning.util.fileio import cache_root, sweep_temporaries
+from diloco_lightning.wire.manifest import Lease, Manifest
+from diloco_lightning.wire.claims import NodeClaim
+from diloco_lightning.wire.names import (
     MANIFEST_PATH,
     MIRROR_PATHS,
     RESERVED_GLOBAL_PATHS,
@@ -134,7 +134,7 @@ class DeltaRef:
 
 def default_cache_dir(url: str) -> Path:
     """One folder per hub URL under ``$DILOCO_CACHE`` (the older, downloads-only name) or
-    :func:`~diloco_lightning.fileio.cache_root` (``$DILOCO_CACHE_DIR``, ``~/.cache/diloco_lightning``)."""
+    :func:`~diloco_lightning.util.fileio.cache_root` (``$DILOCO_CACHE_DIR``, ``~/.cache/diloco_lightning``)."""
     root = Path(os.environ["DILOCO_CACHE"]).expanduser() if os.environ.get("DILOCO_CACHE") else cache_root()
     return root / hashlib.sha256(url.encode()).hexdigest()[:16]
 
@@ -347,8 +347,8 @@ class Hub(abc.ABC):
         """:meth:`list_claims` for a remote transport: ``(path, size, version token)`` of the files
         under ``nodes/`` (one listing); a claim whose token is the one seen last time is not read
         again, so a poll costs one listing plus one read per heartbeat that changed."""
-        from diloco_lightning.names import parse_claim_path
-        from diloco_lightning.nodeclaim import MAX_CLAIM_BYTES
+        from diloco_lightning.wire.names import parse_claim_path
+        from diloco_lightning.wire.claims import MAX_CLAIM_BYTES
 
         cache: dict[str, tuple[str, NodeClaim | None]] = self.__dict__.setdefault("_claim_versions", {})
         out: dict[str, NodeClaim] = {}

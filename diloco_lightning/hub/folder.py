@@ -30,10 +30,10 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from diloco_lightning import faults
-from diloco_lightning.fileio import temp_prefix
+from diloco_lightning.util import faults
+from diloco_lightning.util.fileio import temp_prefix
 from diloco_lightning.hub.base import HubError
-from diloco_lightning.names import GLOBAL_DIR
+from diloco_lightning.wire.names import GLOBAL_DIR
 
 __all__ = ["HubFolder"]
 

@@ -50,7 +50,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from diloco_lightning import faults
+from diloco_lightning.util import faults
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
@@ -76,9 +76,9 @@ from diloco_lightning.hub.hf_http import (
     _retry_after,  # noqa: F401 - importable from here, as before
 )
 from diloco_lightning.hub.pacing import DEFAULT_COMMITS_PER_HOUR, CommitBudget
-from diloco_lightning.manifest import Lease, Manifest
-from diloco_lightning.nodeclaim import ClaimError, NodeClaim
-from diloco_lightning.names import (
+from diloco_lightning.wire.manifest import Lease, Manifest
+from diloco_lightning.wire.claims import ClaimError, NodeClaim
+from diloco_lightning.wire.names import (
     GLOBAL_DIR,
     LEASE_PATH,
     MANIFEST_PATH,
@@ -192,7 +192,7 @@ class HFHub(HFRequests, Hub):
     # ------------------------------------------------------------------ HTTP plumbing
 
     def _fault(self, label: str) -> None:
-        # crash points for tests (diloco_lightning.faults), reached by the hub that owns this one if any
+        # crash points for tests (diloco_lightning.util.faults), reached by the hub that owns this one if any
         faults.point(label, self.fault_owner or self)
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from diloco_lightning.fileio import temp_prefix
+from diloco_lightning.util.fileio import temp_prefix
 from diloco_lightning.hub.base import (
     HubAuthError,
     HubError,
@@ -43,7 +43,7 @@ from diloco_lightning.hub.hf_guard import (
     _TransientError,
 )
 from diloco_lightning.hub.pacing import CommitBudget
-from diloco_lightning.names import validate_hub_path
+from diloco_lightning.wire.names import validate_hub_path
 
 log = logging.getLogger(__name__)
 
@@ -403,7 +403,7 @@ class HFRequests:
                 etag = meta.etag
         etag = _norm_etag(etag)
         if etag and len(etag) == 64:
-            from diloco_lightning.fileio import sha256_file
+            from diloco_lightning.util.fileio import sha256_file
 
             return sha256_file(local) == etag
         if etag and len(etag) == 40:

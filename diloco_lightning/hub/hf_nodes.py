@@ -65,8 +65,8 @@ from diloco_lightning.hub.base import (
 )
 from diloco_lightning.hub.hf import HFHub
 from diloco_lightning.hub.hf_http import _EntryMissing
-from diloco_lightning.manifest import Lease, Manifest
-from diloco_lightning.names import (
+from diloco_lightning.wire.manifest import Lease, Manifest
+from diloco_lightning.wire.names import (
     GLOBAL_DIR,
     NODE_ID_RE,
     NODES_DIR,
@@ -78,8 +78,8 @@ from diloco_lightning.names import (
     validate_hub_path,
     validate_node_id,
 )
-from diloco_lightning.nodeclaim import NodeClaim
-from diloco_lightning.signing import load_run_key
+from diloco_lightning.wire.claims import NodeClaim
+from diloco_lightning.wire.signing import load_run_key
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 from urllib.parse import quote
 
-from diloco_lightning import faults
-from diloco_lightning.fileio import atomic_write_bytes, sweep_temporaries, temp_prefix
+from diloco_lightning.util import faults
+from diloco_lightning.util.fileio import atomic_write_bytes, sweep_temporaries, temp_prefix
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
@@ -59,9 +59,9 @@ from diloco_lightning.hub.base import (
     default_cache_dir,
 )
 from diloco_lightning.hub.folder import HubFolder
-from diloco_lightning.manifest import Lease, Manifest
-from diloco_lightning.nodeclaim import MAX_CLAIM_BYTES, ClaimError, NodeClaim
-from diloco_lightning.names import (
+from diloco_lightning.wire.manifest import Lease, Manifest
+from diloco_lightning.wire.claims import MAX_CLAIM_BYTES, ClaimError, NodeClaim
+from diloco_lightning.wire.names import (
     CLAIM_NAME,
     GLOBAL_DIR,
     LEASE_PATH,
@@ -110,7 +110,7 @@ class FileHub(Hub):
         return self.root / validate_hub_path(hub_path)
 
     def _fault(self, label: str) -> None:
-        faults.point(label, self)  # crash points for tests (diloco_lightning.faults)
+        faults.point(label, self)  # crash points for tests (diloco_lightning.util.faults)
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         with self._warned_lock:

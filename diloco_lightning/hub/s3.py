@@ -44,7 +44,7 @@ How each rule of ``diloco_lightning.hub.base`` is kept:
 * The lease uses the same conditional writes on ``global/lease.json``; releasing it writes an
   empty object (read back as "no lease") instead of deleting it, so no conditional DELETE is
   needed. A CAS whose answer was lost is recognised by reading back exactly the bytes written.
-  Node claims (``nodes/<node_id>/claim.json``, :mod:`diloco_lightning.nodeclaim`) work the same
+  Node claims (``nodes/<node_id>/claim.json``, :mod:`diloco_lightning.wire.claims`) work the same
   way; listings skip them.
 * Listing: one paginated ``ListObjectsV2`` of ``<prefix>/nodes/`` (sizes go into ``DeltaRef``),
   filtered by the ledger here. A ``StartAfter`` cannot skip what the ledger covers: keys sort
@@ -77,7 +77,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from diloco_lightning import faults
+from diloco_lightning.util import faults
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
@@ -93,9 +93,9 @@ from diloco_lightning.hub.base import (
     default_cache_dir,
 )
 from diloco_lightning.hub.s3_store import HubUnavailableError, Missing, Precondition, S3Store, parse_s3_url
-from diloco_lightning.manifest import Lease, Manifest, ManifestError
-from diloco_lightning.nodeclaim import ClaimError, NodeClaim
-from diloco_lightning.names import (
+from diloco_lightning.wire.manifest import Lease, Manifest, ManifestError
+from diloco_lightning.wire.claims import ClaimError, NodeClaim
+from diloco_lightning.wire.names import (
     GLOBAL_DIR,
     LEASE_PATH,
     MANIFEST_PATH,
@@ -168,7 +168,7 @@ class S3Hub(Hub):
             self.store.check_conditional_writes(GLOBAL_DIR)
 
     def _fault(self, label: str) -> None:
-        faults.point(label, self)  # crash points for tests (diloco_lightning.faults)
+        faults.point(label, self)  # crash points for tests (diloco_lightning.util.faults)
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         with self._warned_lock:

@@ -41,7 +41,7 @@ import uuid
 from pathlib import Path
 from typing import Any, List
 
-from diloco_lightning.fileio import atomic_path
+from diloco_lightning.util.fileio import atomic_path
 from diloco_lightning.hub.base import HubAuthError, HubError, HubFileTooLargeError, HubNotFoundError, HubUnavailableError
 from diloco_lightning.hub.s3_client import (  # noqa: F401 - re-exported: the store's names, importable from here
     ADDRESSING_STYLES,

@@ -91,7 +91,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from diloco_lightning.deltafile import (
+from diloco_lightning.wire.delta import (
     DeltaFileError,
     DeltaHeader,
     HeaderError,
@@ -102,10 +102,10 @@ from diloco_lightning.deltafile import (
     read_delta_header,
 )
 from diloco_lightning.hub.base import Hub, HubError, HubFileTooLargeError, HubNotFoundError
-from diloco_lightning.manifest import Manifest
+from diloco_lightning.wire.manifest import Manifest
 from diloco_lightning.master.config import MasterConfigError
 from diloco_lightning.master.runstate import check_state
-from diloco_lightning.names import (
+from diloco_lightning.wire.names import (
     LATEST_WEIGHTS_PATH,
     MAX_STEP,
     STEP_COUNT_PATH,
@@ -114,9 +114,9 @@ from diloco_lightning.names import (
     validate_global_data_path,
     validate_node_id,
 )
-from diloco_lightning.options import OptionError
-from diloco_lightning.statefile import StateFileError, load_weights_file
-from diloco_lightning.stheader import LayoutError
+from diloco_lightning.util.options import OptionError
+from diloco_lightning.wire.statefile import StateFileError, load_weights_file
+from diloco_lightning.wire.layout import LayoutError
 
 if TYPE_CHECKING:  # pragma: no cover
     from diloco_lightning.master.runstate import RunState
@@ -160,7 +160,7 @@ class SpeedtronicAdoptionError(HubError):
 
 def parse_speedtronic_header(path: str | Path, md: Mapping[str, str] | None) -> DeltaHeader:
     """The header of a Speedtronic 2.0 delta, checked (see the module docstring); raises a
-    :class:`~diloco_lightning.deltafile.DeltaFileError` (``header``, ``node_id``) with a reason."""
+    :class:`~diloco_lightning.wire.delta.DeltaFileError` (``header``, ``node_id``) with a reason."""
     md = dict(md or {})
     for k in _HEADER_KEYS:
         if k not in md:

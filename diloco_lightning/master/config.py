@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from diloco_lightning.master.quorum import AUTO, is_fraction
-from diloco_lightning.options import OptionError, check_choice, check_number, option
-from diloco_lightning.fragments import FragmentError, FragmentPlan, check_fragments_option, fragment_count
+from diloco_lightning.util.options import OptionError, check_choice, check_number, option
+from diloco_lightning.wire.fragments import FragmentError, FragmentPlan, check_fragments_option, fragment_count
 
 __all__ = ["AGGREGATIONS", "COMPAT_MODES", "WEIGHTINGS", "MasterConfig", "MasterConfigError", "OptionError",
            "with_run_fragments"]
@@ -91,7 +91,7 @@ class MasterConfig:
         return [f.name for f in fields(cls)]
 
     def validate(self) -> "MasterConfig":
-        """Raise :class:`~diloco_lightning.options.OptionError` naming the first option out of range."""
+        """Raise :class:`~diloco_lightning.util.options.OptionError` naming the first option out of range."""
         if not isinstance(self.outer_optimizer, str) or not self.outer_optimizer:
             raise OptionError("outer_optimizer", f"must be an optimizer name, got {self.outer_optimizer!r}")
         if not isinstance(self.outer_options, Mapping):

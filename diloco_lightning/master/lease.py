@@ -29,8 +29,8 @@ import uuid
 from typing import Callable
 
 from diloco_lightning.hub.base import Hub, LeaseConflictError
-from diloco_lightning.manifest import Lease
-from diloco_lightning.signing import RunKey
+from diloco_lightning.wire.manifest import Lease
+from diloco_lightning.wire.signing import RunKey
 
 __all__ = ["LeaseKeeper", "default_holder"]
 

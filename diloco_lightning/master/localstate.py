@@ -13,7 +13,7 @@ included. A crash at any point leaves either the previous record (whose files ar
 there: old files are removed only after the new record is in place) or the new one.
 Because the record is written *after* the remote publication, the hub is never older than
 the local state, and on restart the master adopts whichever is newer (the hub on ties).
-No pickle: the files are safetensors with a JSON header (``diloco_lightning.statefile``).
+No pickle: the files are safetensors with a JSON header (``diloco_lightning.wire.statefile``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco_lightning.fileio import atomic_write_json
-from diloco_lightning.manifest import Manifest, ManifestError
+from diloco_lightning.util.fileio import atomic_write_json
+from diloco_lightning.wire.manifest import Manifest, ManifestError
 
 __all__ = ["LOCAL_FORMAT", "METADATA_NAME", "LocalRecord", "save_record", "load_record", "cleanup"]
 

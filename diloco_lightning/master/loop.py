@@ -37,13 +37,13 @@
   ``g = sum(w_i * gate(tau_i) * delta_i) / sum(w_i)`` (``w_i`` 1, or ``num_tokens`` with
   ``weighting="tokens"``), then one step with ``gated=True``. In ``aggregation="arrival"``
   every accepted delta is its own outer step and its own published version, with its own
-  staleness, in a deterministic order (see :meth:`MasterOuterLoop._arrival_order`).
+  staleness, in a deterministic order (see :func:`~diloco_lightning.master.aggregation.arrival_order`).
   ``pa_cgad`` in round mode: each delta is gated on ``max(tau_i, age_f)`` (its fragment's age)
   before the mean, as the paper defines it, and the step gates nothing again
   (``PACGAD.step_pregated``); deltas whose gate is 0 are rejected as ``too_stale``. Only a
   PA-CGAD given fragments of its own in ``outer_options``, in a run without ``fragments``, keeps
   the older rule (average ungated, gate each fragment on ``max(tau_max, age_f)``). With
-  ``fragments`` (Streaming DiLoCo, :mod:`diloco_lightning.fragments`) each fragment's deltas
+  ``fragments`` (Streaming DiLoCo, :mod:`diloco_lightning.wire.fragments`) each fragment's deltas
   make their own mean with their fragment's staleness (``master/rounds.py``).
 * **Quorum.** ``min_deltas`` accepted deltas before a round is applied, or a fraction of the
   live nodes (``min_deltas=0.75``; :mod:`diloco_lightning.master.membership` follows the
@@ -83,10 +83,10 @@ from typing import Any
 
 import torch
 
-from diloco_lightning.globals import UnauthenticatedVersionError, verify_manifest
+from diloco_lightning.hub.versions import UnauthenticatedVersionError, verify_manifest
 from diloco_lightning.hub import open_hub
 from diloco_lightning.hub.base import Hub, PublishConflictError
-from diloco_lightning.manifest import GlobalVersion, ManifestError
+from diloco_lightning.wire.manifest import GlobalVersion, ManifestError
 from diloco_lightning.master import localstate
 from diloco_lightning.master.compat import make_compat
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig, MasterConfigError
@@ -98,8 +98,8 @@ from diloco_lightning.master.publication import LeaseLost, Publisher
 from diloco_lightning.master.rounds import Rounds
 from diloco_lightning.master.runstate import RunState, check_state, cpu_clone
 from diloco_lightning.master.validation import DeltaValidator
-from diloco_lightning.names import MANIFEST_PATH, parse_delta_path
-from diloco_lightning.signing import RunKey, load_run_key
+from diloco_lightning.wire.names import MANIFEST_PATH, parse_delta_path
+from diloco_lightning.wire.signing import RunKey, load_run_key
 
 __all__ = ["MasterOuterLoop", "MasterConfig", "MasterConfigError", "ProcessedDeltas", "AGGREGATIONS", "WEIGHTINGS"]
 

@@ -2,7 +2,7 @@
 
 Every worker claims its node id on the hub and renews the claim (its heartbeat) every half
 ``claim_ttl`` (:mod:`diloco_lightning.worker.claim`); each heartbeat carries what the worker
-reports about itself (:class:`~diloco_lightning.nodeclaim.NodeReport`). :class:`Membership`
+reports about itself (:class:`~diloco_lightning.wire.claims.NodeReport`). :class:`Membership`
 reads the claims (``Hub.list_claims``) and keeps, per node, when it last heard from it **on the
 master's own clock**: a heartbeat counts when the master sees the claim change (new
 ``renewed_at``, holder or epoch), and an accepted delta counts too (:meth:`Membership.heard`).
@@ -39,8 +39,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from diloco_lightning.nodeclaim import NodeClaim, NodeReport
-from diloco_lightning.waiting import format_duration
+from diloco_lightning.wire.claims import NodeClaim, NodeReport
+from diloco_lightning.util.waiting import format_duration
 
 __all__ = ["Membership", "NodeState", "claim_ttl", "MIN_TIMEOUT", "MAX_TIMEOUT", "MAX_REFRESH"]
 

@@ -30,16 +30,16 @@ from typing import Any
 
 import torch
 
-from diloco_lightning import faults
-from diloco_lightning.fileio import sweep_temporaries
+from diloco_lightning.util import faults
+from diloco_lightning.util.fileio import sweep_temporaries
 from diloco_lightning.hub.base import Hub
-from diloco_lightning.manifest import GlobalVersion, Manifest
+from diloco_lightning.wire.manifest import GlobalVersion, Manifest
 from diloco_lightning.master import localstate
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.master.lease import LeaseKeeper
 from diloco_lightning.master.runstate import RunState
 from diloco_lightning.master.staging import stage_version
-from diloco_lightning.signing import RunKey
+from diloco_lightning.wire.signing import RunKey
 
 __all__ = ["LeaseLost", "Publisher", "global_file_step"]
 
@@ -63,7 +63,7 @@ def global_file_step(path: str) -> int | None:
 
 class Publisher:
     """See the module docstring. ``owner`` receives the crash points (``staged``, ``published``,
-    ``saved``) of :mod:`diloco_lightning.faults`."""
+    ``saved``) of :mod:`diloco_lightning.util.faults`."""
 
     def __init__(
         self,

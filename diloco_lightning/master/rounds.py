@@ -7,7 +7,7 @@
   paper defines it (``age_f``: outer steps since the delta's fragment was last updated), then steps
   without gating again (only a run without fragments whose PA-CGAD was given fragments of its own in
   ``outer_options`` keeps the older rule: average ungated, gate each fragment on ``max(tau_max, age_f)``).
-* Fragments (``diloco_lightning/fragments.py``): each fragment's deltas make their own mean
+* Fragments (``diloco_lightning/wire/fragments.py``): each fragment's deltas make their own mean
   (:class:`~diloco_lightning.master.aggregation.FragmentSums`), with the fragment's staleness (its
   outer steps since the delta's base) and gate; the step updates the fragments that had deltas,
   and the manifest counts one more outer step for each of them.
@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diloco_lightning import faults
-from diloco_lightning.compression import decode_delta
-from diloco_lightning.deltafile import DeltaFileError, is_synced
+from diloco_lightning.util import faults
+from diloco_lightning.encoding.feedback import decode_delta
+from diloco_lightning.wire.delta import DeltaFileError, is_synced
 from diloco_lightning.hub.base import DeltaRef, PublishConflictError
 from diloco_lightning.master.aggregation import (
     FragmentSums,

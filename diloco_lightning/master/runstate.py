@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from diloco_lightning.deltafile import is_synced, model_fingerprint
-from diloco_lightning.fragments import (
+from diloco_lightning.wire.delta import is_synced, model_fingerprint
+from diloco_lightning.wire.fragments import (
     FragmentError,
     FragmentPlan,
     build_plan,
@@ -31,15 +31,15 @@ from diloco_lightning.fragments import (
     split_optimizer_state,
     stepped_state,
 )
-from diloco_lightning.globals import load_global, load_outer_state
+from diloco_lightning.hub.versions import load_global, load_outer_state
 from diloco_lightning.hub.base import Hub
-from diloco_lightning.manifest import Manifest, ManifestError, parse_fragments
+from diloco_lightning.wire.manifest import Manifest, ManifestError, parse_fragments
 from diloco_lightning.master import localstate
 from diloco_lightning.master.config import MasterConfig, MasterConfigError, with_run_fragments
-from diloco_lightning.names import init_path
-from diloco_lightning.signing import RunKey
-from diloco_lightning.statefile import StateFileError, load_state_file, load_weights_file
-from diloco_lightning.stheader import LayoutError, read_layout
+from diloco_lightning.wire.names import init_path
+from diloco_lightning.wire.signing import RunKey
+from diloco_lightning.wire.statefile import StateFileError, load_state_file, load_weights_file
+from diloco_lightning.wire.layout import LayoutError, read_layout
 
 __all__ = ["RunState", "check_state", "STATE_DICT_FORMAT"]
 
@@ -111,7 +111,7 @@ class RunState:
         return build_outer_optimizer(self.config.outer_optimizer, self.opt_state(state, plan), **options)
 
     def opt_state(self, state: Mapping[str, torch.Tensor], plan: FragmentPlan | None = None) -> dict[str, torch.Tensor]:
-        """What the outer optimizer steps on (:func:`~diloco_lightning.fragments.stepped_state`)."""
+        """What the outer optimizer steps on (:func:`~diloco_lightning.wire.fragments.stepped_state`)."""
         return stepped_state(plan if plan is not None else self.plan, state)
 
     def _load_optimizer(self, opt: Any, saved: Mapping[str, Any], state: Mapping[str, torch.Tensor], hm: Manifest) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_lightning.master.metrics import format_progress
-from diloco_lightning.waiting import Patience
+from diloco_lightning.util.waiting import Patience
 
 __all__ = ["ServeReport", "backoff_delay", "serve"]
 

@@ -1,9 +1,9 @@
 """Staging a version for publication: the weights and optimizer-state files, written and hashed in one pass.
 
-Produces exactly the files of :func:`diloco_lightning.globals.stage_global` (a flat
+Produces exactly the files of :func:`diloco_lightning.hub.versions.stage_global` (a flat
 safetensors weights file with ``outer_step`` in its metadata; a ``diloco-state/1`` state
-file for the optimizer), readable by :func:`~diloco_lightning.globals.load_global` and
-:func:`~diloco_lightning.globals.load_outer_state`, but faster on the master's hot path:
+file for the optimizer), readable by :func:`~diloco_lightning.hub.versions.load_global` and
+:func:`~diloco_lightning.hub.versions.load_outer_state`, but faster on the master's hot path:
 
 * the safetensors body is written straight from the tensors' memory, and the SHA-256 the
   manifest needs is computed from the same buffers on a second thread while the file is
@@ -28,11 +28,11 @@ from typing import Any, Mapping
 
 import torch
 
-from diloco_lightning.deltafile import model_fingerprint
-from diloco_lightning.fileio import sha256_file
-from diloco_lightning.globals import StagedGlobal
-from diloco_lightning.names import global_outer_state_path, global_weights_path
-from diloco_lightning.statefile import STATE_FORMAT, pack_state_dict, save_state_file, save_weights_file
+from diloco_lightning.wire.delta import model_fingerprint
+from diloco_lightning.util.fileio import sha256_file
+from diloco_lightning.hub.versions import StagedGlobal
+from diloco_lightning.wire.names import global_outer_state_path, global_weights_path
+from diloco_lightning.wire.statefile import STATE_FORMAT, pack_state_dict, save_state_file, save_weights_file
 
 __all__ = ["stage_version", "write_safetensors_hashed"]
 

@@ -10,7 +10,7 @@ Reasons, in the order the checks run:
 ``replay``             the identity (node, local_step) is at or below the node's ledger mark,
                        or listed twice: it was already processed (never downloaded)
 ``size``               the listed or downloaded file is larger than a delta of this model can
-                       honestly be (:func:`~diloco_lightning.deltafile.max_delta_bytes`), or its
+                       honestly be (:func:`~diloco_lightning.wire.delta.max_delta_bytes`), or its
                        header is: refused before it is downloaded, or while it is
 ``download``           the download failed ``max_download_attempts`` times in a row
 ``unreadable``         not a safetensors file (truncated, garbage, inconsistent offsets)
@@ -65,7 +65,7 @@ once ``norm_min_history`` accepted norms are known, and the window of accepted n
 published with the optimizer state so a master that takes over decides exactly as the
 previous one would have.
 
-Fragments (``diloco_lightning/fragments.py``): a fragment's delta is checked against that
+Fragments (``diloco_lightning/wire/fragments.py``): a fragment's delta is checked against that
 fragment's keys only (names, shapes, dtypes, size bounds); its staleness is the fragment's outer
 steps since its base (``outer_step`` count now minus the header's ``base_fragment_step``), and its
 gate the optimizer's for that fragment (PA-CGAD: ``gate(max(tau, age_f))``). The norm bounds take
@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
-from diloco_lightning.deltafile import (
+from diloco_lightning.wire.delta import (
     Delta,
     DeltaFileError,
     HeaderError,
@@ -98,8 +98,8 @@ from diloco_lightning.deltafile import (
     synced_keys,
 )
 from diloco_lightning.encoding import EncodedTensor, sum_of_squares
-from diloco_lightning.fragments import FragmentError, FragmentPlan, parse_fragment_header
-from diloco_lightning.signing import RunKey
+from diloco_lightning.wire.fragments import FragmentError, FragmentPlan, parse_fragment_header
+from diloco_lightning.wire.signing import RunKey
 
 if TYPE_CHECKING:  # pragma: no cover
     from diloco_lightning.master.config import MasterConfig

@@ -45,7 +45,7 @@ log-normal factor drawn from the seed, worker and phase. The quorum of a round (
 stays what it was: rounds close every ``quorum`` deltas, whoever sends them. Every published
 version and every evaluation carries its simulated time, so loss can be read against time.
 
-Fragments (Streaming DiLoCo, ``diloco_lightning/fragments.py``; the workers' and the master's
+Fragments (Streaming DiLoCo, ``diloco_lightning/wire/fragments.py``; the workers' and the master's
 ``fragments`` must agree): a phase is then the ``H / F`` steps between two boundaries and its
 delta carries one fragment (:class:`~diloco_lightning.sim.inner.SimWorker`), so every schedule
 above counts boundaries where it counted phases (lockstep: round ``s`` is every worker's
@@ -69,7 +69,7 @@ those of the workers still live. Deltas then carry different numbers of tokens; 
 ``weighting="tokens"`` weights them by it.
 
 The pseudo-gradient is encoded as a real worker encodes it (``delta_dtype``: a float cast, int8,
-int4 or top-k, with the worker's error-feedback residual: :class:`~diloco_lightning.compression.
+int4 or top-k, with the worker's error-feedback residual: :class:`~diloco_lightning.encoding.feedback.
 ErrorFeedback`, one per worker) and decoded as the master decodes it, before the master sees it.
 """
 
@@ -95,7 +95,7 @@ from diloco_lightning.worker.options import SYNC_MODES, feedback_of, resolve_enc
 from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.pacing import dylu_inner_steps
 from diloco_lightning.worker.sync import draw_delay, resolve_delay
-from diloco_lightning.compression import ErrorFeedback, decode_delta
+from diloco_lightning.encoding.feedback import ErrorFeedback, decode_delta
 from diloco_lightning.encoding import EncodingSpec
 
 __all__ = ["SimResult", "Simulator", "as_received"]

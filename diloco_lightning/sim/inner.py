@@ -12,7 +12,7 @@ does between two boundaries: install a global version in place
 from phase to phase, as in the product.
 
 With fragments (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512;
-``diloco_lightning/fragments.py``) a phase is ``inner_steps / F`` steps between two boundaries,
+``diloco_lightning/wire/fragments.py``) a phase is ``inner_steps / F`` steps between two boundaries,
 as the product's worker has them: the ``r``-th boundary exports fragment ``plan.fragment_at(r)``
 against that fragment's own anchor, and that same fragment is then installed from the version
 the next phase starts from: always in lockstep (the product installs exactly version
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diloco_lightning.deltafile import synced_keys
-from diloco_lightning.fragments import build_plan
+from diloco_lightning.wire.delta import synced_keys
+from diloco_lightning.wire.fragments import build_plan
 from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.params import copy_into
 

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diloco_lightning.deltafile import is_synced
-from diloco_lightning.fragments import build_plan, stepped_state
+from diloco_lightning.wire.delta import is_synced
+from diloco_lightning.wire.fragments import build_plan, stepped_state
 from diloco_lightning.master.aggregation import FragmentSums, NonFiniteAggregate, RoundSum, arrival_step, round_step
 from diloco_lightning.master.config import MasterConfig, with_run_fragments
 from diloco_lightning.master.metrics import RoundMetrics

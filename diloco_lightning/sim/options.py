@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from diloco_lightning.options import OptionError, check_choice, check_number, option
+from diloco_lightning.util.options import OptionError, check_choice, check_number, option
 
 __all__ = ["DELAY_PER", "SPEED_LAWS", "SimOptions", "phase_end"]
 
@@ -109,7 +109,7 @@ class SimOptions:
         return [f.name for f in fields(cls)]
 
     def validate(self, workers: int | None = None) -> SimOptions:
-        """Raise :class:`~diloco_lightning.options.OptionError` naming the first option out of range."""
+        """Raise :class:`~diloco_lightning.util.options.OptionError` naming the first option out of range."""
         if self.speeds is not None:
             speeds = list(self.speeds)
             ok = all(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0

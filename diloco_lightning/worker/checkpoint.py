@@ -5,7 +5,7 @@ doubtful upload with its step, fresh content) into plain dicts of tensors and ba
 checkpoint (Lightning's, or any ``torch.save``) carries them; :func:`step_offset_of` reads the
 numbering offset, deriving it for checkpoints written before it was recorded.
 :func:`pack_residual` / :func:`unpack_residual` carry the error-feedback residual (what the
-encoding of the deltas sent so far dropped, owed to the next one: ``compression.py``).
+encoding of the deltas sent so far dropped, owed to the next one: ``encoding/feedback.py``).
 :func:`worker_state` / :func:`anchor_state` (and their ``load_`` inverses) are what
 ``DiLoCoWorker.state_dict`` / ``anchor_state`` return and restore.
 """

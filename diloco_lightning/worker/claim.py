@@ -1,4 +1,4 @@
-"""A worker's claim on its node id (``nodes/<node_id>/claim.json``, :mod:`diloco_lightning.nodeclaim`).
+"""A worker's claim on its node id (``nodes/<node_id>/claim.json``, :mod:`diloco_lightning.wire.claims`).
 
 :class:`ClaimKeeper` takes the claim when the worker starts, renews its heartbeat from a
 light background thread every ``ttl / 2`` seconds (on ``hf://`` each renewal is a commit:
@@ -14,7 +14,7 @@ claimed the id) marks itself lost; the worker then stops at its next boundary ra
 sending deltas under an id someone else now runs.
 
 Each heartbeat carries what the worker reports about itself (``info``: a
-:class:`~diloco_lightning.nodeclaim.NodeReport`, set by the worker at each boundary; the first
+:class:`~diloco_lightning.wire.claims.NodeReport`, set by the worker at each boundary; the first
 report is sent at once rather than half a ``ttl`` later, so the others learn a newcomer's speed
 early). A keeper that ``watch_peers`` (a worker with Dynamic Local Updates) also reads the
 other nodes' claims after each heartbeat (:meth:`ClaimKeeper.peer_reports`), on this light
@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from diloco_lightning.hub.base import ClaimConflictError, Hub
-from diloco_lightning.nodeclaim import NodeClaim, NodeReport
-from diloco_lightning.waiting import format_duration
+from diloco_lightning.wire.claims import NodeClaim, NodeReport
+from diloco_lightning.util.waiting import format_duration
 from diloco_lightning.worker.sync import WorkerError
 
 __all__ = ["ClaimKeeper", "NodeIdTakenError", "default_claim_ttl", "worker_holder"]

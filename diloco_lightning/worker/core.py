@@ -6,7 +6,7 @@ steps, decided by the adapter), does:
 
 1. **export**: a CPU FP32 copy of every floating parameter (``snapshot``; pinned and
    non-blocking when the model is on CUDA). The pseudo-gradient ``anchor - snapshot`` is
-   computed, encoded (``delta_dtype``, with error feedback: ``compression.py``), written and
+   computed, encoded (``delta_dtype``, with error feedback: ``encoding/feedback.py``), written and
    uploaded by the background uploader, so the training thread pays for one copy of the
    weights and nothing else.
 2. **anchor moves** to the snapshot (the next delta covers only the next inner phase), or to
@@ -44,16 +44,16 @@ from typing import Any
 
 import torch
 
-from diloco_lightning import faults
-from diloco_lightning.compression import ErrorFeedback
-from diloco_lightning.deltafile import model_fingerprint, synced_keys
-from diloco_lightning.fileio import make_owned_dir, sweep_owned_dirs
-from diloco_lightning.fragments import FragmentPlan, build_plan, fragment_count
-from diloco_lightning.globals import read_verified_manifest
+from diloco_lightning.util import faults
+from diloco_lightning.encoding.feedback import ErrorFeedback
+from diloco_lightning.wire.delta import model_fingerprint, synced_keys
+from diloco_lightning.util.fileio import make_owned_dir, sweep_owned_dirs
+from diloco_lightning.wire.fragments import FragmentPlan, build_plan, fragment_count
+from diloco_lightning.hub.versions import read_verified_manifest
 from diloco_lightning.hub import Hub, open_hub
-from diloco_lightning.manifest import Manifest
-from diloco_lightning.names import validate_node_id
-from diloco_lightning.signing import RunKey, load_run_key
+from diloco_lightning.wire.manifest import Manifest
+from diloco_lightning.wire.names import validate_node_id
+from diloco_lightning.wire.signing import RunKey, load_run_key
 from diloco_lightning.worker import checkpoint, modes
 from diloco_lightning.worker.claim import ClaimKeeper
 from diloco_lightning.worker.fragstate import FragmentBook
@@ -100,7 +100,7 @@ class DiLoCoWorker:
         topk_values: ``delta_dtype="topk"``: ``"int8"`` or ``"int4"`` values.
         error_feedback: add what the encoding dropped to the next delta (None: on for int8, int4
             and topk, off for the float casts); the residual is part of :meth:`anchor_state`.
-        signing_key: a :class:`~diloco_lightning.signing.RunKey`, key text/bytes, or None to
+        signing_key: a :class:`~diloco_lightning.wire.signing.RunKey`, key text/bytes, or None to
             take ``DILOCO_RUN_KEY`` / ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned
             when neither is set).
         wait_timeout: seconds a blocking wait may last (bootstrap, lockstep, the final flush)
@@ -163,7 +163,7 @@ class DiLoCoWorker:
         if not self.synced:
             raise ValueError("params has no floating-point tensor to sync")
         self.fingerprint = model_fingerprint(self.params)
-        #: the fragments (Streaming DiLoCo; ``diloco_lightning/fragments.py``), None: one delta of every key
+        #: the fragments (Streaming DiLoCo; ``diloco_lightning/wire/fragments.py``), None: one delta of every key
         self.plan: FragmentPlan | None = build_plan(fragments, {k: self.params[k] for k in self.synced})
         if self.plan is not None and self.error_feedback:
             raise ValueError(f"fragments={fragment_count(fragments)} cannot be combined with error feedback yet "

@@ -1,6 +1,6 @@
 """A worker's per-fragment bookkeeping (Streaming DiLoCo: Douillard et al. 2025, section 2.2).
 
-With fragments (``diloco_lightning/fragments.py``) the boundary r sends only fragment
+With fragments (``diloco_lightning/wire/fragments.py``) the boundary r sends only fragment
 ``plan.fragment_at(r)``'s pseudo-gradient and installs only that fragment of a newer global
 version. :class:`FragmentBook` keeps, per fragment, the base of its anchor (``base_outer_step``
 and the fragment's own outer step count: the master gates a fragment delta on the latter), the
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from diloco_lightning.fragments import FragmentPlan
-from diloco_lightning.manifest import Manifest
+from diloco_lightning.wire.fragments import FragmentPlan
+from diloco_lightning.wire.manifest import Manifest
 from diloco_lightning.worker.params import anchor_copy
 from diloco_lightning.worker.sync import WorkerError
 

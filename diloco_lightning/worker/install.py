@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from diloco_lightning.hub import HubNotFoundError
-from diloco_lightning.manifest import Manifest
+from diloco_lightning.wire.manifest import Manifest
 from diloco_lightning.worker.params import copy_into
 from diloco_lightning.worker.results import InstallResult
 from diloco_lightning.worker.sync import WorkerError, load_version

@@ -5,7 +5,7 @@ take them as keywords; ``train.py`` composes the same fields into its ``diloco``
 (``diloco_lightning.app.config``) with the help text written here. The lists of choices
 (:data:`SYNC_MODES`, :data:`DELTA_DTYPES`) live here and nowhere else.
 
-``delta_dtype`` names the pseudo-gradient's encoding on the wire (``diloco_lightning/encoding.py``,
+``delta_dtype`` names the pseudo-gradient's encoding on the wire (``diloco_lightning/encoding/codec.py``,
 ``docs/encoding.md``): the float casts, blockwise ``int8``/``int4`` and ``topk`` (with ``topk``, the
 fraction kept, and ``topk_values``, how the kept values are stored). ``error_feedback`` adds what an
 encoding dropped to the next delta (SparseLoCo, INTELLECT-1): on by default for the quantized
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from diloco_lightning.encoding import LEVELS, EncodingSpec
-from diloco_lightning.fragments import FragmentError, fragment_count
-from diloco_lightning.options import OptionError, check_choice, check_number, option
+from diloco_lightning.wire.fragments import FragmentError, fragment_count
+from diloco_lightning.util.options import OptionError, check_choice, check_number, option
 from diloco_lightning.worker.pacing import AUTO, Pacing, resolve_throttle
 
 __all__ = ["SYNC_MODES", "DELTA_DTYPES", "TOPK_VALUES", "WorkerOptions", "parse_delta_dtype", "resolve_encoding"]
@@ -125,7 +125,7 @@ class WorkerOptions:
         return [f.name for f in fields(cls)]
 
     def validate(self, node_id: str = "w0", node_index: int | None = None) -> "WorkerOptions":
-        """Raise :class:`~diloco_lightning.options.OptionError` naming the first option out of
+        """Raise :class:`~diloco_lightning.util.options.OptionError` naming the first option out of
         range (``delay`` is checked by resolving it for ``node_id`` / ``node_index``)."""
         from diloco_lightning.worker.sync import resolve_delay
 

@@ -12,7 +12,7 @@ fast one's). With ``inner_steps="auto"`` each worker applies, at every boundary,
 ``v_i`` is this worker's measured step rate (inner optimizer steps per second of its own
 compute: waits for the master and the boundaries themselves are left out, see
 :class:`StepClock`), ``max_j v_j`` the fastest rate among this worker and the live peers'
-heartbeats (``nodes/<node>/claim.json``, :class:`~diloco_lightning.nodeclaim.NodeReport`),
+heartbeats (``nodes/<node>/claim.json``, :class:`~diloco_lightning.wire.claims.NodeReport`),
 ``H_max`` is ``dylu_steps`` (the fastest worker's H) and ``H_min`` ``dylu_min_steps`` (default
 ``H_max / 16``, at least 1). The variant with a time target (``dylu_seconds = T``) needs no
 peers: ``H_i = clamp(floor(v_i * T), H_min, H_max)``. Our variant rounds to the nearest step
@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from diloco_lightning.nodeclaim import NodeReport
+from diloco_lightning.wire.claims import NodeReport
 
 __all__ = ["AUTO", "Pacing", "StepClock", "dylu_inner_steps", "default_dylu_min_steps", "resolve_throttle"]
 
@@ -159,7 +159,7 @@ class Pacing:
         throttle: seconds slept after each inner step.
         clock: for the step intervals (tests, the simulator).
         sleep: how the throttle sleeps (the simulator advances its own clock instead).
-        fragments: F (Streaming DiLoCo, ``diloco_lightning/fragments.py``): a boundary every
+        fragments: F (Streaming DiLoCo, ``diloco_lightning/wire/fragments.py``): a boundary every
             ``H / F`` steps, each syncing one fragment (a fixed H, a multiple of F).
     """
 

@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from diloco_lightning.deltafile import DeltaFileError, max_delta_bytes, read_delta_header
+from diloco_lightning.wire.delta import DeltaFileError, max_delta_bytes, read_delta_header
 from diloco_lightning.hub.base import DeltaRef, Hub
-from diloco_lightning.manifest import Manifest
-from diloco_lightning.signing import RunKey
-from diloco_lightning.stheader import LayoutError, read_layout
+from diloco_lightning.wire.manifest import Manifest
+from diloco_lightning.wire.signing import RunKey
+from diloco_lightning.wire.layout import LayoutError, read_layout
 from diloco_lightning.worker.uploader import Job
 
 __all__ = ["hub_high_step", "hub_seen_high", "is_authentic", "drop_delivered"]

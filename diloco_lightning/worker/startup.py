@@ -17,10 +17,10 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from diloco_lightning.compression import ErrorFeedback
-from diloco_lightning.fileio import owner_tag
-from diloco_lightning.manifest import Manifest
-from diloco_lightning.statefile import save_weights_file
+from diloco_lightning.encoding.feedback import ErrorFeedback
+from diloco_lightning.util.fileio import owner_tag
+from diloco_lightning.wire.manifest import Manifest
+from diloco_lightning.wire.statefile import save_weights_file
 from diloco_lightning.worker.install import check_global, install_exact
 from diloco_lightning.worker.restart import drop_delivered, hub_seen_high, is_authentic
 from diloco_lightning.worker.results import InstallResult

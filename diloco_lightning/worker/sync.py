@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from diloco_lightning.globals import (
+from diloco_lightning.hub.versions import (
     GlobalIntegrityError,
     UnauthenticatedVersionError,
     load_global,
@@ -26,8 +26,8 @@ from diloco_lightning.globals import (
     verify_manifest,
 )
 from diloco_lightning.hub.base import Hub, HubNotFoundError
-from diloco_lightning.manifest import Manifest
-from diloco_lightning.signing import RunKey
+from diloco_lightning.wire.manifest import Manifest
+from diloco_lightning.wire.signing import RunKey
 
 log = logging.getLogger(__name__)
 

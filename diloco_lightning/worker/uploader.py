@@ -7,8 +7,8 @@ file write and the upload all happen off the training thread.
 
 Encoding and error feedback
 ---------------------------
-What is sent is :class:`~diloco_lightning.compression.ErrorFeedback`'s encoding of the
-pseudo-gradient plus the residual the previous encodings dropped (``compression.py``: the one
+What is sent is :class:`~diloco_lightning.encoding.feedback.ErrorFeedback`'s encoding of the
+pseudo-gradient plus the residual the previous encodings dropped (``encoding/feedback.py``: the one
 "delta -> what is sent" step). The residual is the uploader's state (the worker checkpoints it):
 it becomes the new one only when the delta is delivered. When an upload fails, the delta that
 comes back to be merged or retried already holds the old residual, so the residual is zero
@@ -63,13 +63,13 @@ from typing import Any
 
 import torch
 
-from diloco_lightning import faults
-from diloco_lightning.compression import ErrorFeedback
-from diloco_lightning.deltafile import write_delta
+from diloco_lightning.util import faults
+from diloco_lightning.encoding.feedback import ErrorFeedback
+from diloco_lightning.wire.delta import write_delta
 from diloco_lightning.encoding import EncodedTensor, EncodingSpec
 from diloco_lightning.hub.base import DeltaExistsError, Hub
-from diloco_lightning.manifest import Manifest
-from diloco_lightning.signing import RunKey
+from diloco_lightning.wire.manifest import Manifest
+from diloco_lightning.wire.signing import RunKey
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class Part:
     snapshot: Tensors | None = None
     event: Any = None  # a torch.cuda.Event (or None)
     boundary: int = 0
-    #: the fragment this part carries (``diloco_lightning/fragments.py``; None: every synced key)
+    #: the fragment this part carries (``diloco_lightning/wire/fragments.py``; None: every synced key)
     fragment: str | None = None
     #: the fragment's outer step count at the anchor (the master's staleness of a fragment delta)
     base_fragment_step: int | None = None

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from diloco_lightning.waiting import Patience
+from diloco_lightning.util.waiting import Patience
 from diloco_lightning.worker.sync import WaitTimeoutError, WorkerError, WorkerStopped
 
 __all__ = ["Waits"]

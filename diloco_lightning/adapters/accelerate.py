@@ -1,6 +1,6 @@
 """DiLoCo for a plain Accelerate training loop, shaped like ``accelerate.local_sgd.LocalSGD``::
 
-    from diloco_lightning.accelerate import DiLoCo
+    from diloco_lightning.adapters.accelerate import DiLoCo
 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     diloco = DiLoCo(accelerator, model, hub="file:///shared/run", node_id="w0", inner_steps=500)
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from diloco_lightning.hub.base import Hub
-from diloco_lightning.signing import RunKey
-from diloco_lightning.worker.adapter import (
+from diloco_lightning.wire.signing import RunKey
+from diloco_lightning.adapters.shared import (
     SIGTERM_EXIT,
     SIGTERM_FLUSH_SECONDS,
     SigtermWatch,
@@ -362,7 +362,7 @@ class DiLoCo:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (``accelerator.load_state``); must happen before ``with``/``start()``."""
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-            raise ValueError("not a diloco_lightning.accelerate.DiLoCo state")
+            raise ValueError("not a diloco_lightning.adapters.accelerate.DiLoCo state")
         if self.worker is not None:
             raise RuntimeError(
                 "DiLoCo.load_state_dict: the worker is already running; call accelerator.load_state() before "

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from diloco_lightning.deltafile import synced_keys
+from diloco_lightning.wire.delta import synced_keys
 
 __all__ = ["FragmentPlan", "FragmentError", "HEADER_KEYS", "build_plan", "check_fragments_option", "fragment_count",
            "block_index", "keys_digest", "parse_fragment_header", "piece_name"]

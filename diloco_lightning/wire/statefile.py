@@ -18,8 +18,8 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
-from diloco_lightning.fileio import atomic_write
-from diloco_lightning.stheader import LayoutError, read_layout, read_tensor
+from diloco_lightning.util.fileio import atomic_write
+from diloco_lightning.wire.layout import LayoutError, read_layout, read_tensor
 
 STATE_FORMAT = "diloco-state/1"
 _TENSOR = "__tensor__"

@@ -22,7 +22,7 @@ The manifest is the single source of truth for what the master has published:
 }
 ```
 
-In a signed run the master signs the manifest (``diloco_lightning.signing``, scheme
+In a signed run the master signs the manifest (``diloco_lightning.wire.signing``, scheme
 ``diloco-doc-sig/1``): the signature covers every entry, and through the SHA-256 digests
 the weights and optimizer state of the current and every kept older version. Readers
 holding the run key refuse an unsigned or badly signed manifest (:meth:`Manifest.verify`).
@@ -32,7 +32,7 @@ holding the run key refuse an unsigned or badly signed manifest (:meth:`Manifest
 delta that passed every check (its signature too, in a signed run) moves it, so a file
 any hub writer drops under another node's name can never hide that node's work.
 ``history`` lists the older versions still kept on the hub (``keep_globals``).
-``fragments`` (only in a run with fragments, :mod:`diloco_lightning.fragments`): per fragment,
+``fragments`` (only in a run with fragments, :mod:`diloco_lightning.wire.fragments`): per fragment,
 the digest of its key names, how many outer steps updated it, and the version that last did.
 Every path a manifest names is checked to be a file directly under ``global/`` (and
 not ``global/manifest.json`` or ``global/lease.json``): nothing read from the hub is
@@ -51,10 +51,10 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from diloco_lightning.names import MAX_STEP, InvalidNameError, validate_global_data_path, validate_node_id
+from diloco_lightning.wire.names import MAX_STEP, InvalidNameError, validate_global_data_path, validate_node_id
 
 if TYPE_CHECKING:  # pragma: no cover
-    from diloco_lightning.signing import RunKey
+    from diloco_lightning.wire.signing import RunKey
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ survives heavy compression: int8 with FP32 accumulation (INTELLECT-1, arXiv 2412
 (Streaming DiLoCo, arXiv 2501.18512), top-k at 1-3 % density with error feedback (SparseLoCo).
 
 The encodings (``float32``/``bfloat16``/``float16`` casts, blockwise ``int8``/``int4``, ``topk``),
-their parts' layout and the checks of an untrusted file are in :mod:`diloco_lightning.encoding_format`
+their parts' layout and the checks of an untrusted file are in :mod:`diloco_lightning.encoding.format`
 (:class:`EncodingSpec`, :class:`EncodedTensor`, :func:`expected_parts`, :func:`validate_parts`); the
-quantization and top-k kernels in :mod:`diloco_lightning.encoding_kernels`. This module encodes and
-decodes, and re-exports the format's names: ``diloco_lightning.encoding`` is the one import a caller needs.
+quantization and top-k kernels in :mod:`diloco_lightning.encoding.kernels`. This module encodes and
+decodes; ``diloco_lightning.encoding`` exports the public names of the three.
 
 :func:`encode` returns an :class:`EncodedTensor`, the same bits on CPU and CUDA, contiguous or not.
 A complex tensor is encoded as its real view (``torch.view_as_real``).
@@ -27,36 +27,17 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from diloco_lightning.encoding_format import (  # noqa: F401 - re-exported: callers import these from here
-    BLOCK_SIZES,
+from diloco_lightning.encoding.format import (
     CAST_DTYPES,
     CHUNK,
-    DEFAULT_BLOCK_SIZE,
-    ENCODINGS,
     LEVELS,
-    PAGE_SIZE,
-    PART_SEP,
-    TINY,
     EncodedTensor,
-    EncodingError,
     EncodingSpec,
-    PartLayout,
-    check_layout,
-    expected_parts,
-    part_name,
     real_view_shape,
-    split_part_name,
-    topk_count,
     topk_positions,
-    validate_parts,
 )
-from diloco_lightning.encoding_kernels import dequantize, encode_topk, quantize
+from diloco_lightning.encoding.kernels import dequantize, encode_topk, quantize
 
-__all__ = [
-    "BLOCK_SIZES", "CHUNK", "DEFAULT_BLOCK_SIZE", "ENCODINGS", "PAGE_SIZE", "PART_SEP", "EncodedTensor",
-    "EncodingError", "EncodingSpec", "check_layout", "decode", "decode_add_", "encode", "encode_with_residual",
-    "expected_parts", "part_name", "split_part_name", "sum_of_squares", "topk_count", "validate_parts",
-]
 
 
 # ----------------------------------------------------------------------------- encode / decode

@@ -25,7 +25,7 @@ _CLAIM_PATH_RE = re.compile(r"nodes/((?!\.)[A-Za-z0-9._-]{1,64})/claim\.json")
 _GLOBAL_NAME_RE = re.compile(r"global/[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 NODES_DIR = "nodes"
-CLAIM_NAME = "claim.json"  # nodes/<node_id>/claim.json: the node's claim on its id (diloco_lightning.nodeclaim)
+CLAIM_NAME = "claim.json"  # nodes/<node_id>/claim.json: the node's claim on its id (diloco_lightning.wire.claims)
 GLOBAL_DIR = "global"
 MANIFEST_PATH = "global/manifest.json"
 LEASE_PATH = "global/lease.json"

@@ -1,24 +1,10 @@
-"""The delta file (``diloco-delta/1``): writing, and a reader that validates everything.
+"""Writing a delta file (``diloco-delta/1``): :func:`write_delta`.
 
-This module writes (:func:`write_delta`) and is where every name of the delta file is
-imported from: the format (constants, errors, :class:`DeltaHeader`, :class:`Delta`, the header
-parser) lives in ``deltaformat.py``, the reader (:func:`read_delta`, plain and encoded deltas)
-in ``deltaread.py``.
-
-A delta is a safetensors file holding the pseudo-gradient ``anchor - local`` of one
-worker's inner phase, one tensor per floating (or complex) key of the global state,
-with a header (safetensors metadata, all strings) that says who made it and from
-which global version (``base_outer_step``). See SPEC.md for the contract.
-
-:func:`read_delta` reports each problem as a :class:`DeltaFileError` subclass whose
-``reason`` is a short code (``"unreadable"``, ``"format"``, ...); the master logs and
-counts rejections by that code.
-
-Encoded deltas (issue 14): a header entry ``encoding`` (``int8``, ``int4``, ``topk``, with
-``encoding_block_size`` and, for top-k, ``encoding_topk`` / ``encoding_topk_values``) says that
-each key is stored as the parts of ``docs/encoding.md`` (``<key>`` the codes, ``<key>::scale``
-...). The float casts are the plain format and carry no ``encoding`` entry, so their files are
-byte for byte what they were before encodings existed. How a reader checks them: ``deltaread.py``.
+The header, its parser and the errors are in :mod:`diloco_lightning.wire.delta.header`, the
+validating reader in :mod:`diloco_lightning.wire.delta.read`; :mod:`diloco_lightning.wire.delta`
+exports the public names of the three. A float cast is written in the plain format (no
+``encoding`` entry: byte for byte what it was before encodings existed); a quantized or top-k
+delta stores each key as the parts of ``docs/encoding.md``.
 """
 
 from __future__ import annotations
@@ -29,96 +15,18 @@ from typing import Mapping
 import torch
 from safetensors.torch import save_file
 
-from diloco_lightning.deltaformat import (  # noqa: F401 - every name of the delta file is importable from here
+from diloco_lightning.encoding import PART_SEP, EncodedTensor, EncodingSpec
+from diloco_lightning.util.fileio import atomic_write
+from diloco_lightning.wire.delta.header import (
+    _KNOWN_KEYS,
     COMPLEX_DELTA_DTYPES,
     DELTA_DTYPES,
-    ENCODED_SLACK_PER_KEY,
-    ENCODING_KEYS,
-    FORMAT,
-    HEADER_BYTES_BASE,
-    HEADER_BYTES_PER_TENSOR,
     MAX_NUM_TOKENS,
-    MAX_PARTS,
-    _KNOWN_KEYS,
-    Delta,
-    DeltaFileError,
     DeltaHeader,
-    DtypeError,
-    EncodingFileError,
-    ExtraKeyError,
-    FingerprintMismatchError,
-    FormatError,
-    HeaderError,
-    HeaderParser,
-    MissingKeyError,
-    NodeIdError,
-    NonFiniteError,
-    PathMismatchError,
-    ShapeMismatchError,
-    SignatureError,
-    SizeError,
-    UnreadableDeltaError,
-    _parse_encoding,
-    _parse_header,
-    is_synced,
-    model_fingerprint,
-    parse_header,
-    synced_keys,
 )
-from diloco_lightning.deltaread import (  # noqa: F401 - every name of the delta file is importable from here
-    _ST_CODE_OF,
-    _ST_DTYPES,
-    _ST_NAMES,
-    _check_fingerprint,
-    _layout,
-    _read_encoded,
-    _read_open_delta,
-    _read_tensors,
-    _stored_dtype,
-    max_delta_bytes,
-    max_header_bytes,
-    read_delta,
-    read_delta_header,
-)
-from diloco_lightning.encoding import PART_SEP, EncodedTensor, EncodingSpec
-from diloco_lightning.fileio import atomic_write
-from diloco_lightning.names import validate_local_step, validate_node_id
-from diloco_lightning.signing import RunKey
-from diloco_lightning.statefile import tensors_for_save
-
-__all__ = [
-    "FORMAT",
-    "Delta",
-    "DeltaHeader",
-    "DeltaFileError",
-    "UnreadableDeltaError",
-    "FormatError",
-    "HeaderError",
-    "NodeIdError",
-    "PathMismatchError",
-    "MissingKeyError",
-    "ExtraKeyError",
-    "ShapeMismatchError",
-    "DtypeError",
-    "NonFiniteError",
-    "FingerprintMismatchError",
-    "SignatureError",
-    "SizeError",
-    "EncodingFileError",
-    "MAX_NUM_TOKENS",
-    "max_header_bytes",
-    "max_delta_bytes",
-    "is_synced",
-    "synced_keys",
-    "model_fingerprint",
-    "write_delta",
-    "read_delta",
-    "read_delta_header",
-    "parse_header",
-    "HeaderParser",
-]
-
-
+from diloco_lightning.wire.names import validate_local_step, validate_node_id
+from diloco_lightning.wire.signing import RunKey
+from diloco_lightning.wire.statefile import tensors_for_save
 
 
 # ----------------------------------------------------------------------------- write
@@ -172,7 +80,7 @@ def write_delta(
 
     ``tensors`` are CPU tensors of dtype float32, bfloat16 or float16 (complex64 for complex
     parameters), or :class:`~diloco_lightning.encoding.EncodedTensor` of one encoding
-    (:func:`diloco_lightning.compression.encode_delta`): a float cast is written in the plain
+    (:func:`diloco_lightning.encoding.feedback.encode_delta`): a float cast is written in the plain
     format, int8/int4/top-k as their parts with the encoding in the header. The file is written to
     a temporary name beside ``path``, fsynced and renamed, so readers never see a partial file.
     """

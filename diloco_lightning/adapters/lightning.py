@@ -58,8 +58,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from diloco_lightning.hub.base import Hub
-from diloco_lightning.signing import RunKey
-from diloco_lightning.worker.adapter import (
+from diloco_lightning.wire.signing import RunKey
+from diloco_lightning.adapters.shared import (
     SIGTERM_EXIT,
     SIGTERM_FLUSH_SECONDS,
     SigtermWatch,
@@ -135,7 +135,7 @@ class DiLoCo(Callback):
             int8, int4 and topk, off for the float casts.
         fragments: Streaming DiLoCo (arXiv 2501.18512): ``F`` fragments (transformer block ``i`` in
             fragment ``i mod F``, a large embedding or head split by rows among them;
-            ``diloco_lightning/fragments.py``), or a list of parameter-name pattern groups. A
+            ``diloco_lightning/wire/fragments.py``), or a list of parameter-name pattern groups. A
             boundary then comes every ``inner_steps / F`` steps and sends one fragment's delta,
             about ``1/F`` of the bytes. None or 1 (default): the whole model.
         reset_inner_optimizer: clear the inner optimizers' state after each install (default

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from diloco_lightning.names import InvalidNameError, validate_node_id
+from diloco_lightning.wire.names import InvalidNameError, validate_node_id
 
 __all__ = ["NodeClaim", "NodeReport", "ClaimError", "CLAIM_FORMAT", "MAX_CLAIM_BYTES", "REPORT_BOUNDS"]
 

@@ -3,8 +3,8 @@
 Every kernel uses only IEEE-exact element-wise ops (division, multiplication, round half to even),
 max/min reductions (exact whatever their order) and, for top-k, a selection rule that does not
 depend on how the device sorts: the same tensor gives the same bits on CPU and CUDA, contiguous
-or not. They work in chunks of :data:`~diloco_lightning.encoding_format.CHUNK` values, so their
-work buffers stay in cache. What they write is laid out in :mod:`diloco_lightning.encoding_format`
+or not. They work in chunks of :data:`~diloco_lightning.encoding.format.CHUNK` values, so their
+work buffers stay in cache. What they write is laid out in :mod:`diloco_lightning.encoding.format`
 (``docs/encoding.md``); :mod:`diloco_lightning.encoding` calls them.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from diloco_lightning.encoding_format import CHUNK, LEVELS, PAGE_SIZE, TINY, EncodingSpec, codes_layout, topk_count
+from diloco_lightning.encoding.format import CHUNK, LEVELS, PAGE_SIZE, TINY, EncodingSpec, codes_layout, topk_count
 
 __all__ = ["dequantize", "encode_topk", "quantize"]
 

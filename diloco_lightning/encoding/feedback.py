@@ -16,7 +16,7 @@ the worker's checkpoint. A simulator that wants the exact bits a worker sends ca
 :func:`encode_delta` (or :class:`ErrorFeedback`) and sums with the master's
 :class:`~diloco_lightning.master.aggregation.RoundSum`, which takes encoded tensors as they are.
 
-Float casts are sent in the plain delta format (``deltafile.py``: a real key's tensor cast to
+Float casts are sent in the plain delta format (``wire/delta/write.py``: a real key's tensor cast to
 float32/bfloat16/float16, byte for byte today's files); a complex key stays complex64 under a
 16-bit cast (the plain format has no 16-bit complex dtype), so nothing of it is lost.
 """
@@ -29,13 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diloco_lightning.encoding import (
-    EncodedTensor,
-    EncodingSpec,
-    decode,
-    encode,
-    encode_with_residual,
-)
+from diloco_lightning.encoding.codec import decode, encode, encode_with_residual
+from diloco_lightning.encoding.format import EncodedTensor, EncodingSpec
 
 __all__ = ["ErrorFeedback", "decode_delta", "encode_delta", "is_lossless"]
 

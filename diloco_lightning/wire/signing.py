@@ -53,7 +53,7 @@ from typing import Any, Mapping
 
 import torch
 
-from diloco_lightning.stheader import TORCH_DTYPE_NAMES, Layout, iter_tensor_bytes
+from diloco_lightning.wire.layout import TORCH_DTYPE_NAMES, Layout, iter_tensor_bytes
 
 SIGNATURE_SCHEME = "diloco-sig/1"
 DOCUMENT_SCHEME = "diloco-doc-sig/1"
@@ -127,7 +127,7 @@ class RunKey:
 
     def verify_file(self, signature: object, path: str | os.PathLike, layout: Layout) -> bool:
         """:meth:`verify` for a file on disk whose ``layout`` was read (and checked) by
-        :func:`diloco_lightning.stheader.read_layout`: the tensor bytes are streamed, never loaded."""
+        :func:`diloco_lightning.wire.layout.read_layout`: the tensor bytes are streamed, never loaded."""
         if not isinstance(signature, str) or _HEX64.fullmatch(signature) is None:
             return False
         mac = self.start_message(layout.metadata)

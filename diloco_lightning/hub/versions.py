@@ -2,7 +2,7 @@
 
 The master stages a version with :func:`stage_global` (the weights and the outer
 optimizer state, written atomically under fresh unique names, with their SHA-256 and the
-model fingerprint), builds its :class:`~diloco_lightning.manifest.Manifest` and hands both
+model fingerprint), builds its :class:`~diloco_lightning.wire.manifest.Manifest` and hands both
 to ``Hub.publish``. Workers and a restarting master read it back with
 :func:`load_global` / :func:`load_outer_state`, which follow only the paths the manifest
 names (already checked to lie directly under ``global/``) and, by default, verify each
@@ -21,13 +21,13 @@ from typing import Any, Mapping
 
 import torch
 
-from diloco_lightning.deltafile import model_fingerprint
-from diloco_lightning.fileio import sha256_file
+from diloco_lightning.wire.delta import model_fingerprint
+from diloco_lightning.util.fileio import sha256_file
 from diloco_lightning.hub.base import Hub, HubError, HubNotFoundError
-from diloco_lightning.manifest import Manifest
-from diloco_lightning.names import global_outer_state_path, global_weights_path
-from diloco_lightning.signing import RunKey
-from diloco_lightning.statefile import (
+from diloco_lightning.wire.manifest import Manifest
+from diloco_lightning.wire.names import global_outer_state_path, global_weights_path
+from diloco_lightning.wire.signing import RunKey
+from diloco_lightning.wire.statefile import (
     DigestMismatchError,
     StateFileError,
     load_state_file,

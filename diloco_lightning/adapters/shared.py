@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from diloco_lightning.hub.base import Hub
-from diloco_lightning.names import InvalidNameError, validate_node_id
+from diloco_lightning.wire.names import InvalidNameError, validate_node_id
 from diloco_lightning.worker.options import WorkerOptions, parse_delta_dtype
 from diloco_lightning.worker.pacing import Pacing
 

@@ -2,8 +2,8 @@
 
 :func:`read_delta` checks the file's layout, its header, its names, shapes and dtypes before a
 tensor byte is read, then reads the tensors from the one open file (authenticated in a signed
-run), and reports each problem as a :class:`~diloco_lightning.deltaformat.DeltaFileError`
-subclass (``deltaformat.py``).
+run), and reports each problem as a :class:`~diloco_lightning.wire.delta.header.DeltaFileError`
+subclass (``wire/delta/header.py``).
 
 Encoded deltas (issue 14): a header entry ``encoding`` (``int8``, ``int4``, ``topk``, with
 ``encoding_block_size`` and, for top-k, ``encoding_topk`` / ``encoding_topk_values``) says that
@@ -22,7 +22,7 @@ from typing import Mapping
 
 import torch
 
-from diloco_lightning.deltaformat import (
+from diloco_lightning.wire.delta.header import (
     COMPLEX_DELTA_DTYPES,
     DELTA_DTYPES,
     ENCODED_SLACK_PER_KEY,
@@ -47,9 +47,9 @@ from diloco_lightning.deltaformat import (
     synced_keys,
 )
 from diloco_lightning.encoding import EncodedTensor, EncodingError, check_layout, part_name, split_part_name
-from diloco_lightning.names import parse_delta_path
-from diloco_lightning.signing import RunKey
-from diloco_lightning.stheader import LayoutError, OversizeError, map_tensors, read_layout, read_tensor
+from diloco_lightning.wire.names import parse_delta_path
+from diloco_lightning.wire.signing import RunKey
+from diloco_lightning.wire.layout import LayoutError, OversizeError, map_tensors, read_layout, read_tensor
 
 __all__ = ["max_header_bytes", "max_delta_bytes", "read_delta", "read_delta_header"]
 
@@ -159,7 +159,7 @@ def read_delta(
         expected_fingerprint: when given and the header carries ``model_fingerprint``,
             they must be equal (``FingerprintMismatchError``).
         signing_key: when given (a signed run), the header must carry a valid
-            ``signature`` (``SignatureError``); see :mod:`diloco_lightning.signing`.
+            ``signature`` (``SignatureError``); see :mod:`diloco_lightning.wire.signing`.
         check_finite: reject NaN/inf values (``NonFiniteError``).
         clone: kept for compatibility (see ``copy``).
         max_file_bytes: refuse larger files (default: :func:`max_delta_bytes` of ``reference``).

@@ -7,7 +7,7 @@ which global version (``base_outer_step``). See SPEC.md for the contract.
 
 Every problem a reader finds is a :class:`DeltaFileError` subclass whose ``reason`` is a short
 code (``"unreadable"``, ``"format"``, ...); the master logs and counts rejections by that code.
-Writing is ``deltafile.py``, reading ``deltaread.py``; ``deltafile`` exports every name of the three.
+Writing is ``write.py``, reading ``read.py``; the package ``diloco_lightning.wire.delta`` exports the public names of the three.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 
 from diloco_lightning.encoding import EncodedTensor, EncodingSpec
-from diloco_lightning.names import InvalidNameError, parse_local_step, validate_node_id
+from diloco_lightning.wire.names import InvalidNameError, parse_local_step, validate_node_id
 
 FORMAT = "diloco-delta/1"
 DELTA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
