@@ -31,12 +31,13 @@ worker (:func:`~diloco_lightning.worker.sync.resolve_delay`, the product's draw)
 capped at ``max_delay``; during the first ``burn_in`` outer steps it is 0.
 
 A phase depends only on the version it starts from and the worker's own state (inner optimizer,
-schedule, data position), so it can be computed whenever that version is known: with
-``parallel > 1`` each worker computes its next phase on a thread of its own as soon as it begins
-(round-mode lockstep and async; arrival-mode lockstep learns the version only when the delta is
-applied), while the master and the other workers go on. torch releases the GIL inside its ops
-and each worker's ops are exactly the sequential ones, so the results do not depend on
-``parallel``. Phases are otherwise computed when their delta is applied.
+schedule, data position), so it can be computed whenever that version is known
+(:mod:`diloco_lightning.sim.runners`): batched with the other workers' begun phases where the
+workers share a model shape (``options.batched``, :mod:`diloco_lightning.sim.batched`: the
+results equal the unbatched ones to float tolerance; ``parallel`` groups of workers, each on a
+thread), else with ``parallel > 1`` on a thread of the worker's own as soon as it begins, or
+when its delta is applied (the results do not depend on ``parallel``). Arrival-mode lockstep learns a phase's version only when its delta is applied:
+those phases are computed then, one at a time.
 
 Membership and a noisy clock (``sync="async"``): ``join_at`` / ``leave_at`` let a worker start
 late (from the newest version at that time) or stop (a phase not finished when it leaves is
@@ -81,16 +82,18 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from diloco_lightning.sim.batched import why_not_batched
 from diloco_lightning.sim.inner import SimWorker
 from diloco_lightning.sim.master import SimMaster
 from diloco_lightning.sim.options import SimOptions, phase_end
+from diloco_lightning.sim.runners import BatchedRunner, PhaseRunner, ThreadRunner
+from diloco_lightning.util.options import OptionError
 from diloco_lightning.worker.options import SYNC_MODES, feedback_of, resolve_encoding
 from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.pacing import dylu_inner_steps
@@ -109,6 +112,11 @@ def as_received(wire: Mapping[str, Any]) -> dict[str, Tensor]:
     """What the master adds to its sum from what a worker put on the wire: the tensors themselves,
     or, for an encoded value (``diloco_lightning.encoding.EncodedTensor``), its FP32 decoding."""
     return decode_delta(wire)
+
+
+def _on_gpu(workers: Sequence[SimWorker]) -> bool:
+    first = next(iter(workers[0].params.values()), None)
+    return first is not None and first.device.type == "cuda"
 
 
 def _wire_bytes(wire: Mapping[str, Any]) -> int:
@@ -158,7 +166,8 @@ class Simulator:
         eval_points: outer steps after which to evaluate (the first version at or past each).
         on_version: called with each version's record (progress lines, metrics files).
         parallel: workers whose phases may be computed at the same time, each on its own thread
-            (1: one after the other in this thread); the results are the same.
+            (1: one after the other in this thread); batched, the groups of workers stacked and
+            computed side by side, each on a thread. The results do not depend on it.
         seed: seeds ``speed_jitter``'s draws.
         eval_times: simulated times at which to evaluate the newest version (instead of
             ``eval_points``; the ones past the end are taken on the final state).
@@ -245,9 +254,10 @@ class Simulator:
         self.deltas = 0
         self.now = 0.0
         self._begun = [0] * len(self.workers)  # phases begun per worker
-        self._ahead: dict[tuple[int, int], tuple[int, Future]] = {}  # (worker, r) -> (base, its phase computing)
-        prefetch = parallel > 1 and not (sync == "lockstep" and self.arrival)
-        self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"sim-{w.node_id}") for w in self.workers] if prefetch else None
+        #: phases begun that will be lost (their worker leaves first): never computed
+        self._lost: set[tuple[int, int]] = set()
+        self.batched_reason: str | None = None  # why the phases are not batched (None: they are)
+        self.runner = self._runner(parallel)
 
     def _check_fragments(self, feedback: bool) -> None:
         """The workers split the model as the master does; no error feedback and no DyLU with
@@ -264,6 +274,35 @@ class Simulator:
         if ours is not None and self.dylu is not None:
             raise ValueError(f"fragments={len(ours)} cannot be combined with Dynamic Local Updates (dylu): the "
                              f"boundaries every H / F steps are the fragments' schedule")
+
+    @property
+    def _base_known_at_delivery(self) -> bool:
+        """Lockstep in arrival mode: a phase starts from the version ``delay`` outer steps before
+        the one its delta is applied to, known only when it arrives."""
+        return self.sync == "lockstep" and self.arrival
+
+    def _runner(self, parallel: int) -> PhaseRunner:
+        """How the phases are computed (:mod:`diloco_lightning.sim.runners`): batched where the
+        workers allow it and ``options.batched`` is True (required: an error says why not) or None
+        on a GPU (on a CPU the batched step measured no faster, docs/simulator.md), else on threads
+        (``parallel > 1``), else one by one. :attr:`batched_reason` says why not batched."""
+        wanted = self.options.batched
+        reason = None if wanted is False else why_not_batched(self.workers)
+        if reason is None and self._base_known_at_delivery:
+            reason = "lockstep in arrival mode computes each phase when its delta arrives"
+        if wanted is False:
+            reason = "sim.batched=false"
+        elif wanted is None and reason is None and not _on_gpu(self.workers):
+            reason = "on a CPU the batched step is not faster (docs/simulator.md): sim.batched=true batches anyway"
+        if wanted is True and reason is not None:
+            raise OptionError("batched", f"the phases cannot be batched: {reason} (sim.batched=null batches "
+                              f"where it can)")
+        self.batched_reason = reason
+        if reason is None:
+            return BatchedRunner(self.workers, groups=parallel)
+        if parallel > 1 and not self._base_known_at_delivery:
+            return ThreadRunner(self.workers)
+        return PhaseRunner(self.workers)
 
     # ------------------------------------------------------------------ delays
 
@@ -298,10 +337,11 @@ class Simulator:
         w.begin_phase(steps)
         self._phase[(k, r)] = (t, steps)
         self._base[k] = self.master.outer_step
-        if self._threads is not None:
+        if end > self._membership[k][1]:
+            self._lost.add((k, r))  # its worker leaves before it ends: never computed
+        elif not self._base_known_at_delivery:
             base = self._base_of(k, r)
-            self._ahead[(k, r)] = (base, self._threads[k].submit(w.phase, self.master.versions[base],
-                                                                       inner_steps=steps, **self._phase_args(k, base)))
+            self.runner.begin(k, r, (base, self.master.versions[base], self._phase_args(k, base), steps))
         self._push(end, _PHASE_END, k, r)
 
     def next_inner_steps(self, k: int) -> int:
@@ -364,8 +404,7 @@ class Simulator:
                 else:
                     self._deliver(k, r, t)
         finally:
-            for pool in self._threads or []:
-                pool.shutdown(wait=True, cancel_futures=True)
+            self.runner.close()
         # the master drains what is pending at the end; under a time budget a lockstep round that
         # some worker could not finish is not applied (the product's master would still wait)
         if not self.arrival and self.master.open_deltas and not (self.sync == "lockstep" and self.max_time is not None):
@@ -392,12 +431,10 @@ class Simulator:
         start, steps = self._phase[(k, r)]
         if t > start:
             self._rate[k] = steps / (t - start)  # what its next heartbeat reports
-        if t > self._membership[k][1]:  # the worker left before this phase ended: it is lost
+        if (k, r) in self._lost:  # the worker left before this phase ended: it is lost
+            self._lost.discard((k, r))
             self.lost_phases += 1
             self._active[k] = False
-            ahead = self._ahead.pop((k, r), None)
-            if ahead is not None:
-                ahead[1].result()  # let its thread finish (its result goes nowhere)
             log.info("worker %s left at %.1f: its phase %d (due at %.1f) is lost", self.workers[k].node_id,
                      self._membership[k][1], r, t)
             return
@@ -423,13 +460,11 @@ class Simulator:
         """Worker ``k``'s delta ``r`` reaches the master at ``t``: compute its phase, apply or fold it in."""
         w = self.workers[k]
         s = self.master.outer_step
-        ahead = self._ahead.pop((k, r), None)
-        if ahead is not None:
-            base, future = ahead
-            delta = future.result()
-        else:
+        if self._base_known_at_delivery:
             base = self._base_of(k, r)
-            delta = w.phase(self.master.versions[base], inner_steps=self._phase[(k, r)][1], **self._phase_args(k, base))
+            delta = self.runner.now(k, self.master.versions[base], self._phase_args(k, base), self._phase[(k, r)][1])
+        else:
+            base, delta = self.runner.result(k, r)
         self._phase.pop((k, r), None)
         wire = self._feedback[k].encode(delta)
         del delta

@@ -74,8 +74,13 @@ class SimOptions:
     burn_in: int = option(0, "lockstep: outer steps applied with staleness 0 before the delays start")
     max_delay: int = option(256, "the largest delay drawn (a distribution's draws are capped here; older versions are dropped)")
     parallel: int | None = option(
-        None, "workers whose phases run at the same time, one thread each (null: min(workers, CPU cores) on a CPU, "
-        "1 on a GPU); the results do not depend on it"
+        None, "workers whose phases run at the same time, one thread each (batched: groups of workers stacked, one "
+        "thread per group); null: min(workers, CPU cores) on a CPU, 1 on a GPU; the results do not depend on it"
+    )
+    batched: bool | None = option(
+        None, "take the workers' inner steps as one batched step over stacked parameters where they share a model "
+        "shape (docs/simulator.md; equal to the unbatched steps to float tolerance): null = on a GPU where possible "
+        "(on a CPU it measured no faster), true = wherever possible (an error says why not), false = never"
     )
     save_weights: bool = option(False, "write the final global weights to <run_dir>/global.safetensors")
     speed_jitter: float = option(
@@ -123,6 +128,8 @@ class SimOptions:
         check_number(self, "burn_in", low=0, integer=True)
         check_number(self, "max_delay", low=0, integer=True)
         check_number(self, "parallel", low=1, integer=True, optional=True)
+        if self.batched is not None and not isinstance(self.batched, bool):
+            raise OptionError("batched", f"must be true, false or null, got {self.batched!r}")
         if not isinstance(self.save_weights, bool):
             raise OptionError("save_weights", f"must be True or False, got {self.save_weights!r}")
         check_number(self, "speed_jitter", low=0.0)
