@@ -99,6 +99,7 @@ from diloco_lightning.wire.delta import (
 )
 from diloco_lightning.encoding import EncodedTensor, sum_of_squares
 from diloco_lightning.wire.fragments import FragmentError, FragmentPlan, parse_fragment_header
+from diloco_lightning.util.errors import DeltaRejected
 from diloco_lightning.wire.signing import RunKey
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -148,15 +149,6 @@ REASONS = (
     "non_finite_update",
     "invalid",
 )
-
-
-class DeltaRejected(Exception):
-    """A delta the master refuses; ``reason`` is one of :data:`REASONS`."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{reason}: {detail}")
 
 
 def delta_norm(tensors: Mapping[str, torch.Tensor | EncodedTensor]) -> float:
