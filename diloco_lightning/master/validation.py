@@ -368,12 +368,12 @@ class DeltaValidator:
         fragments: "FragmentView | None" = None,
     ) -> tuple[Delta, Accepted]:
         """Validate the downloaded delta ``path`` (hub path ``ref.path``) against ``state`` at
-        ``outer_step``: ``(Delta, Accepted)``, or raises ``DeltaRejected`` / ``DeltaFileError``
-        (each with its ``reason``). Any other error from the file's content is a rejection too
-        (``invalid``): one delta's content can never make a round fail."""
+        ``outer_step``: ``(Delta, Accepted)``, or raises :class:`DeltaRejected` (the reader's
+        ``DeltaFileError`` is one) with its ``reason``. Any other error from the file's content is a
+        rejection too (``invalid``): one delta's content can never make a round fail."""
         try:
             return self._check(ref, path, state, fingerprint, outer_step, gate, fragments)
-        except (DeltaRejected, DeltaFileError):
+        except DeltaRejected:
             raise
         except Exception as e:  # noqa: BLE001 - a last line of defence: one delta never fails a round
             log.exception("unexpected error while checking %s", ref.path)
