@@ -277,8 +277,14 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             # H of each phase each worker began (differs between phases with inner_steps=auto)
             "phase_steps": [list(w.phase_lengths) for w in sim.workers],
             "traces": [sim_options(cfg).trace(i) for i in range(cfg.workers)],
-            "membership": [list(sim._membership[i]) if math.isfinite(sim._membership[i][1])
-                           else [sim._membership[i][0], None] for i in range(cfg.workers)],
+            # per worker, its down intervals (join_at, leave_at, preemptions) within the run: [down, up or null]
+            "down": [[[d, u if math.isfinite(u) else None] for d, u in sim.churn.intervals(i, result.sim_time)]
+                     for i in range(cfg.workers)],
+            "abandoned_phases": sim.abandoned_phases,
+            # per worker, simulated time computing finished phases, computing lost or given-up ones, and down
+            "time_use": result.time_use,
+            # the communication: bytes per upload (by fragment) and per version, time spent transferring
+            "comm": result.comm,
             "versions": [
                 {k: r.get(k) for k in ("outer_step", "time", "accepted", "rejected", "rejected_by_reason",
                                        "staleness_histogram", "update_norm", "update_rms", "update_rms_over_lr",

@@ -38,7 +38,7 @@ from diloco_lightning.wire.fragments import build_plan
 from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.params import copy_into
 
-__all__ = ["PRECISIONS", "InnerLoop", "SimWorker", "precision_context"]
+__all__ = ["PRECISIONS", "InnerLoop", "SimWorker", "check_fragments", "precision_context"]
 
 #: the trainer precisions the simulator reproduces (``16-mixed`` needs a GradScaler: not simulated)
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed")
@@ -344,3 +344,20 @@ def _fp32(t: Tensor) -> Tensor:
     if t.device.type == "cpu" and t.dtype == target:
         return t.clone()
     return t.to("cpu", target)
+
+
+def check_fragments(workers: list[SimWorker], plan: Any, encoding: str, feedback: bool, dylu: bool) -> None:
+    """The workers split the model as the master does (``plan``, its fragment plan); no error
+    feedback and no DyLU with fragments (as the product)."""
+    ours = FragmentBook(plan).digests()
+    for w in workers:
+        if w.book.digests() != ours:
+            raise ValueError(f"worker {w.node_id} splits the model into "
+                             f"{'no' if w.plan is None else w.plan.count} fragments, the master into "
+                             f"{'none' if ours is None else len(ours)}: give both the same fragments")
+    if ours is not None and feedback:
+        raise ValueError(f"fragments={len(ours)} cannot be combined with error feedback yet "
+                         f"(delta_dtype={encoding}): pass error_feedback=False or a float delta_dtype")
+    if ours is not None and dylu:
+        raise ValueError(f"fragments={len(ours)} cannot be combined with Dynamic Local Updates (dylu): the "
+                         f"boundaries every H / F steps are the fragments' schedule")

@@ -29,10 +29,11 @@ from typing import Any
 
 from torch import Tensor
 
-from diloco_lightning.sim.batched import StackedWorkers
+from diloco_lightning.sim.batched import StackedWorkers, why_not_batched
 from diloco_lightning.sim.inner import SimWorker
+from diloco_lightning.util.options import OptionError
 
-__all__ = ["BatchedRunner", "PhaseRunner", "ThreadRunner"]
+__all__ = ["BatchedRunner", "PhaseRunner", "ThreadRunner", "choose_runner"]
 
 #: a phase to compute: (its base version's index, the version's state, SimWorker.phase's options, inner steps)
 Job = tuple[int, Mapping[str, Tensor], dict[str, Any], int]
@@ -142,3 +143,31 @@ class BatchedRunner(PhaseRunner):
     def close(self) -> None:
         for pool in self._pools or []:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _on_gpu(workers: Sequence[SimWorker]) -> bool:
+    first = next(iter(workers[0].params.values()), None)
+    return first is not None and first.device.type == "cuda"
+
+
+def choose_runner(workers: Sequence[SimWorker], batched: bool | None, parallel: int, *,
+                  known_at_delivery: bool) -> tuple[PhaseRunner, str | None]:
+    """The runner of a run, and why its phases are not batched (None: they are): batched where the
+    workers allow it and ``batched`` is True (required: an error says why not) or None on a GPU (on a
+    CPU the batched step measured no faster, docs/simulator.md), else on threads (``parallel > 1``),
+    else one by one. ``known_at_delivery``: the phases' versions are known only when their deltas
+    arrive (lockstep in arrival mode)."""
+    reason = None if batched is False else why_not_batched(workers)
+    if reason is None and known_at_delivery:
+        reason = "lockstep in arrival mode computes each phase when its delta arrives"
+    if batched is False:
+        reason = "sim.batched=false"
+    elif batched is None and reason is None and not _on_gpu(workers):
+        reason = "on a CPU the batched step is not faster (docs/simulator.md): sim.batched=true batches anyway"
+    if batched is True and reason is not None:
+        raise OptionError("batched", f"the phases cannot be batched: {reason} (sim.batched=null batches where it can)")
+    if reason is None:
+        return BatchedRunner(workers, groups=parallel), None
+    if parallel > 1 and not known_at_delivery:
+        return ThreadRunner(workers), reason
+    return PhaseRunner(workers), reason
