@@ -18,6 +18,7 @@ from diloco_lightning.outer.precision import stochastic_round_
 OPTIONS = {
     "nesterov": {"lr": 0.7, "momentum": 0.9},
     "poly_nesterov": {"lr": 0.7, "momentum": 0.9},
+    "staleness_sgd": {"lr": 0.7, "momentum": 0.5},
     "delayed_nesterov": {"lr": 0.5, "momentum": 0.9, "buffer_size": 3, "activation": 0.1},
     "cgad": {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-5},
     "adam_decay": {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-5},

@@ -134,6 +134,9 @@ class OuterOptimizer(WorkArea):
     KEY_SCALARS: ClassVar[dict[str, tuple[str, Any]]] = {}
     #: ``state_dict()["optimizer"]`` values that ``load_state_dict`` accepts.
     STATE_KINDS: ClassVar[tuple[str, ...]] = ()
+    #: The step reads the staleness beyond the scalar gate (a per-coordinate correction, as the
+    #: gap-aware optimizers make): a round's mean is then stepped with the round's largest staleness.
+    STEP_USES_STALENESS: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -61,6 +61,8 @@ class Work:
     writeback: str | None  # None (p is the state tensor), "copy" or "add"
     #: (stored buffer slice, its FP32 copy in bufs, seed label) for low-precision buffers: rounded back after the math
     buffer_back: list[tuple[Tensor, Tensor, str]] = field(default_factory=list)
+    #: where ``p`` starts in the key's flattened tensor (elements; 0 for a whole tensor)
+    start: int = 0
 
     def write_back(self) -> None:
         if self.writeback == "copy":
@@ -229,7 +231,7 @@ class WorkArea:
                 back.append((stored, math_copy, f"{family}/{item.key}/{start}"))
         if unit.is_complex:
             p, g = torch.view_as_real(p), torch.view_as_real(g)
-        return Work(item.key, p, g, bufs, unit.is_complex, target, p_math, mode, back)
+        return Work(item.key, p, g, bufs, unit.is_complex, target, p_math, mode, back, 0 if whole else start)
 
     def _buffer_views(self, key: str) -> dict[str, Tensor]:
         """``{family: real view of key's buffer}``, cached (the buffers are updated in place)."""
