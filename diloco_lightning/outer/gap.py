@@ -21,8 +21,9 @@ Nesterov momentum ``m`` (default 0: none) on the corrected ``g'``::
 
 * ``history=W > 0``: the optimizer keeps FP32 copies of the state as it was before each of its
   last W steps (per key, so a key a delta does not carry keeps its older copies), which makes
-  ``diff`` exact for ``tau <= W``: W model-sized buffers, 27 GB each for a 7B model (too many
-  for a 7B master; meant for small masters and for measuring what the estimate loses).
+  ``diff`` exact for ``tau <= W``: W model-sized FP32 buffers whatever ``state_dtype`` (the gap
+  is a small difference of two states), 27 GB each for a 7B model (too many for a 7B master;
+  meant for small masters and for measuring what the estimate loses).
 * otherwise (``history=0``, or ``tau`` beyond the history): a running per-coordinate estimate,
   ``diff ~ tau * D_hat``, ``D`` the exponential average (decay ``beta``, bias-corrected) of this
   optimizer's own signed steps. One model-sized buffer (``drift``) for DC-ASGD; Gap-Aware also
