@@ -183,11 +183,13 @@ DiLoCoConf = compose_section(
 
 @dataclass
 class OuterConf:
-    name: str = opt("cgad", "outer optimizer: nesterov | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | poly_nesterov")
+    name: str = opt("cgad", "outer optimizer: nesterov | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | "
+                            "poly_nesterov | staleness_sgd | gap_aware | dc_asgd")
     lr: float = opt(0.7, "outer learning rate")
     options: Dict[str, Any] = opt(help="the optimizer's other options (momentum, alpha, tau_cut, betas, eps ...)", factory=dict)
     state_dtype: str = opt("float32", "the outer optimizer's buffers (m, v, momentum): float32 (fp32) | bfloat16 (bf16: "
-                                      "half the memory; the math runs in FP32, the buffers are rounded back once per step)")
+                                      "half the memory; the math runs in FP32, the buffers are rounded back once per step) | "
+                                      "int8 (8-bit blockwise codes, a quarter)")
     stochastic_rounding: bool = opt(False, "with state_dtype=bfloat16: round the buffers stochastically (unbiased, "
                                            "seeded by step and key: a resumed master rounds the same) instead of to nearest even")
 

@@ -219,6 +219,7 @@ class GapAware(_StaleCorrected):
     name = "gap_aware"
     STATE_KINDS = ("gap_aware",)
     RUNNING = ("step_size",)
+    NONNEGATIVE = frozenset({"step_size"})
 
     def __init__(self, state: Mapping[str, Tensor], lr: float, momentum: float = 0.0, history: int = 0,
                  beta: float = 0.9) -> None:

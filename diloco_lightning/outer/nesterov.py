@@ -128,6 +128,8 @@ class NesterovOuterOptimizer(_NesterovBase):
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {key: buf.clone() if copy else buf for key, buf in self._buffers["momentum"].items()}
+        for key, amax in self._absmax["momentum"].items():  # 8-bit buffers (not a Speedtronic option): their maxima
+            out[f"momentum.absmax/{key}"] = amax.clone() if copy else amax
         if self._stochastic:  # not a Speedtronic option: its step count rides along
             out["rounding_step"] = self._rounding_step
         return out
@@ -142,7 +144,7 @@ class NesterovOuterOptimizer(_NesterovBase):
                 continue
             if not isinstance(value, Tensor):
                 raise ValueError(f"nesterov state_dict entry {key!r} is not a tensor: {type(value).__name__}")  # noqa: TRY004
-            tensors[f"momentum/{key}"] = value
+            tensors[key if key.startswith("momentum.absmax/") else f"momentum/{key}"] = value
         self._set_buffers(self._parse_buffers(tensors))
         self._rounding_step = rounding_step
 
