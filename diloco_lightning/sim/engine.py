@@ -213,6 +213,7 @@ class Simulator(Transfers):
         self.eval_tokens: list[int] = []
         self._eval_at = sorted(set(float(t) for t in eval_times))
         self._last_eval: tuple[int, float] | None = None  # (outer step, loss) of the last evaluation
+        self.stopped_early = False  # an evaluation above options.stop_above ended the run
         self.batched_reason: str | None = None  # why the phases are not batched (None: they are)
         self.runner = self._runner(parallel)
 
@@ -339,7 +340,7 @@ class Simulator(Transfers):
                 self._begin(k, 0.0)
             if self.options.deadline is not None and not self.arrival:
                 self._push(self.options.deadline, _DEADLINE, -1, 0)  # the first round's
-            while self._heap:
+            while self._heap and not self.stopped_early:
                 t, _, kind, k, data = heapq.heappop(self._heap)
                 self._evaluate_times(t, inclusive=False)  # the versions published before t
                 self.now = t
@@ -360,7 +361,8 @@ class Simulator(Transfers):
             self._over = True  # nothing begins any more
         # the master drains what is pending at the end; under a time budget a lockstep round that
         # some worker could not finish is not applied (the product's master would still wait)
-        if not self.arrival and self.master.open_deltas and not (self.sync == "lockstep" and self.max_time is not None):
+        if (not self.arrival and self.master.open_deltas and not self.stopped_early
+                and not (self.sync == "lockstep" and self.max_time is not None)):
             self._publish(self.master.close_round(self.now))
         self._visible = self.master.outer_step
         pending = self.master.pending_record()
@@ -382,7 +384,7 @@ class Simulator(Transfers):
             inner_steps=sum(w.steps for w in self.workers), bytes_sent=self.bytes_sent, deltas=self.deltas,
             staleness_histogram=dict(sorted(self.histogram.items(), key=lambda kv: int(kv[0]))),
             eval_times=list(self.eval_times), lost_phases=self.lost_phases, eval_tokens=list(self.eval_tokens),
-            time_use=[dict(u) for u in self._use], comm=self.comm_summary(),
+            time_use=[dict(u) for u in self._use], comm=self.comm_summary(), stopped_early=self.stopped_early,
         )
 
     # ------------------------------------------------------------------ the workers' events

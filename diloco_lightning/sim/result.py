@@ -40,3 +40,4 @@ class SimResult:
     #: per worker, simulated time spent: computing finished phases, computing lost (or abandoned) ones, down
     time_use: list[dict[str, float]] = field(default_factory=list)
     comm: dict[str, Any] = field(default_factory=dict)  # what the communication cost (Transfers.comm_summary)
+    stopped_early: bool = False  # an evaluation was above options.stop_above: the run stopped there

@@ -270,6 +270,16 @@ class Transfers:
         self.eval_curve.append([s, float(self.evaluate(self.master.state))])
         self.eval_times.append(self.now)
         self.eval_tokens.append(self._tokens_in)
+        self._check_stop(s, self.eval_curve[-1][1])
+
+    def _check_stop(self, step: int, loss: float) -> None:
+        """End the run (no more events) at an evaluation after version 0 above ``options.stop_above``."""
+        limit = self.options.stop_above
+        if limit is not None and step > 0 and not (loss <= limit):
+            log.info("outer step %d: eval loss %s above stop_above=%s: the run stops here", step, loss, limit)
+            self.stopped_early = True
+            self._heap.clear()
+            self._eval_at = []
 
     def _evaluate_times(self, t: float, *, inclusive: bool) -> None:
         """Evaluate the newest published version at each of ``eval_times`` before ``t`` (or at it)."""
@@ -282,6 +292,7 @@ class Transfers:
             self.eval_curve.append([s, self._last_eval[1]])
             self.eval_times.append(at)
             self.eval_tokens.append(self._tokens_in)
+            self._check_stop(s, self._last_eval[1])
 
     def _prune(self) -> None:
         """Drop the versions no worker can start from any more (nor an evaluation read)."""
@@ -360,6 +371,8 @@ class Transfers:
     _base: list[int]
     _per_delta: bool
     _worker_delay: list[int]
+    _heap: list[tuple[float, int, int, int, Any]]
+    stopped_early: bool
 
     @property
     def _base_known_at_delivery(self) -> bool:  # pragma: no cover - engine.py
