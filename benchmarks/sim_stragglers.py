@@ -83,14 +83,15 @@ RHO_MAIN = 0.45
 SWEEP = (0.0, 0.25, 1.0, 2.0)
 
 SCENARIOS: dict[str, dict[str, Any]] = {
-    "straggler": {"speeds": [1.0, 1.0, 1.0, 0.25], "budget": 640.0},
-    "spread": {"speeds": [1.0, 2 / 3, 1 / 2, 1 / 3], "budget": 480.0},
-    "xdc": {"speeds": [1.0] * K, "rho": RHO_MAIN, "budget": 320.0},
-    **{f"xdc_r{rho:g}": {"speeds": [1.0] * K, "rho": rho, "budget": 320.0, "tuned_as": "xdc"} for rho in SWEEP},
-    "preempt": {"speeds": [1.0] * K, "preempt": {"rate": 1 / 200, "down": 20.0, "law": "exponential"}, "budget": 320.0},
-    "varying": {"speeds": [1.0] * K, "varying": {"fast": 60.0, "slow": 20.0, "slow_speed": 0.25}, "budget": 320.0},
+    "straggler": {"speeds": [1.0, 1.0, 1.0, 0.25], "budget": 320.0},
+    "spread": {"speeds": [1.0, 2 / 3, 1 / 2, 1 / 3], "budget": 240.0},
+    "xdc": {"speeds": [1.0] * K, "rho": RHO_MAIN, "budget": 160.0},
+    **{f"xdc_r{rho:g}": {"speeds": [1.0] * K, "rho": rho, "budget": 160.0, "tuned_as": "xdc"} for rho in SWEEP},
+    "preempt": {"speeds": [1.0] * K, "preempt": {"rate": 1 / 100, "down": 10.0, "law": "exponential"}, "budget": 160.0},
+    "varying": {"speeds": [1.0] * K, "varying": {"fast": 30.0, "slow": 10.0, "slow_speed": 0.25}, "budget": 160.0},
 }
-MAIN = ("straggler", "spread", "xdc", "preempt", "varying")
+#: in the order they run (an interrupted study has the whole of each scenario it reached)
+MAIN = ("straggler", "xdc", "preempt", "varying", "spread")
 
 SYNC = ["diloco.sync=lockstep", "diloco.delay=0"]
 BARRIER = ["diloco.sync=async", "master.aggregation=round", "sim.barrier=true", "sim.quorum=3"]
@@ -114,34 +115,28 @@ ARMS: dict[str, dict[str, Any]] = {
 }
 #: the arms each scenario compares (the others do not apply there: no slow worker to drop, no link to overlap)
 SCENARIO_ARMS = {
-    "straggler": ["sync", "sync_drop", "sync_q3_drop", "sync_q3_apply", "sync_dylu", "async", "async_q3", "async_dylu"],
-    "spread": ["sync", "sync_drop", "sync_q3_drop", "sync_q3_apply", "sync_dylu", "async", "async_q3", "async_dylu"],
-    "xdc": ["sync", "sync_overlap", "sync_int4", "sync_frag4", "async", "async_q3", "async_int4", "async_frag4"],
+    "straggler": ["sync", "sync_drop", "sync_q3_drop", "sync_q3_apply", "sync_dylu", "async", "async_q3"],
+    "spread": ["sync", "sync_drop", "sync_dylu", "async", "async_q3"],
+    "xdc": ["sync", "sync_overlap", "sync_int4", "sync_frag4", "async", "async_int4", "async_frag4"],
     "preempt": ["sync", "sync_q3_drop", "sync_q3_apply", "async", "async_q3"],
-    "varying": ["sync", "sync_q3_drop", "sync_q3_apply", "sync_dylu", "async", "async_q3", "async_dylu"],
-    **{f"xdc_r{rho:g}": ["sync", "sync_overlap", "sync_int4", "async", "async_int4"] for rho in SWEEP},
+    "varying": ["sync", "sync_q3_drop", "sync_dylu", "async", "async_q3"],
+    **{f"xdc_r{rho:g}": ["sync", "sync_overlap", "async", "async_int4"] for rho in SWEEP},
 }
-#: family -> (outer optimizer, its 5-point lr grid); staleness-free, every family is its own synchronous method
+#: family -> (outer optimizer, its 5-point lr grid). ``sgd``: issue 24's staleness-scaled SGD (momentum 0,
+#: ``g / (1 + tau)``; at staleness 0 plain SGD: FedAvg with an outer lr); ``cgad``: at staleness 0 plain
+#: Adam; ``nesterov``: DiLoCo's (momentum 0.9), for the synchronous arms of the first scenario only
 FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
-    "nesterov": ("nesterov", (0.05, 0.1, 0.2, 0.4, 0.8)),
+    "sgd": ("staleness_sgd", (0.25, 0.5, 1.0, 2.0, 4.0)),
     "cgad": ("cgad", (0.00025, 0.0005, 0.001, 0.002, 0.004)),
+    "nesterov": ("nesterov", (0.05, 0.1, 0.2, 0.4, 0.8)),
 }
 EXTEND = 2  # grid points added beyond an edge, at most, per side
 
 
-def _register_issue24_family() -> None:
-    """Issue 24's staleness-scaled SGD, when the registry has it (momentum 0, gate (1 + tau)^-1)."""
-    try:
-        from diloco_lightning.outer import OUTER_OPTIMIZERS  # type: ignore[attr-defined]
-    except ImportError:
-        return
-    for name in ("staleness_sgd", "sgd_staleness", "stale_sgd"):
-        if name in OUTER_OPTIMIZERS:
-            FAMILIES["sgd"] = (name, (0.125, 0.25, 0.5, 1.0, 2.0))
-            return
-
-
-_register_issue24_family()
+def families_of(scenario: str, arm: str) -> list[str]:
+    """The families an arm is tuned in: ``sgd`` and ``cgad`` everywhere, ``nesterov`` too for the
+    synchronous arms of the first scenario (a check that DiLoCo's own optimizer does not beat them)."""
+    return ["sgd", "cgad", "nesterov"] if scenario == MAIN[0] and ARMS[arm]["sync"] else ["sgd", "cgad"]
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -264,7 +259,7 @@ class Study:
             for arm in SCENARIO_ARMS[sc]:
                 if self.args.arms and arm not in self.args.arms:
                     continue
-                for fam in FAMILIES:
+                for fam in families_of(sc, arm):
                     lrs, ok = self.grid(sc, arm, fam)
                     settled &= ok
                     todo += [job(sc, arm, fam, lr, SEEDS[0]) for lr in lrs]
@@ -274,7 +269,7 @@ class Study:
         """The (family, lr) with the lowest final loss at seed 0 (None: tuning not finished)."""
         source = SCENARIOS[scenario].get("tuned_as", scenario)
         out = []
-        for fam in FAMILIES:
+        for fam in families_of(source, arm):
             lrs, ok = self.grid(source, arm, fam)
             if not ok:
                 return None
@@ -283,25 +278,34 @@ class Study:
         return fam, lr
 
     def seed_jobs(self, sweep: bool) -> list[dict]:
+        """Seeds 1 and 2 of every arm at its tuned (family, lr) (the sweep: all three seeds at ``xdc``'s);
+        in each scenario the best synchronous and the best asynchronous arm (seed 0) first."""
         out = []
         for sc in self.scenarios:
             if ("tuned_as" in SCENARIOS[sc]) != sweep:
                 continue
-            for arm in SCENARIO_ARMS[sc]:
-                if self.args.arms and arm not in self.args.arms:
-                    continue
-                b = self.best(sc, arm)
-                if b is not None:
-                    out += [job(sc, arm, b[0], b[1], s) for s in SEEDS if sweep or s != SEEDS[0]]
+            cells = [(arm, b) for arm in SCENARIO_ARMS[sc] if (not self.args.arms or arm in self.args.arms)
+                     and (b := self.best(sc, arm)) is not None]
+            source = SCENARIOS[sc].get("tuned_as", sc)
+
+            def seed0(cell: tuple[str, tuple[str, float]]) -> float:
+                return self.loss(job(source, cell[0], cell[1][0], cell[1][1], SEEDS[0]))
+
+            first = [min((c for c in cells if ARMS[c[0]]["sync"] == side), key=seed0, default=None)
+                     for side in (True, False)]
+            ordered = [c for c in first if c is not None] + [c for c in cells if c not in first]
+            for arm, (fam, lr) in ordered:
+                out += [job(sc, arm, fam, lr, s) for s in SEEDS if sweep or s != SEEDS[0]]
         return out
 
     # ------------------------------------------------------------------ running
 
     def steps_for(self, j: dict) -> int:
         """``trainer.max_steps`` of a run: the steps its fastest worker takes in the budget (cached)."""
-        key = json.dumps([o for o in j["overrides"] if not o.startswith(("outer.lr=", "seed="))] + [f"seed={j['seed']}"])
+        ov = [o for o in j["overrides"] if not o.startswith(("outer=", "outer.lr="))]
+        key = json.dumps(ov)
         if key not in self._steps:
-            self._steps[key] = schedule_steps(COMMON + j["overrides"])
+            self._steps[key] = schedule_steps(COMMON + ov + ["outer=staleness_sgd"])
             self.root.mkdir(parents=True, exist_ok=True)
             (self.root / "steps.json").write_text(json.dumps(self._steps, indent=0))
         return self._steps[key]
@@ -367,8 +371,10 @@ class Study:
 def schedule_steps(overrides: list[str]) -> int:
     """The inner steps the fastest worker of this configuration takes in its budget, from simulating
     its schedule with workers that compute nothing (the schedule depends on speeds, traces, links,
-    preemptions, DyLU and the gate's refusals, never on the weights): the model's parameter shapes,
-    zero deltas, the run's outer optimizer and gate, no norm checks."""
+    preemptions and DyLU, never on the weights): the model's parameter shapes, zero deltas, no norm
+    checks, and an outer optimizer that refuses nothing (``staleness_sgd``: a refused delta would
+    publish no version and so change when versions are downloaded; CGAD refuses past tau_cut = 32,
+    which no arm here reaches)."""
     import itertools
 
     import torch
@@ -380,7 +386,7 @@ def schedule_steps(overrides: list[str]) -> int:
     from diloco_lightning.worker.options import resolve_encoding
     from diloco_lightning.worker.params import module_state
 
-    cfg = _compose(overrides + ["trainer.max_steps=-1", "run_id=schedule"])
+    cfg = _compose(overrides + ["trainer.max_steps=1000000", "run_id=schedule"])
     opts = sim_options(cfg)
     module = build_module(cfg, 257)
     shapes = {k: v.detach() for k, v in module_state(module).items()}

@@ -132,11 +132,11 @@ def scenario_table(study: Any, scenario: str) -> tuple[list[str], dict[str, Any]
 
 
 def grid_lines(study: Any, scenario: str) -> list[str]:
-    from sim_stragglers import FAMILIES, SCENARIO_ARMS, SEEDS, job
+    from sim_stragglers import SCENARIO_ARMS, SEEDS, families_of, job
 
     out = ["| arm | family | lr: final loss at seed 0 (chosen in bold; x: diverged) |", "|---|---|---|"]
     for arm in SCENARIO_ARMS[scenario]:
-        for fam in FAMILIES:
+        for fam in families_of(scenario, arm):
             lrs, _ = study.grid(scenario, arm, fam)
             scores = [(lr, study.loss(job(scenario, arm, fam, lr, SEEDS[0]))) for lr in lrs]
             if all(math.isnan(x) for _, x in scores):
