@@ -49,6 +49,7 @@ from diloco_lightning.adapters.shared import (
     broadcast_params,
     check_hub_arg,
     check_worker_args,
+    open_worker_hub,
     ensure_console_logging,
     format_bytes,
     run_on_rank0,
@@ -72,7 +73,7 @@ class DiLoCo:
         accelerator: the ``accelerate.Accelerator``.
         model: the prepared model (it is unwrapped to find the tensors).
         hub, node_id, inner_steps, dylu_steps, dylu_min_steps, dylu_seconds, throttle, sync, delay,
-            node_index, delta_dtype, topk, topk_values, error_feedback, fragments, hub_options, signing_key,
+            node_index, delta_dtype, topk, topk_values, error_feedback, fragments, hub_options, create, signing_key,
             wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
         optimizer: the optimizer(s) whose state ``reset_inner_optimizer`` clears after an install.
         reset_inner_optimizer: clear the inner optimizer state after each install (default False).
@@ -106,6 +107,7 @@ class DiLoCo:
         optimizer: Any = None,
         reset_inner_optimizer: bool = False,
         hub_options: Mapping[str, Any] | None = None,
+        create: bool = False,
         signing_key: RunKey | str | bytes | None = None,
         wait_timeout: float = 1200.0,
         poll_interval: float = 1.0,
@@ -144,6 +146,9 @@ class DiLoCo:
         self.optimizers = [] if optimizer is None else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
         self.reset_inner_optimizer = reset_inner_optimizer
         self.hub_options = dict(hub_options or {})
+        if not isinstance(create, bool):
+            raise ValueError(f"DiLoCo: create must be True or False, got {create!r}")
+        self.create = create
         self.signing_key = signing_key
         self.wait_timeout = wait_timeout
         self.poll_interval = poll_interval
@@ -218,7 +223,7 @@ class DiLoCo:
 
         def start() -> bool:
             self.worker = DiLoCoWorker(
-                self.hub,
+                open_worker_hub(self.hub, self.hub_options, self.create),
                 self.node_id,
                 self._params,
                 sync=self.sync,
@@ -228,7 +233,6 @@ class DiLoCo:
                 topk_values=self.topk_values,
                 error_feedback=self.error_feedback,
                 signing_key=self.signing_key,
-                hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
                 wait_timeout=self.wait_timeout,
                 poll_interval=self.poll_interval,
                 claim_ttl=self.claim_ttl,

@@ -66,6 +66,7 @@ from diloco_lightning.adapters.shared import (
     broadcast_params,
     check_hub_arg,
     check_worker_args,
+    open_worker_hub,
     ensure_console_logging,
     format_bytes,
     run_on_rank0,
@@ -141,6 +142,9 @@ class DiLoCo(Callback):
         reset_inner_optimizer: clear the inner optimizers' state after each install (default
             False: keep it, as DiLoCo does).
         hub_options: options for ``open_hub`` (``token=``, ``endpoint=``, ``cache_dir=`` ...).
+        create: create the hub (a folder, an ``hf://`` repository) if it does not exist. False
+            (default): a hub that does not exist is an error naming the fix, the rule
+            ``diloco-master`` follows, so a misspelt hub is never created and waited on.
         signing_key: run key for signed deltas; None takes ``DILOCO_RUN_KEY`` /
             ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned when neither is set).
         wait_timeout: seconds a blocking wait (bootstrap, lockstep, final flush) may last.
@@ -173,6 +177,7 @@ class DiLoCo(Callback):
         fragments: int | list | None = None,
         reset_inner_optimizer: bool = False,
         hub_options: Mapping[str, Any] | None = None,
+        create: bool = False,
         signing_key: RunKey | str | bytes | None = None,
         wait_timeout: float = 1200.0,
         poll_interval: float = 1.0,
@@ -212,6 +217,9 @@ class DiLoCo(Callback):
         self._delay_arg = delay
         self.reset_inner_optimizer = reset_inner_optimizer
         self.hub_options = dict(hub_options or {})
+        if not isinstance(create, bool):
+            raise ValueError(f"DiLoCo: create must be True or False, got {create!r}")
+        self.create = create
         self.signing_key = signing_key
         self.wait_timeout = _positive("wait_timeout", wait_timeout)
         self.poll_interval = _positive("poll_interval", poll_interval)
@@ -357,7 +365,7 @@ class DiLoCo(Callback):
                 self.worker.close(flush=True)
             assert self._params is not None  # found in setup
             self.worker = DiLoCoWorker(
-                self.hub,
+                open_worker_hub(self.hub, self.hub_options, self.create),
                 self.node_id,
                 self._params,
                 sync=self.sync,
@@ -367,7 +375,6 @@ class DiLoCo(Callback):
                 topk_values=self.topk_values,
                 error_feedback=self.error_feedback,
                 signing_key=self.signing_key,
-                hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
                 wait_timeout=self.wait_timeout,
                 poll_interval=self.poll_interval,
                 claim_ttl=self.claim_ttl,

@@ -24,6 +24,7 @@ __all__ = [
     "broadcast_params",
     "check_hub_arg",
     "check_worker_args",
+    "open_worker_hub",
     "ensure_console_logging",
     "format_bytes",
     "run_on_rank0",
@@ -95,6 +96,28 @@ def check_hub_arg(hub: Any) -> None:
     """Refuse a ``hub`` that is not a URL, a path or a :class:`Hub`."""
     if not isinstance(hub, (str, os.PathLike, Hub)) or (isinstance(hub, str) and not hub):
         raise ValueError(f"DiLoCo: hub must be a URL, a path or a Hub, got {hub!r}")
+
+
+def open_worker_hub(hub: Any, hub_options: dict[str, Any] | None, create: bool) -> Hub:
+    """The hub an adapter's worker uses: ``hub`` itself when it is an open :class:`Hub`, else
+    ``open_hub(hub, create=create, **hub_options)`` (``hub_options["create"]`` wins when given; an
+    S3 bucket is never created). A hub that does not exist is refused with the same rule and words
+    as ``diloco-master``: it is an error unless ``create=True``, so a misspelt hub is never created
+    and then waited on."""
+    from diloco_lightning.hub import HubNotFoundError, open_hub
+
+    if isinstance(hub, Hub):
+        return hub
+    opts = dict(hub_options or {})
+    url = os.fspath(hub)
+    if not str(url).startswith("s3://"):
+        opts.setdefault("create", bool(create))
+    try:
+        return open_hub(url, **opts)
+    except HubNotFoundError as e:
+        if str(url).startswith("s3://"):
+            raise HubNotFoundError(f"DiLoCo: {e}") from None
+        raise HubNotFoundError(f"DiLoCo: {e}; check the spelling, or pass create=True to create it") from None
 
 
 def check_worker_args(

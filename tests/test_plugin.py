@@ -1,0 +1,70 @@
+"""The plugin as a user adds it to their own module: what it refuses, what it says, what it
+defaults to. Real Trainers, real hubs (a folder, the loopback fake Hugging Face Hub)."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from diloco_lightning import DiLoCo
+from diloco_lightning.hub import HubNotFoundError
+
+FAST = dict(poll_interval=0.01, wait_timeout=60.0)
+
+
+def _trainer(callback, steps: int = 4, **kw) -> L.Trainer:
+    return L.Trainer(max_steps=steps, callbacks=[callback], accelerator="cpu", logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, **kw)
+
+
+# ----------------------------------------------------------------------------- no silent creation
+
+
+def test_callback_refuses_a_hub_folder_that_does_not_exist_at_once(tmp_path):
+    typo = tmp_path / "shraed" / "run"
+    cb = DiLoCo(hub=str(typo), node_id="w0", inner_steps=2, **FAST)
+    t0 = time.monotonic()
+    with pytest.raises(HubNotFoundError) as e:
+        _trainer(cb).fit(BoringModel())
+    assert time.monotonic() - t0 < 20
+    assert "does not exist" in str(e.value) and "create=True" in str(e.value)
+    assert not typo.exists() and not (tmp_path / "shraed").exists()
+
+
+def test_callback_creates_the_hub_only_when_asked(tmp_path):
+    hub = tmp_path / "new-hub"
+    cb = DiLoCo(hub=str(hub), node_id="w0", inner_steps=2, create=True, wait_timeout=0.5, poll_interval=0.01)
+    with pytest.raises(Exception, match="outer step 0"):  # no master: it waits (0.5 s here) for one
+        _trainer(cb).fit(BoringModel())
+    assert (hub / "nodes" / "w0" / "init.safetensors").is_file()
+
+
+def test_hub_options_create_is_the_same_switch(tmp_path):
+    cb = DiLoCo(hub=f"file://{tmp_path}/x", node_id="w0", inner_steps=2, hub_options={"create": False}, create=True,
+                **FAST)
+    with pytest.raises(HubNotFoundError):
+        _trainer(cb).fit(BoringModel())
+
+
+def test_callback_refuses_a_missing_hf_repository(tmp_path, hf_server):
+    cb = DiLoCo(hub="hf://org/misspelt", node_id="w0", inner_steps=2, **FAST,
+                hub_options={"endpoint": hf_server.endpoint, "cache_dir": str(tmp_path)})
+    with pytest.raises(HubNotFoundError, match="create=True"):
+        _trainer(cb).fit(BoringModel())
+
+
+def test_accelerate_adapter_refuses_a_missing_hub(tmp_path):
+    from accelerate import Accelerator
+
+    from diloco_lightning.adapters.accelerate import DiLoCo as AccelerateDiLoCo
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(4, 2))
+    diloco = AccelerateDiLoCo(accelerator, model, hub=str(tmp_path / "nope"), node_id="w0", inner_steps=2, **FAST)
+    with pytest.raises(HubNotFoundError, match="check the spelling, or pass create=True"):
+        diloco.start()
+    assert not (tmp_path / "nope").exists()
