@@ -68,3 +68,33 @@ def test_accelerate_adapter_refuses_a_missing_hub(tmp_path):
     with pytest.raises(HubNotFoundError, match="check the spelling, or pass create=True"):
         diloco.start()
     assert not (tmp_path / "nope").exists()
+
+
+# ----------------------------------------------------------------------------- what it says
+
+
+def test_sync_lines_never_say_sent_0_B(tmp_path, caplog):
+    """Async: the first sync's delta is still uploading when its line is printed; the line says so
+    instead of "sent 0 B"; the progress bar's names are short enough not to be cut."""
+    import logging
+
+    from diloco_lightning.hub.local import FileHub
+    from diloco_lightning.master import MasterOuterLoop
+
+    root = tmp_path / "hub"
+    FileHub(root)
+    master = MasterOuterLoop(FileHub(root), None, node_state_dir=tmp_path / "m", poll_interval=0.02)
+    master.start()
+    try:
+        cb = DiLoCo(hub=str(root), node_id="w0", inner_steps=2, **FAST)
+        trainer = _trainer(cb, steps=8)
+        with caplog.at_level(logging.INFO, logger="diloco_lightning"):
+            trainer.fit(BoringModel())
+    finally:
+        master.stop()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("DiLoCo w0 | step")]
+    assert len(lines) == 4, lines
+    assert not any("sent 0 B" in line for line in lines), lines
+    assert any("uploading" in line or "sent " in line for line in lines[:1]), lines
+    assert all(len(k) <= 10 for k in trainer.progress_bar_metrics if k in ("outer_step", "stale", "sent_MB"))
+    assert {"outer_step", "stale", "sent_MB"} <= set(trainer.progress_bar_metrics)

@@ -51,7 +51,7 @@ from diloco_lightning.adapters.shared import (
     check_worker_args,
     open_worker_hub,
     ensure_console_logging,
-    format_bytes,
+    sent_text,
     run_on_rank0,
     sum_tokens_over_ranks,
 )
@@ -339,7 +339,7 @@ class DiLoCo:
             if r.installed is not None:
                 line += f" | installed {r.installed.outer_step} (staleness {r.installed.staleness})"
             sent = float(worker.totals.get("bytes_uploaded_total", 0))
-            line += f" | sent {format_bytes(metrics.get('diloco/upload_bytes', 0.0))} ({format_bytes(sent)} in all)"
+            line += f" | {sent_text(metrics.get('diloco/upload_bytes'), sent, r.pending_phases)}"
             if self.pacing.auto:
                 line += f" | next H {self.pacing.inner_steps}"
             if r.wait_seconds:

@@ -25,8 +25,8 @@ What it does (the work itself is :class:`~diloco_lightning.worker.DiLoCoWorker`'
   installs the same version at the same step; an error on rank 0 is broadcast and raised on
   every rank instead of leaving them waiting. FSDP, DeepSpeed and model-parallel strategies
   are refused in ``setup`` (their parameters are sharded: the anchor would be a shard).
-* Says what it does: the progress bar shows ``diloco/outer_step``, ``diloco/staleness`` (versions
-  the installed one is behind the newest seen) and ``diloco/sent_MB``; rank zero prints one line
+* Says what it does: the progress bar shows ``outer_step``, ``stale`` (versions
+  the installed one is behind the newest seen) and ``sent_MB`` (short names: a bar cuts its line at the terminal's width); rank zero prints one line
   per sync and a line at growing intervals while it waits for a master (``verbose=False``: quiet;
   a script that configured no logging gets a stderr handler on the ``diloco_lightning`` logger,
   as Lightning does for its own).
@@ -68,7 +68,7 @@ from diloco_lightning.adapters.shared import (
     check_worker_args,
     open_worker_hub,
     ensure_console_logging,
-    format_bytes,
+    sent_text,
     run_on_rank0,
     sum_tokens_over_ranks,
 )
@@ -81,6 +81,9 @@ log = logging.getLogger(__name__)
 __all__ = ["DiLoCo", "count_tokens"]
 
 CHECKPOINT_KEY = "diloco_worker"
+#: what the progress bar shows: the outer step installed, its staleness (versions behind the newest
+#: seen), megabytes sent in all
+BAR_NAMES = ("outer_step", "stale", "sent_MB")
 _SHARDED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
 
 
@@ -333,15 +336,16 @@ class DiLoCo(Callback):
         worker = self.worker
         if worker is None:
             return
-        staleness = metrics.get(p + "install_staleness", self._bar.get(p + "staleness", 0.0))
+        staleness = metrics.get(p + "install_staleness", self._bar.get(BAR_NAMES[1], 0.0))
         sent = float(worker.totals.get("bytes_uploaded_total", 0)) / 1e6
-        self._bar = {p + "outer_step": float(worker.outer_step or 0), p + "staleness": float(staleness), p + "sent_MB": sent}
+        # short names: a progress bar cuts its line at the terminal's width
+        self._bar = dict(zip(BAR_NAMES, (float(worker.outer_step or 0), float(staleness), sent)))
         if self.verbose and metrics:
             parts = [f"DiLoCo {self.node_id} | step {step} | sync {int(metrics.get(p + 'boundary', 0))}",
                      f"outer_step {worker.outer_step}"]
             if p + "installed_outer_step" in metrics:
                 parts.append(f"installed {int(metrics[p + 'installed_outer_step'])} (staleness {int(staleness)})")
-            parts.append(f"sent {format_bytes(metrics.get(p + 'upload_bytes', 0.0))} ({format_bytes(sent * 1e6)} in all)")
+            parts.append(sent_text(metrics.get(p + "upload_bytes"), sent * 1e6, worker.pending_phases))
             if self.pacing.auto:
                 parts.append(f"next H {self.pacing.inner_steps}")
             if metrics.get(p + "wait_seconds"):

@@ -27,6 +27,7 @@ __all__ = [
     "open_worker_hub",
     "ensure_console_logging",
     "format_bytes",
+    "sent_text",
     "run_on_rank0",
     "sum_tokens_over_ranks",
 ]
@@ -43,6 +44,19 @@ def format_bytes(n: float) -> str:
         if n >= scale * 0.95:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+def sent_text(sent: float | None, total: float, pending: int) -> str:
+    """The sync line's upload part: what reached the hub since the last line (``sent``: None when no
+    upload finished), all sent so far, and an upload still going on in the background (the first
+    async sync's delta is on its way, not "0 B")."""
+    if sent:
+        text = f"sent {format_bytes(sent)} ({format_bytes(total)} in all)"
+    elif total:
+        text = f"{format_bytes(total)} sent in all"
+    else:
+        text = "nothing sent yet"
+    return text + (f", {pending} delta(s) uploading" if pending else "")
 
 
 def ensure_console_logging() -> None:

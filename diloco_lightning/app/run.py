@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from diloco_lightning.app.build import build_master, open_run_hub, recipe_name, resolve_run_dir, run_dir
 from diloco_lightning.app.config import validate
+from diloco_lightning.app.console import configure_console
 from diloco_lightning.app.errors import Interrupted, RunError
 from diloco_lightning.app.local import finished_results, run_all
 from diloco_lightning.app.worker import run_worker
@@ -47,7 +48,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Validate, refuse what this machine cannot run, then dispatch on ``cfg.role``."""
     validate(cfg)
     resolve_run_dir(cfg)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_console(whole_run=cfg.role == "all")
     finished = cfg.role == "all" and cfg.launch.kind in ("local", "sim") and finished_results(cfg, run_dir(cfg)) is not None
     if cfg.launch.check_resources and not finished:  # a finished run starts nothing: run_all only says so
         from diloco_lightning.app.resources import check_resources
