@@ -98,3 +98,68 @@ def test_sync_lines_never_say_sent_0_B(tmp_path, caplog):
     assert any("uploading" in line or "sent " in line for line in lines[:1]), lines
     assert all(len(k) <= 10 for k in trainer.progress_bar_metrics if k in ("outer_step", "stale", "sent_MB"))
     assert {"outer_step", "stale", "sent_MB"} <= set(trainer.progress_bar_metrics)
+
+
+# ----------------------------------------------------------------------------- the master's advice
+
+
+def test_master_warns_when_two_nodes_send_identical_deltas(tmp_path, caplog):
+    """Two nodes trained on the same batches from the same weights (seed_per_node=False and no
+    shard): their deltas are identical, and the master says so in one line naming the fix."""
+    import logging
+    import threading
+
+    from diloco_lightning.hub.local import FileHub
+    from diloco_lightning.master import MasterOuterLoop
+    from diloco_lightning.worker import DiLoCoWorker
+
+    root = tmp_path / "hub"
+    FileHub(root)
+    master = MasterOuterLoop(FileHub(root), None, node_state_dir=tmp_path / "m", poll_interval=0.02, min_deltas=2)
+    master.start()
+    torch.manual_seed(0)
+    init = {"w": torch.randn(8, 4), "b": torch.zeros(4)}
+    models = [{k: v.clone() for k, v in init.items()} for _ in range(2)]
+    workers = [DiLoCoWorker(str(root), f"w{i}", models[i], sync="lockstep", **FAST) for i in range(2)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="diloco_lightning.master.health"):
+            threads = [threading.Thread(target=w.start) for w in workers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for r in range(2):
+                for m in models:  # the same "training step" on both
+                    m["w"].add_(0.01 * (r + 1))
+                threads = [threading.Thread(target=w.boundary) for w in workers]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            for w in workers:
+                w.close()
+            master.stop(drain=True)
+    finally:
+        master.stop()
+    lines = [r.getMessage() for r in caplog.records if "identical deltas" in r.getMessage()]
+    assert len(lines) == 1, lines  # said once for the pair
+    assert "w0" in lines[0] and "w1" in lines[0] and "seed_per_node" in lines[0]
+
+
+def test_divergence_is_said_once_naming_the_knobs(caplog):
+    import logging
+
+    from diloco_lightning.master.health import RunHealth
+
+    healthy = RunHealth(lr=0.7, min_deltas=1)
+    with caplog.at_level(logging.WARNING, logger="diloco_lightning.master.health"):
+        for step in range(1, 40):  # updates shrink as the run converges, the state's norm grows slowly
+            assert not healthy.note_version(step, 1.0 / step, 10.0 + 0.1 * step)
+        assert not caplog.records
+        sick = RunHealth(lr=0.7, min_deltas=1)
+        said = [sick.note_version(step, 0.1 * 1.5 ** max(0, step - 10), 10.0 * 1.2 ** max(0, step - 10))
+                for step in range(1, 30)]
+    assert sum(said) == 1 or (sum(said) == 2 and said.index(True) < 20), said
+    text = caplog.records[0].getMessage()
+    assert "diverging" in text and "outer.lr (now 0.7, e.g. outer.lr=0.175)" in text and "min_deltas (now 1)" in text
+    assert sick.diverging

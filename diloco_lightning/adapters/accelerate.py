@@ -52,6 +52,7 @@ from diloco_lightning.adapters.shared import (
     open_worker_hub,
     ensure_console_logging,
     sent_text,
+    seed_this_node,
     run_on_rank0,
     sum_tokens_over_ranks,
 )
@@ -82,6 +83,8 @@ class DiLoCo:
         claim_ttl: seconds this node's claim on its id lives without a heartbeat (None: 60 on a
             folder hub, 900 on ``hf://``).
         verbose: print a line per sync and while waiting (main process); False: quiet.
+        seed_per_node: reseed from the process's seed and ``node_id`` at :meth:`start`, as the
+            Lightning callback does at the start of ``fit`` (default True).
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class DiLoCo:
         log_fn: Callable[[dict[str, float]], Any] | None = None,
         claim_ttl: float | None = None,
         verbose: bool = True,
+        seed_per_node: bool = True,
     ) -> None:
         self.node_id, self.delay, opts, self.pacing = check_worker_args(
             node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
@@ -154,6 +158,9 @@ class DiLoCo:
         self.poll_interval = poll_interval
         self.log_fn = log_fn
         self.claim_ttl = claim_ttl
+        if not isinstance(seed_per_node, bool):
+            raise ValueError(f"DiLoCo: seed_per_node must be True or False, got {seed_per_node!r}")
+        self.seed_per_node = seed_per_node
         self.verbose = bool(verbose)
         if self.verbose:
             ensure_console_logging()
@@ -220,6 +227,8 @@ class DiLoCo:
         """Connect (and install the global weights on a fresh start); ``__enter__`` calls it."""
         if not self.enabled or self._running:
             return
+        if self.seed_per_node:
+            seed_this_node(self.node_id)  # each node shuffles its data its own way (before the loop iterates it)
 
         def start() -> bool:
             self.worker = DiLoCoWorker(

@@ -20,14 +20,18 @@ What it does (the work itself is :class:`~diloco_lightning.worker.DiLoCoWorker`'
 * Checkpoints: counters in ``state_dict()``, the anchor and any undelivered delta under
   ``checkpoint["diloco_worker"]`` (``on_save_checkpoint``), so the first delta after a resume is
   the true pseudo-gradient of the interrupted phase.
+* Each node sees its own data: ``setup`` reseeds ``torch``, ``random`` and ``numpy`` from the
+  process's seed and ``node_id`` (``seed_per_node``), so two nodes running one script shuffle
+  differently.
 * DDP inside one worker: rank 0 owns the worker (exports, uploads, decides installs); the
   decision is broadcast and the installed weights are broadcast from rank 0, so every rank
   installs the same version at the same step; an error on rank 0 is broadcast and raised on
   every rank instead of leaving them waiting. FSDP, DeepSpeed and model-parallel strategies
   are refused in ``setup`` (their parameters are sharded: the anchor would be a shard).
-* Says what it does: the progress bar shows ``outer_step``, ``stale`` (versions
-  the installed one is behind the newest seen) and ``sent_MB`` (short names: a bar cuts its line at the terminal's width); rank zero prints one line
-  per sync and a line at growing intervals while it waits for a master (``verbose=False``: quiet;
+* Says what it does: the progress bar shows ``outer_step``, ``stale`` (versions the installed
+  one is behind the newest seen) and ``sent_MB`` (short names: a bar cuts its line at the
+  terminal's width); rank zero prints one line per sync and a line at growing intervals while
+  it waits for a master (``verbose=False``: quiet;
   a script that configured no logging gets a stderr handler on the ``diloco_lightning`` logger,
   as Lightning does for its own).
 * SIGTERM (``timeout``, SLURM, Kubernetes): a wait for the master ends at once, what is pending
@@ -69,6 +73,7 @@ from diloco_lightning.adapters.shared import (
     open_worker_hub,
     ensure_console_logging,
     sent_text,
+    seed_this_node,
     run_on_rank0,
     sum_tokens_over_ranks,
 )
@@ -158,6 +163,13 @@ class DiLoCo(Callback):
         claim_ttl: seconds this node's claim on its id lives without a heartbeat (None: 60 on a
             folder hub, 900 on ``hf://``).
         verbose: print a line per sync and while waiting (rank zero); False: quiet.
+        seed_per_node: reseed ``torch``, ``random`` and ``numpy`` at the start of ``fit`` with a
+            seed derived from the process's seed and ``node_id``
+            (:func:`~diloco_lightning.adapters.shared.node_seed`), so two nodes running one script
+            with one ``seed_everything`` shuffle their data (and draw dropout) differently; a
+            node gets the same seed on every launch. False keeps the script's seed (then shard
+            or seed the data per node yourself: identical data on two nodes makes their deltas
+            identical, and the master warns about it).
     """
 
     def __init__(
@@ -188,6 +200,7 @@ class DiLoCo(Callback):
         log_prefix: str = "diloco/",
         claim_ttl: float | None = None,
         verbose: bool = True,
+        seed_per_node: bool = True,
     ) -> None:
         super().__init__()
         check_hub_arg(hub)
@@ -231,6 +244,9 @@ class DiLoCo(Callback):
         if claim_ttl is not None:
             _positive("claim_ttl", claim_ttl)
         self.claim_ttl = claim_ttl
+        if not isinstance(seed_per_node, bool):
+            raise ValueError(f"DiLoCo: seed_per_node must be True or False, got {seed_per_node!r}")
+        self.seed_per_node = seed_per_node
         self.verbose = bool(verbose)
         if self.verbose:
             ensure_console_logging()
@@ -287,8 +303,16 @@ class DiLoCo(Callback):
 
     # ------------------------------------------------------------------ setup / start
 
+    def _seed_node(self) -> None:
+        """Each node sees its own data: reseed from ``node_id`` (``adapters/shared.py: node_seed``)."""
+        if self.seed_per_node:
+            seed = seed_this_node(self.node_id)
+            log.debug("DiLoCo %s: seeded this node with %d (from the process's seed and node_id)", self.node_id, seed)
+
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._seed_node()  # before the data is iterated, after the model was built
         names = {cls.__name__ for cls in type(trainer.strategy).__mro__}
         sharded = sorted(names.intersection(_SHARDED))
         if sharded:

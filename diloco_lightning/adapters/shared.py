@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ __all__ = [
     "ensure_console_logging",
     "format_bytes",
     "sent_text",
+    "node_seed",
+    "seed_this_node",
     "run_on_rank0",
     "sum_tokens_over_ranks",
 ]
@@ -44,6 +47,32 @@ def format_bytes(n: float) -> str:
         if n >= scale * 0.95:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+def node_seed(base: int, node_id: str) -> int:
+    """The seed of node ``node_id`` in a process seeded with ``base``: ``(base * 1000003 +
+    crc32(node_id)) mod 2**32``. Two nodes of one script (one ``seed_everything``) get different
+    seeds, so their shuffled data, dropout and augmentations differ; the same node gets the same
+    seed again on every launch."""
+    return (int(base) * 1_000_003 + zlib.crc32(node_id.encode())) % 2**32
+
+
+def seed_this_node(node_id: str) -> int:
+    """Reseed ``torch`` (every device), ``random`` and ``numpy`` with :func:`node_seed` of this process's
+    torch seed; returns the seed. Called before the data is iterated and after the model is built, so
+    the initial weights (replaced by the run's global weights anyway) stay the script's."""
+    import random
+
+    seed = node_seed(torch.initial_seed(), node_id)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        pass
+    return seed
 
 
 def sent_text(sent: float | None, total: float, pending: int) -> str:

@@ -398,7 +398,7 @@ def run_id_from_overrides(overrides: List[str], *, sweep: bool = False) -> str:
     """
     from diloco_lightning.app.launches import EXTENDING_KEYS
 
-    skip = ("role=", "node_index=", "run_id=", "run_root=", "launch.", "hub.", "+role=", "trainer.num_threads=")
+    skip: tuple[str, ...] = ("role=", "node_index=", "run_id=", "run_root=", "launch.", "hub.", "+role=", "trainer.num_threads=")
     if not sweep:
         skip += tuple(k + "=" for k in EXTENDING_KEYS)
     kept = sorted(o.lstrip("+~") for o in overrides if not o.lstrip("+~").startswith(skip))
