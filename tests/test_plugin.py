@@ -163,3 +163,51 @@ def test_divergence_is_said_once_naming_the_knobs(caplog):
     text = caplog.records[0].getMessage()
     assert "diverging" in text and "outer.lr (now 0.7, e.g. outer.lr=0.175)" in text and "min_deltas (now 1)" in text
     assert sick.diverging
+
+
+# ----------------------------------------------------------------------------- a module we never saw
+
+
+@pytest.mark.slow  # importing transformers alone takes ~10 s
+def test_a_tiny_hf_gpt2_trains_through_the_plugin(tmp_path):
+    """A random-init GPT-2 from ``transformers`` (built from a config, never downloaded) in a plain
+    LightningModule: its deltas reach the master, the global weights come back, the loss falls.
+    ``benchmarks/foreign_modules.py`` measures the quality against one worker alone."""
+    transformers = pytest.importorskip("transformers")
+
+    from diloco_lightning.hub.local import FileHub
+    from diloco_lightning.master import MasterOuterLoop
+
+    class GPT2(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                          bos_token_id=0, eos_token_id=0)
+            self.model = transformers.GPT2LMHeadModel(cfg)
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            loss = self.model(input_ids=ids, labels=ids).loss
+            self.losses.append(float(loss))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    torch.manual_seed(0)
+    ids = (torch.arange(16).repeat(64, 1) + torch.randint(0, 4, (64, 1))) % 64  # learnable sequences
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8, shuffle=True)
+    root = tmp_path / "hub"
+    FileHub(root)
+    master = MasterOuterLoop(FileHub(root), None, node_state_dir=tmp_path / "m", poll_interval=0.02)
+    master.start()
+    try:
+        module = GPT2()
+        cb = DiLoCo(hub=str(root), node_id="w0", inner_steps=4, **FAST)
+        _trainer(cb, steps=24).fit(module, train_dataloaders=loader)
+        master.stop(drain=True)
+    finally:
+        master.stop()
+    assert cb.metrics["deltas_uploaded_total"] >= 5 and master.outer_step >= 5
+    assert sum(module.losses[-4:]) / 4 < sum(module.losses[:4]) / 4 - 0.3, module.losses

@@ -239,6 +239,14 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
             f"{logs[i][1]}:\n{tail or '    (empty)'}"
         )
 
+    return finish_run(cfg, rdir, hub, dm, evaluator, launches, rounds, eval_curve)
+
+
+def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launches: Launches, rounds: list[dict],
+               eval_curve: list[list[float]]) -> dict[str, Any]:
+    """The end of a whole run (local or SLURM): evaluate the newest global model, write
+    ``results.json`` (whole-run counters, this launch's under ``last_launch``) and print the summary."""
+    label = recipe_name()
     outer_step, eval_loss = evaluate_global(cfg, hub, dm, evaluator)
     hub.close()
     if not eval_curve or eval_curve[-1][0] != outer_step:

@@ -49,7 +49,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     validate(cfg)
     resolve_run_dir(cfg)
     configure_console(whole_run=cfg.role == "all")
-    finished = cfg.role == "all" and cfg.launch.kind in ("local", "sim") and finished_results(cfg, run_dir(cfg)) is not None
+    finished = cfg.role == "all" and cfg.launch.kind in ("local", "sim", "submitit") and finished_results(cfg, run_dir(cfg)) is not None
     if cfg.launch.check_resources and not finished:  # a finished run starts nothing: run_all only says so
         from diloco_lightning.app.resources import check_resources
 
