@@ -211,3 +211,61 @@ def test_a_tiny_hf_gpt2_trains_through_the_plugin(tmp_path):
         master.stop()
     assert cb.metrics["deltas_uploaded_total"] >= 5 and master.outer_step >= 5
     assert sum(module.losses[-4:]) / 4 < sum(module.losses[:4]) / 4 - 0.3, module.losses
+
+
+# ----------------------------------------------------------------------------- LightningCLI
+
+
+def test_the_lightning_cli_yaml_example_runs(tmp_path):
+    """``docs/examples/lightning_cli.yaml`` as the docs say to use it: ``class_path`` / ``init_args``
+    for the callback, the node's id and the hub given on the command line."""
+    pytest.importorskip("jsonargparse")
+    from pathlib import Path
+
+    from lightning.pytorch.cli import LightningCLI
+
+    from diloco_lightning.hub.local import FileHub
+    from diloco_lightning.master import MasterOuterLoop
+
+    example = Path(__file__).resolve().parents[1] / "docs" / "examples" / "lightning_cli.yaml"
+    root = tmp_path / "hub"
+    FileHub(root)
+    master = MasterOuterLoop(FileHub(root), None, node_state_dir=tmp_path / "m", poll_interval=0.02)
+    master.start()
+    try:
+        cli = LightningCLI(args=["fit", "--config", str(example), f"--trainer.callbacks.hub={root}",
+                                 "--trainer.callbacks.node_id=w1", "--trainer.callbacks.inner_steps=2",
+                                 "--trainer.callbacks.poll_interval=0.02", "--trainer.max_steps=6",
+                                 "--trainer.accelerator=cpu", "--trainer.logger=false",
+                                 "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+                                 f"--trainer.default_root_dir={tmp_path}"],
+                           save_config_kwargs={"overwrite": True})
+        master.stop(drain=True)
+    finally:
+        master.stop()
+    (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, DiLoCo)]
+    assert cb.node_id == "w1" and cb.inner_steps == 2
+    assert cb.metrics["deltas_uploaded_total"] >= 2 and master.outer_step >= 2  # async: one may merge into the next
+    assert (root / "nodes" / "w1").is_dir()
+
+
+def test_workers_losses_reach_the_heartbeat_and_a_rise_is_said(tmp_path, caplog):
+    import logging
+
+    from diloco_lightning.master.health import RunHealth
+    from diloco_lightning.wire.claims import NodeReport
+
+    # the heartbeat's report carries the phase's mean loss, checked on the reading side
+    assert NodeReport.from_info({"train_loss": 2.5})[0].train_loss == 2.5
+    assert NodeReport.from_info({"train_loss": float("nan")})[0].train_loss is None
+    assert NodeReport.from_info({"train_loss": 1e300})[1]  # out of bounds: a problem, dropped
+    health = RunHealth(lr=0.7, min_deltas=1)
+    with caplog.at_level(logging.WARNING, logger="diloco_lightning.master.health"):
+        for step, (a, b) in enumerate([(5.5, 5.4), (4.0, 4.2), (3.1, 3.3), (3.0, 3.2), (3.2, 3.1), (2.9, 3.0)]):
+            assert not health.note_losses(step, {"w0": a, "w1": b})  # noisy but falling: nothing said
+        assert not health.note_losses(6, {"w0": 4.5, "w1": 4.6})  # one high reading: not yet
+        assert health.note_losses(7, {"w0": 6.0, "w1": 7.0})
+        assert not health.note_losses(8, {"w0": 6.5, "w1": 7.2})  # said once
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "workers' training loss is 7 at outer step 7" in line and "up from 3 at outer step 5" in line
+    assert "outer.lr (now 0.7" in line

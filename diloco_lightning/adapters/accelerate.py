@@ -49,6 +49,7 @@ from diloco_lightning.adapters.shared import (
     broadcast_params,
     check_hub_arg,
     check_worker_args,
+    PhaseLoss,
     open_worker_hub,
     ensure_console_logging,
     sent_text,
@@ -162,6 +163,7 @@ class DiLoCo:
             raise ValueError(f"DiLoCo: seed_per_node must be True or False, got {seed_per_node!r}")
         self.seed_per_node = seed_per_node
         self.verbose = bool(verbose)
+        self._loss = PhaseLoss()
         if self.verbose:
             ensure_console_logging()
         self._sigterm = SigtermWatch(self._on_sigterm)
@@ -290,10 +292,12 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ training
 
-    def step(self, num_tokens: int | None = None) -> BoundaryResult | None:
+    def step(self, num_tokens: int | None = None, loss: Any = None) -> BoundaryResult | None:
         """Call after each ``optimizer.step()``; every ``inner_steps`` real optimizer steps, a
         boundary (export, upload in the background, install a newer global). ``num_tokens``:
-        tokens of this step on this process (summed over processes and steps into the header)."""
+        tokens of this step on this process (summed over processes and steps into the header);
+        ``loss``: this step's training loss (optional; the phase's mean is reported in the node's
+        heartbeat, where the master watches for divergence)."""
         if not self.enabled:
             return None
         if not getattr(self.accelerator, "sync_gradients", True):
@@ -303,6 +307,7 @@ class DiLoCo:
         if self._sigterm.received and self._world == 1:
             self._exit_on_sigterm(f"stopped at step {self.num_steps}")
         self.num_steps += 1
+        self._loss.add(loss)
         self.pacing.after_step()
         if num_tokens is None:
             self._tokens = None
@@ -312,6 +317,7 @@ class DiLoCo:
             return None
         self._last_boundary = self.num_steps
         tokens, self._tokens = self._tokens, 0
+        train_loss = self._loss.take()
         if self._world > 1:
             tokens = sum_tokens_over_ranks(
                 tokens, self.accelerator.device, lambda t: self.accelerator.reduce(t, reduction="sum")
@@ -324,7 +330,7 @@ class DiLoCo:
             if self._sigterm.received:
                 raise WorkerStopped(f"node {self.node_id}: stopped at step {self.num_steps}")
             assert worker is not None
-            result.append(worker.boundary(num_tokens=tokens))
+            result.append(worker.boundary(num_tokens=tokens, train_loss=train_loss))
             return result[0].installed is not None, result[0].inner_steps
 
         installed, h = False, None

@@ -70,6 +70,7 @@ from diloco_lightning.adapters.shared import (
     broadcast_params,
     check_hub_arg,
     check_worker_args,
+    PhaseLoss,
     open_worker_hub,
     ensure_console_logging,
     sent_text,
@@ -261,6 +262,7 @@ class DiLoCo(Callback):
         self._restored_counters: dict[str, Any] | None = None
         self._restored_anchor: dict[str, Any] | None = None
         self._tokens: int | torch.Tensor | None = 0
+        self._loss = PhaseLoss()  # the phase's mean training loss goes in the heartbeat
         self._params: dict[str, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ identity and state
@@ -456,6 +458,7 @@ class DiLoCo(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._count(batch)
+        self._loss.add(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
         step = trainer.global_step
         if self._last_seen_step is None or step > self._last_seen_step:  # an optimizer step, not an accumulation
             self._last_seen_step = step
@@ -466,12 +469,13 @@ class DiLoCo(Callback):
             return
         self._last_synced_step = step
         tokens = self._take_tokens(trainer)
+        loss = self._loss.take()
 
         worker = self.worker  # rank 0's (None on the other ranks, which never call boundary())
 
         def boundary() -> tuple[bool, dict[str, float], int | None]:
             assert worker is not None
-            result = worker.boundary(num_tokens=tokens)
+            result = worker.boundary(num_tokens=tokens, train_loss=loss)
             metrics = result.metrics(self.log_prefix)
             return result.installed is not None, metrics, result.inner_steps
 

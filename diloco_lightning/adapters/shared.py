@@ -26,6 +26,7 @@ __all__ = [
     "check_hub_arg",
     "check_worker_args",
     "open_worker_hub",
+    "PhaseLoss",
     "ensure_console_logging",
     "format_bytes",
     "sent_text",
@@ -47,6 +48,28 @@ def format_bytes(n: float) -> str:
         if n >= scale * 0.95:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+class PhaseLoss:
+    """The mean training loss of an inner phase: each step's loss added detached (no device sync),
+    averaged once at the boundary (the heartbeat reports it; the master watches it for divergence)."""
+
+    def __init__(self) -> None:
+        self._sum: float | torch.Tensor = 0.0
+        self._n = 0
+
+    def add(self, loss: Any) -> None:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._sum = loss.detach().float() + self._sum
+            self._n += 1
+        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            self._sum, self._n = self._sum + float(loss), self._n + 1
+
+    def take(self) -> float | None:
+        """The mean since the last call (None: no loss seen), and start again."""
+        total, n = self._sum, self._n
+        self._sum, self._n = 0.0, 0
+        return float(total) / n if n else None
 
 
 def node_seed(base: int, node_id: str) -> int:

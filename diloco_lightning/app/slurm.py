@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from diloco_lightning.app.console import configure_console
-    from diloco_lightning.app.run import run_master
+    from diloco_lightning.app.serving import run_master
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("role", choices=["master"])

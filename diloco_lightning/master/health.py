@@ -6,6 +6,11 @@ log line naming the knob to turn, once (a diverging run is said again only if it
   the last bit, trained on the same batches from the same weights: the run is one worker's
   training counted twice. The norm is computed by validation anyway; equal norms of honest
   deltas of different data do not happen in floating point.
+* **Divergence**, from the workers' training losses (each heartbeat carries its last phase's
+  mean, :class:`~diloco_lightning.wire.claims.NodeReport`): the median over the nodes rose more
+  than ``LOSS_RISE`` nats (or half its best, whichever is more) above its best, in two readings
+  in a row (one, when it rose three times that). A model-free master knows nothing of the
+  loss but what the workers report.
 * **Divergence**, from the global model the master publishes: the norm of its update
   (``|theta_new - theta_old|``) grew ``GROWTH`` times above the smallest of the last ``WINDOW``
   versions while the state's own norm grew too, for ``PATIENCE`` versions in a row. A healthy
@@ -21,7 +26,7 @@ import math
 from collections import deque
 from typing import Hashable, Iterable
 
-__all__ = ["RunHealth", "GROWTH", "WINDOW", "PATIENCE"]
+__all__ = ["RunHealth", "GROWTH", "WINDOW", "PATIENCE", "LOSS_RISE"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,8 @@ GROWTH = 4.0
 WINDOW = 8
 #: versions in a row the update (and the state) must grow before the line is said
 PATIENCE = 3
+#: nats the workers' median training loss may rise above its best before the run counts as diverging
+LOSS_RISE = 1.0
 
 
 class RunHealth:
@@ -51,6 +58,10 @@ class RunHealth:
         self._seen: dict[tuple[Hashable, str], str] = {}  # (base, norm bits) -> node; base: any hashable
         self._twins: set[frozenset[str]] = set()
         self.diverging = False
+        self._heard: tuple = ()
+        self._best_loss: tuple[float, int] | None = None  # (median, outer step)
+        self._loss_streak = 0
+        self._loss_warned: float | None = None
 
     # ------------------------------------------------------------------ identical deltas
 
@@ -100,6 +111,31 @@ class RunHealth:
         log.warning("the run looks like it is diverging: the outer update at outer step %d is %.3g, %.0fx the smallest "
                     "of the last %d (%.3g), and the global weights' norm keeps growing (%.4g). %s", outer_step,
                     update_norm, ratio, WINDOW, floor, state_norm, self.advice())
+        return True
+
+    def note_losses(self, outer_step: int, losses: dict[str, float]) -> bool:
+        """The nodes' last reported training losses at ``outer_step``. True when this reading made
+        the master say that the run diverges."""
+        heard = tuple(sorted(losses.items()))
+        vals = sorted(v for v in losses.values() if math.isfinite(v))
+        if not vals or heard == self._heard:
+            return False  # nothing new was heard
+        self._heard = heard
+        median = vals[len(vals) // 2]
+        if self._best_loss is None or median < self._best_loss[0]:
+            self._best_loss, self._loss_streak = (median, outer_step), 0
+            return False
+        best, at = self._best_loss
+        rise = max(LOSS_RISE, 0.5 * best)
+        self._loss_streak = self._loss_streak + 1 if median > best + rise else 0
+        if not (self._loss_streak >= 2 or median > best + 3 * rise):
+            return False
+        if self._loss_warned is not None and median < 2 * self._loss_warned:
+            return False
+        self._loss_warned, self.diverging = median, True
+        log.warning("the run looks like it is diverging: the workers' training loss is %.4g at outer step %d (the median "
+                    "of %d node(s)), up from %.4g at outer step %d. %s", median, outer_step, len(vals), best, at,
+                    self.advice())
         return True
 
     def advice(self) -> str:

@@ -394,6 +394,8 @@ class Rounds:
         run.committed(buf, new_step, new_ledger, manifest, record)
         self.master.health.note_deltas((a.ref.node_id, (base - a.staleness, a.fragment), a.norm) for a in accepted)
         self.master.health.note_version(new_step, update, norm)
+        self.master.health.note_losses(new_step, {n: st.report.train_loss for n, st in self.master.membership.nodes.items()
+                                                  if st.report.train_loss is not None})
         self.master.validator.load_state_dict(payload)
         self.master.validator.note_global(buf, new_step, norm, numel)
         self.master.intake.published(new_ledger)
