@@ -75,13 +75,14 @@ def log_to_file(path: Path) -> None:
 
 def drop_unused_run_dir(run_dir: Path, run_root: Path | None = None) -> bool:
     """Remove ``run_dir`` when it holds nothing but what Hydra wrote before the job ran (its
-    ``hydra/`` folder): what a command refused at start-up leaves. ``run_root`` goes too when that
+    ``hydra/`` folder) and the log of the refused start (``train.log``): what a command refused at
+    start-up leaves. ``run_root`` goes too when that
     leaves it empty. True when something was removed."""
     try:
         entries = {p.name for p in run_dir.iterdir()}
     except OSError:
         return False
-    if not entries <= {"hydra"}:
+    if not entries <= {"hydra", "train.log"}:
         return False
     shutil.rmtree(run_dir, ignore_errors=True)
     if run_root is not None:

@@ -150,6 +150,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     if done is not None:
         print(finished_message(cfg, rdir, done), flush=True)
         return done
+    hub = open_run_hub(cfg)  # first: a hub that does not exist is refused in seconds, before the data is built
     rdir.mkdir(parents=True, exist_ok=True)
     log_to_file(rdir / "train.log")
     launches = Launches(rdir)
@@ -162,8 +163,6 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     dm.prepare_data()  # tokenizer + token cache built once here, not raced by the workers
     config_path = rdir / "config.yaml"
     OmegaConf.save(cfg, config_path, resolve=True)
-
-    hub = open_run_hub(cfg)
     rounds: list[dict] = []
 
     def on_round(m: dict) -> None:

@@ -137,6 +137,7 @@ def run_submitit(cfg: DictConfig) -> dict[str, Any]:
     if done is not None:
         print(finished_message(cfg, rdir, done), flush=True)
         return done
+    hub = open_run_hub(cfg)  # a folder hub is created here, before the master job opens it; a missing one refused
     rdir.mkdir(parents=True, exist_ok=True)
     log_to_file(rdir / "train.log")
     launches = Launches(rdir)
@@ -146,7 +147,6 @@ def run_submitit(cfg: DictConfig) -> dict[str, Any]:
     dm.prepare_data()  # the tokenizer and token cache, once, before the jobs read them
     config_path = rdir / "config.yaml"
     OmegaConf.save(cfg, config_path, resolve=True)
-    hub = open_run_hub(cfg)  # a folder hub is created here, before the master job opens it
     jobs = _Jobs(cfg, rdir, config_path)
     master_job = jobs.master()
     workers = [jobs.worker(i) for i in range(cfg.workers)]
