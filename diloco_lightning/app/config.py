@@ -262,7 +262,7 @@ class TrainerConf:
 
 @dataclass
 class LaunchConf:
-    kind: str = opt("local", "local: master + workers on this machine | submitit: one SLURM job per worker | "
+    kind: str = opt("local", "local: master + workers on this machine | submitit: SLURM jobs (the master and one per worker) | "
                              "sim: the run in this process on the simulator (sim.*)")
     devices: Optional[List[str]] = opt(None, "GPUs assigned round-robin to the workers (null: every visible GPU, else CPU)")
     timeout: float = opt(3600.0, "seconds a role=all run may last")
