@@ -111,9 +111,7 @@ def test_a_refused_command_keeps_an_existing_run(tmp_path):
 
 def test_a_second_worker_with_a_running_node_id_is_refused_at_once(tmp_path):
     """role=worker with a node id another live process holds: refused in one or two lines, before the
-    data (the tokenizer) or the model is built."""
-    import time
-
+    data (the tokenizer) or the model is built, and leaving no run folder."""
     from diloco_lightning.hub import open_hub
     from diloco_lightning.worker.claim import ClaimKeeper
 
@@ -121,14 +119,12 @@ def test_a_second_worker_with_a_running_node_id_is_refused_at_once(tmp_path):
     keeper = ClaimKeeper(hub, "w0")
     keeper.acquire()
     try:
-        t0 = time.monotonic()
         proc = _run(tmp_path, str(ROOT / "train.py"), "recipe=tiny", "role=worker", "node_index=0",
-                    f"hub.url={tmp_path / 'hub'}", "run_id=x", f"run_root={tmp_path / 'runs'}")
-        took = time.monotonic() - t0
+                    f"hub.url={tmp_path / 'hub'}", "run_id=x", f"run_root={tmp_path / 'runs'}", timeout=600)
     finally:
         keeper.release()
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 1 and 1 <= len(lines) <= 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "node_id 'w0' is already running" in lines[0] and "give this worker another node_id" in lines[0]
     assert not (tmp_path / "cache").exists()  # no tokenizer was trained
-    assert took < 60, took
+    assert not (tmp_path / "runs").exists()

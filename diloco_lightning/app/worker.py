@@ -98,6 +98,10 @@ def _refuse_a_running_node_id(cfg: DictConfig, nid: str) -> None:
 
 def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
     """Train one worker to ``trainer.max_steps`` with the DiLoCo callback; returns its summary."""
+    index = cfg.node_index if index is None else index
+    nid = node_id(index)
+    _refuse_a_running_node_id(cfg, nid)  # at once: before Lightning is imported, the data or the model built
+
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -105,11 +109,8 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
 
     from diloco_lightning import DiLoCo
 
-    index = cfg.node_index if index is None else index
-    nid = node_id(index)
     out = run_dir(cfg) / "nodes" / nid
     out.mkdir(parents=True, exist_ok=True)
-    _refuse_a_running_node_id(cfg, nid)  # in a second, not after the data and the model are built
     if cfg.trainer.num_threads:
         torch.set_num_threads(int(cfg.trainer.num_threads))
     L.seed_everything(cfg.seed + 1000 * index, workers=True, verbose=False)
