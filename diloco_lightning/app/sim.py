@@ -33,9 +33,10 @@ from diloco_lightning.app.build import (
     recipe_name,
     regime,
     run_dir,
+    run_master_config,
     tau_label,
 )
-from diloco_lightning.app.config import master_config, sim_options
+from diloco_lightning.app.config import sim_options
 from diloco_lightning.app.console import log_to_file
 from diloco_lightning.app.local import _mean_curve, finished_results, print_round
 
@@ -125,8 +126,7 @@ def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_v
 
     device = _device(cfg)
     workers = [build_worker(cfg, i, device) for i in range(cfg.workers)]
-    config = master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if cfg.diloco.sync == "lockstep" else 1,
-                           fragments=cfg.diloco.get("fragments"))
+    config = run_master_config(cfg)
     master = SimMaster(workers[0].params, config)  # version 0: the first worker's initial weights, as its init offer
     n = int(cfg.launch.eval_points)
     total = max(1, expected_outer_steps(cfg))
