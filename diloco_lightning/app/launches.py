@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["LAUNCHES_FILE", "EXTENDING_KEYS", "Launches", "round_counts", "read_rounds", "resume_command", "invoked_as"]
+__all__ = ["LAUNCHES_FILE", "EXTENDING_KEYS", "Launches", "round_counts", "read_jsonl", "resume_command", "invoked_as"]
 
 #: keys that extend a run rather than make another one: a run's id leaves them out (outside a sweep)
 EXTENDING_KEYS = ("trainer.max_steps", "trainer.max_time", "launch.timeout")
@@ -64,10 +64,11 @@ def round_counts(rounds: Iterable[dict[str, Any]]) -> tuple[int, int]:
     return accepted, rejected
 
 
-def read_rounds(metrics_path: Path) -> list[dict[str, Any]]:
-    """Every round the master's ``metrics.jsonl`` holds (across launches); unreadable lines skipped."""
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file (the master's ``metrics.jsonl``, across launches; a worker's
+    ``progress.jsonl``); unreadable lines skipped, a missing file empty."""
     try:
-        lines = metrics_path.read_text().splitlines()
+        lines = path.read_text().splitlines()
     except OSError:
         return []
     out = []

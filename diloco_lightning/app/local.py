@@ -41,7 +41,7 @@ from diloco_lightning.app.build import (
     worker_delay,
 )
 from diloco_lightning.app.console import log_to_file
-from diloco_lightning.app.launches import Launches, invoked_as, read_rounds, resume_command, round_counts
+from diloco_lightning.app.launches import Launches, invoked_as, read_jsonl, resume_command, round_counts
 from diloco_lightning.app.errors import Interrupted, RunError, Signal, terminate_as_exception
 from diloco_lightning.app.worker import worker_command
 
@@ -68,17 +68,12 @@ def _read_progress(path: Path) -> list[tuple[int, float]]:
 
 
 def _read_progress_timed(path: Path) -> list[tuple[int, float, float | None]]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
     out = []
-    for line in lines:
+    for d in read_jsonl(path):
         try:
-            d = json.loads(line)
             t = d.get("time")
             out.append((int(d["step"]), float(d["loss"]), float(t) if isinstance(t, (int, float)) else None))
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError):
             continue
     return out
 
@@ -256,7 +251,7 @@ def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launc
     train_curve = _mean_curve(curves)
     chance = math.log(dm.vocab_size)
     # the whole run's rounds (metrics.jsonl is appended by every launch) and this launch's
-    accepted, rejected = round_counts(r for r in read_rounds(rdir / "master" / "metrics.jsonl") if is_round(r))
+    accepted, rejected = round_counts(r for r in read_jsonl(rdir / "master" / "metrics.jsonl") if is_round(r))
     launch_accepted, launch_rejected = round_counts(rounds)
     final_train = [s["final_train_loss"] for s in summaries]
     final_train_loss = sum(final_train) / len(final_train)
