@@ -244,7 +244,7 @@ def test_the_lightning_cli_yaml_example_runs(tmp_path):
     finally:
         master.stop()
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, DiLoCo)]
-    assert cb.node_id == "w1" and cb.inner_steps == 2
+    assert cb.node_id == "w1" and cb.options.inner_steps == 2
     assert cb.metrics["deltas_uploaded_total"] >= 2 and master.outer_step >= 2  # async: one may merge into the next
     assert (root / "nodes" / "w1").is_dir()
 
