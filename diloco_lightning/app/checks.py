@@ -66,9 +66,11 @@ def validate_outer(o: DictConfig, prefix: str = "outer.") -> None:
     from diloco_lightning.outer.precision import STATE_DTYPES
 
     state_dtype = str(o.get("state_dtype", "float32"))
-    _check(state_dtype in STATE_DTYPES, f"{prefix}state_dtype", f"must be float32 (fp32) or bfloat16 (bf16), got {state_dtype!r}")
-    _check(not o.get("stochastic_rounding", False) or STATE_DTYPES[state_dtype] != STATE_DTYPES["float32"],
-           f"{prefix}stochastic_rounding", f"needs {prefix}state_dtype=bfloat16 (FP32 buffers are not rounded)")
+    _check(state_dtype in STATE_DTYPES, f"{prefix}state_dtype",
+           f"must be float32 (fp32), bfloat16 (bf16) or int8, got {state_dtype!r}")
+    _check(not o.get("stochastic_rounding", False) or STATE_DTYPES[state_dtype] == STATE_DTYPES["bfloat16"],
+           f"{prefix}stochastic_rounding", f"needs {prefix}state_dtype=bfloat16 (FP32 and 8-bit buffers are not rounded "
+           "stochastically)")
     try:
         outer_options(o, prefix)
     except ValueError as e:

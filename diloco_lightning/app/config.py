@@ -187,11 +187,13 @@ class OuterConf:
     each command's ``outer`` group default chooses the optimizer, configs/outer/<name>.yaml)."""
 
     name: str = opt(default_of(MasterConfig, "outer_optimizer"),
-                    "outer optimizer: nesterov | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | poly_nesterov")
+                    "outer optimizer: nesterov | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | poly_nesterov | "
+                    "staleness_sgd | gap_aware | dc_asgd")
     lr: float = opt(default_of(MasterConfig, "outer_lr"), "outer learning rate")
     options: Dict[str, Any] = opt(help="the optimizer's other options (momentum, alpha, tau_cut, betas, eps ...)", factory=dict)
     state_dtype: str = opt("float32", "the outer optimizer's buffers (m, v, momentum): float32 (fp32) | bfloat16 (bf16: "
-                                      "half the memory; the math runs in FP32, the buffers are rounded back once per step)")
+                                      "half the memory; the math runs in FP32, the buffers are rounded back once per step) | "
+                                      "int8 (8-bit blockwise codes, a quarter)")
     stochastic_rounding: bool = opt(False, "with state_dtype=bfloat16: round the buffers stochastically (unbiased, "
                                            "seeded by step and key: a resumed master rounds the same) instead of to nearest even")
 

@@ -264,6 +264,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             # loss against simulated time: [time, eval loss] at each eval_curve point
             "eval_curve_time": [[t, loss] for t, (_, loss) in zip(result.eval_times, result.eval_curve)],
             "lost_phases": result.lost_phases,
+            "stopped_early": result.stopped_early,
             "max_time": sim_options(cfg).max_time,
             # tokens of the deltas delivered to the master by each eval_curve point: [tokens, eval loss]
             "eval_curve_tokens": [[n, loss] for n, (_, loss) in zip(result.eval_tokens, result.eval_curve)],
@@ -275,7 +276,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             "versions": [
                 {k: r.get(k) for k in ("outer_step", "time", "accepted", "rejected", "rejected_by_reason",
                                        "staleness_histogram", "update_norm", "update_rms", "update_rms_over_lr",
-                                       "null_round")}
+                                       "null_round", "outer_state")}
                 for r in records
             ],
         },
