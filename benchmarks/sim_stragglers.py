@@ -288,7 +288,7 @@ class Study:
                      and (b := self.best(sc, arm)) is not None]
             source = SCENARIOS[sc].get("tuned_as", sc)
 
-            def seed0(cell: tuple[str, tuple[str, float]]) -> float:
+            def seed0(cell: tuple[str, tuple[str, float]], source: str = source) -> float:
                 return self.loss(job(source, cell[0], cell[1][0], cell[1][1], SEEDS[0]))
 
             first = [min((c for c in cells if ARMS[c[0]]["sync"] == side), key=seed0, default=None)
