@@ -128,3 +128,13 @@ def test_a_second_worker_with_a_running_node_id_is_refused_at_once(tmp_path):
     assert "node_id 'w0' is already running" in lines[0] and "give this worker another node_id" in lines[0]
     assert not (tmp_path / "cache").exists()  # no tokenizer was trained
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_refused_master_never_removes_its_working_folder(tmp_path):
+    """diloco-master's output dir is the working folder: a refusal there removes nothing, even
+    when the folder is empty."""
+    cwd = tmp_path / "empty"
+    cwd.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "diloco_lightning.app.master", f"hub.url={cwd / 'hubb'}"], cwd=cwd,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and cwd.is_dir()

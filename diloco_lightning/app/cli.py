@@ -314,7 +314,8 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
             if verbose or not is_user_error(e):
                 raise
             caught.append(e)
-            _drop_refused_run(cfg)
+            if config_name == "train":  # only train.py makes run folders
+                _drop_refused_run(cfg)
             return None
 
     job.__module__, job.__qualname__ = task.__module__, task.__qualname__

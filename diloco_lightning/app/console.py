@@ -79,11 +79,13 @@ def drop_unused_run_dir(run_dir: Path, run_root: Path | None = None) -> bool:
     start-up leaves. ``run_root`` goes too when that
     leaves it empty. True when something was removed."""
     try:
+        if run_dir.resolve() == Path.cwd().resolve():
+            return False  # a command whose output dir is the working folder (diloco-master) made no run folder
         entries = {p.name for p in run_dir.iterdir()}
     except OSError:
         return False
-    if not entries <= {"hydra", "train.log"}:
-        return False
+    if "hydra" not in entries or not entries <= {"hydra", "train.log"}:
+        return False  # only a folder Hydra made for this job, holding nothing else
     shutil.rmtree(run_dir, ignore_errors=True)
     if run_root is not None:
         try:
