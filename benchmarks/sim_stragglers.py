@@ -12,42 +12,44 @@ again, so an interrupted study resumes where it stopped (failures: ``<out>/failu
 report (``benchmarks/stragglers_report.py``) writes ``docs/stragglers_results.md`` and
 ``docs/figures/stragglers_scenarios.png``; docs/stragglers.md says what they show.
 
-**Setting.** The staleness study's model (``benchmarks/study.py``: a Llama of d_model 96, 3 layers,
-0.36 M parameters, UTF-8 bytes, sequences of 64, batch 8, AdamW 4e-3 with 20 warm-up steps and a
-cosine to 10 %), K = 4 workers, H = 8. One unit of simulated time is one inner step of a speed-1
-worker. Each scenario has one **budget of simulated time** that every arm gets (``sim.max_time``):
-each worker keeps starting phases while they end in the budget. ``trainer.max_steps`` (also the
-inner lr schedule's length) is, per arm, the steps its fastest worker takes in the budget, found by
-simulating the arm's schedule with no arithmetic first (:func:`schedule_steps`: the schedule does
-not depend on the weights), so every arm's inner lr decays over the budget it has.
+**Setting.** A small Llama (d_model 64, 2 layers, 4 heads / 2 KV heads, FFN 128, 0.09 M parameters,
+UTF-8 bytes, sequences of 32, batch 8, AdamW 4e-3 with 20 warm-up steps and a cosine to 10 %), K =
+4 workers, H = 8, 8 evaluations of 8 validation batches per run: sized so the whole study runs in
+about an hour and a half on a shared 2-core machine. One unit of simulated time is one inner step of
+a speed-1 worker. Every scenario has one **budget of simulated time**, 160 units, that every arm
+gets (``sim.max_time``): each worker keeps starting phases while they end in the budget.
+``trainer.max_steps`` (also the inner lr schedule's length) is, per arm and seed, the steps its
+fastest worker takes in the budget, found by simulating the arm's schedule with no arithmetic first
+(:func:`schedule_steps`: the schedule does not depend on the weights), so every arm's inner lr
+decays over the budget it has.
 
-**Scenarios** (:data:`SCENARIOS`): ``straggler`` (speeds [1, 1, 1, 1/4], budget 640: 20
-synchronous rounds), ``spread`` ([1, 2/3, 1/2, 1/3], 480: 20 rounds), ``xdc`` (a cross-datacenter
-link: 4 equal workers whose upload of the uncompressed delta takes rho = 0.45 of a phase's compute,
-as a 1.1 B-parameter bf16 delta, 2.2 GB, over 1 Gbit/s takes ~18 s against ~40 s for H = 100; the
-download of a version the same; budget 320), ``xdc_r<rho>`` (the same link at rho 0, 0.25, 1, 2:
-the sweep), ``preempt`` (4 equal workers, each preempted at a seeded Poisson rate of 1 per 200 units
-of up time for an exponential 20 units: ~9 % of worker time down plus the lost partial phases, ~11
-% in all; budget 320) and ``varying`` (4 workers whose speed switches between 1 and 1/4 at seeded
-exponential times, mean 60 units fast and 20 slow; budget 320). The preemption and speed draws are
-the seed's: every arm of a seed sees the same ones (paired).
+**Scenarios** (:data:`SCENARIOS`, run in the order of :data:`MAIN`): ``straggler`` (speeds [1, 1,
+1, 1/4]: a lockstep round takes 32 units, so 5 rounds in the budget), ``xdc`` (a cross-datacenter
+link: 4 equal workers whose upload of the uncompressed FP32 delta takes rho = 0.5 of a phase's
+compute, as a 1.1 B-parameter bf16 delta, 2.2 GB, over 1 Gbit/s takes ~18 s against ~40 s of
+compute for H = 100; the download of a version the same), ``xdc_r<rho>`` (the same link at rho 0,
+1 and 2: the sweep, with ``xdc``'s tuned lrs), ``preempt`` (4 equal workers, each preempted at a
+seeded Poisson rate of 1 per 100 units of up time for an exponential 10 units: ~9 % of worker time
+down plus the lost partial phases), and ``spread`` ([1, 2/3, 1/2, 1/3]). ``varying`` (speeds that
+switch between 1 and 1/4 at seeded times) is defined but not run by default. The preemption draws
+are the seed's: every arm of a seed sees the same ones (paired).
 
 **Arms** (:data:`ARMS`): synchronous ``sync`` (lockstep, every worker, delay 0), ``sync_drop``
-(lockstep without the workers slower than half the fastest), ``sync_q3_drop`` / ``sync_q3_apply``
-(synchronous rounds that close with 3 of 4 deltas or at a deadline of twice a fast worker's round,
-a late delta's phase given up / applied late: ``sim.barrier``), ``sync_dylu`` (lockstep with
-Dynamic Local Updates, token-weighted), ``sync_overlap`` (lockstep with one round of delay: the
-upload overlaps the next phase), and asynchronous ``async`` (one outer step per delta), ``async_q3``
-(rounds of any 3 deltas), ``async_dylu``; in ``xdc`` also ``*_int4`` (int4 deltas with error
-feedback) and ``*_frag4`` (4 fragments, Streaming DiLoCo) for both sides.
+(lockstep without the workers slower than half the fastest), ``sync_q3_drop`` (synchronous rounds
+that close with 3 of 4 deltas or at a deadline of twice a fast worker's round; a late delta's phase
+is given up: ``sim.barrier``), ``sync_dylu`` (lockstep with Dynamic Local Updates, token-weighted),
+``sync_overlap`` (lockstep with one round of delay: the upload overlaps the next phase), and
+asynchronous ``async`` (one outer step per arriving delta); in ``xdc`` also ``*_int4`` (int4 deltas
+with error feedback) and ``*_frag4`` (4 fragments, Streaming DiLoCo) on both sides. Also defined,
+not run by default: ``sync_q3_apply`` (late deltas applied late), ``async_q3``, ``async_dylu``.
 
-**Outer optimizers, tuned the same way.** Two families for every arm, each with its own 5-point
-log lr grid (factor 2), extended by one point (up to twice) on the side where the best lr sits on
-the edge, so the chosen lr is interior: ``nesterov`` (DiLoCo's, momentum 0.9; 0.05-0.8) and ``cgad``
-(Adam-family; at staleness 0 it is Adam; 2.5e-4-4e-3). The families' best staleness-aware SGD of
-issue 24 joins as ``sgd`` when it is registered (:data:`FAMILIES`). Tuning: seed 0, the final eval
-loss at the budget (equal time). Then seeds 1 and 2 at each (scenario, arm)'s best (family, lr).
-The sweep scenarios reuse ``xdc``'s tuned choices.
+**Outer optimizers, tuned the same way.** One family for every arm (:data:`FAMILIES`):
+``poly_nesterov`` (momentum 0.9, fed ``g * (1 + tau) ** -0.5``), which at staleness 0 is exactly
+DiLoCo's Nesterov, so every synchronous arm runs DiLoCo's own outer optimizer and every asynchronous
+arm its staleness-damped form. Its 5-point log lr grid (0.1-1.6, factor 2) is extended by one point
+(up to twice) on the side where the best lr sits on the edge, so the chosen lr is interior. Tuning:
+seed 0, the final eval loss at the budget (equal time). Then seeds 1 and 2 at each (scenario, arm)'s
+best lr. The sweep scenarios reuse ``xdc``'s tuned lrs (all three seeds).
 
 Runs one at a time (``--jobs`` for more), one intra-op thread each, ``nice``: see docs/stragglers.md
 for how long the whole study took.
@@ -71,27 +73,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 H, K = 8, 4
-MODEL = ["model.d_model=96", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=256",
-         "data.tokenizer=byte", "data.max_bytes=2000000", "data.seq_len=64", "data.batch_size=8", "data.val_batches=16",
+MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
+         "data.tokenizer=byte", "data.max_bytes=2000000", "data.seq_len=32", "data.batch_size=8", "data.val_batches=8",
          "optim.lr=0.004", "optim.warmup_steps=20"]
-COMMON = ["recipe=tiny", "launch=sim", f"workers={K}", f"diloco.inner_steps={H}", *MODEL, "launch.eval_points=16",
+COMMON = ["recipe=tiny", "launch=sim", f"workers={K}", f"diloco.inner_steps={H}", *MODEL, "launch.eval_points=8",
           "trainer.log_every_n_steps=8", "sim.parallel=1", "sim.stop_above=6.0"]  # ln(257) = 5.55: diverged
 SEEDS = (0, 1, 2)
 #: the uncompressed delta of the study's model (FP32), bytes: the link's rho is set against it
 DELTA_BYTES = None  # filled by delta_bytes()
-RHO_MAIN = 0.45
-SWEEP = (0.0, 0.25, 1.0, 2.0)
+RHO_MAIN = 0.5
+SWEEP = (0.0, 1.0, 2.0)
 
 SCENARIOS: dict[str, dict[str, Any]] = {
-    "straggler": {"speeds": [1.0, 1.0, 1.0, 0.25], "budget": 320.0},
-    "spread": {"speeds": [1.0, 2 / 3, 1 / 2, 1 / 3], "budget": 240.0},
+    "straggler": {"speeds": [1.0, 1.0, 1.0, 0.25], "budget": 160.0},
     "xdc": {"speeds": [1.0] * K, "rho": RHO_MAIN, "budget": 160.0},
     **{f"xdc_r{rho:g}": {"speeds": [1.0] * K, "rho": rho, "budget": 160.0, "tuned_as": "xdc"} for rho in SWEEP},
     "preempt": {"speeds": [1.0] * K, "preempt": {"rate": 1 / 100, "down": 10.0, "law": "exponential"}, "budget": 160.0},
+    "spread": {"speeds": [1.0, 2 / 3, 1 / 2, 1 / 3], "budget": 160.0},
     "varying": {"speeds": [1.0] * K, "varying": {"fast": 30.0, "slow": 10.0, "slow_speed": 0.25}, "budget": 160.0},
 }
-#: in the order they run (an interrupted study has the whole of each scenario it reached)
-MAIN = ("straggler", "xdc", "preempt", "varying", "spread")
+#: in the order they run (an interrupted study has the whole of each scenario it reached); ``varying``
+#: is defined but not run by default (``--scenarios varying``)
+MAIN = ("straggler", "xdc", "preempt", "spread")
 
 SYNC = ["diloco.sync=lockstep", "diloco.delay=0"]
 BARRIER = ["diloco.sync=async", "master.aggregation=round", "sim.barrier=true", "sim.quorum=3"]
@@ -115,28 +118,25 @@ ARMS: dict[str, dict[str, Any]] = {
 }
 #: the arms each scenario compares (the others do not apply there: no slow worker to drop, no link to overlap)
 SCENARIO_ARMS = {
-    "straggler": ["sync", "sync_drop", "sync_q3_drop", "sync_q3_apply", "sync_dylu", "async", "async_q3"],
-    "spread": ["sync", "sync_drop", "sync_dylu", "async", "async_q3"],
+    "straggler": ["sync", "sync_drop", "sync_q3_drop", "sync_dylu", "async"],
+    "spread": ["sync", "sync_drop", "sync_q3_drop", "sync_dylu", "async"],
     "xdc": ["sync", "sync_overlap", "sync_int4", "sync_frag4", "async", "async_int4", "async_frag4"],
-    "preempt": ["sync", "sync_q3_drop", "sync_q3_apply", "async", "async_q3"],
-    "varying": ["sync", "sync_q3_drop", "sync_dylu", "async", "async_q3"],
-    **{f"xdc_r{rho:g}": ["sync", "sync_overlap", "async", "async_int4"] for rho in SWEEP},
+    "preempt": ["sync", "sync_q3_drop", "async"],
+    "varying": ["sync", "sync_q3_drop", "sync_dylu", "async"],
+    **{f"xdc_r{rho:g}": ["sync", "sync_overlap", "async"] for rho in SWEEP},
 }
-#: family -> (outer optimizer, its 5-point lr grid). ``sgd``: issue 24's staleness-scaled SGD (momentum 0,
-#: ``g / (1 + tau)``; at staleness 0 plain SGD: FedAvg with an outer lr); ``cgad``: at staleness 0 plain
-#: Adam; ``nesterov``: DiLoCo's (momentum 0.9), for the synchronous arms of the first scenario only
+#: family -> (outer optimizer, its 5-point lr grid). One family for every arm, sync and async alike:
+#: ``poly_nesterov`` (Nesterov momentum 0.9 fed ``g * (1 + tau) ** -0.5``), which at staleness 0 (every
+#: lockstep round, every on-time quorum round) is exactly DiLoCo's Nesterov.
 FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
-    "sgd": ("staleness_sgd", (0.25, 0.5, 1.0, 2.0, 4.0)),
-    "cgad": ("cgad", (0.00025, 0.0005, 0.001, 0.002, 0.004)),
-    "nesterov": ("nesterov", (0.05, 0.1, 0.2, 0.4, 0.8)),
+    "nesterov": ("poly_nesterov", (0.1, 0.2, 0.4, 0.8, 1.6)),
 }
 EXTEND = 2  # grid points added beyond an edge, at most, per side
 
 
 def families_of(scenario: str, arm: str) -> list[str]:
-    """The families an arm is tuned in: ``sgd`` and ``cgad`` everywhere, ``nesterov`` too for the
-    synchronous arms of the first scenario (a check that DiLoCo's own optimizer does not beat them)."""
-    return ["sgd", "cgad", "nesterov"] if scenario == MAIN[0] and ARMS[arm]["sync"] else ["sgd", "cgad"]
+    """The families an arm is tuned in (every arm the same ones)."""
+    return list(FAMILIES)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -181,8 +181,8 @@ def delta_bytes() -> int:
     if DELTA_BYTES is None:
         from diloco_lightning.models.llama import LlamaConfig
 
-        DELTA_BYTES = 4 * LlamaConfig(vocab_size=257, d_model=96, n_layers=3, n_heads=4, n_kv_heads=2,
-                                      ffn_hidden=256).parameter_count()
+        dims = {o.split("=")[0][len("model."):]: int(o.split("=")[1]) for o in MODEL if o.startswith("model.")}
+        DELTA_BYTES = 4 * LlamaConfig(vocab_size=257, **dims).parameter_count()
     return DELTA_BYTES
 
 
@@ -206,7 +206,8 @@ class Study:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.root = Path(args.out).resolve()
-        self.scenarios = [s for s in (args.scenarios or list(SCENARIOS)) if s in SCENARIOS]
+        default = [*MAIN, *(s for s in SCENARIOS if "tuned_as" in SCENARIOS[s])]
+        self.scenarios = [s for s in (args.scenarios or default) if s in SCENARIOS]
         self._steps: dict[str, int] = {}
         p = self.root / "steps.json"
         if p.is_file():

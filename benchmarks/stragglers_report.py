@@ -166,7 +166,7 @@ def write_report(study: Any, doc: Path, plot: Path) -> None:
         summaries.append(summary)
         parts += [f"## {sc}: {describe(sc)}", "", *lines, "", "Tuning (seed 0):", "", *grid_lines(study, sc), ""]
     sweep = []
-    for rho in (0.0, 0.25, SCENARIOS["xdc"]["rho"], 1.0, 2.0):
+    for rho in sorted({*SWEEP, SCENARIOS["xdc"]["rho"]}):
         sc = "xdc" if rho == SCENARIOS["xdc"]["rho"] else f"xdc_r{rho:g}"
         if sc != "xdc" and rho not in SWEEP:
             continue
