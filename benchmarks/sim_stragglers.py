@@ -27,10 +27,10 @@ decays over the budget it has.
 1, 1/4]: a lockstep round takes 32 units, so 5 rounds in the budget), ``xdc`` (a cross-datacenter
 link: 4 equal workers whose upload of the uncompressed FP32 delta takes rho = 0.5 of a phase's
 compute, as a 1.1 B-parameter bf16 delta, 2.2 GB, over 1 Gbit/s takes ~18 s against ~40 s of
-compute for H = 100; the download of a version the same), ``xdc_r<rho>`` (the same link at rho 0,
-1 and 2: the sweep, with ``xdc``'s tuned lrs), ``preempt`` (4 equal workers, each preempted at a
+compute for H = 100; the download of a version the same), ``xdc_r<rho>`` (the same link at rho 2,
+1 and 0: the sweep, ``sync`` and ``async`` only, with ``xdc``'s tuned lrs), ``preempt`` (4 equal workers, each preempted at a
 seeded Poisson rate of 1 per 100 units of up time for an exponential 10 units: ~9 % of worker time
-down plus the lost partial phases), and ``spread`` ([1, 2/3, 1/2, 1/3]). ``varying`` (speeds that
+down plus the lost partial phases), and ``spread`` ([1, 2/3, 1/2, 1/3], with ``straggler``'s tuned lrs). ``varying`` (speeds that
 switch between 1 and 1/4 at seeded times) is defined but not run by default. The preemption draws
 are the seed's: every arm of a seed sees the same ones (paired).
 
@@ -38,10 +38,10 @@ are the seed's: every arm of a seed sees the same ones (paired).
 (lockstep without the workers slower than half the fastest), ``sync_q3_drop`` (synchronous rounds
 that close with 3 of 4 deltas or at a deadline of twice a fast worker's round; a late delta's phase
 is given up: ``sim.barrier``), ``sync_dylu`` (lockstep with Dynamic Local Updates, token-weighted),
-``sync_overlap`` (lockstep with one round of delay: the upload overlaps the next phase), and
-asynchronous ``async`` (one outer step per arriving delta); in ``xdc`` also ``*_int4`` (int4 deltas
+and asynchronous ``async`` (one outer step per arriving delta); in ``xdc`` also ``*_int4`` (int4 deltas
 with error feedback) and ``*_frag4`` (4 fragments, Streaming DiLoCo) on both sides. Also defined,
-not run by default: ``sync_q3_apply`` (late deltas applied late), ``async_q3``, ``async_dylu``.
+not run by default: ``sync_overlap`` (lockstep with one round of delay: the upload overlaps the
+next phase), ``sync_q3_apply`` (late deltas applied late), ``async_q3``, ``async_dylu``.
 
 **Outer optimizers, tuned the same way.** One family for every arm (:data:`FAMILIES`):
 ``poly_nesterov`` (momentum 0.9, fed ``g * (1 + tau) ** -0.5``), which at staleness 0 is exactly
@@ -49,7 +49,8 @@ DiLoCo's Nesterov, so every synchronous arm runs DiLoCo's own outer optimizer an
 arm its staleness-damped form. Its 5-point log lr grid (0.1-1.6, factor 2) is extended by one point
 (up to twice) on the side where the best lr sits on the edge, so the chosen lr is interior. Tuning:
 seed 0, the final eval loss at the budget (equal time). Then seeds 1 and 2 at each (scenario, arm)'s
-best lr. The sweep scenarios reuse ``xdc``'s tuned lrs (all three seeds).
+best lr. The scenarios with ``tuned_as`` (``spread``, the sweep) reuse that scenario's tuned lrs (all three
+seeds), run after every tuned scenario.
 
 Runs one at a time (``--jobs`` for more), one intra-op thread each, ``nice``: see docs/stragglers.md
 for how long the whole study took.
@@ -82,14 +83,14 @@ SEEDS = (0, 1, 2)
 #: the uncompressed delta of the study's model (FP32), bytes: the link's rho is set against it
 DELTA_BYTES = None  # filled by delta_bytes()
 RHO_MAIN = 0.5
-SWEEP = (0.0, 1.0, 2.0)
+SWEEP = (2.0, 1.0, 0.0)  # in the order they run
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "straggler": {"speeds": [1.0, 1.0, 1.0, 0.25], "budget": 160.0},
     "xdc": {"speeds": [1.0] * K, "rho": RHO_MAIN, "budget": 160.0},
-    **{f"xdc_r{rho:g}": {"speeds": [1.0] * K, "rho": rho, "budget": 160.0, "tuned_as": "xdc"} for rho in SWEEP},
     "preempt": {"speeds": [1.0] * K, "preempt": {"rate": 1 / 100, "down": 10.0, "law": "exponential"}, "budget": 160.0},
-    "spread": {"speeds": [1.0, 2 / 3, 1 / 2, 1 / 3], "budget": 160.0},
+    "spread": {"speeds": [1.0, 2 / 3, 1 / 2, 1 / 3], "budget": 160.0, "tuned_as": "straggler"},
+    **{f"xdc_r{rho:g}": {"speeds": [1.0] * K, "rho": rho, "budget": 160.0, "tuned_as": "xdc"} for rho in SWEEP},
     "varying": {"speeds": [1.0] * K, "varying": {"fast": 30.0, "slow": 10.0, "slow_speed": 0.25}, "budget": 160.0},
 }
 #: in the order they run (an interrupted study has the whole of each scenario it reached); ``varying``
@@ -120,10 +121,10 @@ ARMS: dict[str, dict[str, Any]] = {
 SCENARIO_ARMS = {
     "straggler": ["sync", "sync_drop", "sync_q3_drop", "sync_dylu", "async"],
     "spread": ["sync", "sync_drop", "sync_q3_drop", "sync_dylu", "async"],
-    "xdc": ["sync", "sync_overlap", "sync_int4", "sync_frag4", "async", "async_int4", "async_frag4"],
+    "xdc": ["sync", "sync_int4", "sync_frag4", "async", "async_int4", "async_frag4"],
     "preempt": ["sync", "sync_q3_drop", "async"],
     "varying": ["sync", "sync_q3_drop", "sync_dylu", "async"],
-    **{f"xdc_r{rho:g}": ["sync", "sync_overlap", "async"] for rho in SWEEP},
+    **{f"xdc_r{rho:g}": ["sync", "async"] for rho in SWEEP},
 }
 #: family -> (outer optimizer, its 5-point lr grid). One family for every arm, sync and async alike:
 #: ``poly_nesterov`` (Nesterov momentum 0.9 fed ``g * (1 + tau) ** -0.5``), which at staleness 0 (every
@@ -206,7 +207,7 @@ class Study:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.root = Path(args.out).resolve()
-        default = [*MAIN, *(s for s in SCENARIOS if "tuned_as" in SCENARIOS[s])]
+        default = [*MAIN, *(s for s in SCENARIOS if s not in MAIN and s != "varying")]
         self.scenarios = [s for s in (args.scenarios or default) if s in SCENARIOS]
         self._steps: dict[str, int] = {}
         p = self.root / "steps.json"
