@@ -47,7 +47,7 @@ next phase), ``sync_q3_apply`` (late deltas applied late), ``async_q3``, ``async
 ``poly_nesterov`` (momentum 0.9, fed ``g * (1 + tau) ** -0.5``), which at staleness 0 is exactly
 DiLoCo's Nesterov, so every synchronous arm runs DiLoCo's own outer optimizer and every asynchronous
 arm its staleness-damped form. Its 5-point log lr grid (0.1-1.6, factor 2) is extended by one point
-(up to twice) on the side where the best lr sits on the edge, so the chosen lr is interior. Tuning:
+(up to four times) on the side where the best lr sits on the edge, so the chosen lr is interior. Tuning:
 seed 0, the final eval loss at the budget (equal time). Then seeds 1 and 2 at each (scenario, arm)'s
 best lr. The scenarios with ``tuned_as`` (``spread``, the sweep) reuse that scenario's tuned lrs (all three
 seeds), run after every tuned scenario.
@@ -132,7 +132,7 @@ SCENARIO_ARMS = {
 FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
     "nesterov": ("poly_nesterov", (0.1, 0.2, 0.4, 0.8, 1.6)),
 }
-EXTEND = 2  # grid points added beyond an edge, at most, per side
+EXTEND = 4  # grid points added beyond an edge, at most, per side (async wanted 4x below the base grid)
 
 
 def families_of(scenario: str, arm: str) -> list[str]:

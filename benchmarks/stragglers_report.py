@@ -184,7 +184,7 @@ def write_report(study: Any, doc: Path, plot: Path) -> None:
         head.append(f"| {s['scenario']} | {s['best_sync']} | {s.get('sync_loss', math.nan):.3f} | {s['best_async']} | "
                     f"{s.get('async_loss', math.nan):.3f} | {fmt_ci(s.get('async_time'))} | {fmt_ci(s.get('async_tokens'))} | "
                     f"{' '.join(s.get('async_reach', []))} |")
-    parts[5:5] = head + [""]
+    parts[4:4] = head + [""]  # after the title and the paragraph under it
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(parts) + "\n")
     draw(study, plot)
