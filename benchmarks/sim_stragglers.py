@@ -52,8 +52,8 @@ seed 0, the final eval loss at the budget (equal time). Then seeds 1 and 2 at ea
 best lr. The scenarios with ``tuned_as`` (``spread``, the sweep) reuse that scenario's tuned lrs (all three
 seeds), run after every tuned scenario.
 
-Runs one at a time (``--jobs`` for more), one intra-op thread each, ``nice``: see docs/stragglers.md
-for how long the whole study took.
+Runs one at a time, one intra-op thread each (run it under ``nice``): see docs/stragglers.md for how
+long the whole study took.
 """
 
 from __future__ import annotations

@@ -39,6 +39,8 @@ def ci(xs: list[float]) -> tuple[float, float, float] | None:
     """Mean and 95 % t interval of paired differences."""
     if not xs:
         return None
+    if not all(math.isfinite(x) for x in xs):  # a diverged run on either side: no interval
+        return math.inf if sum(xs) > 0 else -math.inf, math.nan, math.nan
     m = statistics.fmean(xs)
     if len(xs) < 2:
         return m, math.nan, math.nan
@@ -50,6 +52,8 @@ def fmt_ci(c: tuple[float, float, float] | None) -> str:
     if c is None:
         return "-"
     m, lo, hi = c
+    if math.isinf(m):
+        return "diverged" if m > 0 else "the reference diverged"
     if math.isnan(lo):
         return f"{m:+.3f}"
     mark = "**" if hi < 0 or lo > 0 else ""
@@ -184,6 +188,14 @@ def write_report(study: Any, doc: Path, plot: Path) -> None:
         head.append(f"| {s['scenario']} | {s['best_sync']} | {s.get('sync_loss', math.nan):.3f} | {s['best_async']} | "
                     f"{s.get('async_loss', math.nan):.3f} | {fmt_ci(s.get('async_time'))} | {fmt_ci(s.get('async_tokens'))} | "
                     f"{' '.join(s.get('async_reach', []))} |")
+    head += ["", "Against plain lockstep on every worker (`sync`): the `async` arm's paired difference at equal time.", "",
+             "| scenario | async - sync, equal time |", "|---|---|"]
+    for sc in [*MAIN, *(f"xdc_r{rho:g}" for rho in sorted(SWEEP))]:
+        a, s = cell_runs(study, sc, "async"), cell_runs(study, sc, "sync")
+        if a and s:
+            by_seed = {r["seed"]: r for r in s[2]}
+            d = [_final(r) - _final(by_seed[r["seed"]]) for r in a[2] if r["seed"] in by_seed]
+            head.append(f"| {sc} | {fmt_ci(ci(d))} |")
     parts[4:4] = head + [""]  # after the title and the paragraph under it
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(parts) + "\n")
