@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["packed_bytes", "pack_bits", "unpack_bits", "group_size"]
+__all__ = ["SLICE", "packed_bytes", "pack_bits", "unpack_bits", "group_size"]
 
 
 def packed_bytes(count: int, width: int) -> int:
@@ -36,16 +36,28 @@ def _word_fits(width: int) -> bool:
     return group_size(width) * width <= 64
 
 
+#: values packed at a time (a multiple of every group size): the int64 work buffers stay small
+SLICE = 1 << 16
+
+
 def pack_bits(values: Tensor, width: int) -> Tensor:
     """Pack ``values`` (integers in ``[0, 2**width)``, any integer dtype, 1-D) into a uint8 stream."""
     if not 1 <= width <= 16:
         raise ValueError(f"width must be 1 to 16 bits, got {width}")
     m = values.numel()
-    out_len = packed_bytes(m, width)
-    if m == 0:
-        return torch.zeros(0, dtype=torch.uint8, device=values.device)
     if width == 8:
         return values.to(torch.uint8)
+    out = torch.empty(packed_bytes(m, width), dtype=torch.uint8, device=values.device)
+    for i in range(0, m, SLICE):  # a slice starts on a byte: SLICE * width is a multiple of 8
+        part = _pack(values[i : i + SLICE], width)
+        b0 = i * width // 8
+        out[b0 : b0 + part.numel()] = part
+    return out
+
+
+def _pack(values: Tensor, width: int) -> Tensor:
+    m = values.numel()
+    out_len = packed_bytes(m, width)
     g = group_size(width)
     pad = -m % g
     v = values.to(torch.int64)

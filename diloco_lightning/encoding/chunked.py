@@ -13,8 +13,8 @@ Per chunk (the flattened tensor cut into chunks of ``C``; the last one, of ``L <
   (the same set on every device), stored as offsets in the chunk, increasing, ``log2(C)`` bits each;
 - **values**, ``b`` bits each (:data:`VALUE_BITS`): ``b >= 2``: a sign bit and a level ``j`` of
   ``M = 2**(b-1)`` levels between the chunk's smallest and largest kept magnitude, decoded as
-  ``lo + j * step`` with ``step = (hi - lo) / (M - 1)``: both ends are reproduced exactly, so a
-  chunk's largest value (an outlier) survives and a kept zero decodes to zero. ``b = 1`` (``sign``):
+  ``lo + j * step`` with ``step = (hi - lo) / (M - 1)``: both ends are levels (to the rounding of
+  ``step``), so a chunk's largest value (an outlier) survives and a kept zero decodes to zero. ``b = 1`` (``sign``):
   the sign alone, times the chunk's median kept magnitude (the ``ceil(k/2)``-th largest), which
   never overshoots: ``|x - s * sign(x)|^2`` sums to less than ``|x|^2`` whenever ``s <= 2 mean|x|``.
 
@@ -194,8 +194,8 @@ def encode_ctopk(flat: Tensor, chunk: int, k: int, values: str, res: Tensor | No
     ``flat`` itself)."""
     lay = chunk_layout(flat.numel(), chunk, k, values)
     dev = flat.device
-    codes = torch.empty(lay.kept, dtype=torch.int64, device=dev)
-    offsets = torch.empty(lay.kept, dtype=torch.int64, device=dev)
+    codes = torch.empty(lay.kept, dtype=torch.uint8, device=dev)
+    offsets = torch.empty(lay.kept, dtype=torch.int32, device=dev)
     scale = torch.empty(lay.parts()["scale"][1], dtype=torch.float32, device=dev)
     per = max(1, GROUP_VALUES // chunk)
     xbuf = None if flat.dtype == torch.float32 else torch.empty(min(lay.n, per * chunk), dtype=torch.float32, device=dev)
