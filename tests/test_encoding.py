@@ -103,6 +103,10 @@ def ref_pack(codes: list[int], name: str) -> np.ndarray:
 def ref_encode(t: torch.Tensor, spec: EncodingSpec) -> dict[str, np.ndarray]:
     real = torch.view_as_real(t) if t.is_complex() else t
     x = [F32(v) for v in real.reshape(-1).to(torch.float32).tolist()]
+    if spec.name == "ctopk":
+        from test_chunked import ref_encode as ref_ctopk
+
+        return ref_ctopk(x, spec)
     if spec.name != "topk":
         codes, scales = ref_blocks(x, spec.name, spec.block_size)
         return {"q": ref_pack(codes, spec.name), "scale": np.array(scales, dtype=np.float32)}
@@ -121,6 +125,10 @@ def ref_encode(t: torch.Tensor, spec: EncodingSpec) -> dict[str, np.ndarray]:
 
 
 def ref_decode(parts: dict[str, np.ndarray], spec: EncodingSpec, n: int) -> np.ndarray:
+    if spec.name == "ctopk":
+        from test_chunked import ref_decode as ref_ctopk
+
+        return ref_ctopk(parts, spec, n)
     name = spec.topk_values if spec.name == "topk" else spec.name
     q = parts["q"]
     if name == "int4":
