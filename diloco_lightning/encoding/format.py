@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from diloco_lightning.encoding.chunked import CHUNK_SIZES, VALUE_BITS, chunk_layout, validate_ctopk
+from diloco_lightning.util.errors import DiLoCoError
 
 __all__ = [
     "BLOCK_SIZES", "CAST_DTYPES", "CHUNK", "CHUNK_SIZES", "DEFAULT_BLOCK_SIZE", "DEFAULT_CHUNK_SIZE", "ENCODINGS",
@@ -63,7 +64,7 @@ TINY = 2.0**-100
 CHUNK = 1 << 18
 
 
-class EncodingError(ValueError):
+class EncodingError(DiLoCoError, ValueError):
     """Encoded parts that do not form a valid encoding; the message names the key and the part."""
 
     def __init__(self, key: str, detail: str) -> None:

@@ -51,6 +51,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.wire.names import MAX_STEP, InvalidNameError, validate_global_data_path, validate_node_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,7 +63,7 @@ MANIFEST_FORMAT = "diloco-manifest/1"
 LEASE_FORMAT = "diloco-lease/1"
 
 
-class ManifestError(ValueError):
+class ManifestError(DiLoCoError, ValueError):
     """A manifest or lease document that is malformed or names a forbidden path."""
 
 
