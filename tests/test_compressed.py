@@ -127,6 +127,57 @@ def test_error_feedback_rounds_match_the_reference_bit_for_bit(spec):
             assert torch.equal(bits(t), bits(sent[k].parts[part])), (k, part)
 
 
+@pytest.mark.parametrize("decay", [0.95, 0.5])
+def test_decayed_error_feedback_is_sparselocos_buffer_bit_for_bit(decay):
+    """SparseLoCo: e = beta * e + delta; send Q(e); e = e - Q(e). Three rounds on real deltas, in
+    NumPy float32 (beta * e rounded, then added): what is sent and what is owed, bit for bit."""
+    spec = EncodingSpec("ctopk", chunk=64, chunk_k=4, topk_values="int2")
+    rounds = real_deltas(3, 2)
+    fb = ErrorFeedback(spec, decay=decay)
+    e: dict[str, np.ndarray] = {}
+    for delta in rounds:
+        sent = fb.encode({k: v.clone() for k, v in delta.items()}, in_place=True)
+        for k, d in delta.items():
+            x = d.numpy().reshape(-1).astype(np.float32)
+            if k in e:
+                x = (x + (e[k] * np.float32(decay)).astype(np.float32)).astype(np.float32)
+            want = ref_encode(torch.from_numpy(x), spec)
+            for part, arr in want.items():
+                assert np.array_equal(sent[k].parts[part].numpy().view(np.uint8), arr.view(np.uint8)), (k, part)
+            e[k] = (x - ref_decode(want, spec, x.size)).astype(np.float32)
+            assert np.array_equal(fb.residual[k].numpy().reshape(-1).view(np.int32), e[k].view(np.int32)), k
+    with pytest.raises(ValueError, match="decay"):
+        ErrorFeedback(spec, decay=0.0)
+    with pytest.raises(ValueError, match="decay"):
+        encode_delta(rounds[0], spec, decay=1.5)
+
+
+def test_error_feedback_keeps_a_residual_per_key_for_partial_deltas():
+    """A delta of some keys (a fragment) adds and renews their residual only; forget() and absorb()
+    touch the keys they are given; state_dict round-trips what is owed."""
+    spec = EncodingSpec("int4")
+    d = real_deltas(1, 2)[0]
+    keys = sorted(d)
+    half, rest = keys[: len(keys) // 2], keys[len(keys) // 2 :]
+    fb = ErrorFeedback(spec)
+    fb.encode({k: d[k].clone() for k in half})
+    assert sorted(fb.residual) == half
+    before = {k: fb.residual[k].clone() for k in half}
+    fb.encode({k: d[k].clone() for k in rest})
+    assert sorted(fb.residual) == keys and all(torch.equal(fb.residual[k], before[k]) for k in half)
+    fb.forget(rest)
+    assert sorted(fb.residual) == half
+    state = fb.state_dict()
+    fb2 = ErrorFeedback(spec)
+    fb2.load_state_dict(state)
+    assert sorted(fb2.residual) == half and all(torch.equal(fb2.residual[k], before[k]) for k in half)
+    fb2.absorb({k: d[k].clone() for k in rest})  # a delta of ``rest`` landed after all: its dropped part is owed
+    _, dropped = encode_delta({k: d[k].clone() for k in rest}, spec)
+    assert sorted(fb2.residual) == keys and all(torch.equal(fb2.residual[k], dropped[k]) for k in rest)
+    fb2.forget()
+    assert fb2.residual is None and fb2.state_dict() == {"residual": None}
+
+
 def test_lossless_and_disabled_feedback_keep_no_residual():
     d = real_deltas(1, 1)[0]
     enc, res = encode_delta(d, EncodingSpec("float32"))

@@ -72,7 +72,8 @@ class DiLoCo:
         accelerator: the ``accelerate.Accelerator``.
         model: the prepared model (it is unwrapped to find the tensors).
         hub, node_id, inner_steps, dylu_steps, dylu_min_steps, dylu_seconds, throttle, sync, delay,
-            node_index, delta_dtype, topk, topk_values, error_feedback, fragments, hub_options, signing_key,
+            node_index, delta_dtype, topk, topk_values, topk_chunk, error_feedback, error_feedback_decay, fragments,
+            hub_options, signing_key,
             wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
         optimizer: the optimizer(s) whose state ``reset_inner_optimizer`` clears after an install.
         reset_inner_optimizer: clear the inner optimizer state after each install (default False).
@@ -100,8 +101,10 @@ class DiLoCo:
         node_index: int | None = None,
         delta_dtype: str | torch.dtype = "float32",
         topk: float = 0.01,
-        topk_values: str = "int8",
+        topk_values: str | None = None,
+        topk_chunk: int = 4096,
         error_feedback: bool | None = None,
+        error_feedback_decay: float = 1.0,
         fragments: int | list | None = None,
         optimizer: Any = None,
         reset_inner_optimizer: bool = False,
@@ -117,10 +120,11 @@ class DiLoCo:
         self.node_id, self.delay, opts, self.pacing = check_worker_args(
             node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
             dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps, dylu_seconds=dylu_seconds, throttle=throttle,
-            fragments=fragments,
+            fragments=fragments, topk_chunk=topk_chunk, error_feedback_decay=error_feedback_decay,
         )
         self.fragments = opts.fragments
         self.delta_dtype, self.topk, self.topk_values = opts.delta_dtype, opts.topk, opts.topk_values
+        self.topk_chunk, self.error_feedback_decay = opts.topk_chunk, opts.error_feedback_decay
         self.error_feedback = opts.error_feedback
         check_hub_arg(hub)
         if not isinstance(reset_inner_optimizer, bool):
@@ -226,7 +230,9 @@ class DiLoCo:
                 delta_dtype=self.delta_dtype,
                 topk=self.topk,
                 topk_values=self.topk_values,
+                topk_chunk=self.topk_chunk,
                 error_feedback=self.error_feedback,
+                error_feedback_decay=self.error_feedback_decay,
                 signing_key=self.signing_key,
                 hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
                 wait_timeout=self.wait_timeout,

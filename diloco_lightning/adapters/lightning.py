@@ -128,11 +128,17 @@ class DiLoCo(Callback):
             number ending ``node_id``).
         delta_dtype: the pseudo-gradient's encoding on the wire: ``"float32"`` (default),
             ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"int4"`` (blockwise absmax, 0.26x / 0.13x
-            the bytes of FP32) or ``"topk"`` (``docs/encoding.md``).
-        topk: for ``delta_dtype="topk"``, the fraction of each tensor's entries sent (default 0.01).
-        topk_values: for ``delta_dtype="topk"``, how the kept values are stored: ``"int8"`` or ``"int4"``.
+            the bytes of FP32), ``"topk"`` or ``"ctopk"`` (chunked top-k, SparseLoCo's: 1.6 % of
+            each chunk in 2 bits, 0.0071x) (``docs/encoding.md``).
+        topk: for ``delta_dtype="topk"``, the fraction of each tensor's entries sent (default
+            0.01); for ``"ctopk"``, of each chunk's.
+        topk_values: how the kept values are stored: ``"topk"``: ``"int8"`` (None: default) or
+            ``"int4"``; ``"ctopk"``: ``"int2"`` (None: default), ``"int8"``, ``"int4"`` or ``"sign"``.
+        topk_chunk: for ``delta_dtype="ctopk"``, values per chunk (a power of two, default 4096).
         error_feedback: add what the encoding dropped to the next delta; None (default): on for
-            int8, int4 and topk, off for the float casts.
+            int8, int4, topk and ctopk, off for the float casts.
+        error_feedback_decay: SparseLoCo's beta: the residual is multiplied by it before it is
+            added to the next delta (default 1: nothing owed is forgotten).
         fragments: Streaming DiLoCo (arXiv 2501.18512): ``F`` fragments (transformer block ``i`` in
             fragment ``i mod F``, a large embedding or head split by rows among them;
             ``diloco_lightning/wire/fragments.py``), or a list of parameter-name pattern groups. A
@@ -168,8 +174,10 @@ class DiLoCo(Callback):
         node_index: int | None = None,
         delta_dtype: str | torch.dtype = "float32",
         topk: float = 0.01,
-        topk_values: str = "int8",
+        topk_values: str | None = None,
+        topk_chunk: int = 4096,
         error_feedback: bool | None = None,
+        error_feedback_decay: float = 1.0,
         fragments: int | list | None = None,
         reset_inner_optimizer: bool = False,
         hub_options: Mapping[str, Any] | None = None,
@@ -186,10 +194,11 @@ class DiLoCo(Callback):
         self.node_id, self.delay, opts, self.pacing = check_worker_args(
             node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
             dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps, dylu_seconds=dylu_seconds, throttle=throttle,
-            fragments=fragments,
+            fragments=fragments, topk_chunk=topk_chunk, error_feedback_decay=error_feedback_decay,
         )
         self.fragments = opts.fragments
         self.delta_dtype, self.topk, self.topk_values = opts.delta_dtype, opts.topk, opts.topk_values
+        self.topk_chunk, self.error_feedback_decay = opts.topk_chunk, opts.error_feedback_decay
         self.error_feedback = opts.error_feedback
         if not isinstance(reset_inner_optimizer, bool):
             raise ValueError(f"DiLoCo: reset_inner_optimizer must be True or False, got {reset_inner_optimizer!r}")
@@ -365,7 +374,9 @@ class DiLoCo(Callback):
                 delta_dtype=self.delta_dtype,
                 topk=self.topk,
                 topk_values=self.topk_values,
+                topk_chunk=self.topk_chunk,
                 error_feedback=self.error_feedback,
+                error_feedback_decay=self.error_feedback_decay,
                 signing_key=self.signing_key,
                 hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
                 wait_timeout=self.wait_timeout,

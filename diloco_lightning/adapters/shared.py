@@ -99,12 +99,13 @@ def check_hub_arg(hub: Any) -> None:
 
 def check_worker_args(
     node_id: Any, inner_steps: Any, sync: Any, delay: Any, node_index: int | None, delta_dtype: Any,
-    topk: Any = 0.01, topk_values: Any = "int8", error_feedback: Any = None, **pacing: Any,
+    topk: Any = 0.01, topk_values: Any = None, error_feedback: Any = None, **pacing: Any,
 ) -> tuple[str, int, WorkerOptions, Pacing]:
     """Check an adapter's ``node_id`` and its :class:`~diloco_lightning.worker.options.WorkerOptions`
     (``inner_steps``, ``sync``, ``delay``, ``delta_dtype``, ``topk``, ``topk_values``,
-    ``error_feedback`` and the ``pacing`` ones: ``dylu_steps``, ``dylu_min_steps``, ``dylu_seconds``,
-    ``throttle``); return ``(node_id, resolved delay, the options, this worker's Pacing)`` with
+    ``error_feedback`` and the other :class:`WorkerOptions` given as keywords: ``dylu_steps``,
+    ``dylu_min_steps``, ``dylu_seconds``, ``throttle``, ``fragments``, ``topk_chunk``,
+    ``error_feedback_decay``); return ``(node_id, resolved delay, the options, this worker's Pacing)`` with
     ``delta_dtype`` as the encoding's name. Errors are ``ValueError("DiLoCo: ...")``."""
     try:
         checked_id = validate_node_id(node_id)

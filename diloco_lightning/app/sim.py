@@ -137,11 +137,12 @@ def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_v
     elif n > 0:
         points = sorted({0} | {max(1, round(k * total / n)) for k in range(1, n + 1)})
     encoding, feedback = resolve_encoding(cfg.diloco.delta_dtype, cfg.diloco.topk, cfg.diloco.topk_values,
-                                          cfg.diloco.error_feedback)
+                                          cfg.diloco.error_feedback, cfg.diloco.topk_chunk)
     parallel = opts.parallel or (1 if device.type == "cuda" else min(int(cfg.workers), os.cpu_count() or 1))
     return Simulator(
         workers, master, sync=cfg.diloco.sync, delay=_delay_option(cfg), options=opts,
-        delta_dtype=encoding, error_feedback=feedback, evaluate=evaluator.loss if evaluator else None,
+        delta_dtype=encoding, error_feedback=feedback, error_feedback_decay=cfg.diloco.error_feedback_decay,
+        evaluate=evaluator.loss if evaluator else None,
         eval_points=points, on_version=on_version, parallel=parallel, seed=int(cfg.seed), eval_times=times,
         dylu=dylu_option(cfg),
     )

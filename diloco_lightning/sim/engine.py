@@ -154,6 +154,7 @@ class Simulator:
             a float torch dtype, or an :class:`~diloco_lightning.encoding.EncodingSpec`).
         error_feedback: each worker keeps what its encoding dropped and adds it to its next delta
             (None: on for the lossy encodings, as in a real run).
+        error_feedback_decay: SparseLoCo's beta on each worker's residual (1: none).
         evaluate: ``state -> loss`` of a global version (None: no evaluation).
         eval_points: outer steps after which to evaluate (the first version at or past each).
         on_version: called with each version's record (progress lines, metrics files).
@@ -177,6 +178,7 @@ class Simulator:
         options: SimOptions | None = None,
         delta_dtype: torch.dtype | str | EncodingSpec = torch.float32,
         error_feedback: bool | None = None,
+        error_feedback_decay: float = 1.0,
         evaluate: Callable[[Mapping[str, Tensor]], float] | None = None,
         eval_points: Sequence[int] = (),
         on_version: Callable[[dict[str, Any]], None] | None = None,
@@ -198,12 +200,12 @@ class Simulator:
         else:
             spec, feedback = resolve_encoding(delta_dtype, error_feedback=error_feedback)
         self.encoding = spec
-        self._feedback = [ErrorFeedback(spec, enabled=feedback) for _ in self.workers]
+        self._feedback = [ErrorFeedback(spec, enabled=feedback, decay=error_feedback_decay) for _ in self.workers]
         self.dylu: dict[str, Any] | None = None
         if dylu is not None:
             self.dylu = {"max_steps": int(dylu["max_steps"]), "min_steps": dylu.get("min_steps"),
                          "seconds": dylu.get("seconds")}
-        self._check_fragments(feedback)
+        self._check_fragments()
         self.max_time = self.options.max_time
         if self.max_time is None and any(w.max_steps is None for w in self.workers):
             raise ValueError("a worker without max_steps needs a time budget (options.max_time), or the run never ends")
@@ -249,18 +251,15 @@ class Simulator:
         prefetch = parallel > 1 and not (sync == "lockstep" and self.arrival)
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"sim-{w.node_id}") for w in self.workers] if prefetch else None
 
-    def _check_fragments(self, feedback: bool) -> None:
-        """The workers split the model as the master does; no error feedback and no DyLU with
-        fragments (as the product)."""
+    def _check_fragments(self) -> None:
+        """The workers split the model as the master does; no DyLU with fragments (as the product).
+        Error feedback is per key, so each fragment keeps its own residual."""
         ours = FragmentBook(self.master.plan).digests()
         for w in self.workers:
             if w.book.digests() != ours:
                 raise ValueError(f"worker {w.node_id} splits the model into "
                                  f"{'no' if w.plan is None else w.plan.count} fragments, the master into "
                                  f"{'none' if ours is None else len(ours)}: give both the same fragments")
-        if ours is not None and feedback:
-            raise ValueError(f"fragments={len(ours)} cannot be combined with error feedback yet "
-                             f"(delta_dtype={self.encoding.name}): pass error_feedback=False or a float delta_dtype")
         if ours is not None and self.dylu is not None:
             raise ValueError(f"fragments={len(ours)} cannot be combined with Dynamic Local Updates (dylu): the "
                              f"boundaries every H / F steps are the fragments' schedule")

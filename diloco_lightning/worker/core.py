@@ -48,7 +48,7 @@ from diloco_lightning.util import faults
 from diloco_lightning.encoding.feedback import ErrorFeedback
 from diloco_lightning.wire.delta import model_fingerprint, synced_keys
 from diloco_lightning.util.fileio import make_owned_dir, sweep_owned_dirs
-from diloco_lightning.wire.fragments import FragmentPlan, build_plan, fragment_count
+from diloco_lightning.wire.fragments import FragmentPlan, build_plan
 from diloco_lightning.hub.versions import read_verified_manifest
 from diloco_lightning.hub import Hub, open_hub
 from diloco_lightning.wire.manifest import Manifest
@@ -57,7 +57,7 @@ from diloco_lightning.wire.signing import RunKey, load_run_key
 from diloco_lightning.worker import checkpoint, modes
 from diloco_lightning.worker.claim import ClaimKeeper
 from diloco_lightning.worker.fragstate import FragmentBook
-from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, parse_delta_dtype, resolve_encoding
+from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, check_decay, parse_delta_dtype, resolve_encoding
 from diloco_lightning.worker.pacing import Pacing
 from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.params import copy_into, module_state, snapshot
@@ -97,9 +97,13 @@ class DiLoCoWorker:
             ``"float16"``, ``"int8"``, ``"int4"`` or ``"topk"`` (``docs/encoding.md``; the worker
             computes in FP32 and encodes once).
         topk: ``delta_dtype="topk"``: the fraction of each tensor's entries sent.
-        topk_values: ``delta_dtype="topk"``: ``"int8"`` or ``"int4"`` values.
-        error_feedback: add what the encoding dropped to the next delta (None: on for int8, int4
-            and topk, off for the float casts); the residual is part of :meth:`anchor_state`.
+        topk_values: ``delta_dtype="topk"``: ``"int8"`` or ``"int4"`` values; ``"ctopk"``: ``"int2"``,
+            ``"int8"``, ``"int4"`` or ``"sign"`` (None: int8 for topk, int2 for ctopk).
+        topk_chunk: ``delta_dtype="ctopk"``: values per chunk.
+        error_feedback: add what the encoding dropped to the next delta (None: on for int8, int4,
+            topk and ctopk, off for the float casts); the residual is part of :meth:`anchor_state`
+            (with fragments, one per fragment: each delta renews its own keys').
+        error_feedback_decay: SparseLoCo's beta: each delta carries ``delta + beta * residual``.
         signing_key: a :class:`~diloco_lightning.wire.signing.RunKey`, key text/bytes, or None to
             take ``DILOCO_RUN_KEY`` / ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned
             when neither is set).
@@ -129,8 +133,10 @@ class DiLoCoWorker:
         node_index: int | None = None,
         delta_dtype: Any = "float32",
         topk: float = 0.01,
-        topk_values: str = "int8",
+        topk_values: str | None = None,
+        topk_chunk: int = 4096,
         error_feedback: bool | None = None,
+        error_feedback_decay: float = 1.0,
         signing_key: RunKey | str | bytes | None = None,
         hub_options: Mapping[str, Any] | None = None,
         wait_timeout: float = 1200.0,
@@ -147,7 +153,8 @@ class DiLoCoWorker:
         self.sync = sync
         self.delay = resolve_delay(delay, node_id, node_index)
         self.delta_dtype = parse_delta_dtype(delta_dtype)
-        self.encoding, self.error_feedback = resolve_encoding(delta_dtype, topk, topk_values, error_feedback)
+        self.encoding, self.error_feedback = resolve_encoding(delta_dtype, topk, topk_values, error_feedback, topk_chunk)
+        self.error_feedback_decay = check_decay(error_feedback_decay)
         for name, value in (("wait_timeout", wait_timeout), ("poll_interval", poll_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -165,9 +172,6 @@ class DiLoCoWorker:
         self.fingerprint = model_fingerprint(self.params)
         #: the fragments (Streaming DiLoCo; ``diloco_lightning/wire/fragments.py``), None: one delta of every key
         self.plan: FragmentPlan | None = build_plan(fragments, {k: self.params[k] for k in self.synced})
-        if self.plan is not None and self.error_feedback:
-            raise ValueError(f"fragments={fragment_count(fragments)} cannot be combined with error feedback yet "
-                             f"(delta_dtype={self.encoding.name}): pass error_feedback=False or a float delta_dtype")
         #: per fragment: its anchor's base, tokens since its last delta, the prefetched version (worker/fragstate.py)
         self._frags = FragmentBook(self.plan)
         self._pin = any(t.device.type == "cuda" for t in self.params.values()) and torch.cuda.is_available()
@@ -181,7 +185,7 @@ class DiLoCoWorker:
         self._anchor: dict[str, torch.Tensor] | None = None
         self.step_offset = 0  # local_step = boundary + step_offset (delta_<r> is the r-th boundary's in a clean run)
         #: the encoding and its residual; the uploader owns it once started (worker/uploader.py)
-        self._feedback = ErrorFeedback(self.encoding, self.error_feedback)
+        self._feedback = ErrorFeedback(self.encoding, self.error_feedback, self.error_feedback_decay)
         self._restored = False  # anchor and counters came from this node's checkpoint
         #: the highest local_step the hub had seen of this node when it resumed from a checkpoint:
         #: replayed boundaries up to it were delivered before the crash (never sent again)
