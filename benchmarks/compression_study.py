@@ -57,7 +57,7 @@ ROWS: dict[str, tuple[list[str], tuple[float, ...]]] = {
 for _pct in (1, 2, 3):
     _ct = ["diloco.delta_dtype=ctopk", f"diloco.topk={_pct / 100}", "diloco.topk_values=int2", "diloco.topk_chunk=4096"]
     ROWS[f"ctopk{_pct}%+ef"] = ([*_ct, *NESTEROV], (0.3, 0.7, 1.0))
-    ROWS[f"ctopk{_pct}%+ef.95"] = ([*_ct, "diloco.error_feedback_decay=0.95", *PLAIN], (1.0, 2.0, 4.0))
+    ROWS[f"ctopk{_pct}%+ef.95"] = ([*_ct, "diloco.error_feedback_decay=0.95", *PLAIN], (2.0, 4.0, 8.0))
 
 SETTINGS = {
     "r0": ["master.aggregation=round", "diloco.delay=0"],
