@@ -56,7 +56,7 @@ def _as_sent(x: Tensor) -> EncodedTensor:
 def encode_delta(
     delta: Mapping[str, Tensor],
     spec: EncodingSpec,
-    residual: Mapping[str, Tensor] | None = None,
+    residual: Mapping[str, Tensor | None] | None = None,
     *,
     error_feedback: bool = True,
     in_place: bool = False,

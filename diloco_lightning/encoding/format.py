@@ -154,9 +154,9 @@ class EncodingSpec:
             raise ValueError(f"encoding_block_size must be a power of two from 16 to 4096, got {block!r}")
         if name == "ctopk":
             chunk, k = md.get("encoding_chunk"), md.get("encoding_chunk_k")
-            if not _small_decimal(chunk):
+            if chunk is None or not _small_decimal(chunk):
                 raise ValueError(f"encoding_chunk must be a power of two from 16 to 65536, got {chunk!r}")
-            if not _small_decimal(k):
+            if k is None or not _small_decimal(k):
                 raise ValueError(f"encoding_chunk_k must be an integer from 1 to encoding_chunk, got {k!r}")
             return cls(name=name, chunk=int(chunk), chunk_k=int(k), topk_values=md.get("encoding_topk_values", ""))
         topk = md.get("encoding_topk", "0.01")

@@ -165,9 +165,10 @@ def encode_topk(flat: Tensor, spec: EncodingSpec, res: Tensor | None) -> dict[st
     if k == 0:
         idx = torch.zeros(0, dtype=torch.int64, device=dev)
     else:
-        v, idx = _kth_largest(mags, k)
-        if idx is None:  # a big threshold bin: the positions at or above the threshold, one more pass
-            idx = torch.cat([torch.nonzero(keys >= v).squeeze(1).add_(start) for start, keys, _ in mags])
+        v, found = _kth_largest(mags, k)
+        # a big threshold bin: the positions at or above the threshold, one more pass
+        idx = found if found is not None else torch.cat(
+            [torch.nonzero(keys >= v).squeeze(1).add_(start) for start, keys, _ in mags])
         extra = idx.numel() - k  # increasing positions; more than k only on ties with v
         if extra:  # drop the ties at the highest positions
             tied = flat[idx].to(torch.float32).abs().view(torch.int32) == v

@@ -125,8 +125,11 @@ def settle_restart(w: DiLoCoWorker, deadline: float) -> None:
         settle_residual(w._feedback, outbox.jobs.get(None), w.boundaries + 1 + w.step_offset, w.step_offset, seen,
                         w.node_id)
     else:  # each fragment's residual is owed to that fragment's next delta
-        held = {j.fresh.fragment if j.fresh is not None else j.doubt[1].fragment: j
-                for j in outbox.jobs.values() if j.fresh is not None or j.doubt is not None}
+        held = {}
+        for j in outbox.jobs.values():
+            part = j.fresh if j.fresh is not None else (j.doubt[1] if j.doubt is not None else None)
+            if part is not None:
+                held[part.fragment] = j
         for name in w.plan.names:
             r = w.boundaries + 1
             while w.plan.fragment_at(r) != name:
