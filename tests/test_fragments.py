@@ -640,6 +640,21 @@ def test_worker_kill9_in_fragment_traffic_loses_and_duplicates_nothing(frag_hubs
     momentum). p and q are split by rows (half of the model each): rows 0-3 (fragment 0, synced at
     steps 4, 8, ..., 20) end at exactly 10 + 20, rows 4-7 (fragment 1, steps 2, 6, ..., 18) at
     10 + 18: no fragment's progress lost or applied twice."""
+    _kill9_fragment_run(frag_hubs, tmp_path, point)
+
+
+@pytest.mark.parametrize("frag_hubs, point", [pytest.param("file", "worker.uploaded"),
+                                              pytest.param("file", "worker.exported", marks=pytest.mark.slow)],
+                         indirect=["frag_hubs"])
+def test_worker_kill9_with_per_fragment_error_feedback(frag_hubs, tmp_path, point):
+    """The same with ctopk and error feedback on (each fragment's residual checkpointed and settled
+    on its own after the kill): every 4-value piece is one dense chunk of equal values, so its
+    2-bit codes are exact (lo = hi) and the totals stay exact."""
+    _kill9_fragment_run(frag_hubs, tmp_path, point, encoding=dict(delta_dtype="ctopk", topk_chunk=16, topk=1.0,
+                                                                  topk_values="int2", error_feedback=True))
+
+
+def _kill9_fragment_run(frag_hubs, tmp_path, point, encoding=None):
     from test_hardening import _run_worker
 
     from diloco_lightning.master import MasterOuterLoop
@@ -653,7 +668,7 @@ def test_worker_kill9_in_fragment_traffic_loses_and_duplicates_nothing(frag_hubs
     # (with fragments a paced delta waits instead of merging: docs/design.md, "Streaming fragments")
     options = dict(frag_hubs.options, commits_per_hour=0) if frag_hubs.kind == "hf" else frag_hubs.options
     cfg = dict(hub=frag_hubs.url, hub_options=options, ckpt_dir=str(tmp_path / "ckpt"), max_steps=20,
-               inner_steps=4, fragments=2)
+               inner_steps=4, fragments=2, encoding=encoding or {})
     first = _run_worker(cfg, f"{point}:3")
     assert first.returncode == -9, first.stderr[-3000:]
     second = _run_worker(cfg, None)
