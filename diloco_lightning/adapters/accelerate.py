@@ -47,7 +47,8 @@ from diloco_lightning.adapters.shared import (
     SIGTERM_FLUSH_SECONDS,
     SigtermWatch,
     broadcast_params,
-    check_hub_arg,
+    WorkerStart,
+    check_connection,
     check_worker_args,
     ensure_console_logging,
     format_bytes,
@@ -55,6 +56,7 @@ from diloco_lightning.adapters.shared import (
     sum_tokens_over_ranks,
 )
 from diloco_lightning.worker.core import BoundaryResult, DiLoCoWorker
+from diloco_lightning.worker.options import DEFAULTS
 from diloco_lightning.worker.params import module_state
 from diloco_lightning.worker.sync import WorkerStopped
 
@@ -92,43 +94,40 @@ class DiLoCo:
         node_id: str,
         inner_steps: int | str,
         *,
-        dylu_steps: int = 100,
-        dylu_min_steps: int | None = None,
-        dylu_seconds: float | None = None,
-        throttle: Any = 0.0,
-        sync: str = "async",
-        delay: Any = 0,
+        dylu_steps: int = DEFAULTS.dylu_steps,
+        dylu_min_steps: int | None = DEFAULTS.dylu_min_steps,
+        dylu_seconds: float | None = DEFAULTS.dylu_seconds,
+        throttle: Any = DEFAULTS.throttle,
+        sync: str = DEFAULTS.sync,
+        delay: Any = DEFAULTS.delay,
         node_index: int | None = None,
-        delta_dtype: str | torch.dtype = "float32",
-        topk: float = 0.01,
-        topk_values: str | None = None,
-        topk_chunk: int = 4096,
-        error_feedback: bool | None = None,
-        error_feedback_decay: float = 1.0,
-        fragments: int | list | None = None,
+        delta_dtype: str | torch.dtype = DEFAULTS.delta_dtype,
+        topk: float = DEFAULTS.topk,
+        topk_values: str | None = DEFAULTS.topk_values,
+        topk_chunk: int = DEFAULTS.topk_chunk,
+        error_feedback: bool | None = DEFAULTS.error_feedback,
+        error_feedback_decay: float = DEFAULTS.error_feedback_decay,
+        fragments: int | list | None = DEFAULTS.fragments,
         optimizer: Any = None,
-        reset_inner_optimizer: bool = False,
+        reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
         signing_key: RunKey | str | bytes | None = None,
-        wait_timeout: float = 1200.0,
-        poll_interval: float = 1.0,
+        wait_timeout: float = DEFAULTS.wait_timeout,
+        poll_interval: float = DEFAULTS.poll_interval,
         enabled: bool = True,
         log_fn: Callable[[dict[str, float]], Any] | None = None,
-        claim_ttl: float | None = None,
+        claim_ttl: float | None = DEFAULTS.claim_ttl,
         verbose: bool = True,
     ) -> None:
-        self.node_id, self.delay, opts, self.pacing = check_worker_args(
-            node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
-            dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps, dylu_seconds=dylu_seconds, throttle=throttle,
-            fragments=fragments, topk_chunk=topk_chunk, error_feedback_decay=error_feedback_decay,
+        self.node_id, self.delay, self.options, self.pacing = check_worker_args(
+            node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
+            dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
+            topk_values=topk_values, topk_chunk=topk_chunk, error_feedback=error_feedback,
+            error_feedback_decay=error_feedback_decay, fragments=fragments,
+            reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout, poll_interval=poll_interval,
+            claim_ttl=claim_ttl,
         )
-        self.fragments = opts.fragments
-        self.delta_dtype, self.topk, self.topk_values = opts.delta_dtype, opts.topk, opts.topk_values
-        self.topk_chunk, self.error_feedback_decay = opts.topk_chunk, opts.error_feedback_decay
-        self.error_feedback = opts.error_feedback
-        check_hub_arg(hub)
-        if not isinstance(reset_inner_optimizer, bool):
-            raise ValueError(f"DiLoCo: reset_inner_optimizer must be True or False, got {reset_inner_optimizer!r}")
+        check_connection(hub, hub_options, signing_key)
         if reset_inner_optimizer and optimizer is None:
             raise ValueError("DiLoCo: reset_inner_optimizer=True needs optimizer= (the optimizer(s) to reset)")
         if log_fn is not None and not callable(log_fn):
@@ -142,17 +141,11 @@ class DiLoCo:
         self.accelerator = accelerator
         self.model = model
         self.hub = hub
-        self.inner_steps = inner_steps
-        self.sync = sync
+        self._start = WorkerStart(hub, self.node_id, self.options, self.pacing, node_index=node_index,
+                                  hub_options=hub_options, signing_key=signing_key)
         self.enabled = bool(enabled)
         self.optimizers = [] if optimizer is None else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
-        self.reset_inner_optimizer = reset_inner_optimizer
-        self.hub_options = dict(hub_options or {})
-        self.signing_key = signing_key
-        self.wait_timeout = wait_timeout
-        self.poll_interval = poll_interval
         self.log_fn = log_fn
-        self.claim_ttl = claim_ttl
         self.verbose = bool(verbose)
         if self.verbose:
             ensure_console_logging()
@@ -196,7 +189,7 @@ class DiLoCo:
             return
         if self._world > 1:
             broadcast_params(self._params)
-        if self.reset_inner_optimizer:
+        if self.options.reset_inner_optimizer:
             for opt in self.optimizers:
                 inner = getattr(opt, "optimizer", opt)
                 inner.state.clear()
@@ -204,13 +197,14 @@ class DiLoCo:
     # ------------------------------------------------------------------ SIGTERM
 
     def _on_sigterm(self) -> None:
-        if self.worker is not None:
-            self.worker.request_stop()
+        worker = self._start.worker  # the one starting, too (a wait for the master at start)
+        if worker is not None:
+            worker.request_stop()
 
     def _exit_on_sigterm(self, why: str) -> None:
         log.warning("DiLoCo %s: %s (SIGTERM); uploading what is pending (at most %g s), then exiting with status %d",
                     self.node_id, why.removeprefix(f"node {self.node_id}: "), SIGTERM_FLUSH_SECONDS, SIGTERM_EXIT)
-        self.close(flush=True, timeout=min(float(self.wait_timeout), SIGTERM_FLUSH_SECONDS))
+        self.close(flush=True, timeout=min(float(self.options.wait_timeout), SIGTERM_FLUSH_SECONDS))
         raise SystemExit(SIGTERM_EXIT)
 
     # ------------------------------------------------------------------ context manager
@@ -221,34 +215,13 @@ class DiLoCo:
             return
 
         def start() -> bool:
-            self.worker = DiLoCoWorker(
-                self.hub,
-                self.node_id,
-                self._params,
-                sync=self.sync,
-                delay=self.delay,
-                delta_dtype=self.delta_dtype,
-                topk=self.topk,
-                topk_values=self.topk_values,
-                topk_chunk=self.topk_chunk,
-                error_feedback=self.error_feedback,
-                error_feedback_decay=self.error_feedback_decay,
-                signing_key=self.signing_key,
-                hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
-                wait_timeout=self.wait_timeout,
-                poll_interval=self.poll_interval,
-                claim_ttl=self.claim_ttl,
-                pacing=self.pacing,
-                fragments=self.fragments,
-            )
-            if self._sigterm.received:
-                self.worker.request_stop()
-            if self._restored is not None:
-                if self._restored.get("worker") is not None:
-                    self.worker.load_state_dict(self._restored["worker"])
-                if self._restored.get("anchor") is not None:
-                    self.worker.load_anchor_state(self._restored["anchor"])
-            return self.worker.start() is not None
+            restored = self._restored or {}
+            try:
+                installed = self._start.start(self._params, stop=self._sigterm.received,
+                                              counters=restored.get("worker"), anchor=restored.get("anchor"))
+            finally:
+                self.worker = self._start.worker
+            return installed is not None
 
         self._sigterm.install()
         try:

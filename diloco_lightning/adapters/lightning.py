@@ -64,7 +64,8 @@ from diloco_lightning.adapters.shared import (
     SIGTERM_FLUSH_SECONDS,
     SigtermWatch,
     broadcast_params,
-    check_hub_arg,
+    WorkerStart,
+    check_connection,
     check_worker_args,
     ensure_console_logging,
     format_bytes,
@@ -72,6 +73,7 @@ from diloco_lightning.adapters.shared import (
     sum_tokens_over_ranks,
 )
 from diloco_lightning.worker.core import DiLoCoWorker
+from diloco_lightning.worker.options import DEFAULTS
 from diloco_lightning.worker.params import module_state
 from diloco_lightning.worker.sync import WorkerStopped
 
@@ -98,12 +100,6 @@ def count_tokens(batch: Any) -> int | torch.Tensor | None:
     if isinstance(batch, torch.Tensor) and not batch.is_floating_point() and not batch.is_complex():
         return batch.numel()
     return None
-
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"DiLoCo: {name} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 class DiLoCo(Callback):
@@ -165,70 +161,49 @@ class DiLoCo(Callback):
         node_id: str,
         inner_steps: int | str,
         *,
-        dylu_steps: int = 100,
-        dylu_min_steps: int | None = None,
-        dylu_seconds: float | None = None,
-        throttle: Any = 0.0,
-        sync: str = "async",
-        delay: Any = 0,
+        dylu_steps: int = DEFAULTS.dylu_steps,
+        dylu_min_steps: int | None = DEFAULTS.dylu_min_steps,
+        dylu_seconds: float | None = DEFAULTS.dylu_seconds,
+        throttle: Any = DEFAULTS.throttle,
+        sync: str = DEFAULTS.sync,
+        delay: Any = DEFAULTS.delay,
         node_index: int | None = None,
-        delta_dtype: str | torch.dtype = "float32",
-        topk: float = 0.01,
-        topk_values: str | None = None,
-        topk_chunk: int = 4096,
-        error_feedback: bool | None = None,
-        error_feedback_decay: float = 1.0,
-        fragments: int | list | None = None,
-        reset_inner_optimizer: bool = False,
+        delta_dtype: str | torch.dtype = DEFAULTS.delta_dtype,
+        topk: float = DEFAULTS.topk,
+        topk_values: str | None = DEFAULTS.topk_values,
+        topk_chunk: int = DEFAULTS.topk_chunk,
+        error_feedback: bool | None = DEFAULTS.error_feedback,
+        error_feedback_decay: float = DEFAULTS.error_feedback_decay,
+        fragments: int | list | None = DEFAULTS.fragments,
+        reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
         signing_key: RunKey | str | bytes | None = None,
-        wait_timeout: float = 1200.0,
-        poll_interval: float = 1.0,
+        wait_timeout: float = DEFAULTS.wait_timeout,
+        poll_interval: float = DEFAULTS.poll_interval,
         token_counter: Callable[[Any], Any] | bool | None = None,
         log_prefix: str = "diloco/",
-        claim_ttl: float | None = None,
+        claim_ttl: float | None = DEFAULTS.claim_ttl,
         verbose: bool = True,
     ) -> None:
         super().__init__()
-        check_hub_arg(hub)
-        self.node_id, self.delay, opts, self.pacing = check_worker_args(
-            node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
-            dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps, dylu_seconds=dylu_seconds, throttle=throttle,
-            fragments=fragments, topk_chunk=topk_chunk, error_feedback_decay=error_feedback_decay,
+        check_connection(hub, hub_options, signing_key)
+        self.node_id, self.delay, self.options, self.pacing = check_worker_args(
+            node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
+            dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
+            topk_values=topk_values, topk_chunk=topk_chunk, error_feedback=error_feedback,
+            error_feedback_decay=error_feedback_decay, fragments=fragments,
+            reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout, poll_interval=poll_interval,
+            claim_ttl=claim_ttl,
         )
-        self.fragments = opts.fragments
-        self.delta_dtype, self.topk, self.topk_values = opts.delta_dtype, opts.topk, opts.topk_values
-        self.topk_chunk, self.error_feedback_decay = opts.topk_chunk, opts.error_feedback_decay
-        self.error_feedback = opts.error_feedback
-        if not isinstance(reset_inner_optimizer, bool):
-            raise ValueError(f"DiLoCo: reset_inner_optimizer must be True or False, got {reset_inner_optimizer!r}")
-        if hub_options is not None and not isinstance(hub_options, Mapping):
-            raise ValueError(f"DiLoCo: hub_options must be a mapping or None, got {type(hub_options).__name__}")
-        if isinstance(hub, Hub) and hub_options:
-            raise ValueError("DiLoCo: hub_options cannot be given with an already open Hub")
-        if signing_key is not None and not isinstance(signing_key, (RunKey, str, bytes)):
-            raise ValueError(f"DiLoCo: signing_key must be a RunKey, text, bytes or None, got {type(signing_key).__name__}")
-        if isinstance(signing_key, (str, bytes)) and not signing_key:
-            raise ValueError("DiLoCo: signing_key is empty")
         if not (token_counter is None or token_counter is False or callable(token_counter)):
             raise ValueError(f"DiLoCo: token_counter must be None, False or a callable, got {token_counter!r}")
         if not isinstance(log_prefix, str):
             raise ValueError(f"DiLoCo: log_prefix must be a string, got {log_prefix!r}")
         self.hub = hub
-        self.inner_steps = inner_steps
-        self.sync = sync
-        self.node_index = node_index
-        self._delay_arg = delay
-        self.reset_inner_optimizer = reset_inner_optimizer
-        self.hub_options = dict(hub_options or {})
-        self.signing_key = signing_key
-        self.wait_timeout = _positive("wait_timeout", wait_timeout)
-        self.poll_interval = _positive("poll_interval", poll_interval)
+        self._start = WorkerStart(hub, self.node_id, self.options, self.pacing, node_index=node_index,
+                                  hub_options=hub_options, signing_key=signing_key)
         self.token_counter = token_counter
         self.log_prefix = log_prefix
-        if claim_ttl is not None:
-            _positive("claim_ttl", claim_ttl)
-        self.claim_ttl = claim_ttl
         self.verbose = bool(verbose)
         if self.verbose:
             ensure_console_logging()
@@ -315,12 +290,12 @@ class DiLoCo(Callback):
         if not installed:
             return
         self._broadcast_params(trainer)
-        if self.reset_inner_optimizer:
+        if self.options.reset_inner_optimizer:
             for opt in trainer.optimizers:
                 opt.state.clear()
 
     def _on_sigterm(self) -> None:
-        worker = self.worker
+        worker = self._start.worker  # the one starting, too (a wait for the master at start)
         if worker is not None:
             worker.request_stop()
 
@@ -365,34 +340,12 @@ class DiLoCo(Callback):
             if self.worker is not None:
                 self.worker.close(flush=True)
             assert self._params is not None  # found in setup
-            self.worker = DiLoCoWorker(
-                self.hub,
-                self.node_id,
-                self._params,
-                sync=self.sync,
-                delay=self.delay,
-                delta_dtype=self.delta_dtype,
-                topk=self.topk,
-                topk_values=self.topk_values,
-                topk_chunk=self.topk_chunk,
-                error_feedback=self.error_feedback,
-                error_feedback_decay=self.error_feedback_decay,
-                signing_key=self.signing_key,
-                hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
-                wait_timeout=self.wait_timeout,
-                poll_interval=self.poll_interval,
-                claim_ttl=self.claim_ttl,
-                pacing=self.pacing,
-                fragments=self.fragments,
-            )
-            if self._sigterm.received:
-                self.worker.request_stop()
-            counters = (self._restored_counters or {}).get("worker")
-            if counters is not None:
-                self.worker.load_state_dict(counters)
-            if self._restored_anchor is not None:
-                self.worker.load_anchor_state(self._restored_anchor)
-            installed = self.worker.start()
+            try:
+                installed = self._start.start(self._params, stop=self._sigterm.received,
+                                              counters=(self._restored_counters or {}).get("worker"),
+                                              anchor=self._restored_anchor)
+            finally:
+                self.worker = self._start.worker
             if installed is not None:
                 self.metrics[self.log_prefix + "installed_outer_step"] = float(installed.outer_step)
             return installed is not None
@@ -501,7 +454,7 @@ class DiLoCo(Callback):
             code = exception.code
         pending = self.worker.pending_phases if self.worker is not None else 0
         worker = self.worker
-        self._close(flush=True, timeout=min(self.wait_timeout, SIGTERM_FLUSH_SECONDS if sigterm else 30.0))
+        self._close(flush=True, timeout=min(self.options.wait_timeout, SIGTERM_FLUSH_SECONDS if sigterm else 30.0))
         if sigterm and trainer.is_global_zero:
             left = worker.pending_phases if worker is not None else 0
             done = (f"{pending - left} pending inner phase(s) uploaded" + (f", {left} not" if left else "")

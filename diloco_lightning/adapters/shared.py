@@ -1,6 +1,7 @@
 """What the Lightning callback and the Accelerate adapter both do around a :class:`DiLoCoWorker`:
-check their common arguments, run the worker on rank 0 only (its result or error reaching every
-rank), broadcast installed weights from rank 0, and sum the token count over the ranks."""
+check their common arguments (the worker's options are one :class:`WorkerOptions`), start the
+worker the same way (:class:`WorkerStart`), run it on rank 0 only (its result or error reaching
+every rank), broadcast installed weights from rank 0, and sum the token count over the ranks."""
 
 from __future__ import annotations
 
@@ -8,21 +9,25 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from diloco_lightning.hub.base import Hub
+from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.wire.names import InvalidNameError, validate_node_id
 from diloco_lightning.worker.options import WorkerOptions, parse_delta_dtype
+from diloco_lightning.worker.core import DiLoCoWorker
 from diloco_lightning.worker.pacing import Pacing
+from diloco_lightning.worker.results import InstallResult
 
 __all__ = [
     "SIGTERM_EXIT",
     "SigtermWatch",
     "broadcast_params",
-    "check_hub_arg",
+    "WorkerStart",
+    "check_connection",
     "check_worker_args",
     "ensure_console_logging",
     "format_bytes",
@@ -91,34 +96,66 @@ class SigtermWatch:
         self._installed = False
 
 
-def check_hub_arg(hub: Any) -> None:
-    """Refuse a ``hub`` that is not a URL, a path or a :class:`Hub`."""
+def check_connection(hub: Any, hub_options: Any, signing_key: Any) -> None:
+    """Refuse a ``hub`` that is not a URL, a path or a :class:`Hub`, ``hub_options`` that are not a
+    mapping (or given with an open hub), and a ``signing_key`` of the wrong kind or empty."""
     if not isinstance(hub, (str, os.PathLike, Hub)) or (isinstance(hub, str) and not hub):
         raise ValueError(f"DiLoCo: hub must be a URL, a path or a Hub, got {hub!r}")
+    if hub_options is not None and not isinstance(hub_options, Mapping):
+        raise ValueError(f"DiLoCo: hub_options must be a mapping or None, got {type(hub_options).__name__}")
+    if isinstance(hub, Hub) and hub_options:
+        raise ValueError("DiLoCo: hub_options cannot be given with an already open Hub")
+    if signing_key is not None and not isinstance(signing_key, (RunKey, str, bytes)):
+        raise ValueError(f"DiLoCo: signing_key must be a RunKey, text, bytes or None, got {type(signing_key).__name__}")
+    if isinstance(signing_key, (str, bytes)) and not signing_key:
+        raise ValueError("DiLoCo: signing_key is empty")
 
 
-def check_worker_args(
-    node_id: Any, inner_steps: Any, sync: Any, delay: Any, node_index: int | None, delta_dtype: Any,
-    topk: Any = 0.01, topk_values: Any = None, error_feedback: Any = None, **pacing: Any,
-) -> tuple[str, int, WorkerOptions, Pacing]:
+def check_worker_args(node_id: Any, node_index: int | None, **values: Any) -> tuple[str, int, WorkerOptions, Pacing]:
     """Check an adapter's ``node_id`` and its :class:`~diloco_lightning.worker.options.WorkerOptions`
-    (``inner_steps``, ``sync``, ``delay``, ``delta_dtype``, ``topk``, ``topk_values``,
-    ``error_feedback`` and the other :class:`WorkerOptions` given as keywords: ``dylu_steps``,
-    ``dylu_min_steps``, ``dylu_seconds``, ``throttle``, ``fragments``, ``topk_chunk``,
-    ``error_feedback_decay``); return ``(node_id, resolved delay, the options, this worker's Pacing)`` with
-    ``delta_dtype`` as the encoding's name. Errors are ``ValueError("DiLoCo: ...")``."""
+    (``values``: the option keywords); return ``(node_id, resolved delay, the options, this
+    worker's Pacing)`` with ``delta_dtype`` as the encoding's name. Errors are ``ValueError("DiLoCo: ...")``."""
     try:
         checked_id = validate_node_id(node_id)
     except InvalidNameError as e:
         raise ValueError(f"DiLoCo: node_id: {e}") from None
-    opts = WorkerOptions(inner_steps=inner_steps, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
-                         topk_values=topk_values, error_feedback=error_feedback, **pacing)
+    opts = WorkerOptions(**values)
     try:
         opts.validate(checked_id, node_index)
-        opts.delta_dtype = parse_delta_dtype(delta_dtype)
+        opts.delta_dtype = parse_delta_dtype(opts.delta_dtype)
         return checked_id, opts.resolved_delay(checked_id, node_index), opts, opts.pacing(checked_id, node_index)
     except ValueError as e:
         raise ValueError(f"DiLoCo: {e}") from None
+
+
+class WorkerStart:
+    """How both adapters start their worker (on rank 0): make the :class:`DiLoCoWorker` (kept in
+    :attr:`worker` before it starts, so SIGTERM can stop its waits), restore a checkpoint's counters
+    and anchor, and start it."""
+
+    def __init__(self, hub: Any, node_id: str, options: WorkerOptions, pacing: Pacing, *, node_index: int | None,
+                 hub_options: Mapping[str, Any] | None, signing_key: RunKey | str | bytes | None) -> None:
+        self.hub, self.node_id, self.options, self.pacing = hub, node_id, options, pacing
+        self.node_index = node_index
+        self.hub_options = dict(hub_options or {})
+        self.signing_key = signing_key
+        self.worker: DiLoCoWorker | None = None
+
+    def start(self, params: dict[str, torch.Tensor], *, stop: bool, counters: Mapping[str, Any] | None,
+              anchor: Mapping[str, Any] | None) -> InstallResult | None:
+        """A new worker on ``params`` (``stop``: SIGTERM came already), resumed from ``counters``
+        (``state_dict``) and ``anchor`` (``anchor_state``) when given; what its start installed."""
+        self.worker = DiLoCoWorker(
+            self.hub, self.node_id, params, self.options, node_index=self.node_index, signing_key=self.signing_key,
+            hub_options=self.hub_options if not isinstance(self.hub, Hub) else None, pacing=self.pacing,
+        )
+        if stop:
+            self.worker.request_stop()
+        if counters is not None:
+            self.worker.load_state_dict(counters)
+        if anchor is not None:
+            self.worker.load_anchor_state(anchor)
+        return self.worker.start()
 
 
 def run_on_rank0(

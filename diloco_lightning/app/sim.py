@@ -33,9 +33,10 @@ from diloco_lightning.app.build import (
     recipe_name,
     regime,
     run_dir,
+    run_master_config,
     tau_label,
 )
-from diloco_lightning.app.config import master_config, sim_options
+from diloco_lightning.app.config import sim_options
 from diloco_lightning.app.local import _mean_curve, finished_results, print_round
 
 __all__ = ["build_simulator", "run_sim"]
@@ -124,8 +125,7 @@ def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_v
 
     device = _device(cfg)
     workers = [build_worker(cfg, i, device) for i in range(cfg.workers)]
-    config = master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if cfg.diloco.sync == "lockstep" else 1,
-                           fragments=cfg.diloco.get("fragments"))
+    config = run_master_config(cfg)
     master = SimMaster(workers[0].params, config)  # version 0: the first worker's initial weights, as its init offer
     n = int(cfg.launch.eval_points)
     total = max(1, expected_outer_steps(cfg))
@@ -255,6 +255,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             # loss against simulated time: [time, eval loss] at each eval_curve point
             "eval_curve_time": [[t, loss] for t, (_, loss) in zip(result.eval_times, result.eval_curve)],
             "lost_phases": result.lost_phases,
+            "stopped_early": result.stopped_early,
             "max_time": sim_options(cfg).max_time,
             # tokens of the deltas delivered to the master by each eval_curve point: [tokens, eval loss]
             "eval_curve_tokens": [[n, loss] for n, (_, loss) in zip(result.eval_tokens, result.eval_curve)],
@@ -266,7 +267,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             "versions": [
                 {k: r.get(k) for k in ("outer_step", "time", "accepted", "rejected", "rejected_by_reason",
                                        "staleness_histogram", "update_norm", "update_rms", "update_rms_over_lr",
-                                       "null_round")}
+                                       "null_round", "outer_state")}
                 for r in records
             ],
         },

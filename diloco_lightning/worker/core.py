@@ -57,7 +57,7 @@ from diloco_lightning.wire.signing import RunKey, load_run_key
 from diloco_lightning.worker import checkpoint, modes
 from diloco_lightning.worker.claim import ClaimKeeper
 from diloco_lightning.worker.fragstate import FragmentBook
-from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, check_decay, parse_delta_dtype, resolve_encoding
+from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, WorkerOptions, parse_delta_dtype
 from diloco_lightning.worker.pacing import Pacing
 from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.params import copy_into, module_state, snapshot
@@ -66,7 +66,7 @@ from diloco_lightning.worker.waits import Waits
 from diloco_lightning.worker.restart import hub_high_step
 from diloco_lightning.worker.install import check_global
 from diloco_lightning.worker.startup import fresh_start, settle_restart
-from diloco_lightning.worker.sync import GlobalFetcher, WaitTimeoutError, WorkerError, resolve_delay
+from diloco_lightning.worker.sync import GlobalFetcher, WaitTimeoutError, WorkerError
 from diloco_lightning.worker.uploader import Part, Uploader, UploadReport
 
 log = logging.getLogger(__name__)
@@ -86,40 +86,30 @@ class DiLoCoWorker:
         node_id: this worker's name on the hub (``[A-Za-z0-9._-]``, 1-64 characters).
         params: ``name -> tensor`` to sync and install into (use :func:`module_state`); the
             floating ones travel in deltas, integer buffers are only installed.
-        sync: ``"async"`` (install the newest version at each boundary, never wait) or
-            ``"lockstep"`` (at boundary r, wait for version ``r - delay`` and install exactly it;
-            the first ``delay`` boundaries install version 0).
-        delay: lockstep delay: an int, a per-node list, or a seeded distribution
-            (:func:`~diloco_lightning.worker.sync.resolve_delay`).
+        options: the worker's :class:`~diloco_lightning.worker.options.WorkerOptions` (``sync``,
+            ``delay``, ``delta_dtype``, ``topk``, ``topk_values``, ``topk_chunk``, ``error_feedback``,
+            ``error_feedback_decay``, ``fragments``, ``wait_timeout``, ``poll_interval``, ``claim_ttl``
+            ...: each one's
+            meaning and default is written there). Instead of ``options``, the same names may be
+            given as keywords (``DiLoCoWorker(hub, "w0", params, sync="lockstep", delay=2)``).
         node_index: this worker's index for a list/distribution ``delay`` (default: the number
             ending ``node_id``).
-        delta_dtype: the encoding on the wire: ``"float32"`` (default), ``"bfloat16"``,
-            ``"float16"``, ``"int8"``, ``"int4"`` or ``"topk"`` (``docs/encoding.md``; the worker
-            computes in FP32 and encodes once).
-        topk: ``delta_dtype="topk"``: the fraction of each tensor's entries sent.
-        topk_values: ``delta_dtype="topk"``: ``"int8"`` or ``"int4"`` values; ``"ctopk"``: ``"int2"``,
-            ``"int8"``, ``"int4"`` or ``"sign"`` (None: int8 for topk, int2 for ctopk).
-        topk_chunk: ``delta_dtype="ctopk"``: values per chunk.
-        error_feedback: add what the encoding dropped to the next delta (None: on for int8, int4,
-            topk and ctopk, off for the float casts); the residual is part of :meth:`anchor_state`
-            (with fragments, one per fragment: each delta renews its own keys').
-        error_feedback_decay: SparseLoCo's beta: each delta carries ``delta + beta * residual``.
         signing_key: a :class:`~diloco_lightning.wire.signing.RunKey`, key text/bytes, or None to
             take ``DILOCO_RUN_KEY`` / ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned
             when neither is set).
-        wait_timeout: seconds a blocking wait may last (bootstrap, lockstep, the final flush)
-            before ``WaitTimeoutError``; keep it below a DDP process-group timeout.
-        poll_interval: seconds between manifest reads while waiting, and of the async prefetcher.
+        hub_options: options for ``open_hub`` when ``hub`` is a URL.
         spool_dir: where delta files are written before upload (default: a temporary folder).
         claim: claim ``node_id`` on the hub at start (``nodes/<node_id>/claim.json``), so a second
-            live worker with the same id refuses to start (:mod:`diloco_lightning.worker.claim`).
-        claim_ttl: seconds the claim lives without a heartbeat (None: 60 on a folder hub, 900 on
-            ``hf://``); the heartbeat runs every ``claim_ttl / 2``.
+            live worker with the same id refuses to start (:mod:`diloco_lightning.worker.claim`);
+            the heartbeat runs every ``claim_ttl / 2``.
         pacing: the :class:`~diloco_lightning.worker.pacing.Pacing` the adapter drives (inner
             steps, Dynamic Local Updates, the throttle; see ``WorkerOptions.pacing``): at each
             boundary the worker asks it for the next phase's H (``BoundaryResult.inner_steps``)
             and reports its speed in the claim's heartbeat. None: a plain one (the caller decides
             boundaries; only tokens per second and the last local step are reported).
+
+    The options are checked by :meth:`WorkerOptions.validate` (an ``OptionError``, a ``ValueError``,
+    naming the option).
     """
 
     def __init__(
@@ -127,51 +117,31 @@ class DiLoCoWorker:
         hub: Hub | str | os.PathLike,
         node_id: str,
         params: Mapping[str, torch.Tensor],
+        options: WorkerOptions | None = None,
         *,
-        sync: str = "async",
-        delay: Any = 0,
         node_index: int | None = None,
-        delta_dtype: Any = "float32",
-        topk: float = 0.01,
-        topk_values: str | None = None,
-        topk_chunk: int = 4096,
-        error_feedback: bool | None = None,
-        error_feedback_decay: float = 1.0,
         signing_key: RunKey | str | bytes | None = None,
         hub_options: Mapping[str, Any] | None = None,
-        wait_timeout: float = 1200.0,
-        poll_interval: float = 1.0,
         spool_dir: str | os.PathLike | None = None,
         claim: bool = True,
-        claim_ttl: float | None = None,
         pacing: Pacing | None = None,
-        fragments: Any = None,
+        **option_values: Any,
     ) -> None:
         self.node_id = validate_node_id(node_id)
-        if sync not in SYNC_MODES:
-            raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
-        self.sync = sync
-        self.delay = resolve_delay(delay, node_id, node_index)
-        self.delta_dtype = parse_delta_dtype(delta_dtype)
-        self.encoding, self.error_feedback = resolve_encoding(delta_dtype, topk, topk_values, error_feedback, topk_chunk)
-        self.error_feedback_decay = check_decay(error_feedback_decay)
-        for name, value in (("wait_timeout", wait_timeout), ("poll_interval", poll_interval)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        self.wait_timeout = float(wait_timeout)
-        self.poll_interval = float(poll_interval)
-        if not isinstance(params, Mapping) or not params:
-            raise ValueError("params must be a non-empty mapping name -> tensor (e.g. module_state(model))")
-        for k, t in params.items():
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"params[{k!r}] is a {type(t).__name__}, not a tensor")
-        self.params: dict[str, torch.Tensor] = dict(params)
+        self.options = _worker_options(options, option_values).validate(self.node_id, node_index)
+        opts = self.options
+        self.sync = opts.sync
+        self.delay = opts.resolved_delay(self.node_id, node_index)
+        self.encoding, self.error_feedback = opts.encoding, opts.feedback
+        self.error_feedback_decay = float(opts.error_feedback_decay)
+        self.delta_dtype = self.encoding.name
+        self.wait_timeout = float(opts.wait_timeout)
+        self.poll_interval = float(opts.poll_interval)
+        self.params: dict[str, torch.Tensor] = _check_params(params)
         self.synced = synced_keys(self.params)
-        if not self.synced:
-            raise ValueError("params has no floating-point tensor to sync")
         self.fingerprint = model_fingerprint(self.params)
         #: the fragments (Streaming DiLoCo; ``diloco_lightning/wire/fragments.py``), None: one delta of every key
-        self.plan: FragmentPlan | None = build_plan(fragments, {k: self.params[k] for k in self.synced})
+        self.plan: FragmentPlan | None = build_plan(opts.fragments, {k: self.params[k] for k in self.synced})
         #: per fragment: its anchor's base, tokens since its last delta, the prefetched version (worker/fragstate.py)
         self._frags = FragmentBook(self.plan)
         self._pin = any(t.device.type == "cuda" for t in self.params.values()) and torch.cuda.is_available()
@@ -220,7 +190,8 @@ class DiLoCoWorker:
                              f"Updates) yet: give a fixed inner_steps, a multiple of the fragment count")
         self._reported = False
         self._claim_keeper = (
-            ClaimKeeper(self.hub, self.node_id, ttl=claim_ttl, watch_peers=self.pacing.auto and self.pacing.dylu_seconds is None)
+            ClaimKeeper(self.hub, self.node_id, ttl=opts.claim_ttl,
+                        watch_peers=self.pacing.auto and self.pacing.dylu_seconds is None)
             if claim else None
         )
         if self._claim_keeper is not None:
@@ -497,3 +468,29 @@ class DiLoCoWorker:
         """Restore :meth:`anchor_state` (before :meth:`start`): the first delta after resume is
         then the true pseudo-gradient of the interrupted inner phase."""
         checkpoint.load_anchor_state(self, state)
+
+
+def _worker_options(options: WorkerOptions | None, values: Mapping[str, Any]) -> WorkerOptions:
+    """``options``, or the :class:`WorkerOptions` the keywords ``values`` name (not both)."""
+    if options is not None and values:
+        raise TypeError("DiLoCoWorker: give either options= or option keywords, not both")
+    if options is not None:
+        if not isinstance(options, WorkerOptions):
+            raise TypeError(f"DiLoCoWorker: options must be a WorkerOptions, got {type(options).__name__}")
+        return options
+    unknown = sorted(set(values) - set(WorkerOptions.names()))
+    if unknown:
+        raise TypeError(f"DiLoCoWorker got unknown option(s) {unknown}; valid: {WorkerOptions.names()}")
+    return WorkerOptions(**values)
+
+
+def _check_params(params: Any) -> dict[str, torch.Tensor]:
+    if not isinstance(params, Mapping) or not params:
+        raise ValueError("params must be a non-empty mapping name -> tensor (e.g. module_state(model))")
+    for k, t in params.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"params[{k!r}] is a {type(t).__name__}, not a tensor")
+    out = dict(params)
+    if not synced_keys(out):
+        raise ValueError("params has no floating-point tensor to sync")
+    return out
