@@ -92,9 +92,10 @@ def summarize(study) -> dict[str, dict[str, dict[str, Any]]]:
                 eq_bytes.append(study.loss(job(row, s, lr, seed)) - loss_at_step(b, r["bytes_sent"] / bytes_per_step(b)))
             fp32_bytes = statistics.mean(r["bytes_sent"] for r in base.values() if r) if base else math.nan
             total = statistics.mean(r["bytes_sent"] for r in runs.values())
-            grid = ROWS[row][1]
+            grid = ROWS[row][1] if row not in study.lr_from else (lr,)
             out[s][row] = {
                 "lr": lr, "edge": lr in (grid[0], grid[-1]) and len(grid) > 1, "bytes_per_delta": per_delta,
+                "lr_from": study.lr_from.get(row),
                 "ratio": fp32_bytes / total if total else math.nan, "losses": losses, "seeds": seeds,
                 "loss": _ci(losses), "equal_rounds": _ci(eq_rounds), "equal_bytes": _ci(eq_bytes),
                 "diffs": eq_rounds, "outer_steps": statistics.mean(r["outer_steps"] for r in runs.values()),
@@ -120,7 +121,8 @@ def tables(summary: dict) -> str:
         for row, v in rows.items():
             m, lo, hi = v["loss"]
             grid = ", ".join(f"{g:g}: {_f(x)}" for g, x in v["lr_grid"].items())
-            lr = f"{v['lr']:g}{' (edge)' if v['edge'] else ''} ({grid})"
+            lr = (f"{v['lr']:g} ({v['lr_from']}'s, not tuned)" if v["lr_from"]
+                  else f"{v['lr']:g}{' (edge)' if v['edge'] else ''} ({grid})")
             loss = f"{_f(m)} ± {_f((hi - lo) / 2) if not math.isnan(lo) else '—'}"
             same = "—" if row == "float32" else _interval(*v["equal_rounds"])
             eqb = "—" if row == "float32" else _interval(*v["equal_bytes"])

@@ -88,11 +88,14 @@ class CompressionStudy:
         self.rows = [r for r in (args.rows.split(",") if args.rows else q.get("rows", ROWS)) if r]
         self.settings = [s for s in (args.settings.split(",") if args.settings else q.get("settings", SETTINGS)) if s]
         self.seeds = tuple(q.get("seeds", SEEDS))
+        #: rows run at another row's tuned lr instead of their own grid (``--lr-from row=other,...``)
+        self.lr_from = dict(x.split("=", 1) for x in (args.lr_from or "").split(",") if x)
         steps = q.get("steps", STEPS)
         extra = [f"trainer.max_steps={steps}", "launch.eval_points=50", *q.get("extra", [])]
         keys = {e.split("=")[0] for e in extra}
         self.common = [c for c in COMMON if c.split("=")[0] not in keys] + extra
-        unknown = [r for r in self.rows if r not in ROWS] + [s for s in self.settings if s not in SETTINGS]
+        unknown = ([r for r in self.rows if r not in ROWS] + [s for s in self.settings if s not in SETTINGS]
+                   + [r for kv in self.lr_from.items() for r in kv if r not in ROWS])
         if unknown:
             raise SystemExit(f"unknown rows or settings {unknown}; rows: {list(ROWS)}, settings: {list(SETTINGS)}")
 
@@ -111,13 +114,18 @@ class CompressionStudy:
         return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else r["eval_loss"]
 
     def best_lr(self, row: str, setting: str) -> float | None:
+        """The grid's best outer lr on seed 0 (ties to the smaller); for a row run ``--lr-from`` another
+        (not tuned: the tables say so), that row's."""
+        if row in self.lr_from:
+            return self.best_lr(self.lr_from[row], setting)
         scores = [(self.loss(job(row, setting, lr, self.seeds[0])), lr) for lr in ROWS[row][1]]
         if any(math.isnan(x) for x, _ in scores):
             return None
         return min(scores)[1]
 
     def tuning_jobs(self) -> list[dict]:
-        return [job(r, s, lr, self.seeds[0]) for s in self.settings for r in self.rows for lr in ROWS[r][1]]
+        return [job(r, s, lr, self.seeds[0]) for s in self.settings for r in self.rows if r not in self.lr_from
+                for lr in ROWS[r][1]]
 
     def seed_jobs(self) -> list[dict]:
         out = []
@@ -125,7 +133,7 @@ class CompressionStudy:
             for r in self.rows:
                 lr = self.best_lr(r, s)
                 if lr is not None:
-                    out += [job(r, s, lr, seed) for seed in self.seeds[1:]]
+                    out += [job(r, s, lr, seed) for seed in (self.seeds if r in self.lr_from else self.seeds[1:])]
         return out
 
     # ------------------------------------------------------------------ running
@@ -192,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
     ap.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}")
     ap.add_argument("--settings", help=f"comma-separated subset of {','.join(SETTINGS)}")
+    ap.add_argument("--lr-from", help="row=other,...: run row at other's tuned outer lr, untuned (its 3 seeds only)")
     ap.add_argument("--quick", action="store_true", help="a smoke version (3 rows, 64 steps, 1 seed)")
     ap.add_argument("--plan", action="store_true", help="list the runs (done or not); run nothing")
     ap.add_argument("--report", action="store_true", help="write the tables from what is done; run nothing")
