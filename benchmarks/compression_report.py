@@ -181,8 +181,9 @@ def write_report(study, out: Path) -> None:
     (study.root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     figure = out.parent / "compression_loss_bytes.png"
     titles = getattr(study, "titles", {})
+    flag = " --small" if getattr(study.args, "small", False) else ""
     plot(summary, figure, titles)
     text = [f"# Compression study: loss against bytes ({study.root.name})", "",
-            f"Runs in `{study.root}`; command: `python benchmarks/compression_study.py{' --small' if getattr(study.args, 'small', False) else ''}`; load average now "
+            f"Runs in `{study.root}`; command: `python benchmarks/compression_study.py{flag}`; load average now "
             f"{os.getloadavg()[0]:.1f}. Figure: `{figure.name}`.", "", tables(summary, titles), "## Goals", "", goals(summary), ""]
     out.write_text("\n".join(text))
