@@ -89,8 +89,9 @@ class DiLoCoWorker:
         params: ``name -> tensor`` to sync and install into (use :func:`module_state`); the
             floating ones travel in deltas, integer buffers are only installed.
         options: the worker's :class:`~diloco_lightning.worker.options.WorkerOptions` (``sync``,
-            ``delay``, ``delta_dtype``, ``topk``, ``topk_values``, ``error_feedback``,
-            ``fragments``, ``wait_timeout``, ``poll_interval``, ``claim_ttl`` ...: each one's
+            ``delay``, ``delta_dtype``, ``topk``, ``topk_values``, ``topk_chunk``, ``error_feedback``,
+            ``error_feedback_decay``, ``fragments``, ``wait_timeout``, ``poll_interval``, ``claim_ttl``
+            ...: each one's
             meaning and default is written there). Instead of ``options``, the same names may be
             given as keywords (``DiLoCoWorker(hub, "w0", params, sync="lockstep", delay=2)``).
         node_index: this worker's index for a list/distribution ``delay`` (default: the number
@@ -134,6 +135,7 @@ class DiLoCoWorker:
         self.sync = opts.sync
         self.delay = opts.resolved_delay(self.node_id, node_index)
         self.encoding, self.error_feedback = opts.encoding, opts.feedback
+        self.error_feedback_decay = float(opts.error_feedback_decay)
         self.delta_dtype = self.encoding.name
         self.wait_timeout = float(opts.wait_timeout)
         self.poll_interval = float(opts.poll_interval)
@@ -155,7 +157,7 @@ class DiLoCoWorker:
         self._anchor: dict[str, torch.Tensor] | None = None
         self.step_offset = 0  # local_step = boundary + step_offset (delta_<r> is the r-th boundary's in a clean run)
         #: the encoding and its residual; the uploader owns it once started (worker/uploader.py)
-        self._feedback = ErrorFeedback(self.encoding, self.error_feedback)
+        self._feedback = ErrorFeedback(self.encoding, self.error_feedback, self.error_feedback_decay)
         self._restored = False  # anchor and counters came from this node's checkpoint
         #: the highest local_step the hub had seen of this node when it resumed from a checkpoint:
         #: replayed boundaries up to it were delivered before the crash (never sent again)

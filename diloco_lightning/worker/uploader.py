@@ -9,11 +9,12 @@ Encoding and error feedback
 ---------------------------
 What is sent is :class:`~diloco_lightning.encoding.feedback.ErrorFeedback`'s encoding of the
 pseudo-gradient plus the residual the previous encodings dropped (``encoding/feedback.py``: the one
-"delta -> what is sent" step). The residual is the uploader's state (the worker checkpoints it):
-it becomes the new one only when the delta is delivered. When an upload fails, the delta that
-comes back to be merged or retried already holds the old residual, so the residual is zero
-until the next delivery; when a doubtful upload turns out to have landed, its residual is
-computed again from its content (encoding is deterministic) and kept. A pseudo-gradient with
+"delta -> what is sent" step). The residual is the uploader's state (the worker checkpoints it),
+per key: a fragment's delta renews its own keys' residual only. It becomes the new one only when
+the delta is delivered. When an upload fails, the delta that comes back to be merged or retried
+already holds the old residual, so the residual of its keys is zero until their next delivery;
+when a doubtful upload turns out to have landed, its residual is computed again from its content
+(encoding is deterministic) and kept. A pseudo-gradient with
 NaN or inf values (a diverged worker) cannot be quantized: it is sent in plain FP32 (the master
 rejects it, ``non_finite``, as before encodings existed) and the residual is left as it was.
 
@@ -187,6 +188,19 @@ class Job:
     @property
     def phases(self) -> int:
         return (self.fresh.phases if self.fresh else 0) + (self.doubt[1].phases if self.doubt else 0)
+
+
+def _job_keys(job: Job) -> set[str] | None:
+    """The keys a job's parts carry (None: unknown, so every key)."""
+    keys: set[str] = set()
+    for part in (job.fresh, job.doubt[1] if job.doubt else None):
+        if part is None:
+            continue
+        source = part.anchor if part.anchor is not None else part.residual
+        if source is None:
+            return None
+        keys.update(source)
+    return keys
 
 
 def merge_jobs(old: Job | None, new: Job | None) -> Job | None:
@@ -392,7 +406,7 @@ class Uploader:
             except BaseException as e:  # never let the thread die with a job: hand it back
                 log.exception("delta uploader crashed on node %s", self.node_id)
                 with self._feedback_lock:  # possibly half updated: the job is resent without it
-                    self.feedback.forget()
+                    self.feedback.forget(_job_keys(job))
                 report = UploadReport(ok=False, error=f"{type(e).__name__}: {e}", remaining=job)
             retry = False
             with self._cond:
@@ -511,7 +525,7 @@ class Uploader:
                     remaining = Job(fresh=content) if landed is False else Job(doubt=(step, content))
                     if encoded:
                         with self._feedback_lock:  # the residual went into ``content``: it is owed no more
-                            self.feedback.forget()
+                            self.feedback.forget(delta)
                     return UploadReport(
                         ok=False,
                         local_step=step,
@@ -545,7 +559,7 @@ class Uploader:
             )
         if encoded:
             with self._feedback_lock:
-                self.feedback.forget()
+                self.feedback.forget(delta)
         return UploadReport(
             ok=False,
             error=f"delta_{fresh.boundary + self.step_offset} kept colliding with existing deltas on {self.hub.url}",
