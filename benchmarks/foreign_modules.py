@@ -63,6 +63,9 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
                             {"sync": "lockstep"}),
     # lr 1/K: a quorum of one applies each of the K workers' deltas whole, so lr 1 moves K times as far
     "sgd_0.5_q1": (["outer=nesterov", "outer.lr=0.5", "outer.options.momentum=0.0", "min_deltas=1"], {}),
+    # the staleness study's pick for quorum 1 (docs/study.md): each delta its own outer step, lr 0.5 / (1 + tau)
+    "staleness_sgd_0.5_arrival": (["outer=staleness_sgd", "outer.lr=0.5", "outer.options.momentum=0.0",
+                                   "aggregation=arrival", "min_deltas=1"], {}),
     # diloco-master with no outer options at all: whatever its defaults are
     "default": ([], {}),
 }
