@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 def run_master(cfg: DictConfig) -> int:
     """role=master: serve rounds until Ctrl-C / SIGTERM (a final round is drained); the exit status
-    of :func:`diloco_lightning.app.master.serve_command`."""
+    of :func:`diloco_lightning.app.serving.serve_command`."""
     from diloco_lightning.app.serving import serve_command
 
     hub = open_run_hub(cfg)
