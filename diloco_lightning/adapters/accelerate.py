@@ -50,8 +50,10 @@ from diloco_lightning.adapters.shared import (
     WorkerStart,
     check_connection,
     check_worker_args,
+    PhaseLoss,
     ensure_console_logging,
-    format_bytes,
+    sent_text,
+    seed_this_node,
     run_on_rank0,
     sum_tokens_over_ranks,
 )
@@ -74,7 +76,7 @@ class DiLoCo:
         accelerator: the ``accelerate.Accelerator``.
         model: the prepared model (it is unwrapped to find the tensors).
         hub, node_id, inner_steps, dylu_steps, dylu_min_steps, dylu_seconds, throttle, sync, delay,
-            node_index, delta_dtype, topk, topk_values, error_feedback, fragments, hub_options, signing_key,
+            node_index, delta_dtype, topk, topk_values, error_feedback, fragments, hub_options, create, signing_key,
             wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
         optimizer: the optimizer(s) whose state ``reset_inner_optimizer`` clears after an install.
         reset_inner_optimizer: clear the inner optimizer state after each install (default False).
@@ -83,6 +85,8 @@ class DiLoCo:
         claim_ttl: seconds this node's claim on its id lives without a heartbeat (None: 60 on a
             folder hub, 900 on ``hf://``).
         verbose: print a line per sync and while waiting (main process); False: quiet.
+        seed_per_node: reseed from the process's seed and ``node_id`` at :meth:`start`, as the
+            Lightning callback does at the start of ``fit`` (default True).
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class DiLoCo:
         optimizer: Any = None,
         reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
+        create: bool = False,
         signing_key: RunKey | str | bytes | None = None,
         wait_timeout: float = DEFAULTS.wait_timeout,
         poll_interval: float = DEFAULTS.poll_interval,
@@ -115,6 +120,7 @@ class DiLoCo:
         log_fn: Callable[[dict[str, float]], Any] | None = None,
         claim_ttl: float | None = DEFAULTS.claim_ttl,
         verbose: bool = True,
+        seed_per_node: bool = True,
     ) -> None:
         self.node_id, self.delay, self.options, self.pacing = check_worker_args(
             node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
@@ -138,11 +144,17 @@ class DiLoCo:
         self.model = model
         self.hub = hub
         self._start = WorkerStart(hub, self.node_id, self.options, self.pacing, node_index=node_index,
-                                  hub_options=hub_options, signing_key=signing_key)
+                                  hub_options=hub_options, signing_key=signing_key, create=create)
         self.enabled = bool(enabled)
         self.optimizers = [] if optimizer is None else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
         self.log_fn = log_fn
+        if not isinstance(create, bool):
+            raise ValueError(f"DiLoCo: create must be True or False, got {create!r}")
+        if not isinstance(seed_per_node, bool):
+            raise ValueError(f"DiLoCo: seed_per_node must be True or False, got {seed_per_node!r}")
+        self.create, self.seed_per_node = create, seed_per_node
         self.verbose = bool(verbose)
+        self._loss = PhaseLoss()
         if self.verbose:
             ensure_console_logging()
         self._sigterm = SigtermWatch(self._on_sigterm)
@@ -209,6 +221,8 @@ class DiLoCo:
         """Connect (and install the global weights on a fresh start); ``__enter__`` calls it."""
         if not self.enabled or self._running:
             return
+        if self.seed_per_node:
+            seed_this_node(self.node_id)  # each node shuffles its data its own way (before the loop iterates it)
 
         def start() -> bool:
             restored = self._restored or {}
@@ -252,10 +266,12 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ training
 
-    def step(self, num_tokens: int | None = None) -> BoundaryResult | None:
+    def step(self, num_tokens: int | None = None, loss: Any = None) -> BoundaryResult | None:
         """Call after each ``optimizer.step()``; every ``inner_steps`` real optimizer steps, a
         boundary (export, upload in the background, install a newer global). ``num_tokens``:
-        tokens of this step on this process (summed over processes and steps into the header)."""
+        tokens of this step on this process (summed over processes and steps into the header);
+        ``loss``: this step's training loss (optional; the phase's mean is reported in the node's
+        heartbeat, where the master watches for divergence)."""
         if not self.enabled:
             return None
         if not getattr(self.accelerator, "sync_gradients", True):
@@ -265,6 +281,7 @@ class DiLoCo:
         if self._sigterm.received and self._world == 1:
             self._exit_on_sigterm(f"stopped at step {self.num_steps}")
         self.num_steps += 1
+        self._loss.add(loss)
         self.pacing.after_step()
         if num_tokens is None:
             self._tokens = None
@@ -274,6 +291,7 @@ class DiLoCo:
             return None
         self._last_boundary = self.num_steps
         tokens, self._tokens = self._tokens, 0
+        train_loss = self._loss.take()
         if self._world > 1:
             tokens = sum_tokens_over_ranks(
                 tokens, self.accelerator.device, lambda t: self.accelerator.reduce(t, reduction="sum")
@@ -286,7 +304,7 @@ class DiLoCo:
             if self._sigterm.received:
                 raise WorkerStopped(f"node {self.node_id}: stopped at step {self.num_steps}")
             assert worker is not None
-            result.append(worker.boundary(num_tokens=tokens))
+            result.append(worker.boundary(num_tokens=tokens, train_loss=train_loss))
             return result[0].installed is not None, result[0].inner_steps
 
         installed, h = False, None
@@ -310,7 +328,7 @@ class DiLoCo:
             if r.installed is not None:
                 line += f" | installed {r.installed.outer_step} (staleness {r.installed.staleness})"
             sent = float(worker.totals.get("bytes_uploaded_total", 0))
-            line += f" | sent {format_bytes(metrics.get('diloco/upload_bytes', 0.0))} ({format_bytes(sent)} in all)"
+            line += f" | {sent_text(metrics.get('diloco/upload_bytes'), sent, r.pending_phases)}"
             if self.pacing.auto:
                 line += f" | next H {self.pacing.inner_steps}"
             if r.wait_seconds:

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,8 +30,13 @@ __all__ = [
     "WorkerStart",
     "check_connection",
     "check_worker_args",
+    "open_worker_hub",
+    "PhaseLoss",
     "ensure_console_logging",
     "format_bytes",
+    "sent_text",
+    "node_seed",
+    "seed_this_node",
     "run_on_rank0",
     "sum_tokens_over_ranks",
 ]
@@ -47,6 +53,67 @@ def format_bytes(n: float) -> str:
         if n >= scale * 0.95:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+class PhaseLoss:
+    """The mean training loss of an inner phase: each step's loss added detached (no device sync),
+    averaged once at the boundary (the heartbeat reports it; the master watches it for divergence)."""
+
+    def __init__(self) -> None:
+        self._sum: float | torch.Tensor = 0.0
+        self._n = 0
+
+    def add(self, loss: Any) -> None:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._sum = loss.detach().float() + self._sum
+            self._n += 1
+        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            self._sum, self._n = self._sum + float(loss), self._n + 1
+
+    def take(self) -> float | None:
+        """The mean since the last call (None: no loss seen), and start again."""
+        total, n = self._sum, self._n
+        self._sum, self._n = 0.0, 0
+        return float(total) / n if n else None
+
+
+def node_seed(base: int, node_id: str) -> int:
+    """The seed of node ``node_id`` in a process seeded with ``base``: ``(base * 1000003 +
+    crc32(node_id)) mod 2**32``. Two nodes of one script (one ``seed_everything``) get different
+    seeds, so their shuffled data, dropout and augmentations differ; the same node gets the same
+    seed again on every launch."""
+    return (int(base) * 1_000_003 + zlib.crc32(node_id.encode())) % 2**32
+
+
+def seed_this_node(node_id: str) -> int:
+    """Reseed ``torch`` (every device), ``random`` and ``numpy`` with :func:`node_seed` of this process's
+    torch seed; returns the seed. Called before the data is iterated and after the model is built, so
+    the initial weights (replaced by the run's global weights anyway) stay the script's."""
+    import random
+
+    seed = node_seed(torch.initial_seed(), node_id)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        pass
+    return seed
+
+
+def sent_text(sent: float | None, total: float, pending: int) -> str:
+    """The sync line's upload part: what reached the hub since the last line (``sent``: None when no
+    upload finished), all sent so far, and an upload still going on in the background (the first
+    async sync's delta is on its way, not "0 B")."""
+    if sent:
+        text = f"sent {format_bytes(sent)} ({format_bytes(total)} in all)"
+    elif total:
+        text = f"{format_bytes(total)} sent in all"
+    else:
+        text = "nothing sent yet"
+    return text + (f", {pending} delta(s) uploading" if pending else "")
 
 
 def ensure_console_logging() -> None:
@@ -111,6 +178,28 @@ def check_connection(hub: Any, hub_options: Any, signing_key: Any) -> None:
         raise ValueError("DiLoCo: signing_key is empty")
 
 
+def open_worker_hub(hub: Any, hub_options: dict[str, Any] | None, create: bool) -> Hub:
+    """The hub an adapter's worker uses: ``hub`` itself when it is an open :class:`Hub`, else
+    ``open_hub(hub, create=create, **hub_options)`` (``hub_options["create"]`` wins when given; an
+    S3 bucket is never created). A hub that does not exist is refused with the same rule and words
+    as ``diloco-master``: it is an error unless ``create=True``, so a misspelt hub is never created
+    and then waited on."""
+    from diloco_lightning.hub import HubNotFoundError, open_hub
+
+    if isinstance(hub, Hub):
+        return hub
+    opts = dict(hub_options or {})
+    url = os.fspath(hub)
+    if not str(url).startswith("s3://"):
+        opts.setdefault("create", bool(create))
+    try:
+        return open_hub(url, **opts)
+    except HubNotFoundError as e:
+        if str(url).startswith("s3://"):
+            raise HubNotFoundError(f"DiLoCo: {e}") from None
+        raise HubNotFoundError(f"DiLoCo: {e}; check the spelling, or pass create=True to create it") from None
+
+
 def check_worker_args(node_id: Any, node_index: int | None, **values: Any) -> tuple[str, int, WorkerOptions, Pacing]:
     """Check an adapter's ``node_id`` and its :class:`~diloco_lightning.worker.options.WorkerOptions`
     (``values``: the option keywords); return ``(node_id, resolved delay, the options, this
@@ -134,10 +223,12 @@ class WorkerStart:
     and anchor, and start it."""
 
     def __init__(self, hub: Any, node_id: str, options: WorkerOptions, pacing: Pacing, *, node_index: int | None,
-                 hub_options: Mapping[str, Any] | None, signing_key: RunKey | str | bytes | None) -> None:
+                 hub_options: Mapping[str, Any] | None, signing_key: RunKey | str | bytes | None,
+                 create: bool = False) -> None:
         self.hub, self.node_id, self.options, self.pacing = hub, node_id, options, pacing
         self.node_index = node_index
         self.hub_options = dict(hub_options or {})
+        self.create = create  # a hub that does not exist is an error unless asked (open_worker_hub)
         self.signing_key = signing_key
         self.worker: DiLoCoWorker | None = None
 
@@ -146,8 +237,8 @@ class WorkerStart:
         """A new worker on ``params`` (``stop``: SIGTERM came already), resumed from ``counters``
         (``state_dict``) and ``anchor`` (``anchor_state``) when given; what its start installed."""
         self.worker = DiLoCoWorker(
-            self.hub, self.node_id, params, self.options, node_index=self.node_index, signing_key=self.signing_key,
-            hub_options=self.hub_options if not isinstance(self.hub, Hub) else None, pacing=self.pacing,
+            open_worker_hub(self.hub, self.hub_options, self.create), self.node_id, params, self.options,
+            node_index=self.node_index, signing_key=self.signing_key, pacing=self.pacing,
         )
         if stop:
             self.worker.request_stop()

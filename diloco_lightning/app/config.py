@@ -252,7 +252,7 @@ class TrainerConf:
 
 @dataclass
 class LaunchConf:
-    kind: str = opt("local", "local: master + workers on this machine | submitit: one SLURM job per worker | "
+    kind: str = opt("local", "local: master + workers on this machine | submitit: SLURM jobs (the master and one per worker) | "
                              "sim: the run in this process on the simulator (sim.*)")
     devices: Optional[List[str]] = opt(None, "GPUs assigned round-robin to the workers (null: every visible GPU, else CPU)")
     timeout: float = opt(3600.0, "seconds a role=all run may last")
@@ -377,13 +377,20 @@ def format_value(value: Any) -> str:
 # ----------------------------------------------------------------------------- Hydra plumbing
 
 
-def run_id_from_overrides(overrides: List[str]) -> str:
+def run_id_from_overrides(overrides: List[str], *, sweep: bool = False) -> str:
     """A deterministic run id from the command line (never a timestamp).
 
     Keys that differ between the processes of one run (role, node_index, ...) are left
-    out so a worker and its master agree. Long ids are shortened with a hash.
+    out so a worker and its master agree, and so are the keys that extend a run
+    (``trainer.max_steps``, ``trainer.max_time``: raising one resumes the same run). In a sweep
+    (``sweep``) those stay in: two jobs of one sweep that differ only in ``trainer.max_steps``
+    are two runs, each with its own schedule. Long ids are shortened with a hash.
     """
-    skip = ("role=", "node_index=", "run_id=", "run_root=", "launch.", "hub.", "+role=", "trainer.num_threads=")
+    from diloco_lightning.app.launches import EXTENDING_KEYS
+
+    skip: tuple[str, ...] = ("role=", "node_index=", "run_id=", "run_root=", "launch.", "hub.", "+role=", "trainer.num_threads=")
+    if not sweep:
+        skip += tuple(k + "=" for k in EXTENDING_KEYS)
     kept = sorted(o.lstrip("+~") for o in overrides if not o.lstrip("+~").startswith(skip))
     text = ",".join(kept) if kept else "default"
     slug = re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
@@ -395,11 +402,14 @@ def run_id_from_overrides(overrides: List[str]) -> str:
 def _run_id_resolver() -> str:
     from hydra.core.hydra_config import HydraConfig
 
+    from hydra.types import RunMode
+
     try:
-        overrides = list(HydraConfig.get().overrides.task)
+        hc = HydraConfig.get()
+        overrides, sweep = list(hc.overrides.task), hc.mode == RunMode.MULTIRUN
     except ValueError:  # composed outside a Hydra app (tests): no command line
-        overrides = []
-    return run_id_from_overrides(overrides)
+        overrides, sweep = [], False
+    return run_id_from_overrides(overrides, sweep=sweep)
 
 
 def register_configs() -> None:

@@ -37,6 +37,7 @@ from diloco_lightning.app.build import (
     tau_label,
 )
 from diloco_lightning.app.config import sim_options
+from diloco_lightning.app.console import log_to_file
 from diloco_lightning.app.local import _mean_curve, finished_results, print_round
 
 __all__ = ["build_simulator", "run_sim"]
@@ -159,7 +160,12 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
               f"Nothing to do: use another run_id=... or delete {rdir}.", flush=True)
         return done
     rdir.mkdir(parents=True, exist_ok=True)
+    log_to_file(rdir / "train.log")
     started = time.perf_counter()
+
+    def stage(text: str) -> None:  # the slow first minute says what it does
+        print(f"[{time.perf_counter() - started:6.0f}s] {text}", flush=True)
+
     # one thread per op unless told otherwise: the workers run side by side on threads of their own
     # (sim.parallel), a small model's ops gain little from more, and on a shared machine spinning
     # threads cost far more than they give
@@ -169,6 +175,7 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
           f"{cfg.diloco.sync}, aggregation {cfg.master.aggregation}, tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps"
           + (f", simulated time {sim_options(cfg).max_time:g}" if sim_options(cfg).max_time is not None else ""),
           flush=True)
+    stage("preparing the data (the tokenizer and token cache are built once, then cached)")
     dm = build_datamodule(cfg)
     dm.prepare_data()
     OmegaConf.save(cfg, rdir / "config.yaml", resolve=True)
@@ -186,8 +193,11 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
             last_print[0] = now
             print_round(rec)
 
+    stage(f"building {cfg.workers} workers")
     evaluator = Evaluator(cfg, dm)
     sim = build_simulator(cfg, evaluator=evaluator, on_version=on_version)
+    stage(f"simulating: {total} outer steps expected, the first after each worker's first {nominal_inner_steps(cfg)} "
+          "inner steps")
     result = sim.run()
     wall = time.perf_counter() - started
     results = _results(cfg, sim, result, dm.vocab_size, wall, label)

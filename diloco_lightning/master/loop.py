@@ -86,6 +86,7 @@ from diloco_lightning.hub import open_hub
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.master import localstate
 from diloco_lightning.master.adoption import Adoption
+from diloco_lightning.master.health import RunHealth
 from diloco_lightning.master.compat import make_compat
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig, MasterConfigError
 from diloco_lightning.master.intake import Intake
@@ -229,8 +230,11 @@ class MasterOuterLoop:
         self.publisher = Publisher(self.hub, self.config, self.node_state_dir, key, self.holder, self._lease, owner=self,
                                    compat=self.compat)
         self.membership = Membership(self.hub, node_timeout=self.config.node_timeout, poll_interval=self.config.poll_interval)
+        #: identical deltas from two nodes, a diverging run: one line each, naming the knob
+        self.health = RunHealth(lr=self.config.optimizer_options().get("lr"), min_deltas=self.config.min_deltas,
+                                optimizer=self.config.outer_optimizer)
         self.rounds = Rounds(self.config, self.hub, self.run, self.intake, self.validator, self.publisher,
-                             self.membership, on_published=self._notify, owner=self)
+                             self.membership, on_published=self._notify, health=self.health, owner=self)
         self.adoption = Adoption(self.hub, self.run, self.intake, self.validator, self.publisher, signing_key=key,
                                  compat=self.compat, discard=self.rounds.discard, on_published=self._notify)
 

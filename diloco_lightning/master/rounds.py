@@ -52,6 +52,7 @@ from diloco_lightning.master.aggregation import (
 )
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.master.gating import FragmentView, delta_gates, legacy_pa
+from diloco_lightning.master.health import RunHealth
 from diloco_lightning.master.intake import Intake
 from diloco_lightning.master.membership import Membership
 from diloco_lightning.master.metrics import RoundMetrics
@@ -77,9 +78,11 @@ class Rounds:
 
     def __init__(self, config: MasterConfig, hub: Hub, run: RunState, intake: Intake, validator: DeltaValidator,
                  publisher: Publisher, membership: Membership, *, on_published: Callable[[], None],
-                 owner: Any = None) -> None:
+                 health: RunHealth | None = None, owner: Any = None) -> None:
         self.config, self.hub, self.run = config, hub, run
         self.intake, self.validator, self.publisher, self.membership = intake, validator, publisher, membership
+        #: what no single delta shows (identical deltas, divergence): told each publication
+        self.health = health if health is not None else RunHealth()
         self.on_published = on_published
         self._owner = owner
         self.open: OpenRound | None = None
@@ -400,7 +403,13 @@ class Rounds:
         except BaseException:
             roll_back()
             raise
+        update = _distance(buf, run.state) if run.state is not None else math.nan
+        base = run.outer_step
         run.committed(buf, new_step, new_ledger, manifest, record)
+        self.health.note_deltas((a.ref.node_id, (base - a.staleness, a.fragment), a.norm) for a in accepted)
+        self.health.note_version(new_step, update, norm)
+        self.health.note_losses(new_step, {n: st.report.train_loss for n, st in self.membership.nodes.items()
+                                           if st.report.train_loss is not None})
         self.validator.accept(norms)
         self.validator.note_global(buf, new_step, norm, numel)
         self.intake.published(new_ledger)
@@ -408,3 +417,14 @@ class Rounds:
         m.published += 1
         self.on_published()
         return True
+
+
+def _distance(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> float:
+    """``|new - old|`` over the synced keys (the outer update's L2 norm), one key at a time."""
+    total = 0.0
+    with torch.no_grad():
+        for k, t in new.items():
+            o = old.get(k)
+            if o is not None and is_synced(t) and o.shape == t.shape:
+                total += float(torch.dist(t.float(), o.float())) ** 2
+    return math.sqrt(total)

@@ -35,7 +35,9 @@ usual), and undelivered work from the checkpoint that the hub already covers is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import shutil
 import time
@@ -159,6 +161,7 @@ class DiLoCoWorker:
                                     read_manifest=self._read_manifest, on_whole_install=self._prefetch_from)
         self._startup = Startup(self._installer, spool_dir)
         self._reported = False
+        self._train_loss: float | None = None  # the last phase's mean loss, in the heartbeat
         self._claim_keeper = (
             ClaimKeeper(self.hub, self.node_id, ttl=opts.claim_ttl,
                         watch_peers=self.pacing.auto and self.pacing.dylu_seconds is None)
@@ -325,12 +328,14 @@ class DiLoCoWorker:
         progress.anchor = snap
         return part
 
-    def boundary(self, num_tokens: int | None = None) -> BoundaryResult:
+    def boundary(self, num_tokens: int | None = None, train_loss: float | None = None) -> BoundaryResult:
         """End an inner phase: export ``anchor - local``, hand it to the uploader, install a
-        newer global (see the module docstring). ``num_tokens``: tokens trained on since the last
-        boundary (optional; goes in the delta header)."""
+        newer global (see the module docstring). Optional: ``num_tokens`` trained on since the last
+        boundary (in the delta header), ``train_loss`` (in the heartbeat: the master watches it)."""
         if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0):
             raise ValueError(f"num_tokens must be a non-negative integer or None, got {num_tokens!r}")
+        if train_loss is not None:  # a non-finite loss is not reported (the heartbeat would drop it)
+            self._train_loss = float(train_loss) if math.isfinite(float(train_loss)) else None
         if self._claim_keeper is not None:
             self._claim_keeper.check()  # another process took this node id over: never send under it
         self.start()
@@ -378,8 +383,9 @@ class DiLoCoWorker:
         peers = keeper.peer_reports() if keeper is not None and keeper.watch_peers else {}
         h = self.pacing.end_phase(num_tokens, [p.step_rate for p in peers.values()])
         if keeper is not None:
-            keeper.set_info(self.pacing.report(self.boundaries + self.progress.offset()).to_info(),
-                            urgent=not self._reported)
+            report = dataclasses.replace(self.pacing.report(self.boundaries + self.progress.offset()),
+                                         train_loss=self._train_loss)
+            keeper.set_info(report.to_info(), urgent=not self._reported)
             self._reported = True
         return h
 
