@@ -23,7 +23,7 @@ from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.params import LocalModel, anchor_copy
 from diloco_lightning.worker.progress import STATE_VERSION, Progress, step_offset_of
 from diloco_lightning.worker.sync import WorkerError
-from diloco_lightning.worker.uploader import Job, Part
+from diloco_lightning.worker.jobs import Job, Part
 
 __all__ = ["STATE_VERSION", "pack_unsent", "unpack_unsent", "pack_residual", "unpack_residual", "step_offset_of",
            "settle_uploads", "anchor_state", "load_anchor_state"]

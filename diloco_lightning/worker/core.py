@@ -70,7 +70,8 @@ from diloco_lightning.worker.waits import Waits
 from diloco_lightning.worker.restart import hub_high_step
 from diloco_lightning.worker.startup import Startup
 from diloco_lightning.worker.sync import GlobalFetcher, WaitTimeoutError, WorkerError
-from diloco_lightning.worker.uploader import Part, Uploader, UploadReport
+from diloco_lightning.worker.jobs import Part, UploadReport
+from diloco_lightning.worker.uploader import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -162,13 +163,7 @@ class DiLoCoWorker:
         self._startup = Startup(self._installer, spool_dir)
         self._reported = False
         self._train_loss: float | None = None  # the last phase's mean loss, in the heartbeat
-        self._claim_keeper = (
-            ClaimKeeper(self.hub, self.node_id, ttl=opts.claim_ttl,
-                        watch_peers=self.pacing.auto and self.pacing.dylu_seconds is None)
-            if claim else None
-        )
-        if self._claim_keeper is not None:
-            self._claim_keeper.set_info(self.pacing.report().to_info())
+        self._claim_keeper = _claim_keeper(self.hub, self.node_id, opts.claim_ttl, self.pacing) if claim else None
 
     # ------------------------------------------------------------------ properties
 
@@ -474,6 +469,14 @@ class DiLoCoWorker:
         if self._started:
             raise WorkerError("load_anchor_state must be called before the worker starts")
         checkpoint.load_anchor_state(self.progress, self.model, self._outbox, self._feedback, state)
+
+
+def _claim_keeper(hub: Hub, node_id: str, ttl: float | None, pacing: Pacing) -> ClaimKeeper:
+    """The keeper of ``node_id``'s claim, its first report the pacing's; it reads the peers' reports
+    when Dynamic Local Updates pace by their speed."""
+    keeper = ClaimKeeper(hub, node_id, ttl=ttl, watch_peers=pacing.auto and pacing.dylu_seconds is None)
+    keeper.set_info(pacing.report().to_info())
+    return keeper
 
 
 def _pacing(pacing: Pacing | None, plan: FragmentPlan | None) -> Pacing:

@@ -23,7 +23,7 @@ from diloco_lightning.worker.install import Installer
 from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.results import InstallResult
 from diloco_lightning.worker.sync import GlobalFetcher, WaitTimeoutError
-from diloco_lightning.worker.uploader import Job, Part, UploadReport
+from diloco_lightning.worker.jobs import Job, Part, UploadReport
 from diloco_lightning.worker.waits import Waits
 
 __all__ = ["AsyncMode", "LockstepMode"]

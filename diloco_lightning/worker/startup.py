@@ -25,7 +25,7 @@ from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.restart import drop_delivered, hub_seen_high, is_authentic
 from diloco_lightning.worker.results import InstallResult
 from diloco_lightning.worker.sync import WaitTimeoutError
-from diloco_lightning.worker.uploader import Job
+from diloco_lightning.worker.jobs import Job
 
 __all__ = ["Startup", "settle_residual"]
 
