@@ -64,22 +64,20 @@ def loss_at_step(r: dict, step: float) -> float:
 
 def summarize(study) -> dict[str, dict[str, dict[str, Any]]]:
     """setting -> row -> {lr, edge, bytes, ratio, losses, equal_rounds, equal_bytes, ...}."""
-    from compression_study import ROWS, job
-
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for s in study.settings:
         out[s] = {}
         base_lr = study.best_lr("float32", s)
-        base = {seed: study.results(job("float32", s, base_lr, seed)) for seed in study.seeds} if base_lr else {}
+        base = {seed: study.results(study.job("float32", s, base_lr, seed)) for seed in study.seeds} if base_lr else {}
         for row in study.rows:
             lr = study.best_lr(row, s)
             if lr is None:
                 continue
-            runs = {seed: study.results(job(row, s, lr, seed)) for seed in study.seeds}
+            runs = {seed: study.results(study.job(row, s, lr, seed)) for seed in study.seeds}
             runs = {k: v for k, v in runs.items() if v is not None}
             if not runs:
                 continue
-            losses = [study.loss(job(row, s, lr, seed)) for seed in runs]
+            losses = [study.loss(study.job(row, s, lr, seed)) for seed in runs]
             per_delta = statistics.mean(r["bytes_sent"] / max(1, r["deltas_accepted"] + r["deltas_rejected"])
                                         for r in runs.values())
             eq_rounds, eq_bytes, seeds = [], [], []
@@ -88,11 +86,11 @@ def summarize(study) -> dict[str, dict[str, dict[str, Any]]]:
                 if b is None:
                     continue
                 seeds.append(seed)
-                eq_rounds.append(study.loss(job(row, s, lr, seed)) - study.loss(job("float32", s, base_lr, seed)))
-                eq_bytes.append(study.loss(job(row, s, lr, seed)) - loss_at_step(b, r["bytes_sent"] / bytes_per_step(b)))
+                eq_rounds.append(study.loss(study.job(row, s, lr, seed)) - study.loss(study.job("float32", s, base_lr, seed)))
+                eq_bytes.append(study.loss(study.job(row, s, lr, seed)) - loss_at_step(b, r["bytes_sent"] / bytes_per_step(b)))
             fp32_bytes = statistics.mean(r["bytes_sent"] for r in base.values() if r) if base else math.nan
             total = statistics.mean(r["bytes_sent"] for r in runs.values())
-            grid = ROWS[row][1] if row not in study.lr_from else (lr,)
+            grid = study.grid(row) if row not in study.lr_from else (lr,)
             out[s][row] = {
                 "lr": lr, "edge": lr in (grid[0], grid[-1]) and len(grid) > 1, "bytes_per_delta": per_delta,
                 "lr_from": study.lr_from.get(row),
@@ -100,7 +98,7 @@ def summarize(study) -> dict[str, dict[str, dict[str, Any]]]:
                 "loss": _ci(losses), "equal_rounds": _ci(eq_rounds), "equal_bytes": _ci(eq_bytes),
                 "diffs": eq_rounds, "outer_steps": statistics.mean(r["outer_steps"] for r in runs.values()),
                 "diverged": sum(1 for x in losses if math.isinf(x)),
-                "lr_grid": {g: study.loss(job(row, s, g, study.seeds[0])) for g in grid},
+                "lr_grid": {g: study.loss(study.job(row, s, g, study.seeds[0])) for g in grid},
                 "curve": {seed: [(st * bytes_per_step(r), x) for st, x in r["eval_curve"]] for seed, r in runs.items()},
             }
     return out
@@ -111,10 +109,10 @@ SETTING_TITLES = {"r0": "round mode, staleness 0 (100 rounds of 4 deltas)",
                   "f4": "round mode, 4 fragments (400 rounds, one fragment each)"}
 
 
-def tables(summary: dict) -> str:
+def tables(summary: dict, titles: dict[str, str] | None = None) -> str:
     lines = []
     for s, rows in summary.items():
-        lines += [f"### {s}: {SETTING_TITLES.get(s, s)}", "",
+        lines += [f"### {s}: {(titles or {}).get(s) or SETTING_TITLES.get(s, s)}", "",
                   "| encoding | bytes / delta | fewer bytes than float32 | outer lr (grid) | final eval loss | "
                   "vs float32, equal rounds | vs float32, equal bytes | per seed (equal rounds) |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -149,7 +147,7 @@ def goals(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, path: Path) -> None:
+def plot(summary: dict, path: Path, titles: dict[str, str] | None = None) -> None:
     """Final eval loss against bytes sent per worker and round, log scale, one panel per setting;
     float32's whole curve (loss against its cumulative bytes) as the reference."""
     import matplotlib
@@ -171,7 +169,7 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("bytes sent (all workers, whole run)")
         ax.set_ylabel("final eval loss")
-        ax.set_title(SETTING_TITLES.get(s, s), fontsize=9)
+        ax.set_title((titles or {}).get(s) or SETTING_TITLES.get(s, s), fontsize=9)
         ax.legend(fontsize=6)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,8 +180,10 @@ def write_report(study, out: Path) -> None:
     summary = summarize(study)
     (study.root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     figure = out.parent / "compression_loss_bytes.png"
-    plot(summary, figure)
+    titles = getattr(study, "titles", {})
+    flag = " --small" if getattr(study.args, "small", False) else ""
+    plot(summary, figure, titles)
     text = [f"# Compression study: loss against bytes ({study.root.name})", "",
-            f"Runs in `{study.root}`; command: `python benchmarks/compression_study.py`; load average now "
-            f"{os.getloadavg()[0]:.1f}. Figure: `{figure.name}`.", "", tables(summary), "## Goals", "", goals(summary), ""]
+            f"Runs in `{study.root}`; command: `python benchmarks/compression_study.py{flag}`; load average now "
+            f"{os.getloadavg()[0]:.1f}. Figure: `{figure.name}`.", "", tables(summary, titles), "## Goals", "", goals(summary), ""]
     out.write_text("\n".join(text))

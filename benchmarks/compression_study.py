@@ -50,12 +50,14 @@ PLAIN = ["outer=nesterov", "outer.options.momentum=0.0"]  # SparseLoCo's outer s
 #: row -> (train.py overrides, the outer lr grid)
 ROWS: dict[str, tuple[list[str], tuple[float, ...]]] = {
     "float32": (["diloco.delta_dtype=float32", *NESTEROV], (0.3, 0.7, 1.0)),
+    "bf16": (["diloco.delta_dtype=bfloat16", *NESTEROV], (0.3, 0.7, 1.0)),
     "int8": (["diloco.delta_dtype=int8", *NESTEROV], (0.3, 0.7, 1.0)),
     "int4": (["diloco.delta_dtype=int4", *NESTEROV], (0.3, 0.7, 1.0)),
     "topk1%": (["diloco.delta_dtype=topk", "diloco.topk=0.01", "diloco.topk_values=int8", *NESTEROV], (0.3, 0.7, 1.0)),
 }
 for _pct in (1, 2, 3):
     _ct = ["diloco.delta_dtype=ctopk", f"diloco.topk={_pct / 100}", "diloco.topk_values=int2", "diloco.topk_chunk=4096"]
+    ROWS[f"ctopk{_pct}%"] = ([*_ct, "diloco.error_feedback=false", *NESTEROV], (0.3, 0.7, 1.0))
     ROWS[f"ctopk{_pct}%+ef"] = ([*_ct, *NESTEROV], (0.3, 0.7, 1.0))
     ROWS[f"ctopk{_pct}%+ef.95"] = ([*_ct, "diloco.error_feedback_decay=0.95", *PLAIN], (2.0, 4.0, 8.0))
 
@@ -69,12 +71,22 @@ SEEDS = (0, 1, 2)
 QUICK = {"steps": 64, "extra": ["model.d_model=32", "model.n_layers=1", "model.ffn_hidden=64", "data.val_batches=2",
                                 "data.max_bytes=300000"], "rows": ("float32", "ctopk2%+ef", "ctopk2%+ef.95"),
          "seeds": (0,), "settings": ("r0",)}
+#: what a shared 2-core machine affords in about 90 minutes (``--small``): the staleness study's small
+#: model (d_model 64, 2 layers, SwiGLU 172), 2 workers, 50 rounds of H = 8, setting r0 only, the rows
+#: below in this order (a partial study has whole rows), grids re-centred on a pilot
+SMALL = {"steps": 400, "extra": ["workers=2", "model.d_model=64", "model.n_layers=2", "model.ffn_hidden=172",
+                                 "data.val_batches=8", "optim.warmup_steps=10"],
+         "eval_points": 25, "settings": ("r0",),
+         "rows": ("float32", "ctopk2%+ef.95", "ctopk2%+ef", "ctopk2%", "topk1%", "int8", "int4", "bf16",
+                  "ctopk1%+ef.95"),
+         "grids": {"nesterov": (0.125, 0.25, 0.5), "plain": (2.0, 4.0, 8.0)},
+         "titles": {"r0": "round mode, staleness 0 (50 rounds of 2 deltas; d_model 64, 2 layers)"}}
 
 
-def job(row: str, setting: str, lr: float, seed: int) -> dict[str, Any]:
+def job(row: str, setting: str, lr: float, seed: int, eval_points: int = 50) -> dict[str, Any]:
     overrides = [*ROWS[row][0], *SETTINGS[setting], f"outer.lr={lr}", f"seed={seed}"]
     if row == "float32":  # its early curve is the reference at equal bytes: evaluate it more often
-        overrides.append("launch.eval_points=100")
+        overrides.append(f"launch.eval_points={2 * eval_points}")
     ident = f"{setting}-{row.replace('%', 'pct').replace('+', '_')}-lr{lr:g}-s{seed}"
     return {"id": ident, "block": setting, "row": row, "setting": setting, "lr": lr, "seed": seed,
             "overrides": overrides}
@@ -83,15 +95,19 @@ def job(row: str, setting: str, lr: float, seed: int) -> dict[str, Any]:
 class CompressionStudy:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        q = QUICK if args.quick else {}
-        self.root = Path(args.root or (ROOT / ("compression_study_quick" if args.quick else "compression_study"))).resolve()
+        q: dict[str, Any] = QUICK if args.quick else SMALL if args.small else {}
+        default = "compression_study_quick" if args.quick else "compression_study_small" if args.small else "compression_study"
+        self.root = Path(args.root or (ROOT / default)).resolve()
+        self.eval_points = int(q.get("eval_points", 50))
+        self.grids: dict[str, tuple[float, ...]] = q.get("grids", {})
+        self.titles: dict[str, str] = q.get("titles", {})
         self.rows = [r for r in (args.rows.split(",") if args.rows else q.get("rows", ROWS)) if r]
         self.settings = [s for s in (args.settings.split(",") if args.settings else q.get("settings", SETTINGS)) if s]
         self.seeds = tuple(q.get("seeds", SEEDS))
         #: rows run at another row's tuned lr instead of their own grid (``--lr-from row=other,...``)
         self.lr_from = dict(x.split("=", 1) for x in (args.lr_from or "").split(",") if x)
         steps = q.get("steps", STEPS)
-        extra = [f"trainer.max_steps={steps}", "launch.eval_points=50", *q.get("extra", [])]
+        extra = [f"trainer.max_steps={steps}", f"launch.eval_points={self.eval_points}", *q.get("extra", [])]
         keys = {e.split("=")[0] for e in extra}
         self.common = [c for c in COMMON if c.split("=")[0] not in keys] + extra
         unknown = ([r for r in self.rows if r not in ROWS] + [s for s in self.settings if s not in SETTINGS]
@@ -100,6 +116,14 @@ class CompressionStudy:
             raise SystemExit(f"unknown rows or settings {unknown}; rows: {list(ROWS)}, settings: {list(SETTINGS)}")
 
     # ------------------------------------------------------------------ bookkeeping
+
+    def job(self, row: str, setting: str, lr: float, seed: int) -> dict[str, Any]:
+        return job(row, setting, lr, seed, self.eval_points)
+
+    def grid(self, row: str) -> tuple[float, ...]:
+        """The row's outer lr grid (a profile's re-centred grid for its outer step, else its own)."""
+        kind = "plain" if "outer.options.momentum=0.0" in ROWS[row][0] else "nesterov"
+        return self.grids.get(kind, ROWS[row][1])
 
     def results(self, j: dict) -> dict | None:
         try:
@@ -118,22 +142,22 @@ class CompressionStudy:
         (not tuned: the tables say so), that row's."""
         if row in self.lr_from:
             return self.best_lr(self.lr_from[row], setting)
-        scores = [(self.loss(job(row, setting, lr, self.seeds[0])), lr) for lr in ROWS[row][1]]
+        scores = [(self.loss(self.job(row, setting, lr, self.seeds[0])), lr) for lr in self.grid(row)]
         if any(math.isnan(x) for x, _ in scores):
             return None
         return min(scores)[1]
 
-    def tuning_jobs(self) -> list[dict]:
-        return [job(r, s, lr, self.seeds[0]) for s in self.settings for r in self.rows if r not in self.lr_from
-                for lr in ROWS[r][1]]
+    def tuning_jobs(self, rows: list[str] | None = None) -> list[dict]:
+        return [self.job(r, s, lr, self.seeds[0]) for s in self.settings for r in (rows or self.rows)
+                if r not in self.lr_from for lr in self.grid(r)]
 
-    def seed_jobs(self) -> list[dict]:
+    def seed_jobs(self, rows: list[str] | None = None) -> list[dict]:
         out = []
         for s in self.settings:
-            for r in self.rows:
+            for r in rows or self.rows:
                 lr = self.best_lr(r, s)
                 if lr is not None:
-                    out += [job(r, s, lr, seed) for seed in (self.seeds if r in self.lr_from else self.seeds[1:])]
+                    out += [self.job(r, s, lr, seed) for seed in (self.seeds if r in self.lr_from else self.seeds[1:])]
         return out
 
     # ------------------------------------------------------------------ running
@@ -170,9 +194,10 @@ class CompressionStudy:
         torch.set_num_threads(1)
         _prepare_data(self.common)
         t0 = time.time()
-        for s in self.settings:  # setting by setting: a partial study has whole settings
-            self.run_all([j for j in self.tuning_jobs() if j["setting"] == s], f"tuning {s}")
-            self.run_all([j for j in self.seed_jobs() if j["setting"] == s], f"seeds {s}")
+        for s in self.settings:  # setting by setting, row by row: a partial study has whole rows
+            for r in self.rows:
+                self.run_all([j for j in self.tuning_jobs([r]) if j["setting"] == s], f"tuning {s} {r}")
+                self.run_all([j for j in self.seed_jobs([r]) if j["setting"] == s], f"seeds {s} {r}")
         print(f"study session: {(time.time() - t0) / 60:.1f} min", flush=True)
         return self.report()
 
@@ -202,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", help=f"comma-separated subset of {','.join(SETTINGS)}")
     ap.add_argument("--lr-from", help="row=other,...: run row at other's tuned outer lr, untuned (its 3 seeds only)")
     ap.add_argument("--quick", action="store_true", help="a smoke version (3 rows, 64 steps, 1 seed)")
+    ap.add_argument("--small", action="store_true",
+                    help="what a shared 2-core machine affords (SMALL: 2 workers, 50 rounds, r0) in compression_study_small/")
     ap.add_argument("--plan", action="store_true", help="list the runs (done or not); run nothing")
     ap.add_argument("--report", action="store_true", help="write the tables from what is done; run nothing")
     ap.add_argument("--root", help="study folder (default compression_study/)")

@@ -54,6 +54,13 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
     # outer SGD without momentum (FedAvg at lr 1): the audit's robust baseline
     "sgd_1.0_q1": (["outer=nesterov", "outer.lr=1.0", "outer.options.momentum=0.0", "min_deltas=1"], {}),
     "sgd_1.0_q2": (["outer=nesterov", "outer.lr=1.0", "outer.options.momentum=0.0", "min_deltas=2"], {}),
+    # outer lr above 1 with the whole quorum: the mean of K deltas is shorter than one worker's move
+    "sgd_1.5_q2": (["outer=nesterov", "outer.lr=1.5", "outer.options.momentum=0.0", "min_deltas=2"], {}),
+    "sgd_2.0_q2": (["outer=nesterov", "outer.lr=2.0", "outer.options.momentum=0.0", "min_deltas=2"], {}),
+    "sgd_0.7_q2": (["outer=nesterov", "outer.lr=0.7", "outer.options.momentum=0.0", "min_deltas=2"], {}),
+    # synchronous DiLoCo: each worker installs version r at boundary r (waits for it): no staleness
+    "lockstep_sgd_1.0_q2": (["outer=nesterov", "outer.lr=1.0", "outer.options.momentum=0.0", "min_deltas=2"],
+                            {"sync": "lockstep"}),
     # lr 1/K: a quorum of one applies each of the K workers' deltas whole, so lr 1 moves K times as far
     "sgd_0.5_q1": (["outer=nesterov", "outer.lr=0.5", "outer.options.momentum=0.0", "min_deltas=1"], {}),
     # diloco-master with no outer options at all: whatever its defaults are
