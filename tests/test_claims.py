@@ -118,8 +118,10 @@ def test_claim_documents_are_untrusted():
         (good.replace('"epoch": 1', '"epoch": true'), "epoch"),
         (good.replace('"expires_at": 1060.0', '"expires_at": "soon"'), "numbers"),
         (good.replace('"info": {}', '"info": []'), "info"),
-        ("{" * 10, "JSON"),
-        (" " * (MAX_CLAIM_BYTES + 1), "more than a claim may hold"),
+        ("{" * 10, "nested"),
+        ("{" * 5, "JSON"),
+        ('{"info": ' * 5000 + "1" + "}" * 5000, "nested more than 8 levels"),  # never a RecursionError
+        (" " * (MAX_CLAIM_BYTES + 1), "more than the 65536 such a document may have"),
     ]:
         with pytest.raises(ClaimError, match=why):
             NodeClaim.from_json(bad, node_id="w0")

@@ -114,6 +114,7 @@ from diloco_lightning.wire.names import (
     validate_global_data_path,
     validate_node_id,
 )
+from diloco_lightning.util.jsondoc import load_json
 from diloco_lightning.util.options import OptionError
 from diloco_lightning.wire.statefile import StateFileError, load_weights_file
 from diloco_lightning.wire.layout import LayoutError
@@ -224,12 +225,10 @@ def parse_step_count(data: bytes, source: str) -> SpeedtronicVersion:
             "the master on another hub"
         )
 
-    if len(data) > STEP_COUNT_MAX_BYTES:
-        raise bad(f"{len(data)} bytes (at most {STEP_COUNT_MAX_BYTES})")
     try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise bad(f"not JSON ({type(e).__name__})") from None
+        doc = load_json(data, max_bytes=STEP_COUNT_MAX_BYTES, max_depth=8, what="the document")
+    except ValueError as e:
+        raise bad(str(e).removeprefix("the document: ")) from None
     if not isinstance(doc, dict):
         raise bad(f"a JSON {type(doc).__name__}, expected an object")
     step = doc.get("outer_step")

@@ -7,7 +7,9 @@
   *ledger*); listing asks the hub only for deltas above it, so a processed delta is never
   downloaded again. New ones are downloaded by a bounded thread pool, a few ahead of the
   consumer, into the hub's per-path cache.
-* **Streaming aggregation.** Deltas are read one at a time (memory-mapped), checked, and
+* **Streaming aggregation.** Deltas are read one at a time (memory-mapped when the file is this
+  process's own download, read into owned memory when another writer can change it: a folder
+  hub's file, truncated under a map, would kill the master with SIGBUS), checked, and
   folded into a single FP32 sum, so a round holds the global state, a working copy of it,
   the optimizer state, the sum and one delta, whatever the number of deltas.
 * **Lock scope.** ``snapshot()`` takes a lock that only ever covers in-memory work (a

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from diloco_lightning.util.jsondoc import load_json
 from diloco_lightning.wire.names import InvalidNameError, validate_node_id
 
 __all__ = ["NodeClaim", "NodeReport", "ClaimError", "CLAIM_FORMAT", "MAX_CLAIM_BYTES", "REPORT_BOUNDS"]
@@ -92,12 +93,10 @@ class NodeClaim:
     @classmethod
     def from_json(cls, data: str | bytes, *, node_id: str, source: str = "claim") -> "NodeClaim":
         """Parse and check a claim read from ``nodes/<node_id>/claim.json``."""
-        if len(data) > MAX_CLAIM_BYTES:
-            raise ClaimError(f"{source}: {len(data)} bytes, more than a claim may hold ({MAX_CLAIM_BYTES})")
         try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ClaimError(f"{source}: not valid JSON ({e})") from None
+            doc = load_json(data, max_bytes=MAX_CLAIM_BYTES, max_depth=8, what=source)
+        except ValueError as e:
+            raise ClaimError(str(e)) from None
         if not isinstance(doc, dict) or doc.get("format") != CLAIM_FORMAT:
             raise ClaimError(f"{source}: not a {CLAIM_FORMAT} document")
         try:

@@ -63,9 +63,8 @@ from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.params import copy_into, module_state, snapshot
 from diloco_lightning.worker.results import BoundaryResult, InstallResult
 from diloco_lightning.worker.waits import Waits
-from diloco_lightning.worker.restart import hub_high_step
 from diloco_lightning.worker.install import check_global
-from diloco_lightning.worker.startup import fresh_start, settle_restart
+from diloco_lightning.worker.startup import fresh_start, hub_seen_high_of, settle_restart
 from diloco_lightning.worker.sync import GlobalFetcher, WaitTimeoutError, WorkerError, resolve_delay
 from diloco_lightning.worker.uploader import Part, Uploader, UploadReport
 
@@ -292,7 +291,7 @@ class DiLoCoWorker:
         self._uploader = Uploader(
             self.hub, self.node_id, step_offset=self.step_offset, spool_dir=self._spool, feedback=self._feedback,
             model_fingerprint=self.fingerprint, signing_key=self.signing_key,
-            hub_high_step=lambda: hub_high_step(self.hub, self.node_id), persistent=self.sync == "lockstep",
+            hub_high_step=lambda: hub_seen_high_of(self), persistent=self.sync == "lockstep",
             retry_interval=self.poll_interval, read_manifest=self._read_manifest,
             fragments=self.plan.count if self.plan is not None else 1,
         )

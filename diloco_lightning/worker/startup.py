@@ -94,11 +94,26 @@ def settle_residual(feedback: ErrorFeedback, job: Job | None, first: int, step_o
 
 
 def fresh_start(w: DiLoCoWorker, manifest: Manifest | None, deadline: float) -> InstallResult:
-    """Start worker ``w`` without a checkpoint: number its deltas after anything the hub has (or
-    had) of its node, bootstrap the run if the hub has no global (``manifest`` None), and install
-    the newest version (async) or version ``boundaries - delay`` (lockstep)."""
-    seen = w._waits.retry("read what the hub has of this node", lambda: hub_seen_high_of(w, False), deadline)
-    w.step_offset = max(w.step_offset, seen - w.boundaries)
+    """Start worker ``w`` without a checkpoint, bootstrap the run if the hub has no global
+    (``manifest`` None), and install the newest version (async) or version ``boundaries - delay``
+    (lockstep).
+
+    A node the hub already knows (an authentic delta of it, or its ledger entry: an earlier life
+    of this node delivered work, then died before it wrote a checkpoint, or lost it) is
+    *restarting*, not starting fresh: the training loop replays its inner phases from the start,
+    the very work the hub has, so the boundaries up to that step are not sent again
+    (``delivered_until``, as after a checkpoint older than the last upload), and numbering goes on
+    from there. Numbering the replayed work after the hub's deltas instead would apply it twice."""
+    seen = w._waits.retry("read what the hub has of this node", lambda: hub_seen_high_of(w), deadline)
+    if seen >= 0:
+        w.delivered_until = max(w.delivered_until, seen)
+        first = w.boundaries + 1 + w.step_offset
+        if seen >= first:
+            log.warning(
+                "node %s: restarting without a checkpoint; the hub already has this node's work up to delta_%d, so "
+                "the inner steps replayed up to boundary %d are not sent again (keep a checkpoint of the worker to "
+                "resume without replaying them)", w.node_id, seen, seen - w.step_offset,
+            )
     if manifest is None:
         manifest = bootstrap(w, deadline)
     target = manifest.outer_step if w.sync == "async" else max(0, w.boundaries - w.delay)
