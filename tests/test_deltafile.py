@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import diloco_lightning.wire.delta as deltafile
+import diloco_lightning.wire.delta.write as delta_write  # where write_delta calls save_file
 from diloco_lightning.wire.delta import (
     FORMAT,
     DeltaFileError,
@@ -518,7 +518,7 @@ def test_failed_write_keeps_old_file(tmp_path, monkeypatch):
             f.write(b"half a file")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(deltafile, "save_file", broken_save)
+    monkeypatch.setattr(delta_write, "save_file", broken_save)
     with pytest.raises(OSError, match="No space"):
         _write_valid(path, base_outer_step=5)
     assert path.read_bytes() == before

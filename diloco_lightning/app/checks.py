@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from diloco_lightning.master.config import MasterConfig
+from diloco_lightning.util.errors import ConfigError
 from diloco_lightning.util.options import OptionError
 from diloco_lightning.sim.options import SimOptions
 from diloco_lightning.worker.options import WorkerOptions
@@ -40,14 +41,6 @@ __all__ = [
     "validate_hub", "validate_master_command", "validate_master_section", "validate_outer", "validate_sim_section",
     "worker_options",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration value out of range; the message starts with the key."""
-
-    def __init__(self, key: str, detail: str) -> None:
-        self.key = key
-        super().__init__(f"{key}: {detail}")
 
 
 def _check(cond: bool, key: str, detail: str) -> None:

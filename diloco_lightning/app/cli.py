@@ -70,8 +70,7 @@ def is_user_error(e: BaseException) -> bool:
     if isinstance(e, kinds):
         return True
     mod = sys.modules
-    for module, name in (("diloco_lightning.worker.sync", "WorkerError"), ("diloco_lightning.master.config", "MasterConfigError"),
-                         ("diloco_lightning.app.errors", "RunError")):
+    for module, name in (("diloco_lightning.worker.sync", "WorkerError"), ("diloco_lightning.app.errors", "RunError")):
         cls = getattr(mod.get(module), name, None)
         if cls is not None and isinstance(e, cls):
             return True
@@ -83,7 +82,10 @@ def _is_config_error(e: BaseException) -> bool:
     from omegaconf.errors import MissingMandatoryValue
 
     from diloco_lightning.app.config import ConfigError
+    from diloco_lightning.master.config import MasterConfigError
 
+    if isinstance(e, MasterConfigError):  # the hub's run does not match: not a bad value, no key to look up
+        return False
     return isinstance(e, (ConfigError, CompactHydraException, MissingMandatoryValue))
 
 

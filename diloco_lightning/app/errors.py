@@ -12,15 +12,17 @@ import contextlib
 import signal
 import threading
 
+from diloco_lightning.util.errors import DiLoCoError
+
 __all__ = ["RunError", "Interrupted", "Signal", "terminate_as_exception"]
 
 
-class RunError(RuntimeError):
+class RunError(DiLoCoError, RuntimeError):
     """A run that failed: a worker exited with an error or was killed (the message names it and carries
     its log's last lines), or the run ran past ``launch.timeout``."""
 
 
-class Interrupted(Exception):
+class Interrupted(DiLoCoError):
     """Ctrl-C or SIGTERM stopped the run before its work was done; ``exit_code`` is ``128 + signal``."""
 
     def __init__(self, signum: int, message: str) -> None:

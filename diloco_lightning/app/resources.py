@@ -28,6 +28,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from diloco_lightning.util.errors import DiLoCoError
+
 __all__ = ["ResourceError", "Machine", "Estimate", "estimate", "check_resources", "available_ram"]
 
 GB = 1e9
@@ -37,7 +39,7 @@ _MASTER_BYTES_PER_PARAM = 20  # global + working copy + two optimizer buffers + 
 _OVERRIDE = "launch.check_resources=false starts it anyway"
 
 
-class ResourceError(RuntimeError):
+class ResourceError(DiLoCoError, RuntimeError):
     """This machine lacks what the run needs; the one-line message says what and the fix."""
 
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from diloco_lightning.util.errors import DiLoCoError
+
 __all__ = [
     "BLOCK_SIZES", "CAST_DTYPES", "CHUNK", "DEFAULT_BLOCK_SIZE", "ENCODINGS", "LEVELS", "PAGE_SIZE", "PART_SEP", "TINY",
     "EncodedTensor", "EncodingError", "EncodingSpec", "PartLayout", "check_layout", "codes_layout", "expected_parts",
@@ -54,7 +56,7 @@ TINY = 2.0**-100
 CHUNK = 1 << 18
 
 
-class EncodingError(ValueError):
+class EncodingError(DiLoCoError, ValueError):
     """Encoded parts that do not form a valid encoding; the message names the key and the part."""
 
     def __init__(self, key: str, detail: str) -> None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Union
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util.fileio import cache_root, sweep_temporaries
 from diloco_lightning.wire.manifest import Lease, Manifest
 from diloco_lightning.wire.claims import NodeClaim
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 MirrorSource = Union[str, os.PathLike, bytes]
 
 
-class HubError(RuntimeError):
+class HubError(DiLoCoError, RuntimeError):
     """A hub operation failed for a reason that retrying will not fix."""
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.hub.pacing import retry_after
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504}) | frozenset(range(500, 600))
 
 
-class _TransientError(Exception):
+class _TransientError(DiLoCoError):
     """A retryable failure (429, 5xx, timeout, connection error) seen under our guard."""
 
     def __init__(self, reason: str, status: int | None = None, retry_after: float | None = None) -> None:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.hub.base import HubAuthError, HubError, HubNotFoundError, HubUnavailableError
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ _PREFIX_PART_RE = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._=+-]{1,255}")
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 
 
-class Transient(Exception):
+class Transient(DiLoCoError):
     """A retryable failure seen by our own checks (a short read)."""
 
 

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.wire.delta import model_fingerprint
 from diloco_lightning.util.fileio import sha256_file
 from diloco_lightning.hub.base import Hub, HubError, HubNotFoundError
@@ -156,7 +157,7 @@ def stage_global(
     return staged
 
 
-class _Vanished(Exception):
+class _Vanished(DiLoCoError):
     """A file the manifest named disappeared while it was read (garbage-collected)."""
 
     def __init__(self, error: HubNotFoundError) -> None:

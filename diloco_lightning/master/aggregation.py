@@ -29,6 +29,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.encoding import EncodedTensor, decode_add_
 from diloco_lightning.master.validation import Accepted, max_abs
 
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 
-class NonFiniteAggregate(ValueError):
+class NonFiniteAggregate(DiLoCoError, ValueError):
     """The round's mean has a NaN or an infinity in ``key``."""
 
     def __init__(self, key: str) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from diloco_lightning.master.quorum import AUTO, is_fraction
+from diloco_lightning.util.errors import ConfigError
 from diloco_lightning.util.options import OptionError, check_choice, check_number, option
 from diloco_lightning.wire.fragments import FragmentError, FragmentPlan, check_fragments_option, fragment_count
 
@@ -27,8 +28,11 @@ COMPAT_MODES = ("speedtronic",)
 _MOMENTUM_OPTIMIZERS = ("nesterov", "poly_nesterov", "delayed_nesterov")
 
 
-class MasterConfigError(ValueError):
+class MasterConfigError(ConfigError):
     """The hub's published run does not match this master's configuration (optimizer, model)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, message)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util import faults
 from diloco_lightning.util.fileio import sweep_temporaries
 from diloco_lightning.hub.base import Hub
@@ -46,7 +47,7 @@ __all__ = ["LeaseLost", "Publisher", "global_file_step"]
 log = logging.getLogger(__name__)
 
 
-class LeaseLost(Exception):
+class LeaseLost(DiLoCoError):
     """This master no longer holds the lease: it must not publish."""
 
 

@@ -37,7 +37,7 @@ import torch
 
 from diloco_lightning.util import faults
 from diloco_lightning.encoding.feedback import decode_delta
-from diloco_lightning.wire.delta import DeltaFileError, is_synced
+from diloco_lightning.wire.delta import is_synced
 from diloco_lightning.hub.base import DeltaRef, PublishConflictError
 from diloco_lightning.master.aggregation import (
     FragmentSums,
@@ -186,8 +186,8 @@ class Rounds:
             try:
                 try:
                     delta, acc = self._check(ref, path, rnd.outer_step)
-                except (DeltaRejected, DeltaFileError) as e:
-                    self.master.intake.refuse(ref, e.reason, getattr(e, "detail", str(e)), m)
+                except DeltaRejected as e:
+                    self.master.intake.refuse(ref, e.reason, e.detail, m)
                     continue
                 try:
                     coef = 1.0 if legacy else acc.gate  # the older PA-CGAD rule gates each fragment itself
@@ -303,8 +303,8 @@ class Rounds:
                     continue
                 try:
                     delta, acc = self._check(ref, path, run.outer_step)
-                except (DeltaRejected, DeltaFileError) as e:
-                    self.master.intake.refuse(ref, e.reason, getattr(e, "detail", str(e)), m)
+                except DeltaRejected as e:
+                    self.master.intake.refuse(ref, e.reason, e.detail, m)
                     continue
                 # an encoded delta is decoded (FP32) for its own outer step: one delta at a time
                 tensors = delta.tensors if delta.encoded is None else decode_delta(delta.encoded)

@@ -99,6 +99,7 @@ from diloco_lightning.wire.delta import (
 )
 from diloco_lightning.encoding import EncodedTensor, sum_of_squares
 from diloco_lightning.wire.fragments import FragmentError, FragmentPlan, parse_fragment_header
+from diloco_lightning.util.errors import DeltaRejected
 from diloco_lightning.wire.signing import RunKey
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -148,15 +149,6 @@ REASONS = (
     "non_finite_update",
     "invalid",
 )
-
-
-class DeltaRejected(Exception):
-    """A delta the master refuses; ``reason`` is one of :data:`REASONS`."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{reason}: {detail}")
 
 
 def delta_norm(tensors: Mapping[str, torch.Tensor | EncodedTensor]) -> float:
@@ -376,12 +368,12 @@ class DeltaValidator:
         fragments: "FragmentView | None" = None,
     ) -> tuple[Delta, Accepted]:
         """Validate the downloaded delta ``path`` (hub path ``ref.path``) against ``state`` at
-        ``outer_step``: ``(Delta, Accepted)``, or raises ``DeltaRejected`` / ``DeltaFileError``
-        (each with its ``reason``). Any other error from the file's content is a rejection too
-        (``invalid``): one delta's content can never make a round fail."""
+        ``outer_step``: ``(Delta, Accepted)``, or raises :class:`DeltaRejected` (the reader's
+        ``DeltaFileError`` is one) with its ``reason``. Any other error from the file's content is a
+        rejection too (``invalid``): one delta's content can never make a round fail."""
         try:
             return self._check(ref, path, state, fingerprint, outer_step, gate, fragments)
-        except (DeltaRejected, DeltaFileError):
+        except DeltaRejected:
             raise
         except Exception as e:  # noqa: BLE001 - a last line of defence: one delta never fails a round
             log.exception("unexpected error while checking %s", ref.path)

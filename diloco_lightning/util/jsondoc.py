@@ -15,7 +15,7 @@ this order and in time linear in the size:
 4. the JSON itself, without the non-standard constants ``NaN``, ``Infinity`` and ``-Infinity``,
    and without numbers too large for a float (``1e999`` would read as infinity).
 
-Any failure is a :class:`JSONDocumentError` (a ``ValueError``) naming the document and what is
+Any failure is a :class:`JSONDocumentError` (a ``DiLoCoError`` and a ``ValueError``) naming the document and what is
 wrong with it; the caller turns it into its documented rejection (a replaced manifest, an
 expired lease, an ignored claim).
 """
@@ -28,6 +28,8 @@ import re
 from itertools import accumulate
 from typing import Any
 
+from diloco_lightning.util.errors import DiLoCoError
+
 __all__ = ["JSONDocumentError", "load_json", "DEFAULT_MAX_DEPTH"]
 
 #: deeper than any document this package writes (a manifest is 4 levels, a claim 3)
@@ -38,7 +40,7 @@ _NOT_BRACKETS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[^\[\]{}"]+')
 _STEP = {"[": 1, "{": 1, "]": -1, "}": -1, '"': 0}
 
 
-class JSONDocumentError(ValueError):
+class JSONDocumentError(DiLoCoError, ValueError):
     """A JSON document that is too large, too deep, not UTF-8 or not JSON."""
 
 

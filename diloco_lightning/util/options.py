@@ -13,16 +13,17 @@ import math
 from dataclasses import field
 from typing import Any
 
+from diloco_lightning.util.errors import ConfigError
+
 __all__ = ["OptionError", "option", "check_number", "check_choice"]
 
 
-class OptionError(ValueError):
+class OptionError(ConfigError):
     """An option out of range; ``option`` names it, the message says what is wanted."""
 
     def __init__(self, option: str, detail: str, message: str | None = None) -> None:
         self.option = option
-        self.detail = detail
-        super().__init__(message or f"{option} {detail}")
+        super().__init__(option, detail, message or f"{option} {detail}")
 
 
 def option(default: Any = None, help: str = "", *, factory: Any = None) -> Any:  # noqa: A002 - the option's help

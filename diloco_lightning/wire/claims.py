@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util.jsondoc import load_json
 from diloco_lightning.wire.names import InvalidNameError, validate_node_id
 
@@ -60,7 +61,7 @@ REPORT_BOUNDS: dict[str, tuple[type, float]] = {
 }
 
 
-class ClaimError(ValueError):
+class ClaimError(DiLoCoError, ValueError):
     """A claim document that is malformed, too large, or for another node."""
 
 

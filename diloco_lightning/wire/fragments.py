@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.wire.delta import synced_keys
 
 __all__ = ["FragmentPlan", "FragmentError", "HEADER_KEYS", "build_plan", "check_fragments_option", "fragment_count",
@@ -66,7 +67,7 @@ __all__ = ["FragmentPlan", "FragmentError", "HEADER_KEYS", "build_plan", "check_
 MAX_FRAGMENTS = 4096
 
 
-class FragmentError(ValueError):
+class FragmentError(DiLoCoError, ValueError):
     """A ``fragments`` value that is malformed or does not fit the model."""
 
 

@@ -29,6 +29,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util.jsondoc import load_json
 
 __all__ = [
@@ -65,7 +66,7 @@ MAX_DIM = 1 << 48
 _READ_CHUNK = 1 << 20
 
 
-class LayoutError(ValueError):
+class LayoutError(DiLoCoError, ValueError):
     """The file is not a well-formed safetensors file."""
 
 

@@ -53,6 +53,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util.jsondoc import load_json
 from diloco_lightning.wire.names import MAX_STEP, InvalidNameError, validate_global_data_path, validate_node_id
 
@@ -68,7 +69,7 @@ MAX_MANIFEST_BYTES = 16 << 20
 MAX_LEASE_BYTES = 64 << 10
 
 
-class ManifestError(ValueError):
+class ManifestError(DiLoCoError, ValueError):
     """A manifest or lease document that is malformed or names a forbidden path."""
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from diloco_lightning.util.errors import DiLoCoError
+
 NODE_ID_RE = re.compile(r"(?!\.)[A-Za-z0-9._-]{1,64}")
 #: Steps (``local_step``, ``outer_step``, ``base_outer_step``) are below 10**18: at most 18
 #: decimal digits. A longer number from a hub (a path, a header) is malformed, never parsed:
@@ -38,7 +40,7 @@ STEP_COUNT_PATH = "global/step_count.json"
 MIRROR_PATHS = frozenset({LATEST_WEIGHTS_PATH, STEP_COUNT_PATH})
 
 
-class InvalidNameError(ValueError):
+class InvalidNameError(DiLoCoError, ValueError):
     """A node id, local step or hub path outside what SPEC.md allows."""
 
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util.fileio import atomic_write
 from diloco_lightning.util.jsondoc import load_json
 from diloco_lightning.wire.layout import LayoutError, read_layout, read_tensor
@@ -28,7 +29,7 @@ _FLOAT = "__float__"
 _DICT = "__dict__"
 
 
-class StateFileError(ValueError):
+class StateFileError(DiLoCoError, ValueError):
     """A state file that cannot be read or is not what its caller expects."""
 
     def __init__(self, path: str | Path, detail: str) -> None:

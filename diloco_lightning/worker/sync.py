@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.hub.versions import (
     GlobalIntegrityError,
     UnauthenticatedVersionError,
@@ -35,7 +36,7 @@ __all__ = ["DELAY_DISTRIBUTIONS", "WorkerError", "WaitTimeoutError", "WorkerStop
            "resolve_delay", "node_index_of", "load_version"]
 
 
-class WorkerError(RuntimeError):
+class WorkerError(DiLoCoError, RuntimeError):
     """The worker cannot go on (wrong model for this hub, a version it needs is gone, ...)."""
 
 

@@ -20,6 +20,7 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 
 from diloco_lightning.encoding import EncodedTensor, EncodingSpec
+from diloco_lightning.util.errors import DeltaRejected
 from diloco_lightning.wire.names import InvalidNameError, parse_local_step, validate_node_id
 
 FORMAT = "diloco-delta/1"
@@ -53,15 +54,18 @@ __all__ = [
 # ----------------------------------------------------------------------------- errors
 
 
-class DeltaFileError(ValueError):
-    """A delta file the reader refuses. ``reason`` is a stable short code, ``path`` the file."""
+class DeltaFileError(DeltaRejected, ValueError):
+    """A delta file the reader refuses: a rejection whose ``reason`` is the kind's (a class
+    attribute), ``path`` the file."""
 
     reason = "invalid"
 
     def __init__(self, path: str | Path, detail: str) -> None:
         self.path = str(path)
-        self.detail = detail
-        super().__init__(f"{self.path}: {self.reason}: {detail}")
+        super().__init__(type(self).reason, detail)
+
+    def _message(self) -> str:
+        return f"{self.path}: {self.reason}: {self.detail}"
 
 
 class UnreadableDeltaError(DeltaFileError):
