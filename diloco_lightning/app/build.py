@@ -175,7 +175,7 @@ def build_master(cfg: DictConfig, hub, *, on_round=None):
     from diloco_lightning.master import MasterOuterLoop
 
     config = master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if cfg.diloco.sync == "lockstep" else 1,
-                           fragments=cfg.diloco.get("fragments"))
+                           fragments=cfg.diloco.get("fragments"), node_timeout=cfg.diloco.get("claim_ttl"))
     return MasterOuterLoop(
         hub, None, node_state_dir=str(run_dir(cfg) / "master"), config=config, holder=cfg.master.holder,
         metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"), logger=on_round,

@@ -293,12 +293,15 @@ def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool |
 
 
 def master_config(section: DictConfig, outer: DictConfig, *, min_deltas: int | None = None,
-                  fragments: Any = None) -> MasterConfig:
+                  fragments: Any = None, node_timeout: float | None = None) -> MasterConfig:
     """The :class:`MasterConfig` a master section and the ``outer`` group describe (``min_deltas``,
-    ``fragments``: the values when the section leaves them null; a training run's are the workers')."""
+    ``fragments``, ``node_timeout``: the values when the section leaves them null; a training run's
+    are the workers': their quorum, their fragments, their ``diloco.claim_ttl``)."""
     values = _section(section, [n for n in MasterConfig.names() if n in section])
     if values.get("min_deltas") is None:
         values["min_deltas"] = min_deltas or 1
+    if values.get("node_timeout") is None and node_timeout is not None:
+        values["node_timeout"] = float(node_timeout)
     if values.get("fragments") is None and fragments is not None:
         values["fragments"] = OmegaConf.to_container(fragments) if isinstance(fragments, ListConfig) else fragments
     return MasterConfig(outer_optimizer=str(outer.name), outer_options=outer_options(outer), **values).validate()

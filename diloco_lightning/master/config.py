@@ -61,7 +61,8 @@ class MasterConfig:
         None, "seconds after a round's first delta before applying below the quorum, or auto (from recent arrivals)"
     )
     node_timeout: float | None = option(
-        None, "seconds without a heartbeat or delta before a node leaves the quorum (null: its claim's ttl)"
+        None, "seconds without a heartbeat or delta before a node leaves the quorum (null: its claim's ttl, at most the "
+        "transport's default claim ttl: 60 on a folder hub, 900 on hf:// and s3://; a training run: diloco.claim_ttl)"
     )
     max_staleness: int | None = option(None, "reject deltas staler than this (null: only the optimizer's gate decides)")
     max_delta_norm: float | None = option(None, "reject a delta whose L2 norm exceeds this")

@@ -100,7 +100,7 @@ from diloco_lightning.master.publication import LeaseLost, Publisher
 from diloco_lightning.master.rounds import Rounds
 from diloco_lightning.master.runstate import RunState, check_state, cpu_clone
 from diloco_lightning.master.validation import DeltaValidator
-from diloco_lightning.wire.names import MANIFEST_PATH, parse_delta_path
+from diloco_lightning.wire.names import MANIFEST_PATH, MAX_ADOPTED_STEP, MAX_STEP, parse_delta_path
 from diloco_lightning.wire.signing import RunKey, load_run_key
 
 __all__ = ["MasterOuterLoop", "MasterConfig", "MasterConfigError", "ProcessedDeltas", "AGGREGATIONS", "WEIGHTINGS"]
@@ -232,7 +232,8 @@ class MasterOuterLoop:
                                         header_parser=self.compat.parse_header if self.compat is not None else None)
         self.publisher = Publisher(self.hub, self.config, self.node_state_dir, key, self.holder, self._lease, owner=self,
                                    compat=self.compat)
-        self.membership = Membership(self.hub, node_timeout=self.config.node_timeout, poll_interval=self.config.poll_interval)
+        self.membership = Membership(self.hub, node_timeout=self.config.node_timeout, poll_interval=self.config.poll_interval,
+                                     signing_key=key)
         self.rounds = Rounds(self)
 
         self._round_lock = threading.RLock()  # one round at a time
@@ -437,6 +438,10 @@ class MasterOuterLoop:
             return self._replace_forged(f"{self.hub.url}/{MANIFEST_PATH} is not a valid manifest ({e})", m)
         except UnauthenticatedVersionError as e:
             return self._replace_forged(str(e), m)
+        if hm is not None and hm.outer_step > MAX_ADOPTED_STEP:  # no publication could ever follow it
+            return self._replace_forged(
+                f"{self.hub.url}/{MANIFEST_PATH} says outer_step {hm.outer_step}, which leaves no room to run (the "
+                f"largest is {MAX_STEP}); it is not a version of this run", m)
         if hm is None:
             run.hub_manifest = None
             if self.compat is not None and self.compat.adopt(run, self.validator):  # a hub Speedtronic's master served

@@ -215,7 +215,8 @@ class DiLoCoWorker:
                              f"Updates) yet: give a fixed inner_steps, a multiple of the fragment count")
         self._reported = False
         self._claim_keeper = (
-            ClaimKeeper(self.hub, self.node_id, ttl=claim_ttl, watch_peers=self.pacing.auto and self.pacing.dylu_seconds is None)
+            ClaimKeeper(self.hub, self.node_id, ttl=claim_ttl, signing_key=self.signing_key,
+                        watch_peers=self.pacing.auto and self.pacing.dylu_seconds is None)
             if claim else None
         )
         if self._claim_keeper is not None:
