@@ -69,9 +69,11 @@ def validate_outer(o: DictConfig, prefix: str = "outer.") -> None:
     _check(state_dtype in STATE_DTYPES, f"{prefix}state_dtype", f"must be float32 (fp32) or bfloat16 (bf16), got {state_dtype!r}")
     _check(not o.get("stochastic_rounding", False) or STATE_DTYPES[state_dtype] != STATE_DTYPES["float32"],
            f"{prefix}stochastic_rounding", f"needs {prefix}state_dtype=bfloat16 (FP32 buffers are not rounded)")
+    from diloco_lightning.outer import check_outer_options
+
     try:
-        outer_options(o, prefix)
-    except ValueError as e:
+        check_outer_options(str(o.name), **outer_options(o, prefix))
+    except (ValueError, TypeError) as e:
         raise ConfigError(f"{prefix}options", str(e)) from None
 
 
@@ -190,6 +192,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(t.accelerator in ACCELERATORS, "trainer.accelerator", f"must be one of {list(ACCELERATORS)}, got {t.accelerator!r}")
     _check(t.precision in PRECISIONS, "trainer.precision", f"must be one of {list(PRECISIONS)}, got {t.precision!r}")
     _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")
+    _check_reaches_a_boundary(cfg)
     _check(t.max_time is None or t.max_time > 0, "trainer.max_time", f"must be > 0 seconds or null, got {t.max_time}")
     _check(t.devices >= 1, "trainer.devices", "must be >= 1")
     _check(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
@@ -208,6 +211,26 @@ def validate(cfg: DictConfig) -> DictConfig:
     if la.kind == "sim":
         validate_sim_section(cfg)
     return cfg
+
+
+def _check_reaches_a_boundary(cfg: DictConfig) -> None:
+    """``trainer.max_steps`` must reach the first boundary: a run shorter than one inner phase sends
+    no delta, trains nothing the master sees, and used to end with a NaN eval loss reported as DIVERGED."""
+    from diloco_lightning.wire.fragments import fragment_count
+
+    d = cfg.diloco
+    h = d.get("dylu_steps") if d.inner_steps == "auto" else d.inner_steps
+    if isinstance(h, bool) or not isinstance(h, int):
+        return
+    try:
+        f = fragment_count(d.get("fragments"))
+    except ValueError:
+        return  # the diloco section's own check reports it
+    first = max(1, h // max(1, f))  # with F fragments, a boundary every H / F steps
+    what = "diloco.dylu_steps" if d.inner_steps == "auto" else "diloco.inner_steps"
+    _check(cfg.trainer.max_steps >= first, "trainer.max_steps",
+           f"is {cfg.trainer.max_steps}, fewer than the {first} inner steps before a worker's first boundary ({what}"
+           f"{' / diloco.fragments' if f > 1 else ''}): no delta would ever be sent. Raise trainer.max_steps or lower {what}")
 
 
 def validate_sim_section(cfg: DictConfig) -> None:

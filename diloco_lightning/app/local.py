@@ -24,6 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from diloco_lightning.util.jsondoc import dumps_json
 from diloco_lightning.app.build import (
     RESULTS_FILE,
     Evaluator,
@@ -104,6 +105,12 @@ def _progress_line(cfg: DictConfig, rdir: Path, elapsed: float) -> tuple[str, tu
     return f"[{elapsed:6.0f}s] " + " | ".join(parts), tuple(key)
 
 
+def _loss(results: dict[str, Any]) -> float:
+    """A results.json's eval loss as a number to print (NaN when it holds none: null, or missing)."""
+    x = results.get("eval_loss")
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+
+
 def finished_results(cfg: DictConfig, rdir: Path) -> dict[str, Any] | None:
     """The results of this run if a previous invocation finished it (as many workers, at least as many steps)."""
     path = rdir / RESULTS_FILE
@@ -132,7 +139,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     done = finished_results(cfg, rdir)
     if done is not None:
         print(
-            f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {done.get('eval_loss', math.nan):.3f} "
+            f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {_loss(done):.3f} "
             f"after {done.get('outer_steps')} outer steps). Nothing to do: to train further raise trainer.max_steps "
             f"(it resumes); to start again use another run_id=... or delete {rdir}.",
             flush=True,
@@ -265,7 +272,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
         "eval_curve": eval_curve,
         "workers_summary": summaries,
     }
-    (rdir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+    (rdir / RESULTS_FILE).write_text(dumps_json(results, indent=2))
     print(
         f"done in {wall:.0f}s: {outer_step} outer steps, {accepted} deltas accepted, {rejected} rejected, "
         f"{results['bytes_sent'] / 1e6:.1f} MB sent, {results['tokens_per_second']:.0f} tokens/s | "

@@ -10,7 +10,6 @@ SIGTERM stopped it (after uploading what was pending).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from diloco_lightning.util.jsondoc import dumps_json
 from diloco_lightning.app.build import (
     build_datamodule,
     build_module,
@@ -60,7 +60,7 @@ class ProgressFile:
                         return
                     outer.last = now
                     with open(outer.path, "a") as f:
-                        f.write(json.dumps({"step": step, "loss": float(loss), "time": now}) + "\n")
+                        f.write(dumps_json({"step": step, "loss": float(loss), "time": now}) + "\n")
 
         return ProgressCallback()
 
@@ -113,7 +113,7 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
         "bytes_sent": int(callback.metrics.get("bytes_uploaded_total", 0)),
         "deltas_sent": int(callback.metrics.get("deltas_uploaded_total", 0)),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(dumps_json(summary, indent=2))
     return summary
 
 

@@ -93,7 +93,7 @@ from diloco_lightning.master import localstate
 from diloco_lightning.master.compat import make_compat
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig, MasterConfigError
 from diloco_lightning.master.intake import Intake
-from diloco_lightning.master.lease import LeaseKeeper, default_holder
+from diloco_lightning.master.lease import LeaseKeeper, StandbyError, default_holder
 from diloco_lightning.master.membership import Membership
 from diloco_lightning.master.metrics import MetricsSink, RoundMetrics
 from diloco_lightning.master.publication import LeaseLost, Publisher
@@ -310,8 +310,17 @@ class MasterOuterLoop:
         """``(outer_step, cloned full state)`` of the last published version.
 
         Never waits for network I/O: rounds compute on a second buffer and only swap it in
-        under the lock.
+        under the lock. A standby master (another holds the lease) that never held a version
+        raises :class:`~diloco_lightning.master.lease.StandbyError` saying so and who holds the lease.
         """
+        other = self._lease.other if self._lease is not None else None
+        if self.run.state is None and other is not None:
+            raise StandbyError(
+                f"this master is on standby: {other.holder} holds the master lease on {self.hub.url} (epoch "
+                f"{other.epoch}, for {max(0.0, other.expires_at - time.time()):.0f} s more unless renewed); it has no "
+                "version of its own until it takes over. The published version: "
+                "diloco_lightning.hub.versions.load_global(hub)"
+            )
         return self.run.snapshot()
 
     def sync_once(self, *, force: bool = False) -> bool:

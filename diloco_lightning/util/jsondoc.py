@@ -30,7 +30,7 @@ from typing import Any
 
 from diloco_lightning.util.errors import DiLoCoError
 
-__all__ = ["JSONDocumentError", "load_json", "DEFAULT_MAX_DEPTH"]
+__all__ = ["JSONDocumentError", "load_json", "DEFAULT_MAX_DEPTH", "finite_json", "dumps_json"]
 
 #: deeper than any document this package writes (a manifest is 4 levels, a claim 3)
 DEFAULT_MAX_DEPTH = 32
@@ -74,3 +74,22 @@ def load_json(data: str | bytes, *, max_bytes: int, max_depth: int = DEFAULT_MAX
         return json.loads(text, parse_constant=_no_constants, parse_float=_finite)
     except (ValueError, RecursionError) as e:  # RecursionError: belt and braces, the scan bounds the depth
         raise JSONDocumentError(f"{what}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by ``None`` (``null``), in dicts, lists and
+    tuples at any depth: what this package writes as JSON (``results.json``, ``metrics.jsonl``,
+    ``progress.jsonl``) stays JSON that any reader accepts (a bare ``NaN`` is not JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
+def dumps_json(obj: Any, **kw: Any) -> str:
+    """``json.dumps`` of :func:`finite_json` of ``obj`` (``allow_nan=False``: never a bare ``NaN``)."""
+    return json.dumps(finite_json(obj), allow_nan=False, **kw)
+
