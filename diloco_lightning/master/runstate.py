@@ -339,8 +339,9 @@ class RunState:
                 log.warning("local copy of outer_step %d unusable (%s)", hm.outer_step, e)
         if local_only:
             raise ValueError(f"the local copy of outer_step {hm.outer_step} does not match its record")
-        _, state = load_global(self.hub, hm, signing_key=self.signing_key)
-        outer = load_outer_state(self.hub, hm, signing_key=self.signing_key)
+        # the downloads are kept until they are copied into the local state (_persist_adopted releases them)
+        _, state = load_global(self.hub, hm, signing_key=self.signing_key, keep_file=True)
+        outer = load_outer_state(self.hub, hm, signing_key=self.signing_key, keep_file=True)
         src_w = self.hub.download(hm.weights)
         src_o = self.hub.download(hm.outer_state) if hm.outer_state else None
         return state, outer, src_w, src_o

@@ -75,6 +75,8 @@ __all__ = ["DiLoCoWorker", "BoundaryResult", "InstallResult", "UploadReport", "W
 
 #: spool folders of dead workers (of another host, or without an owner tag) are removed once this old
 SPOOL_MAX_AGE = 24 * 3600.0
+#: files in the download cache that no process of this host owns are removed once unchanged this long
+CACHE_MAX_AGE = 3600.0
 
 
 class DiLoCoWorker:
@@ -280,6 +282,13 @@ class DiLoCoWorker:
             # before anything is offered or sent: a second live worker with this node_id stops here
             self._waits.retry("claim the node id", self._claim_keeper.acquire, deadline)
         sweep_owned_dirs(self._spool_parent, "diloco-", SPOOL_MAX_AGE)
+        try:  # what an earlier life killed mid-download left in the download cache
+            swept = self.hub.sweep_cache(CACHE_MAX_AGE)
+            if swept:
+                log.info("node %s: removed %d file(s) dead processes left in %s", self.node_id, len(swept),
+                         self.hub.cache_dir)
+        except OSError as e:
+            log.debug("node %s: could not sweep %s: %s", self.node_id, self.hub.cache_dir, e)
         manifest = self._waits.retry("read the manifest", self._read_manifest, deadline)
         if manifest is not None:
             check_global(self, manifest)
