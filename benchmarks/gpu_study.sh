@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The 25M-parameter staleness comparisons on one GPU, in under 8 minutes (benchmarks/gpu_study.py):
-# one delta per outer step, tau in {0, 4, 16} x {nesterov, adam, adam_decay, cgad} x 2 seeds, each run's
+# The outer state's precision at 25M parameters on one GPU, in under 8 minutes (benchmarks/gpu_study.py):
+# Adam-Decay and CGAD, naive bf16 and 8-bit m and v, heavy-tailed delays, 1008 outer steps, 5 seeds; each run's
 # results.json flushed into <outdir>/runs/ as it ends, <outdir>/summary.md rewritten after every run.
 #
 #   bash benchmarks/gpu_study.sh <outdir>          # on a machine with one CUDA GPU

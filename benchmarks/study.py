@@ -1,33 +1,33 @@
-"""The staleness study (issue 13), on the simulator: every run is ``train.py launch=sim`` composed in-process.
+"""The staleness study (docs/study.md) on the simulator: every run is ``train.py launch=sim`` composed in-process.
 
-    python benchmarks/study.py                 # the whole study into study/ (resumable), then the tables
-    python benchmarks/study.py --jobs 2        # two runs at a time (one per core)
-    python benchmarks/study.py --plan          # what would run (and what is done), nothing else
-    python benchmarks/study.py --report        # study/ -> docs/study_results.md (tables), no runs
-    python benchmarks/study.py --quick         # a 3-minute smoke version into study_quick/ (tables: study_quick/results.md)
+    python benchmarks/study.py                 # everything into study/ (resumable), then docs/study_results.md
+    python benchmarks/study.py --jobs 2        # two runs at a time (one core each)
+    python benchmarks/study.py --plan          # every run planned so far as a train.py command line, done or not
+    python benchmarks/study.py --report        # study/ -> docs/study_results.md, no runs
+    python benchmarks/study.py --quick         # a few-minute smoke version into study_quick/
+    python benchmarks/study.py --only arr8     # the cells of one setting (pilots); --methods sgd,cgad likewise
 
-Each run is a Hydra composition of ``configs/train.yaml`` with the overrides printed by ``--plan``,
-run by the product's own ``launch=sim`` code (:func:`diloco_lightning.app.sim.run_sim`), which
-writes ``study/runs/<id>/results.json`` when the run ends; a run whose ``results.json`` exists is
-never run again, so an interrupted study resumes where it stopped (failures go to
-``study/failures.jsonl``). ``--jobs N`` runs N runs at a time in N long-lived processes.
+Setting (every run): a Llama of d_model 96, 3 layers (4 heads, 2 KV heads, SwiGLU 256, tied embeddings:
+0.33 M parameters) on UTF-8 bytes (vocabulary 257) of the first 2 MB of the Python standard library's
+sources, sequences of 64, batch 8, 4 workers, H = 8, 200 inner AdamW steps each (lr 4e-3, 20 warm-up
+steps, cosine to 10 %): 100 deltas, so 100 outer steps when every delta is its own outer step
+(``master.aggregation=arrival``) and 25 rounds of 4 in round mode.
 
-Setting (every run; docs/study.md says why): a Llama of d_model 96, 3 layers (4 heads, 2 KV
-heads, SwiGLU 256, tied embeddings; 0.36 M parameters) on UTF-8 bytes (vocabulary 257) of the
-first 2 MB of the Python standard library's sources, sequences of 64, batch 8; 4 workers, H = 8,
-200 inner AdamW steps each (lr 4e-3, 20 warm-up steps, cosine to 10 %): 100 deltas, so 100 outer
-steps in arrival mode (one per delta, the paper's asynchronous setting) and 25 rounds in round
-mode. Staleness is imposed (``diloco.sync=lockstep``).
+The plan, in phases (each waits for the one before, since it reads its results):
 
-Phases: ``tuning`` (every method, 3 outer lrs, seed 0, at tau = 0 and at tau = 16 in arrivals;
-round mode at tau = 0), then ``grid``: fixed tau in {0, 4, 16} arrivals (3 seeds, the lr tuned
-at tau = 0 "as a user would", and at tau = 16 the lr tuned there), heterogeneous delays
-[0, 4, 8, 16], a heavy-tailed law past tau_cut (Lomax: shape 1.5, scale 4, capped at 128, drawn
-per delta), round mode at tau in {0, 4} rounds, bf16 outer state (to nearest at tau = 16 and in the
-heavy tail, stochastic in the heavy tail), bf16 weights + 8-bit AdamW inner at tau = 16 (3 seeds)
-and 0 (1 seed).
+1. ``tune``: every method of every cell (:data:`PLAN`: setting x method), seed 0, on a log grid of
+   outer lrs (factor 2, on the method family's lattice ``BASE * 2**k``), 5 points around the method's
+   prior, extended one point at a time until the best lr is interior;
+2. ``seeds``: the best lr of each cell with seeds 1 and 2;
+3. ``transfer``: "tuned at tau = 0, run at tau": each cell's method at the lr its family's synchronous
+   cell chose (3 seeds where a user decides: async, arr8, heavy; seed 0 elsewhere);
+4. ``close``: seeds 3 and 4 for the pairs whose difference is within 2 standard errors (each
+   setting's best against every method within reach, CGAD against Adam-Decay);
+5. ``precision``: the long heavy-tailed runs of the outer state's precision (:data:`LONG`).
 
-Runs 2 at a time (``--jobs 2``), one thread each: 157 runs, about an hour on 2 cores (71 min from a fresh clone on a loaded machine).
+A run whose ``results.json`` exists is never run again (an interrupted study resumes); failures go
+to ``study/failures.jsonl`` (``--retry-failed``). Runs whose global model goes above chance at an
+evaluation stop there (``sim.stop_above``): they are counted as diverged.
 """
 
 from __future__ import annotations
@@ -42,74 +42,117 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-METHODS = ("nesterov", "poly_nesterov", "delayed_nesterov", "adam", "adam_decay", "cgad")
-NESTEROV_FAMILY = ("nesterov", "poly_nesterov", "delayed_nesterov")
-#: the same budget for every method: 3 outer lrs ~3x apart around the family's working range
-LR_GRID = {m: (0.1, 0.3, 0.7) if m in NESTEROV_FAMILY else (0.001, 0.003, 0.01) for m in METHODS}
-ROUND_METHODS = ("nesterov", "adam", "cgad")
-ROUND_LR_GRID = {"nesterov": (0.3, 0.7, 1.0), "adam": (0.001, 0.003, 0.01), "cgad": (0.001, 0.003, 0.01)}
-TARGET_TAU = 16
-SEEDS = (0, 1, 2)
 WORKERS = 4
-
+CHANCE = math.log(257)
 MODEL = ["model.d_model=96", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=256"]
 COMMON = [
     "recipe=tiny", "launch=sim", f"workers={WORKERS}", "diloco.inner_steps=8", "trainer.max_steps=200",
     "data.tokenizer=byte", "data.max_bytes=2000000", "data.seq_len=64", "data.batch_size=8", "data.val_batches=24",
     "optim.lr=0.004", "optim.warmup_steps=20", "launch.eval_points=4", "trainer.log_every_n_steps=8", *MODEL,
-    "sim.parallel=1",  # the study runs --jobs runs at a time, one core each (the results do not depend on it)
+    "sim.parallel=1",  # --jobs runs at a time, one core each (the results do not depend on it)
+    f"sim.stop_above={CHANCE:.4f}",
 ]
-HEAVY = ["diloco.delay={distribution:pareto,shape:1.5,scale:4,max:128}", "sim.delay_per=delta"]
-HETERO = "[0,4,8,16]"
-BF16_WEIGHTS = ["trainer.precision=bf16-true", "optim=adamw8bit", "optim.lr=0.004", "optim.warmup_steps=20"]
+#: P(tau > 32) = 10 %: the discretised Lomax law, shape 1, scale 3.67 (median 3), capped at 128, drawn per delta
+HEAVY = ["diloco.delay={distribution:pareto,shape:1.0,scale:3.67,max:128}", "sim.delay_per=delta"]
+SETTINGS: dict[str, list[str]] = {
+    "sync": ["master.aggregation=round", "diloco.delay=0"],  # synchronous DiLoCo: the fair reference
+    "async": ["master.aggregation=arrival", "diloco.sync=async", "diloco.delay=0"],  # 4 equal workers: tau = 3
+    "arr4": ["master.aggregation=arrival", "diloco.delay=4"],
+    "arr8": ["master.aggregation=arrival", "diloco.delay=8"],
+    "arr16": ["master.aggregation=arrival", "diloco.delay=16"],
+    "heavy": ["master.aggregation=arrival", *HEAVY],
+    "rnd2": ["master.aggregation=round", "diloco.delay=2"],  # 2 rounds of 4: about 8 arrivals
+}
+#: which lr a method's "tuned at tau = 0" takes: its family's synchronous cell
+FAMILY_SYNC = {"sgd0": "sgd", "sgd0.5": "sgd_m0.5", "sgd0.9": "sgd_m0.9", "adam": "adam"}
+#: the lattice of each family's lrs: BASE * 2**k
+BASE = {"sgd0": 1.0, "sgd0.5": 0.5, "sgd0.9": 0.1, "adam": 0.002}
 
-QUICK = {"methods": ("nesterov", "cgad"), "lr_grid": {"nesterov": (0.3,), "cgad": (0.003,)}, "round_methods": ("cgad",),
-         "round_lr_grid": {"cgad": (0.003,)}, "seeds": (0,), "target_tau": 4,
-         "common_extra": ["trainer.max_steps=32", "model.d_model=32", "model.n_layers=1", "model.ffn_hidden=64",
-                          "data.val_batches=2", "data.max_bytes=300000"]}
+
+@dataclass(frozen=True)
+class Method:
+    outer: str
+    options: dict[str, Any]
+    family: str
+    k0: int = 0  # the prior: the centre of the first grid is BASE[family] * 2**k0
+    note: str = ""
 
 
-# ----------------------------------------------------------------------------- jobs
+METHODS: dict[str, Method] = {
+    "sgd": Method("staleness_sgd", {"momentum": 0.0}, "sgd0", 0, "staleness-scaled SGD, lr / (1 + tau), no momentum"),
+    "sgd_p0": Method("staleness_sgd", {"momentum": 0.0, "power": 0.0}, "sgd0", -3, "plain SGD, a constant lr (no gate)"),
+    "sgd_m0.5": Method("staleness_sgd", {"momentum": 0.5}, "sgd0.5", 0, "the same, Nesterov momentum 0.5"),
+    "sgd_m0.9": Method("staleness_sgd", {"momentum": 0.9}, "sgd0.9", 0, "the same, Nesterov momentum 0.9"),
+    "nesterov": Method("nesterov", {"momentum": 0.9}, "sgd0.9", -2, "DiLoCo's outer step (no gate)"),
+    "poly": Method("poly_nesterov", {"momentum": 0.9}, "sgd0.9", -1, "Poly: Nesterov fed g (1 + tau)^-1/2"),
+    "dn": Method("delayed_nesterov", {"momentum": 0.9, "buffer_size": WORKERS}, "sgd0.9", 1,
+                 "delayed Nesterov, buffer = workers"),
+    "gap": Method("gap_aware", {"momentum": 0.0, "history": 0}, "sgd0", -1, "gap-aware SGD, running estimate"),
+    "gap_h": Method("gap_aware", {"momentum": 0.0, "history": 16}, "sgd0", -1, "gap-aware SGD, exact (16 versions)"),
+    "dc": Method("dc_asgd", {"momentum": 0.0, "history": 16, "lam": 1.0}, "sgd0", -1, "DC-ASGD, exact, lambda 1"),
+    "adam": Method("adam", {}, "adam", 0, "plain Adam (no gate): the control"),
+    "adam_decay": Method("adam_decay", {}, "adam", 0, "Adam-Decay, gate exp(-0.2 tau)"),
+    "cgad": Method("cgad", {}, "adam", 0, "CGAD (the paper's, unchanged)"),
+}
+_FIXED = ["sgd", "sgd_m0.5", "sgd_m0.9", "gap", "dn", "adam", "cgad"]
+#: the cells. At a fixed delay a constant gate is a constant lr factor after the first tau arrivals, so
+#: nesterov and poly are sgd_m0.9 and adam_decay is cgad there up to the warm-up: they run where tau varies.
+PLAN: dict[str, list[str]] = {
+    "sync": ["sgd", "sgd_m0.5", "sgd_m0.9", "adam"],
+    "async": [*_FIXED, "nesterov", "poly", "adam_decay", "gap_h"],
+    "arr4": _FIXED,
+    "arr8": [*_FIXED, "sgd_p0", "gap_h", "dc"],
+    "arr16": _FIXED,
+    "heavy": [*_FIXED, "nesterov", "poly", "adam_decay"],
+    "rnd2": ["sgd", "sgd_m0.9", "gap", "adam", "cgad"],
+}
+SEEDS = (0, 1, 2)
+CLOSE_SEEDS = (3, 4)
+TRANSFER_SEEDS = {"async": SEEDS, "arr8": SEEDS, "heavy": SEEDS}  # elsewhere seed 0 only
+POINTS, MAX_EXTEND = 5, 4
+#: the precision runs (issue 24, section 4): heavy-tailed delays past tau_cut, 1000+ outer steps
+LONG = {
+    "common": ["diloco.inner_steps=2", "trainer.max_steps=504", "model.d_model=64", "model.n_layers=2",
+               "model.ffn_hidden=172", "data.val_batches=4", "launch.eval_points=252", "optim.warmup_steps=40"],
+    "methods": ("adam_decay", "cgad"),
+    "states": ("fp32", "naive-bf16", "naive-int8"),  # naive FP32 is scaled FP32 up to rounding (a unit test)
+    "beta2": (0.95, 0.999),
+    "lr": 0.002,
+    "seeds": SEEDS,
+}
+
+QUICK = {"common_extra": ["trainer.max_steps=32", "model.d_model=32", "model.n_layers=1", "model.ffn_hidden=64",
+                          "data.val_batches=2", "data.max_bytes=300000"],
+         "plan": {"sync": ["sgd"], "arr8": ["sgd", "cgad"]}, "points": 3, "seeds": (0, 1)}
 
 
-#: at tau = 0 every gate is 1: Poly is Nesterov, CGAD and Adam-Decay are Adam (the same code path, bit for
-#: bit), so those runs are made once, as the method they equal
-SAME_AT_TAU0 = {"poly_nesterov": "nesterov", "cgad": "adam", "adam_decay": "adam"}
+def lr_of(method: str, k: int) -> float:
+    m = METHODS[method]
+    return float(f"{BASE[m.family] * 2.0 ** k:.4g}")
 
 
-def job(block: str, method: str, lr: float, setting: str, seed: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """One run: ``setting`` is ``arr<tau>``, ``rnd<tau>``, ``het`` or ``heavy``; ``extra`` adds overrides."""
-    runs_as = SAME_AT_TAU0.get(method, method) if setting in ("arr0", "rnd0") else method
-    ov = [f"outer={runs_as}", f"outer.lr={lr}", f"seed={seed}"]
-    if runs_as == "delayed_nesterov":
-        ov.append(f"outer.options.buffer_size={WORKERS}")  # Liu et al.: the buffer is the number of workers
-    if setting.startswith("arr"):
-        ov += ["master.aggregation=arrival", f"diloco.delay={int(setting[3:])}"]
-    elif setting.startswith("rnd"):
-        ov += ["master.aggregation=round", f"diloco.delay={int(setting[3:])}"]
-    elif setting == "het":
-        ov += ["master.aggregation=arrival", f"diloco.delay={HETERO}"]
-    elif setting == "heavy":
-        ov += ["master.aggregation=arrival", *HEAVY]
-    elif setting == "async":  # no imposed delay: 4 equal workers on the simulated clock (staleness 3 arrivals)
-        ov += ["master.aggregation=arrival", "diloco.sync=async", "diloco.delay=0"]
-    else:
-        raise ValueError(setting)
-    ov += list(extra)
-    variant = "fp32"
-    if "outer.state_dtype=bfloat16" in extra:
-        variant = "outer-bf16-sr" if "outer.stochastic_rounding=true" in extra else "outer-bf16"
-    if "optim=adamw8bit" in extra:
-        variant = "bf16+8bit"
-    ident = hashlib.sha256(json.dumps(sorted(ov)).encode()).hexdigest()[:12]
-    return {"id": f"{runs_as}-{setting}-{variant}-lr{lr:g}-s{seed}-{ident}", "block": block, "method": method,
-            "runs_as": runs_as, "lr": lr, "setting": setting, "seed": seed, "variant": variant, "overrides": ov}
+def job(setting: str, method: str, k: int, seed: int, extra: tuple[str, ...] = (), block: str = "") -> dict[str, Any]:
+    """One run: ``method`` at lattice point ``k`` in ``setting`` with ``seed`` (``extra``: more overrides)."""
+    m, lr = METHODS[method], lr_of(method, k)
+    ov = [f"outer={m.outer}", f"outer.lr={lr}", f"seed={seed}", *SETTINGS[setting]]
+    ov += [f"outer.options.{key}={value}" for key, value in sorted(m.options.items())] + list(extra)
+    ident = hashlib.sha256(json.dumps(ov).encode()).hexdigest()[:10]
+    return {"id": f"{setting}-{method}-lr{lr:g}-s{seed}-{ident}", "setting": setting, "method": method, "k": k,
+            "lr": lr, "seed": seed, "block": block, "overrides": ov}
+
+
+@dataclass
+class Cell:
+    setting: str
+    method: str
+    ks: list[int] = field(default_factory=list)
 
 
 class Study:
@@ -117,24 +160,31 @@ class Study:
         self.args = args
         q = QUICK if args.quick else {}
         self.root = Path(args.root or (ROOT / ("study_quick" if args.quick else "study"))).resolve()
-        self.methods = q.get("methods", METHODS)
-        self.lr_grid = q.get("lr_grid", LR_GRID)
-        self.round_methods = q.get("round_methods", ROUND_METHODS)
-        self.round_lr_grid = q.get("round_lr_grid", ROUND_LR_GRID)
+        plan = q.get("plan", PLAN)
+        if args.only:
+            plan = {s: v for s, v in plan.items() if s in args.only.split(",")}
+        if args.methods:
+            plan = {s: [m for m in v if m in args.methods.split(",")] for s, v in plan.items()}
+        self.plan = {s: list(v) for s, v in plan.items() if v}
+        self.points = q.get("points", POINTS)
         self.seeds = q.get("seeds", SEEDS)
-        self.target = q.get("target_tau", TARGET_TAU)
         extra = q.get("common_extra", [])
         keys = {e.split("=")[0] for e in extra}
         self.common = [c for c in COMMON if c.split("=")[0] not in keys] + list(extra)
 
     # ------------------------------------------------------------------ bookkeeping
-
     def results(self, j: dict) -> dict | None:
-        p = self.root / "runs" / j["id"] / "results.json"
         try:
-            return json.loads(p.read_text())
+            return json.loads((self.root / "runs" / j["id"] / "results.json").read_text())
         except (OSError, ValueError):
             return None
+
+    def loss(self, j: dict) -> float:
+        """Final eval loss; inf when the run diverged (above chance, not finite, stopped early); nan if not run."""
+        r = self.results(j)
+        if r is None:
+            return math.nan
+        return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else float(r["eval_loss"])
 
     def failed(self) -> set[str]:
         p = self.root / "failures.jsonl"
@@ -142,86 +192,144 @@ class Study:
             return set()
         return {json.loads(x)["id"] for x in p.read_text().splitlines() if x.strip()}
 
-    def loss(self, j: dict) -> float:
-        r = self.results(j)
-        if r is None:
-            return math.nan
-        return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else r["eval_loss"]
+    # ------------------------------------------------------------------ tuning
+    def grid(self, setting: str, method: str) -> list[int]:
+        """The lattice points of a cell's tuning so far: the first grid, then one more point past an
+        edge that won, until the best is interior (at most MAX_EXTEND more). Stops at a point not yet run."""
+        k0, half = METHODS[method].k0, self.points // 2
+        ks = list(range(k0 - half, k0 + half + 1))
+        for _ in range(MAX_EXTEND):
+            losses = [self.loss(job(setting, method, k, 0)) for k in ks]
+            if any(math.isnan(x) for x in losses):
+                break
+            best = min(range(len(ks)), key=lambda i: (losses[i], ks[i]))
+            if best == 0 and math.isfinite(losses[0]):
+                ks.insert(0, ks[0] - 1)
+            elif best == len(ks) - 1 and math.isfinite(losses[-1]):
+                ks.append(ks[-1] + 1)
+            elif not any(math.isfinite(x) for x in losses):  # all diverged: go down
+                ks.insert(0, ks[0] - 1)
+            else:
+                break
+        return ks
 
-    # ------------------------------------------------------------------ the plan
+    def best_k(self, setting: str, method: str) -> int | None:
+        """The tuned lattice point (seed 0; ties to the smaller lr), None while the tuning is not done."""
+        ks = self.grid(setting, method)
+        losses = [self.loss(job(setting, method, k, 0)) for k in ks]
+        if any(math.isnan(x) for x in losses):
+            return None
+        return min(zip(losses, ks))[1]
+
+    def cells(self) -> list[tuple[str, str]]:
+        return [(s, m) for s, ms in self.plan.items() for m in ms]
 
     def tuning_jobs(self) -> list[dict]:
-        s0 = self.seeds[0]
-        out = [job("tune0", m, lr, "arr0", s0) for m in self.methods for lr in self.lr_grid[m]
-               if SAME_AT_TAU0.get(m, m) == m or SAME_AT_TAU0[m] not in self.methods]
-        out += [job(f"tune{self.target}", m, lr, f"arr{self.target}", s0) for m in self.methods for lr in self.lr_grid[m]]
-        out += [job("tuneR", m, lr, "rnd0", s0) for m in self.round_methods for lr in self.round_lr_grid[m]
-                if SAME_AT_TAU0.get(m, m) == m or SAME_AT_TAU0[m] not in self.round_methods]
+        return [job(s, m, k, 0, block="tune") for s, m in self.cells() for k in self.grid(s, m)]
+
+    # ------------------------------------------------------------------ the other phases
+    def seed_jobs(self) -> list[dict]:
+        out = []
+        for s, m in self.cells():
+            k = self.best_k(s, m)
+            if k is not None:
+                out += [job(s, m, k, seed, block="seeds") for seed in self.seeds[1:]]
         return out
 
-    def best(self, setting: str, methods, grid) -> dict[str, float] | None:
-        s0 = self.seeds[0]
-        out = {}
-        for m in methods:
-            scores = [(self.loss(job("", m, lr, setting, s0)), lr) for lr in grid[m]]
-            if any(math.isnan(x) for x, _ in scores):
-                return None
-            out[m] = min(scores)[1]  # lowest loss; ties to the smaller lr
-        return out
-
-    def tuned(self) -> dict[str, dict[str, float]] | None:
-        lr0 = self.best("arr0", self.methods, self.lr_grid)
-        lrt = self.best(f"arr{self.target}", self.methods, self.lr_grid)
-        lrr = self.best("rnd0", self.round_methods, self.round_lr_grid)
-        if lr0 is None or lrt is None or lrr is None:
+    def sync_k(self, method: str) -> int | None:
+        """The lattice point the method's family chose synchronously (None: not tuned yet)."""
+        ref = FAMILY_SYNC[METHODS[method].family]
+        if "sync" not in self.plan or ref not in self.plan["sync"]:
             return None
-        return {"arr0": lr0, f"arr{self.target}": lrt, "rnd0": lrr}
+        return self.best_k("sync", ref)
 
-    def grid_jobs(self, t: dict[str, dict[str, float]]) -> list[dict]:
-        lr0, lrt, lrr = t["arr0"], t[f"arr{self.target}"], t["rnd0"]
-        tau, S, M = self.target, self.seeds, self.methods
-        adamish = [m for m in ("cgad", "adam_decay", "adam") if m in M]
-        jobs = [job("fixed", m, lr0[m], f"arr{x}", s) for x in (0, 4, tau) for m in M for s in S]
-        jobs += [job("heavy", m, lr0[m], "heavy", s) for m in M for s in S]
-        jobs += [job("stale-tuned", m, lrt[m], f"arr{tau}", s) for m in M for s in S]
-        jobs += [job("het", m, lr0[m], "het", s) for m in M if m in ("nesterov", "adam", "adam_decay", "cgad") for s in S]
-        jobs += [job("round", m, lrr[m], f"rnd{x}", s) for x in (0, 4) for m in self.round_methods for s in S]
-        o16 = ("outer.state_dtype=bfloat16",)
-        sr = ("outer.state_dtype=bfloat16", "outer.stochastic_rounding=true")
-        jobs += [job("outer-bf16", m, lr0[m], "heavy", s, o16) for m in adamish for s in S]
-        jobs += [job("outer-bf16", m, lr0[m], f"arr{tau}", s, o16) for m in adamish for s in S]
-        jobs += [job("outer-bf16", m, lr0[m], "heavy", s, sr) for m in adamish if m != "adam" for s in S]
-        w16 = tuple(BF16_WEIGHTS)
-        jobs += [job("bf16-weights", m, lr0[m], f"arr{tau}", s, w16) for m in ("nesterov", "adam_decay", "cgad") if m in M
-                 for s in S]
-        jobs += [job("bf16-weights", m, lr0[m], "arr0", S[0], w16) for m in ("nesterov", "cgad") if m in M]
-        # a sanity anchor for the imposed delays: the staleness 4 equal asynchronous workers make themselves
-        jobs += [job("async", m, lr0[m], "async", S[0]) for m in ("nesterov", "adam", "adam_decay", "cgad") if m in M]
+    def transfer_jobs(self) -> list[dict]:
+        out = []
+        for s, m in self.cells():
+            k = self.sync_k(m)
+            if s != "sync" and k is not None:
+                seeds = TRANSFER_SEEDS.get(s, self.seeds[:1]) if not self.args.quick else self.seeds[:1]
+                out += [job(s, m, k, seed, block="transfer") for seed in seeds]
+        return out
+
+    def tuned_losses(self, s: str, m: str, seeds=None) -> list[float]:
+        k = self.best_k(s, m)
+        return [] if k is None else [self.loss(job(s, m, k, seed)) for seed in (seeds or self.seeds)]
+
+    def close_jobs(self) -> list[dict]:
+        """Seeds 3 and 4 for pairs within 2 standard errors of each other (paired by seed)."""
+        if self.args.quick:
+            return []
+        out = []
+        for s, methods in self.plan.items():
+            means = {}
+            for m in methods:
+                xs = self.tuned_losses(s, m, SEEDS)
+                if xs and all(math.isfinite(x) for x in xs):
+                    means[m] = statistics.mean(xs)
+            if len(means) < 2:
+                continue
+            best = min(means, key=means.get)  # type: ignore[arg-type]
+            pairs = [(best, m) for m in means if m != best]
+            if "cgad" in means and "adam_decay" in means:
+                pairs.append(("cgad", "adam_decay"))
+            for a, b in pairs:
+                d = [x - y for x, y in zip(self.tuned_losses(s, a, SEEDS), self.tuned_losses(s, b, SEEDS))]
+                se = statistics.stdev(d) / math.sqrt(len(d))
+                if abs(statistics.mean(d)) < 2 * se:
+                    for m in (a, b):
+                        k = self.best_k(s, m)
+                        out += [job(s, m, k, seed, block="close") for seed in CLOSE_SEEDS]  # type: ignore[arg-type]
+        return out
+
+    def long_jobs(self) -> list[dict]:
+        """The precision runs: Adam-Decay and CGAD with each outer-state layout and beta2, heavy tail."""
+        if self.args.quick or (self.args.only and "long" not in self.args.only.split(",")):
+            return []
+        out = []
+        for m in LONG["methods"]:
+            for st in LONG["states"]:
+                for b2 in LONG["beta2"]:
+                    extra = [*LONG["common"], f"outer.options.betas=[0.9,{b2}]"]
+                    if st.startswith("naive"):
+                        extra.append("outer.options.state_layout=naive")
+                    if st.endswith("bf16"):
+                        extra.append("outer.state_dtype=bf16")
+                    if st.endswith("int8"):
+                        extra.append("outer.state_dtype=int8")
+                    k = round(math.log2(LONG["lr"] / BASE["adam"]))
+                    for seed in LONG["seeds"]:
+                        j = job("heavy", m, k, seed, tuple(extra), block="long")
+                        j.update(id="long-" + j["id"], state=st, beta2=b2)
+                        out.append(j)
+        return out
+
+    def all_jobs(self) -> list[dict]:
+        jobs = self.tuning_jobs() + self.seed_jobs() + self.transfer_jobs() + self.close_jobs() + self.long_jobs()
         seen, out = set(), []
-        for j in jobs:  # a run shared by two blocks (e.g. tau = 0 seed 0 is a tuning run) runs once
+        for j in jobs:
             if j["id"] not in seen:
                 seen.add(j["id"])
                 out.append(j)
         return out
 
     # ------------------------------------------------------------------ running
-
-    def run_all(self, jobs: list[dict], phase: str) -> None:
+    def run_batch(self, jobs: list[dict], phase: str) -> int:
         failed = self.failed()
         todo = [j for j in jobs if self.results(j) is None and j["id"] not in failed]
-        print(f"== {phase}: {len(jobs)} runs, {len(jobs) - len(todo)} done or failed, {len(todo)} to run", flush=True)
-        if not todo:
-            return
+        if todo:
+            print(f"== {phase}: {len(todo)} runs to make ({len(jobs) - len(todo)} done or failed)", flush=True)
         specs = [(j, self.common, str(self.root)) for j in todo]
-        if self.args.jobs <= 1:
+        if self.args.jobs <= 1 or len(specs) <= 1:
             for spec in specs:
                 self._report_one(run_job(spec))
-            return
-        import multiprocessing as mp
+        else:
+            import multiprocessing as mp
 
-        with mp.get_context("spawn").Pool(self.args.jobs, initializer=_child_init) as pool:
-            for rec in pool.imap_unordered(run_job, specs):
-                self._report_one(rec)
+            with mp.get_context("spawn").Pool(self.args.jobs, initializer=_child_init) as pool:
+                for rec in pool.imap_unordered(run_job, specs):
+                    self._report_one(rec)
+        return len(todo)
 
     def _report_one(self, rec: dict) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -241,50 +349,44 @@ class Study:
         _prepare_data(self.common)
         with open(self.root / "driver_log.jsonl", "a") as f:
             f.write(json.dumps({"event": "start", "time": t0, "argv": sys.argv[1:]}) + "\n")
-        self.run_all(self.tuning_jobs(), "tuning")
-        t = self.tuned()
-        if t is None:
-            print("tuning incomplete (see failures.jsonl): cannot plan the grid", file=sys.stderr)
-            return 1
-        (self.root / "tuning.json").write_text(json.dumps(t, indent=2))
-        print(f"tuned outer lrs: {json.dumps(t)}", flush=True)
-        self.run_all(self.grid_jobs(t), "grid")
+        for phase, make in (("tune", self.tuning_jobs), ("seeds", self.seed_jobs), ("transfer", self.transfer_jobs),
+                            ("close", self.close_jobs), ("precision", self.long_jobs)):
+            while self.run_batch(make(), phase):  # tuning grows its grids from what it ran
+                pass
         wall = time.time() - t0
         with open(self.root / "driver_log.jsonl", "a") as f:
             f.write(json.dumps({"event": "end", "time": time.time(), "wall": wall}) + "\n")
         print(f"study session: {wall / 60:.1f} min", flush=True)
         return self.report()
 
-    def plan(self) -> int:
-        t = self.tuned()
-        jobs = self.tuning_jobs() + (self.grid_jobs(t) if t else [])
-        done = sum(self.results(j) is not None for j in jobs)
+    def plan_text(self) -> int:
+        jobs = self.all_jobs()
+        done = 0
         for j in jobs:
-            mark = "done" if self.results(j) is not None else "    "
-            print(f"{mark} {j['block']:12} python train.py {' '.join(self.common + j['overrides'])} run_id={j['id']}")
-        print(f"{len(jobs)} runs planned{'' if t else ' (tuning first; the grid is planned once it is done)'}, {done} done")
+            ok = self.results(j) is not None
+            done += ok
+            print(f"{'done' if ok else '    '} {j['block']:9} python train.py "
+                  f"{' '.join(self.common + j['overrides'])} run_id={j['id']}")
+        print(f"{len(jobs)} runs planned so far ({done} done); later phases are planned from the earlier ones' results")
         return 0
 
     def report(self) -> int:
         from study_report import write_report  # benchmarks/study_report.py
 
-        out = Path(self.args.out) if self.args.out else (self.root / "results.md" if self.args.quick
-                                                         else ROOT / "docs" / "study_results.md")
+        out = Path(self.args.out) if self.args.out else (self.root / "results.md" if self.args.quick or self.args.only
+                                                         or self.args.methods else ROOT / "docs" / "study_results.md")
         write_report(self, out)
         print(f"wrote {out}")
         return 0
 
 
 # ----------------------------------------------------------------------------- a run, in a pool process or here
-
-
 def _child_init() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    torch.set_num_threads(1)  # one run per core: two runs with two intra-op threads each would fight over 2 cores
+    torch.set_num_threads(1)  # one run per core
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # a CPU 4-bit kernel it does not need
 
 
 def _compose(overrides: list[str]):
@@ -312,7 +414,7 @@ def run_job(spec: tuple[dict, list[str], str]) -> dict[str, Any]:
     rdir = Path(root) / "runs" / j["id"]
     rdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rec: dict[str, Any] = {"id": j["id"], "block": j["block"], "time": time.time()}
+    rec: dict[str, Any] = {"id": j["id"], "block": j.get("block", ""), "time": time.time()}
     try:
         cfg = _compose(common + j["overrides"] + [f"run_id={j['id']}", f"run_root={Path(root) / 'runs'}"])
         (rdir / "job.json").write_text(json.dumps({**j, "common": common}, indent=2))
@@ -333,9 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
-    ap.add_argument("--quick", action="store_true", help="a smoke version (2 methods, 32 steps, 1 seed) in study_quick/")
-    ap.add_argument("--plan", action="store_true", help="list the runs (done or not); run nothing")
+    ap.add_argument("--quick", action="store_true", help="a smoke version (2 cells, 32 steps) in study_quick/")
+    ap.add_argument("--plan", action="store_true", help="list the runs planned so far (done or not); run nothing")
     ap.add_argument("--report", action="store_true", help="write the tables from what is done; run nothing")
+    ap.add_argument("--only", help="comma-separated settings to run (and 'long' for the precision runs)")
+    ap.add_argument("--methods", help="comma-separated methods to run")
     ap.add_argument("--root", help="study folder (default study/, or study_quick/ with --quick)")
     ap.add_argument("--out", help="report file (default docs/study_results.md)")
     ap.add_argument("--retry-failed", action="store_true")
@@ -343,17 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     study = Study(args)
     if args.plan:
-        return study.plan()
+        return study.plan_text()
     if args.report:
         return study.report()
     return study.run()
-
-
-def _mean_std(xs: list[float]) -> tuple[float, float]:
-    xs = [x for x in xs if math.isfinite(x)]
-    if not xs:
-        return math.nan, math.nan
-    return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
 if __name__ == "__main__":

@@ -121,3 +121,19 @@ def transport(request, tmp_path):
     t = _transport(request, tmp_path, request.param)
     yield t
     t.up()
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path_factory):
+    """A one-node SLURM cluster (``tests/slurm_cluster.py``: munged, slurmctld, slurmd from Debian's
+    packages), skipped with the reason where the packages are missing or this is not root."""
+    from slurm_cluster import SlurmCluster, missing
+
+    lacking = missing()
+    if lacking:
+        pytest.skip(f"no SLURM here: {', '.join(lacking)} missing (apt-get install slurm-wlm munge; .ci/run does)")
+    if os.geteuid() != 0:
+        pytest.skip("the SLURM test cluster runs its daemons as root")
+    pytest.importorskip("submitit", reason="launch=submitit needs submitit (pip install submitit; .ci/run does)")
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster

@@ -218,7 +218,8 @@ def test_lockstep_delay0_with_plain_nesterov_equals_plain_training(tmp_path, kin
     hub = RecordingHub(root, tmp_path / "sent")
     L.seed_everything(0)
     model = make()
-    cb = DiLoCo(hub=hub, node_id="w0", inner_steps=h, sync="lockstep", delay=0, **FAST)
+    # the plain run's data order: the node keeps the script's seed (seed_per_node=False)
+    cb = DiLoCo(hub=hub, node_id="w0", inner_steps=h, sync="lockstep", delay=0, seed_per_node=False, **FAST)
     with running_master(root, tmp_path / "master", outer_lr=1.0, outer_momentum=0.0, outer_optimizer="nesterov"):
         trainer(steps, [cb], limit_train_batches=8).fit(model)
     sent = hub.sent()

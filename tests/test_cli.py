@@ -34,6 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 register_configs()
 
 
+def _without_waits(err: str) -> list[str]:
+    """The console's lines less what a wait says while it lasts (the whole run's master waits for the
+    workers its process is starting, and says so: at once, and again when it lasts)."""
+    return [line for line in err.splitlines() if line.strip() and not line.startswith(("[master] waiting", "[master] still waiting"))]
+
+
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), DILOCO_CACHE_DIR=str(tmp_path / "cache"), DILOCO_CACHE=str(tmp_path / "hc"))
     env.pop("HYDRA_FULL_ERROR", None)
@@ -230,7 +236,7 @@ def test_signals_stop_train_py_workers_and_master_cleanly(tmp_path, sig):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = _without_waits(err)
     name = signal.Signals(sig).name
     assert len(lines) == 1 and lines[0].startswith(f"train.py: interrupted by {name}"), err
     assert "stopped the master at outer_step" in lines[0] and "The same command resumes the run" in lines[0]
@@ -265,7 +271,7 @@ def test_a_killed_worker_is_named_with_how_it_ended(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1, err[-3000:]
-    first = err.strip().splitlines()[0]
+    first = _without_waits(err)[0]
     assert first.startswith("train.py: error: worker w1 was killed by SIGKILL (the kernel's out-of-memory killer"), first
     assert "the other workers were stopped" in first and "Last lines of" in first and "worker.log" in first
     assert "Traceback (most recent call last)" not in err.split("Last lines of", 1)[0]

@@ -17,6 +17,7 @@ from diloco_lightning.outer import (
     NesterovOuterOptimizer,
     OuterOptimizer,
     PolyNesterov,
+    StalenessSGD,
     build_outer_optimizer,
     cgad_gate,
 )
@@ -228,7 +229,47 @@ def test_poly_nesterov_matches_torch_sgd_on_scaled_delta():
         )
 
 
-@pytest.mark.parametrize("name", ["nesterov", "adam", "cgad", "adam_decay", "poly_nesterov"])
+@pytest.mark.parametrize("momentum, power", [(0.0, 1.0), (0.5, 1.0), (0.9, 1.0), (0.0, 2.0), (0.9, 0.25)])
+def test_staleness_sgd_matches_torch_sgd_on_scaled_delta(momentum, power):
+    """Zhang et al.'s lr / staleness (power 1, no momentum) and its momentum variants: torch's SGD
+    fed grad = g * (1 + tau) ** -power, Nesterov when there is momentum."""
+    state = make_state(complex_key=True)
+    deltas = make_deltas(state, 30)
+    params = {k: v.clone().requires_grad_(True) for k, v in floating(state).items()}
+    sgd = torch.optim.SGD(params.values(), lr=0.8, momentum=momentum, nesterov=momentum > 0, foreach=False)
+    opt = StalenessSGD(state, lr=0.8, momentum=momentum, power=power)
+    for delta, tau in zip(deltas, staleness_sequence(len(deltas))):
+        for k, p in params.items():
+            p.grad = delta[k] * (1 + tau) ** -power
+        sgd.step()
+        assert opt.step(state, delta, staleness=tau)
+    for k, p in params.items():
+        torch.testing.assert_close(state[k], p.detach(), rtol=1e-5, atol=1e-5, msg=k)
+    sd = opt.state_dict()
+    if momentum == 0.0:  # no momentum: no buffer at all, nothing but the state
+        assert sd == {"optimizer": "staleness_sgd"}
+    else:
+        for k, p in params.items():
+            torch.testing.assert_close(
+                true_buffer(sd, "momentum", k, "momentum_scales"), sgd.state[p]["momentum_buffer"], rtol=1e-5, atol=1e-5
+            )
+
+
+def test_staleness_sgd_contains_poly_and_nesterov():
+    """power 0.5 with momentum 0.9 is Poly and power 0 is DiLoCo's Nesterov, bit for bit."""
+    for other, options in (("poly_nesterov", {"power": 0.5, "momentum": 0.9}), ("nesterov", {"power": 0.0, "momentum": 0.9})):
+        a, b = make_state(), make_state()
+        opt_a = build_outer_optimizer("staleness_sgd", a, lr=0.3, **options)
+        opt_b = build_outer_optimizer(other, b, lr=0.3, momentum=0.9)
+        for delta, tau in zip(make_deltas(a, 12), staleness_sequence(12)):
+            opt_a.step(a, delta, staleness=tau)
+            opt_b.step(b, delta, staleness=tau)
+        assert_states_equal(a, b)
+    assert StalenessSGD(make_state(), lr=1.0).gate(8) == pytest.approx(1 / 9)
+    assert StalenessSGD(make_state(), lr=1.0, power=2).gate(3) == pytest.approx(1 / 16)
+
+
+@pytest.mark.parametrize("name", ["nesterov", "adam", "cgad", "adam_decay", "poly_nesterov", "staleness_sgd"])
 def test_keys_missing_from_a_delta_are_untouched_like_params_without_grad(name):
     """torch.optim skips a parameter whose grad is None (buffers and step count included)."""
     state = make_state()
@@ -239,7 +280,7 @@ def test_keys_missing_from_a_delta_are_untouched_like_params_without_grad(name):
     else:
         ref, opt = (
             torch.optim.SGD(params.values(), lr=0.3, momentum=0.9, nesterov=True, foreach=False),
-            build(name, state, lr=0.3),
+            build(name, state, lr=0.3, **({"momentum": 0.9} if name == "staleness_sgd" else {})),
         )
     keys = sorted(params)
     for i, (tau, delta) in enumerate(zip(staleness_sequence(24), deltas)):
@@ -678,6 +719,8 @@ def test_build_outer_optimizer_errors_list_valid_choices():
         ("nesterov", {"lr": float("nan")}),
         ("nesterov", {"momentum": 1.0}),
         ("poly_nesterov", {"momentum": -0.1}),
+        ("staleness_sgd", {"power": -1.0}),
+        ("staleness_sgd", {"momentum": 1.0}),
         ("cgad", {"betas": (1.0, 0.9)}),
         ("cgad", {"betas": (0.9,)}),
         ("adam", {"eps": 0.0}),
@@ -705,11 +748,13 @@ def test_options_are_json_and_rebuild_the_same_optimizer():
 
 
 def test_registry_names():
-    assert ALL_NAMES == ["adam", "adam_decay", "cgad", "delayed_nesterov", "nesterov", "pa_cgad", "poly_nesterov"]
+    assert ALL_NAMES == ["adam", "adam_decay", "cgad", "dc_asgd", "delayed_nesterov", "gap_aware", "nesterov", "pa_cgad",
+                         "poly_nesterov", "staleness_sgd"]
     assert OUTER_OPTIMIZERS["cgad"] is CGAD and OUTER_OPTIMIZERS["poly_nesterov"] is PolyNesterov
 
 
-@pytest.mark.parametrize("name", ["nesterov", "cgad", "adam_decay", "adam", "delayed_nesterov", "poly_nesterov", "pa_cgad"])
+@pytest.mark.parametrize("name", ["nesterov", "cgad", "adam_decay", "adam", "delayed_nesterov", "poly_nesterov", "pa_cgad",
+                                  "staleness_sgd"])
 def test_public_kernels_match_the_fused_ones(name):
     """The private fused kernels sit behind a known-answer check with a public fallback
     (outer/kernels.py): both give the same steps."""

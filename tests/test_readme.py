@@ -41,8 +41,11 @@ def test_the_readme_accelerate_example_runs(tmp_path):
     assert "from accelerate import Accelerator" in code and "diloco.step()" in code
     script = tmp_path / "example.py"
     script.write_text(code)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    tmp = tmp_path / "tmp"  # the example's temporary folders: none is left behind
+    tmp.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp))
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert not [p.name for p in tmp.iterdir() if not p.name.startswith(("torchinductor", "pymp"))], list(tmp.iterdir())
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("loss ") and "deltas sent; the master published outer step" in last

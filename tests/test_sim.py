@@ -389,20 +389,3 @@ def test_matches_the_product_fixed_delay(tmp_path, token_cache, delay):
     if delay == 0:
         assert worst == 0.0  # two deltas, gate 1: the round sum does not depend on their order
 
-
-def test_gpu_study_script_reduced_cpu_mode(tmp_path, token_cache):
-    """benchmarks/gpu_study.sh --cpu: the GPU study's grid, reduced, on the CPU; results flushed per run."""
-    out = tmp_path / "gpu"
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_study.sh"), "--cpu", str(out)], cwd=tmp_path,
-                          env=_env(tmp_path, token_cache), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = sorted(out.glob("runs/*/results.json"))
-    assert len(results) == 6  # tau 0: nesterov, adam (= adam_decay = cgad: every gate is 1); tau 4: all four
-    rows = [r for r in (out / "summary.md").read_text().splitlines() if r.startswith("| 4 |") or r.startswith("| 0 |")]
-    assert len(rows) == 8 and all("—" not in r for r in rows)
-    log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
-    assert len(log) == 6 and not any(x.get("error") for x in log)
-    gpu = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_study.sh"), str(tmp_path / "g")], cwd=tmp_path,
-                         env={**_env(tmp_path, token_cache), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
-                         timeout=600)
-    assert gpu.returncode == 2 and "no CUDA device" in gpu.stderr

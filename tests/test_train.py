@@ -69,19 +69,38 @@ def test_multirun_trains_and_summarizes(tmp_path):
 
 
 def test_resume_continues_run_and_data_position(tmp_path):
-    """A run stopped at step 16 and started again to 32 (same run_id) resumes every worker from its
-    checkpoint (data position, DiLoCo counters, anchor) and the master from the hub's published state."""
-    _train(tmp_path, "recipe=tiny", "run_id=resume", "trainer.max_steps=16")
-    run = tmp_path / "runs" / "resume"
+    """A finished run prints the exact command that trains it further, and that command, pasted as
+    printed, resumes the same run (raising trainer.max_steps does not change the run's identity):
+    every worker from its checkpoint (data position, DiLoCo counters, anchor), the master from the
+    hub's published state; results.json counts the whole run, the last launch's figures beside."""
+    _train(tmp_path, "recipe=tiny", "trainer.max_steps=16")
+    (run,) = (tmp_path / "runs").iterdir()
+    assert "recipe=tiny" in run.name and "max_steps" not in run.name
     first = json.loads((run / "results.json").read_text())
-    assert first["outer_steps"] == 2
+    assert first["outer_steps"] == 2 and first["launches"] == 1
     ckpt = torch.load(run / "nodes" / "w0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == 16
 
-    proc = _train(tmp_path, "recipe=tiny", "run_id=resume", "trainer.max_steps=32")
+    again = _train(tmp_path, "recipe=tiny", "trainer.max_steps=16")
+    assert f"run {run.name} is already finished" in again.stdout and "[master]" not in again.stdout
+    lines = again.stdout.splitlines()
+    printed = lines[[i for i, line in enumerate(lines) if "raise trainer.max_steps" in line][0] + 1].strip()
+    assert "trainer.max_steps=32" in printed and "run_id" not in printed, printed
+    env = dict(os.environ, DILOCO_CACHE_DIR=str(tmp_path / "cache"), DILOCO_CACHE=str(tmp_path / "hubcache"))
+    proc = subprocess.run(printed, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run.name]  # the same run, not a new one
     second = json.loads((run / "results.json").read_text())
     assert second["outer_steps"] == 4  # continued from outer step 2, not restarted
-    assert second["deltas_rejected"] == 0
+    assert second["deltas_rejected"] == 0 and second["max_steps"] == 32
+    # whole-run counters, the last launch's beside them
+    assert second["launches"] == 2 and second["deltas_accepted"] == 8
+    last = second["last_launch"]
+    assert last["deltas_accepted"] == 4 and last["from_step"] == 16
+    assert second["tokens"] == 2 * 32 * 8 * 64 and last["tokens"] == 2 * 16 * 8 * 64
+    assert second["wall_seconds"] > last["wall_seconds"] > 0
+    assert abs(second["tokens_per_second"] - second["tokens"] / second["wall_seconds"]) < 1e-6
+    assert all(w["deltas_sent"] == 4 and w["launch"]["deltas_sent"] == 2 for w in second["workers_summary"])
     ckpt = torch.load(run / "nodes" / "w0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == 32
     dm_state = ckpt["TextDataModule"]
@@ -89,11 +108,10 @@ def test_resume_continues_run_and_data_position(tmp_path):
     log = (run / "nodes" / "w0" / "worker.log").read_text()
     assert "Restoring states from the checkpoint" in log or "Restored all states" in log
 
-    # the same command again: the run is finished; it says so and keeps its results (the reported bug:
-    # "0 deltas accepted" and results.json overwritten with final_train_loss NaN)
+    # the same command again: the run is finished; it says so and keeps its results
     before = (run / "results.json").read_bytes()
-    third = _train(tmp_path, "recipe=tiny", "run_id=resume", "trainer.max_steps=32")
-    assert "run resume is already finished" in third.stdout and "raise trainer.max_steps" in third.stdout
+    third = subprocess.run(printed, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert f"run {run.name} is already finished" in third.stdout and "trainer.max_steps=64" in third.stdout
     assert "[master]" not in third.stdout  # nothing was started
     assert (run / "results.json").read_bytes() == before
     assert second["recipe"] == "tiny" and math.isfinite(second["final_train_loss"])

@@ -47,14 +47,18 @@ from diloco_lightning.adapters.shared import (
     SIGTERM_FLUSH_SECONDS,
     SigtermWatch,
     broadcast_params,
-    check_hub_arg,
+    WorkerStart,
+    check_connection,
     check_worker_args,
+    PhaseLoss,
     ensure_console_logging,
-    format_bytes,
+    sent_text,
+    seed_this_node,
     run_on_rank0,
     sum_tokens_over_ranks,
 )
 from diloco_lightning.worker.core import BoundaryResult, DiLoCoWorker
+from diloco_lightning.worker.options import DEFAULTS
 from diloco_lightning.worker.params import module_state
 from diloco_lightning.worker.sync import WorkerStopped
 
@@ -72,7 +76,7 @@ class DiLoCo:
         accelerator: the ``accelerate.Accelerator``.
         model: the prepared model (it is unwrapped to find the tensors).
         hub, node_id, inner_steps, dylu_steps, dylu_min_steps, dylu_seconds, throttle, sync, delay,
-            node_index, delta_dtype, topk, topk_values, error_feedback, fragments, hub_options, signing_key,
+            node_index, delta_dtype, topk, topk_values, error_feedback, fragments, hub_options, create, signing_key,
             wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
         optimizer: the optimizer(s) whose state ``reset_inner_optimizer`` clears after an install.
         reset_inner_optimizer: clear the inner optimizer state after each install (default False).
@@ -81,6 +85,8 @@ class DiLoCo:
         claim_ttl: seconds this node's claim on its id lives without a heartbeat (None: 60 on a
             folder hub, 900 on ``hf://``).
         verbose: print a line per sync and while waiting (main process); False: quiet.
+        seed_per_node: reseed from the process's seed and ``node_id`` at :meth:`start`, as the
+            Lightning callback does at the start of ``fit`` (default True).
     """
 
     def __init__(
@@ -91,40 +97,39 @@ class DiLoCo:
         node_id: str,
         inner_steps: int | str,
         *,
-        dylu_steps: int = 100,
-        dylu_min_steps: int | None = None,
-        dylu_seconds: float | None = None,
-        throttle: Any = 0.0,
-        sync: str = "async",
-        delay: Any = 0,
+        dylu_steps: int = DEFAULTS.dylu_steps,
+        dylu_min_steps: int | None = DEFAULTS.dylu_min_steps,
+        dylu_seconds: float | None = DEFAULTS.dylu_seconds,
+        throttle: Any = DEFAULTS.throttle,
+        sync: str = DEFAULTS.sync,
+        delay: Any = DEFAULTS.delay,
         node_index: int | None = None,
-        delta_dtype: str | torch.dtype = "float32",
-        topk: float = 0.01,
-        topk_values: str = "int8",
-        error_feedback: bool | None = None,
-        fragments: int | list | None = None,
+        delta_dtype: str | torch.dtype = DEFAULTS.delta_dtype,
+        topk: float = DEFAULTS.topk,
+        topk_values: str = DEFAULTS.topk_values,
+        error_feedback: bool | None = DEFAULTS.error_feedback,
+        fragments: int | list | None = DEFAULTS.fragments,
         optimizer: Any = None,
-        reset_inner_optimizer: bool = False,
+        reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
+        create: bool = False,
         signing_key: RunKey | str | bytes | None = None,
-        wait_timeout: float = 1200.0,
-        poll_interval: float = 1.0,
+        wait_timeout: float = DEFAULTS.wait_timeout,
+        poll_interval: float = DEFAULTS.poll_interval,
         enabled: bool = True,
         log_fn: Callable[[dict[str, float]], Any] | None = None,
-        claim_ttl: float | None = None,
+        claim_ttl: float | None = DEFAULTS.claim_ttl,
         verbose: bool = True,
+        seed_per_node: bool = True,
     ) -> None:
-        self.node_id, self.delay, opts, self.pacing = check_worker_args(
-            node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
-            dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps, dylu_seconds=dylu_seconds, throttle=throttle,
-            fragments=fragments,
+        self.node_id, self.delay, self.options, self.pacing = check_worker_args(
+            node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
+            dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
+            topk_values=topk_values, error_feedback=error_feedback, fragments=fragments,
+            reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout, poll_interval=poll_interval,
+            claim_ttl=claim_ttl,
         )
-        self.fragments = opts.fragments
-        self.delta_dtype, self.topk, self.topk_values = opts.delta_dtype, opts.topk, opts.topk_values
-        self.error_feedback = opts.error_feedback
-        check_hub_arg(hub)
-        if not isinstance(reset_inner_optimizer, bool):
-            raise ValueError(f"DiLoCo: reset_inner_optimizer must be True or False, got {reset_inner_optimizer!r}")
+        check_connection(hub, hub_options, signing_key)
         if reset_inner_optimizer and optimizer is None:
             raise ValueError("DiLoCo: reset_inner_optimizer=True needs optimizer= (the optimizer(s) to reset)")
         if log_fn is not None and not callable(log_fn):
@@ -138,18 +143,18 @@ class DiLoCo:
         self.accelerator = accelerator
         self.model = model
         self.hub = hub
-        self.inner_steps = inner_steps
-        self.sync = sync
+        self._start = WorkerStart(hub, self.node_id, self.options, self.pacing, node_index=node_index,
+                                  hub_options=hub_options, signing_key=signing_key, create=create)
         self.enabled = bool(enabled)
         self.optimizers = [] if optimizer is None else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
-        self.reset_inner_optimizer = reset_inner_optimizer
-        self.hub_options = dict(hub_options or {})
-        self.signing_key = signing_key
-        self.wait_timeout = wait_timeout
-        self.poll_interval = poll_interval
         self.log_fn = log_fn
-        self.claim_ttl = claim_ttl
+        if not isinstance(create, bool):
+            raise ValueError(f"DiLoCo: create must be True or False, got {create!r}")
+        if not isinstance(seed_per_node, bool):
+            raise ValueError(f"DiLoCo: seed_per_node must be True or False, got {seed_per_node!r}")
+        self.create, self.seed_per_node = create, seed_per_node
         self.verbose = bool(verbose)
+        self._loss = PhaseLoss()
         if self.verbose:
             ensure_console_logging()
         self._sigterm = SigtermWatch(self._on_sigterm)
@@ -192,7 +197,7 @@ class DiLoCo:
             return
         if self._world > 1:
             broadcast_params(self._params)
-        if self.reset_inner_optimizer:
+        if self.options.reset_inner_optimizer:
             for opt in self.optimizers:
                 inner = getattr(opt, "optimizer", opt)
                 inner.state.clear()
@@ -200,13 +205,14 @@ class DiLoCo:
     # ------------------------------------------------------------------ SIGTERM
 
     def _on_sigterm(self) -> None:
-        if self.worker is not None:
-            self.worker.request_stop()
+        worker = self._start.worker  # the one starting, too (a wait for the master at start)
+        if worker is not None:
+            worker.request_stop()
 
     def _exit_on_sigterm(self, why: str) -> None:
         log.warning("DiLoCo %s: %s (SIGTERM); uploading what is pending (at most %g s), then exiting with status %d",
                     self.node_id, why.removeprefix(f"node {self.node_id}: "), SIGTERM_FLUSH_SECONDS, SIGTERM_EXIT)
-        self.close(flush=True, timeout=min(float(self.wait_timeout), SIGTERM_FLUSH_SECONDS))
+        self.close(flush=True, timeout=min(float(self.options.wait_timeout), SIGTERM_FLUSH_SECONDS))
         raise SystemExit(SIGTERM_EXIT)
 
     # ------------------------------------------------------------------ context manager
@@ -215,34 +221,17 @@ class DiLoCo:
         """Connect (and install the global weights on a fresh start); ``__enter__`` calls it."""
         if not self.enabled or self._running:
             return
+        if self.seed_per_node:
+            seed_this_node(self.node_id)  # each node shuffles its data its own way (before the loop iterates it)
 
         def start() -> bool:
-            self.worker = DiLoCoWorker(
-                self.hub,
-                self.node_id,
-                self._params,
-                sync=self.sync,
-                delay=self.delay,
-                delta_dtype=self.delta_dtype,
-                topk=self.topk,
-                topk_values=self.topk_values,
-                error_feedback=self.error_feedback,
-                signing_key=self.signing_key,
-                hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
-                wait_timeout=self.wait_timeout,
-                poll_interval=self.poll_interval,
-                claim_ttl=self.claim_ttl,
-                pacing=self.pacing,
-                fragments=self.fragments,
-            )
-            if self._sigterm.received:
-                self.worker.request_stop()
-            if self._restored is not None:
-                if self._restored.get("worker") is not None:
-                    self.worker.load_state_dict(self._restored["worker"])
-                if self._restored.get("anchor") is not None:
-                    self.worker.load_anchor_state(self._restored["anchor"])
-            return self.worker.start() is not None
+            restored = self._restored or {}
+            try:
+                installed = self._start.start(self._params, stop=self._sigterm.received,
+                                              counters=restored.get("worker"), anchor=restored.get("anchor"))
+            finally:
+                self.worker = self._start.worker
+            return installed is not None
 
         self._sigterm.install()
         try:
@@ -277,10 +266,12 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ training
 
-    def step(self, num_tokens: int | None = None) -> BoundaryResult | None:
+    def step(self, num_tokens: int | None = None, loss: Any = None) -> BoundaryResult | None:
         """Call after each ``optimizer.step()``; every ``inner_steps`` real optimizer steps, a
         boundary (export, upload in the background, install a newer global). ``num_tokens``:
-        tokens of this step on this process (summed over processes and steps into the header)."""
+        tokens of this step on this process (summed over processes and steps into the header);
+        ``loss``: this step's training loss (optional; the phase's mean is reported in the node's
+        heartbeat, where the master watches for divergence)."""
         if not self.enabled:
             return None
         if not getattr(self.accelerator, "sync_gradients", True):
@@ -290,6 +281,7 @@ class DiLoCo:
         if self._sigterm.received and self._world == 1:
             self._exit_on_sigterm(f"stopped at step {self.num_steps}")
         self.num_steps += 1
+        self._loss.add(loss)
         self.pacing.after_step()
         if num_tokens is None:
             self._tokens = None
@@ -299,6 +291,7 @@ class DiLoCo:
             return None
         self._last_boundary = self.num_steps
         tokens, self._tokens = self._tokens, 0
+        train_loss = self._loss.take()
         if self._world > 1:
             tokens = sum_tokens_over_ranks(
                 tokens, self.accelerator.device, lambda t: self.accelerator.reduce(t, reduction="sum")
@@ -311,7 +304,7 @@ class DiLoCo:
             if self._sigterm.received:
                 raise WorkerStopped(f"node {self.node_id}: stopped at step {self.num_steps}")
             assert worker is not None
-            result.append(worker.boundary(num_tokens=tokens))
+            result.append(worker.boundary(num_tokens=tokens, train_loss=train_loss))
             return result[0].installed is not None, result[0].inner_steps
 
         installed, h = False, None
@@ -335,7 +328,7 @@ class DiLoCo:
             if r.installed is not None:
                 line += f" | installed {r.installed.outer_step} (staleness {r.installed.staleness})"
             sent = float(worker.totals.get("bytes_uploaded_total", 0))
-            line += f" | sent {format_bytes(metrics.get('diloco/upload_bytes', 0.0))} ({format_bytes(sent)} in all)"
+            line += f" | {sent_text(metrics.get('diloco/upload_bytes'), sent, r.pending_phases)}"
             if self.pacing.auto:
                 line += f" | next H {self.pacing.inner_steps}"
             if r.wait_seconds:

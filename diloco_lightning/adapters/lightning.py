@@ -20,14 +20,18 @@ What it does (the work itself is :class:`~diloco_lightning.worker.DiLoCoWorker`'
 * Checkpoints: counters in ``state_dict()``, the anchor and any undelivered delta under
   ``checkpoint["diloco_worker"]`` (``on_save_checkpoint``), so the first delta after a resume is
   the true pseudo-gradient of the interrupted phase.
+* Each node sees its own data: ``setup`` reseeds ``torch``, ``random`` and ``numpy`` from the
+  process's seed and ``node_id`` (``seed_per_node``), so two nodes running one script shuffle
+  differently.
 * DDP inside one worker: rank 0 owns the worker (exports, uploads, decides installs); the
   decision is broadcast and the installed weights are broadcast from rank 0, so every rank
   installs the same version at the same step; an error on rank 0 is broadcast and raised on
   every rank instead of leaving them waiting. FSDP, DeepSpeed and model-parallel strategies
   are refused in ``setup`` (their parameters are sharded: the anchor would be a shard).
-* Says what it does: the progress bar shows ``diloco/outer_step``, ``diloco/staleness`` (versions
-  the installed one is behind the newest seen) and ``diloco/sent_MB``; rank zero prints one line
-  per sync and a line at growing intervals while it waits for a master (``verbose=False``: quiet;
+* Says what it does: the progress bar shows ``outer_step``, ``stale`` (versions the installed
+  one is behind the newest seen) and ``sent_MB`` (short names: a bar cuts its line at the
+  terminal's width); rank zero prints one line per sync and a line at growing intervals while
+  it waits for a master (``verbose=False``: quiet;
   a script that configured no logging gets a stderr handler on the ``diloco_lightning`` logger,
   as Lightning does for its own).
 * SIGTERM (``timeout``, SLURM, Kubernetes): a wait for the master ends at once, what is pending
@@ -64,14 +68,18 @@ from diloco_lightning.adapters.shared import (
     SIGTERM_FLUSH_SECONDS,
     SigtermWatch,
     broadcast_params,
-    check_hub_arg,
+    WorkerStart,
+    check_connection,
     check_worker_args,
+    PhaseLoss,
     ensure_console_logging,
-    format_bytes,
+    sent_text,
+    seed_this_node,
     run_on_rank0,
     sum_tokens_over_ranks,
 )
 from diloco_lightning.worker.core import DiLoCoWorker
+from diloco_lightning.worker.options import DEFAULTS
 from diloco_lightning.worker.params import module_state
 from diloco_lightning.worker.sync import WorkerStopped
 
@@ -80,6 +88,9 @@ log = logging.getLogger(__name__)
 __all__ = ["DiLoCo", "count_tokens"]
 
 CHECKPOINT_KEY = "diloco_worker"
+#: what the progress bar shows: the outer step installed, its staleness (versions behind the newest
+#: seen), megabytes sent in all
+BAR_NAMES = ("outer_step", "stale", "sent_MB")
 _SHARDED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
 
 
@@ -98,12 +109,6 @@ def count_tokens(batch: Any) -> int | torch.Tensor | None:
     if isinstance(batch, torch.Tensor) and not batch.is_floating_point() and not batch.is_complex():
         return batch.numel()
     return None
-
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"DiLoCo: {name} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 class DiLoCo(Callback):
@@ -141,6 +146,9 @@ class DiLoCo(Callback):
         reset_inner_optimizer: clear the inner optimizers' state after each install (default
             False: keep it, as DiLoCo does).
         hub_options: options for ``open_hub`` (``token=``, ``endpoint=``, ``cache_dir=`` ...).
+        create: create the hub (a folder, an ``hf://`` repository) if it does not exist. False
+            (default): a hub that does not exist is an error naming the fix, the rule
+            ``diloco-master`` follows, so a misspelt hub is never created and waited on.
         signing_key: run key for signed deltas; None takes ``DILOCO_RUN_KEY`` /
             ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned when neither is set).
         wait_timeout: seconds a blocking wait (bootstrap, lockstep, final flush) may last.
@@ -151,6 +159,13 @@ class DiLoCo(Callback):
         claim_ttl: seconds this node's claim on its id lives without a heartbeat (None: 60 on a
             folder hub, 900 on ``hf://``).
         verbose: print a line per sync and while waiting (rank zero); False: quiet.
+        seed_per_node: reseed ``torch``, ``random`` and ``numpy`` at the start of ``fit`` with a
+            seed derived from the process's seed and ``node_id``
+            (:func:`~diloco_lightning.adapters.shared.node_seed`), so two nodes running one script
+            with one ``seed_everything`` shuffle their data (and draw dropout) differently; a
+            node gets the same seed on every launch. False keeps the script's seed (then shard
+            or seed the data per node yourself: identical data on two nodes makes their deltas
+            identical, and the master warns about it).
     """
 
     def __init__(
@@ -159,67 +174,53 @@ class DiLoCo(Callback):
         node_id: str,
         inner_steps: int | str,
         *,
-        dylu_steps: int = 100,
-        dylu_min_steps: int | None = None,
-        dylu_seconds: float | None = None,
-        throttle: Any = 0.0,
-        sync: str = "async",
-        delay: Any = 0,
+        dylu_steps: int = DEFAULTS.dylu_steps,
+        dylu_min_steps: int | None = DEFAULTS.dylu_min_steps,
+        dylu_seconds: float | None = DEFAULTS.dylu_seconds,
+        throttle: Any = DEFAULTS.throttle,
+        sync: str = DEFAULTS.sync,
+        delay: Any = DEFAULTS.delay,
         node_index: int | None = None,
-        delta_dtype: str | torch.dtype = "float32",
-        topk: float = 0.01,
-        topk_values: str = "int8",
-        error_feedback: bool | None = None,
-        fragments: int | list | None = None,
-        reset_inner_optimizer: bool = False,
+        delta_dtype: str | torch.dtype = DEFAULTS.delta_dtype,
+        topk: float = DEFAULTS.topk,
+        topk_values: str = DEFAULTS.topk_values,
+        error_feedback: bool | None = DEFAULTS.error_feedback,
+        fragments: int | list | None = DEFAULTS.fragments,
+        reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
+        create: bool = False,
         signing_key: RunKey | str | bytes | None = None,
-        wait_timeout: float = 1200.0,
-        poll_interval: float = 1.0,
+        wait_timeout: float = DEFAULTS.wait_timeout,
+        poll_interval: float = DEFAULTS.poll_interval,
         token_counter: Callable[[Any], Any] | bool | None = None,
         log_prefix: str = "diloco/",
-        claim_ttl: float | None = None,
+        claim_ttl: float | None = DEFAULTS.claim_ttl,
         verbose: bool = True,
+        seed_per_node: bool = True,
     ) -> None:
         super().__init__()
-        check_hub_arg(hub)
-        self.node_id, self.delay, opts, self.pacing = check_worker_args(
-            node_id, inner_steps, sync, delay, node_index, delta_dtype, topk, topk_values, error_feedback,
-            dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps, dylu_seconds=dylu_seconds, throttle=throttle,
-            fragments=fragments,
+        check_connection(hub, hub_options, signing_key)
+        self.node_id, self.delay, self.options, self.pacing = check_worker_args(
+            node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
+            dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
+            topk_values=topk_values, error_feedback=error_feedback, fragments=fragments,
+            reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout, poll_interval=poll_interval,
+            claim_ttl=claim_ttl,
         )
-        self.fragments = opts.fragments
-        self.delta_dtype, self.topk, self.topk_values = opts.delta_dtype, opts.topk, opts.topk_values
-        self.error_feedback = opts.error_feedback
-        if not isinstance(reset_inner_optimizer, bool):
-            raise ValueError(f"DiLoCo: reset_inner_optimizer must be True or False, got {reset_inner_optimizer!r}")
-        if hub_options is not None and not isinstance(hub_options, Mapping):
-            raise ValueError(f"DiLoCo: hub_options must be a mapping or None, got {type(hub_options).__name__}")
-        if isinstance(hub, Hub) and hub_options:
-            raise ValueError("DiLoCo: hub_options cannot be given with an already open Hub")
-        if signing_key is not None and not isinstance(signing_key, (RunKey, str, bytes)):
-            raise ValueError(f"DiLoCo: signing_key must be a RunKey, text, bytes or None, got {type(signing_key).__name__}")
-        if isinstance(signing_key, (str, bytes)) and not signing_key:
-            raise ValueError("DiLoCo: signing_key is empty")
         if not (token_counter is None or token_counter is False or callable(token_counter)):
             raise ValueError(f"DiLoCo: token_counter must be None, False or a callable, got {token_counter!r}")
         if not isinstance(log_prefix, str):
             raise ValueError(f"DiLoCo: log_prefix must be a string, got {log_prefix!r}")
         self.hub = hub
-        self.inner_steps = inner_steps
-        self.sync = sync
-        self.node_index = node_index
-        self._delay_arg = delay
-        self.reset_inner_optimizer = reset_inner_optimizer
-        self.hub_options = dict(hub_options or {})
-        self.signing_key = signing_key
-        self.wait_timeout = _positive("wait_timeout", wait_timeout)
-        self.poll_interval = _positive("poll_interval", poll_interval)
+        if not isinstance(create, bool):
+            raise ValueError(f"DiLoCo: create must be True or False, got {create!r}")
+        if not isinstance(seed_per_node, bool):
+            raise ValueError(f"DiLoCo: seed_per_node must be True or False, got {seed_per_node!r}")
+        self.create, self.seed_per_node = create, seed_per_node
+        self._start = WorkerStart(hub, self.node_id, self.options, self.pacing, node_index=node_index,
+                                  hub_options=hub_options, signing_key=signing_key, create=create)
         self.token_counter = token_counter
         self.log_prefix = log_prefix
-        if claim_ttl is not None:
-            _positive("claim_ttl", claim_ttl)
-        self.claim_ttl = claim_ttl
         self.verbose = bool(verbose)
         if self.verbose:
             ensure_console_logging()
@@ -234,6 +235,7 @@ class DiLoCo(Callback):
         self._restored_counters: dict[str, Any] | None = None
         self._restored_anchor: dict[str, Any] | None = None
         self._tokens: int | torch.Tensor | None = 0
+        self._loss = PhaseLoss()  # the phase's mean training loss goes in the heartbeat
         self._params: dict[str, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ identity and state
@@ -276,8 +278,16 @@ class DiLoCo(Callback):
 
     # ------------------------------------------------------------------ setup / start
 
+    def _seed_node(self) -> None:
+        """Each node sees its own data: reseed from ``node_id`` (``adapters/shared.py: node_seed``)."""
+        if self.seed_per_node:
+            seed = seed_this_node(self.node_id)
+            log.debug("DiLoCo %s: seeded this node with %d (from the process's seed and node_id)", self.node_id, seed)
+
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._seed_node()  # before the data is iterated, after the model was built
         names = {cls.__name__ for cls in type(trainer.strategy).__mro__}
         sharded = sorted(names.intersection(_SHARDED))
         if sharded:
@@ -306,12 +316,12 @@ class DiLoCo(Callback):
         if not installed:
             return
         self._broadcast_params(trainer)
-        if self.reset_inner_optimizer:
+        if self.options.reset_inner_optimizer:
             for opt in trainer.optimizers:
                 opt.state.clear()
 
     def _on_sigterm(self) -> None:
-        worker = self.worker
+        worker = self._start.worker  # the one starting, too (a wait for the master at start)
         if worker is not None:
             worker.request_stop()
 
@@ -325,15 +335,16 @@ class DiLoCo(Callback):
         worker = self.worker
         if worker is None:
             return
-        staleness = metrics.get(p + "install_staleness", self._bar.get(p + "staleness", 0.0))
+        staleness = metrics.get(p + "install_staleness", self._bar.get(BAR_NAMES[1], 0.0))
         sent = float(worker.totals.get("bytes_uploaded_total", 0)) / 1e6
-        self._bar = {p + "outer_step": float(worker.outer_step or 0), p + "staleness": float(staleness), p + "sent_MB": sent}
+        # short names: a progress bar cuts its line at the terminal's width
+        self._bar = dict(zip(BAR_NAMES, (float(worker.outer_step or 0), float(staleness), sent)))
         if self.verbose and metrics:
             parts = [f"DiLoCo {self.node_id} | step {step} | sync {int(metrics.get(p + 'boundary', 0))}",
                      f"outer_step {worker.outer_step}"]
             if p + "installed_outer_step" in metrics:
                 parts.append(f"installed {int(metrics[p + 'installed_outer_step'])} (staleness {int(staleness)})")
-            parts.append(f"sent {format_bytes(metrics.get(p + 'upload_bytes', 0.0))} ({format_bytes(sent * 1e6)} in all)")
+            parts.append(sent_text(metrics.get(p + "upload_bytes"), sent * 1e6, worker.pending_phases))
             if self.pacing.auto:
                 parts.append(f"next H {self.pacing.inner_steps}")
             if metrics.get(p + "wait_seconds"):
@@ -356,32 +367,12 @@ class DiLoCo(Callback):
             if self.worker is not None:
                 self.worker.close(flush=True)
             assert self._params is not None  # found in setup
-            self.worker = DiLoCoWorker(
-                self.hub,
-                self.node_id,
-                self._params,
-                sync=self.sync,
-                delay=self.delay,
-                delta_dtype=self.delta_dtype,
-                topk=self.topk,
-                topk_values=self.topk_values,
-                error_feedback=self.error_feedback,
-                signing_key=self.signing_key,
-                hub_options=self.hub_options if not isinstance(self.hub, Hub) else None,
-                wait_timeout=self.wait_timeout,
-                poll_interval=self.poll_interval,
-                claim_ttl=self.claim_ttl,
-                pacing=self.pacing,
-                fragments=self.fragments,
-            )
-            if self._sigterm.received:
-                self.worker.request_stop()
-            counters = (self._restored_counters or {}).get("worker")
-            if counters is not None:
-                self.worker.load_state_dict(counters)
-            if self._restored_anchor is not None:
-                self.worker.load_anchor_state(self._restored_anchor)
-            installed = self.worker.start()
+            try:
+                installed = self._start.start(self._params, stop=self._sigterm.received,
+                                              counters=(self._restored_counters or {}).get("worker"),
+                                              anchor=self._restored_anchor)
+            finally:
+                self.worker = self._start.worker
             if installed is not None:
                 self.metrics[self.log_prefix + "installed_outer_step"] = float(installed.outer_step)
             return installed is not None
@@ -421,6 +412,7 @@ class DiLoCo(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._count(batch)
+        self._loss.add(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
         step = trainer.global_step
         if self._last_seen_step is None or step > self._last_seen_step:  # an optimizer step, not an accumulation
             self._last_seen_step = step
@@ -431,12 +423,13 @@ class DiLoCo(Callback):
             return
         self._last_synced_step = step
         tokens = self._take_tokens(trainer)
+        loss = self._loss.take()
 
         worker = self.worker  # rank 0's (None on the other ranks, which never call boundary())
 
         def boundary() -> tuple[bool, dict[str, float], int | None]:
             assert worker is not None
-            result = worker.boundary(num_tokens=tokens)
+            result = worker.boundary(num_tokens=tokens, train_loss=loss)
             metrics = result.metrics(self.log_prefix)
             return result.installed is not None, metrics, result.inner_steps
 
@@ -490,7 +483,7 @@ class DiLoCo(Callback):
             code = exception.code
         pending = self.worker.pending_phases if self.worker is not None else 0
         worker = self.worker
-        self._close(flush=True, timeout=min(self.wait_timeout, SIGTERM_FLUSH_SECONDS if sigterm else 30.0))
+        self._close(flush=True, timeout=min(self.options.wait_timeout, SIGTERM_FLUSH_SECONDS if sigterm else 30.0))
         if sigterm and trainer.is_global_zero:
             left = worker.pending_phases if worker is not None else 0
             done = (f"{pending - left} pending inner phase(s) uploaded" + (f", {left} not" if left else "")

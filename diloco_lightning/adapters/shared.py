@@ -1,6 +1,7 @@
 """What the Lightning callback and the Accelerate adapter both do around a :class:`DiLoCoWorker`:
-check their common arguments, run the worker on rank 0 only (its result or error reaching every
-rank), broadcast installed weights from rank 0, and sum the token count over the ranks."""
+check their common arguments (the worker's options are one :class:`WorkerOptions`), start the
+worker the same way (:class:`WorkerStart`), run it on rank 0 only (its result or error reaching
+every rank), broadcast installed weights from rank 0, and sum the token count over the ranks."""
 
 from __future__ import annotations
 
@@ -8,24 +9,34 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from diloco_lightning.hub.base import Hub
+from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.wire.names import InvalidNameError, validate_node_id
 from diloco_lightning.worker.options import WorkerOptions, parse_delta_dtype
+from diloco_lightning.worker.core import DiLoCoWorker
 from diloco_lightning.worker.pacing import Pacing
+from diloco_lightning.worker.results import InstallResult
 
 __all__ = [
     "SIGTERM_EXIT",
     "SigtermWatch",
     "broadcast_params",
-    "check_hub_arg",
+    "WorkerStart",
+    "check_connection",
     "check_worker_args",
+    "open_worker_hub",
+    "PhaseLoss",
     "ensure_console_logging",
     "format_bytes",
+    "sent_text",
+    "node_seed",
+    "seed_this_node",
     "run_on_rank0",
     "sum_tokens_over_ranks",
 ]
@@ -42,6 +53,67 @@ def format_bytes(n: float) -> str:
         if n >= scale * 0.95:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+class PhaseLoss:
+    """The mean training loss of an inner phase: each step's loss added detached (no device sync),
+    averaged once at the boundary (the heartbeat reports it; the master watches it for divergence)."""
+
+    def __init__(self) -> None:
+        self._sum: float | torch.Tensor = 0.0
+        self._n = 0
+
+    def add(self, loss: Any) -> None:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._sum = loss.detach().float() + self._sum
+            self._n += 1
+        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            self._sum, self._n = self._sum + float(loss), self._n + 1
+
+    def take(self) -> float | None:
+        """The mean since the last call (None: no loss seen), and start again."""
+        total, n = self._sum, self._n
+        self._sum, self._n = 0.0, 0
+        return float(total) / n if n else None
+
+
+def node_seed(base: int, node_id: str) -> int:
+    """The seed of node ``node_id`` in a process seeded with ``base``: ``(base * 1000003 +
+    crc32(node_id)) mod 2**32``. Two nodes of one script (one ``seed_everything``) get different
+    seeds, so their shuffled data, dropout and augmentations differ; the same node gets the same
+    seed again on every launch."""
+    return (int(base) * 1_000_003 + zlib.crc32(node_id.encode())) % 2**32
+
+
+def seed_this_node(node_id: str) -> int:
+    """Reseed ``torch`` (every device), ``random`` and ``numpy`` with :func:`node_seed` of this process's
+    torch seed; returns the seed. Called before the data is iterated and after the model is built, so
+    the initial weights (replaced by the run's global weights anyway) stay the script's."""
+    import random
+
+    seed = node_seed(torch.initial_seed(), node_id)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        pass
+    return seed
+
+
+def sent_text(sent: float | None, total: float, pending: int) -> str:
+    """The sync line's upload part: what reached the hub since the last line (``sent``: None when no
+    upload finished), all sent so far, and an upload still going on in the background (the first
+    async sync's delta is on its way, not "0 B")."""
+    if sent:
+        text = f"sent {format_bytes(sent)} ({format_bytes(total)} in all)"
+    elif total:
+        text = f"{format_bytes(total)} sent in all"
+    else:
+        text = "nothing sent yet"
+    return text + (f", {pending} delta(s) uploading" if pending else "")
 
 
 def ensure_console_logging() -> None:
@@ -91,33 +163,90 @@ class SigtermWatch:
         self._installed = False
 
 
-def check_hub_arg(hub: Any) -> None:
-    """Refuse a ``hub`` that is not a URL, a path or a :class:`Hub`."""
+def check_connection(hub: Any, hub_options: Any, signing_key: Any) -> None:
+    """Refuse a ``hub`` that is not a URL, a path or a :class:`Hub`, ``hub_options`` that are not a
+    mapping (or given with an open hub), and a ``signing_key`` of the wrong kind or empty."""
     if not isinstance(hub, (str, os.PathLike, Hub)) or (isinstance(hub, str) and not hub):
         raise ValueError(f"DiLoCo: hub must be a URL, a path or a Hub, got {hub!r}")
+    if hub_options is not None and not isinstance(hub_options, Mapping):
+        raise ValueError(f"DiLoCo: hub_options must be a mapping or None, got {type(hub_options).__name__}")
+    if isinstance(hub, Hub) and hub_options:
+        raise ValueError("DiLoCo: hub_options cannot be given with an already open Hub")
+    if signing_key is not None and not isinstance(signing_key, (RunKey, str, bytes)):
+        raise ValueError(f"DiLoCo: signing_key must be a RunKey, text, bytes or None, got {type(signing_key).__name__}")
+    if isinstance(signing_key, (str, bytes)) and not signing_key:
+        raise ValueError("DiLoCo: signing_key is empty")
 
 
-def check_worker_args(
-    node_id: Any, inner_steps: Any, sync: Any, delay: Any, node_index: int | None, delta_dtype: Any,
-    topk: Any = 0.01, topk_values: Any = "int8", error_feedback: Any = None, **pacing: Any,
-) -> tuple[str, int, WorkerOptions, Pacing]:
+def open_worker_hub(hub: Any, hub_options: dict[str, Any] | None, create: bool) -> Hub:
+    """The hub an adapter's worker uses: ``hub`` itself when it is an open :class:`Hub`, else
+    ``open_hub(hub, create=create, **hub_options)`` (``hub_options["create"]`` wins when given; an
+    S3 bucket is never created). A hub that does not exist is refused with the same rule and words
+    as ``diloco-master``: it is an error unless ``create=True``, so a misspelt hub is never created
+    and then waited on."""
+    from diloco_lightning.hub import HubNotFoundError, open_hub
+
+    if isinstance(hub, Hub):
+        return hub
+    opts = dict(hub_options or {})
+    url = os.fspath(hub)
+    if not str(url).startswith("s3://"):
+        opts.setdefault("create", bool(create))
+    try:
+        return open_hub(url, **opts)
+    except HubNotFoundError as e:
+        if str(url).startswith("s3://"):
+            raise HubNotFoundError(f"DiLoCo: {e}") from None
+        raise HubNotFoundError(f"DiLoCo: {e}; check the spelling, or pass create=True to create it") from None
+
+
+def check_worker_args(node_id: Any, node_index: int | None, **values: Any) -> tuple[str, int, WorkerOptions, Pacing]:
     """Check an adapter's ``node_id`` and its :class:`~diloco_lightning.worker.options.WorkerOptions`
-    (``inner_steps``, ``sync``, ``delay``, ``delta_dtype``, ``topk``, ``topk_values``,
-    ``error_feedback`` and the ``pacing`` ones: ``dylu_steps``, ``dylu_min_steps``, ``dylu_seconds``,
-    ``throttle``); return ``(node_id, resolved delay, the options, this worker's Pacing)`` with
-    ``delta_dtype`` as the encoding's name. Errors are ``ValueError("DiLoCo: ...")``."""
+    (``values``: the option keywords); return ``(node_id, resolved delay, the options, this
+    worker's Pacing)`` with ``delta_dtype`` as the encoding's name. Errors are ``ValueError("DiLoCo: ...")``."""
     try:
         checked_id = validate_node_id(node_id)
     except InvalidNameError as e:
         raise ValueError(f"DiLoCo: node_id: {e}") from None
-    opts = WorkerOptions(inner_steps=inner_steps, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
-                         topk_values=topk_values, error_feedback=error_feedback, **pacing)
+    opts = WorkerOptions(**values)
     try:
         opts.validate(checked_id, node_index)
-        opts.delta_dtype = parse_delta_dtype(delta_dtype)
+        opts.delta_dtype = parse_delta_dtype(opts.delta_dtype)
         return checked_id, opts.resolved_delay(checked_id, node_index), opts, opts.pacing(checked_id, node_index)
     except ValueError as e:
         raise ValueError(f"DiLoCo: {e}") from None
+
+
+class WorkerStart:
+    """How both adapters start their worker (on rank 0): make the :class:`DiLoCoWorker` (kept in
+    :attr:`worker` before it starts, so SIGTERM can stop its waits), restore a checkpoint's counters
+    and anchor, and start it."""
+
+    def __init__(self, hub: Any, node_id: str, options: WorkerOptions, pacing: Pacing, *, node_index: int | None,
+                 hub_options: Mapping[str, Any] | None, signing_key: RunKey | str | bytes | None,
+                 create: bool = False) -> None:
+        self.hub, self.node_id, self.options, self.pacing = hub, node_id, options, pacing
+        self.node_index = node_index
+        self.hub_options = dict(hub_options or {})
+        self.create = create  # a hub that does not exist is an error unless asked (open_worker_hub)
+        self.signing_key = signing_key
+        self.worker: DiLoCoWorker | None = None
+
+    def start(self, params: dict[str, torch.Tensor], *, stop: bool, counters: Mapping[str, Any] | None,
+              anchor: Mapping[str, Any] | None) -> InstallResult | None:
+        """A new worker on ``params`` (``stop``: SIGTERM came already), resumed from ``counters``
+        (``state_dict``) and ``anchor`` (``anchor_state``) when given; what its start installed."""
+        self.worker = DiLoCoWorker(
+            open_worker_hub(self.hub, self.hub_options, self.create), self.node_id, params, self.options,
+            node_index=self.node_index, signing_key=self.signing_key, pacing=self.pacing,
+        )
+        if stop:
+            self.worker.request_stop()
+        if counters is not None:
+            self.worker.load_state_dict(counters)
+        if anchor is not None:
+            self.worker.load_anchor_state(anchor)
+        return self.worker.start()
 
 
 def run_on_rank0(

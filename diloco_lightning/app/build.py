@@ -171,11 +171,22 @@ def outer_options(cfg: DictConfig) -> dict[str, Any]:
     return _section_outer_options(cfg.outer)
 
 
+def run_master_config(cfg: DictConfig):
+    """The :class:`~diloco_lightning.master.MasterConfig` of a training run's master: its section and
+    the ``outer`` group, with what the section leaves to the workers taken from them (the quorum:
+    every worker in lockstep, else 1; their fragments; enough kept versions for their lockstep delay;
+    their ``diloco.claim_ttl`` as the node timeout)."""
+    lockstep = cfg.diloco.sync == "lockstep"
+    max_delay = max(worker_delay(cfg, i) for i in range(cfg.workers)) if lockstep else 0
+    return master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if lockstep else 1,
+                         fragments=cfg.diloco.get("fragments"), max_delay=max_delay,
+                         node_timeout=cfg.diloco.get("claim_ttl"))
+
+
 def build_master(cfg: DictConfig, hub, *, on_round=None):
     from diloco_lightning.master import MasterOuterLoop
 
-    config = master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if cfg.diloco.sync == "lockstep" else 1,
-                           fragments=cfg.diloco.get("fragments"), node_timeout=cfg.diloco.get("claim_ttl"))
+    config = run_master_config(cfg)
     return MasterOuterLoop(
         hub, None, node_state_dir=str(run_dir(cfg) / "master"), config=config, holder=cfg.master.holder,
         metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"), logger=on_round,

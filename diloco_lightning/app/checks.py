@@ -24,7 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.util.errors import ConfigError
-from diloco_lightning.util.options import OptionError
+from diloco_lightning.util.options import OptionError, default_of
 from diloco_lightning.sim.options import SimOptions
 from diloco_lightning.worker.options import WorkerOptions
 
@@ -66,9 +66,11 @@ def validate_outer(o: DictConfig, prefix: str = "outer.") -> None:
     from diloco_lightning.outer.precision import STATE_DTYPES
 
     state_dtype = str(o.get("state_dtype", "float32"))
-    _check(state_dtype in STATE_DTYPES, f"{prefix}state_dtype", f"must be float32 (fp32) or bfloat16 (bf16), got {state_dtype!r}")
-    _check(not o.get("stochastic_rounding", False) or STATE_DTYPES[state_dtype] != STATE_DTYPES["float32"],
-           f"{prefix}stochastic_rounding", f"needs {prefix}state_dtype=bfloat16 (FP32 buffers are not rounded)")
+    _check(state_dtype in STATE_DTYPES, f"{prefix}state_dtype",
+           f"must be float32 (fp32), bfloat16 (bf16) or int8, got {state_dtype!r}")
+    _check(not o.get("stochastic_rounding", False) or STATE_DTYPES[state_dtype] == STATE_DTYPES["bfloat16"],
+           f"{prefix}stochastic_rounding", f"needs {prefix}state_dtype=bfloat16 (FP32 and 8-bit buffers are not rounded "
+           "stochastically)")
     from diloco_lightning.outer import check_outer_options
 
     try:
@@ -148,8 +150,9 @@ def validate_master_section(m: DictConfig, prefix: str = "master.") -> None:
     """The master's behaviour (``master.*`` of a training run, the top level of ``diloco-master``):
     :meth:`MasterConfig.validate`, the one validation, with the key's full name in the error."""
     values = _section(m, [n for n in MasterConfig.names() if n in m])
-    if values.get("min_deltas") is None:
-        values.pop("min_deltas", None)  # null: decided by the run (every worker in lockstep, else 1)
+    for key in ("min_deltas", "keep_globals"):  # null: decided by the run (master_config)
+        if values.get(key) is None:
+            values.pop(key, None)
     try:
         MasterConfig(**values).validate()
     except OptionError as e:
@@ -316,15 +319,18 @@ def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool |
 
 
 def master_config(section: DictConfig, outer: DictConfig, *, min_deltas: int | None = None,
-                  fragments: Any = None, node_timeout: float | None = None) -> MasterConfig:
+                  fragments: Any = None, max_delay: int = 0, node_timeout: float | None = None) -> MasterConfig:
     """The :class:`MasterConfig` a master section and the ``outer`` group describe (``min_deltas``,
-    ``fragments``, ``node_timeout``: the values when the section leaves them null; a training run's
-    are the workers': their quorum, their fragments, their ``diloco.claim_ttl``)."""
+    ``fragments``, ``node_timeout``: the values when the section leaves them null; a training run's are
+    the workers': their quorum, their fragments, their ``diloco.claim_ttl``; ``max_delay``: the workers'
+    largest lockstep delay, which a null ``keep_globals`` keeps enough versions for)."""
     values = _section(section, [n for n in MasterConfig.names() if n in section])
     if values.get("min_deltas") is None:
         values["min_deltas"] = min_deltas or 1
     if values.get("node_timeout") is None and node_timeout is not None:
         values["node_timeout"] = float(node_timeout)
+    if values.get("keep_globals") is None:
+        values["keep_globals"] = max(default_of(MasterConfig, "keep_globals"), max_delay + 2)
     if values.get("fragments") is None and fragments is not None:
         values["fragments"] = OmegaConf.to_container(fragments) if isinstance(fragments, ListConfig) else fragments
     return MasterConfig(outer_optimizer=str(outer.name), outer_options=outer_options(outer), **values).validate()

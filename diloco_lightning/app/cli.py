@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any, Callable
@@ -233,6 +234,44 @@ def configuration_markdown() -> str:
 # ----------------------------------------------------------------------------- running a command
 
 
+def _checked_args(config_name: str, args: list[str]) -> list[str]:
+    """The command line with ``diloco-master``'s aliases applied (``master.poll_interval`` ->
+    ``poll_interval``); an unknown key, ``+`` or not, is a :class:`ConfigError` naming the closest
+    known one (:mod:`diloco_lightning.app.keys`)."""
+    from diloco_lightning.app.keys import check_override_keys, master_aliases
+
+    schema = _schema(config_name)
+    groups = _COMMANDS[config_name][1]
+    aliases = None
+    if config_name == "master":
+        from diloco_lightning.app.config import MasterConf
+
+        args = master_aliases(args, {f.name for f in dataclasses.fields(MasterConf)})
+        aliases = {"master": "diloco-master takes train.py's master.* keys at the top level, e.g. poll_interval=1"}
+    check_override_keys(args, schema, groups, aliases=aliases)
+    return args
+
+
+def _drop_refused_run(cfg: Any) -> None:
+    """A command refused at start-up leaves no run folder: the one Hydra made for this job goes when it
+    holds nothing but Hydra's own files (:func:`diloco_lightning.app.console.drop_unused_run_dir`)."""
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from diloco_lightning.app.console import drop_unused_run_dir
+
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return
+    if hc.mode != RunMode.RUN or not hc.runtime.output_dir:
+        return
+    root = cfg.get("run_root") if hasattr(cfg, "get") else None
+    drop_unused_run_dir(Path(hc.runtime.output_dir), Path(root).resolve() if root else None)
+
+
 def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[str] | None = None) -> None:
     """Run ``task`` as the Hydra app ``config_name`` with this module's error, signal and help handling."""
     import hydra
@@ -242,6 +281,12 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
     args = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in _VERBOSE_FLAGS for a in args) or os.environ.get("HYDRA_FULL_ERROR") == "1"
     args = [a for a in args if a not in _VERBOSE_FLAGS]
+    try:
+        args = _checked_args(config_name, args)
+    except Exception as e:  # noqa: BLE001 - an unknown key: refused before Hydra creates anything
+        if verbose or not is_user_error(e):
+            raise
+        sys.exit(_report(prog, e))
     if any(a in _HELP_FLAGS for a in args):
         overrides = [a for a in args if "=" in a and not a.startswith("-")]
         try:
@@ -269,6 +314,8 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
             if verbose or not is_user_error(e):
                 raise
             caught.append(e)
+            if config_name == "train":  # only train.py makes run folders
+                _drop_refused_run(cfg)
             return None
 
     job.__module__, job.__qualname__ = task.__module__, task.__qualname__

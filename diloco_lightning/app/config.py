@@ -59,6 +59,7 @@ from diloco_lightning.app.checks import (
 )
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig
 from diloco_lightning.sim.options import SimOptions
+from diloco_lightning.util.options import default_of
 from diloco_lightning.worker.options import SYNC_MODES, WorkerOptions
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -174,20 +175,25 @@ class OptimConf:
 
 
 # The ``diloco`` and ``master`` sections are the library's own option classes (WorkerOptions,
-# MasterConfig: their defaults, types and help text), with the product's defaults on top.
-DiLoCoConf = compose_section(
-    "DiLoCoConf", WorkerOptions,
-    defaults={"inner_steps": 8, "dylu_steps": 8, "sync": "lockstep", "wait_timeout": 600.0, "poll_interval": 0.05},
-)
+# MasterConfig: their defaults, types and help text, one definition). What the product chooses
+# otherwise is a config group's choice (configs/diloco/lockstep.yaml, configs/hub/file.yaml), or a
+# key of its own (``retype``: a product meaning, said in its help); tests/test_config.py checks it.
+DiLoCoConf = compose_section("DiLoCoConf", WorkerOptions)
 
 
 @dataclass
 class OuterConf:
-    name: str = opt("cgad", "outer optimizer: nesterov | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | poly_nesterov")
-    lr: float = opt(0.7, "outer learning rate")
+    """The ``outer`` group: the master's outer optimizer (``MasterConfig.outer_*``: the same defaults;
+    each command's ``outer`` group default chooses the optimizer, configs/outer/<name>.yaml)."""
+
+    name: str = opt(default_of(MasterConfig, "outer_optimizer"),
+                    "outer optimizer: nesterov | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | poly_nesterov | "
+                    "staleness_sgd | gap_aware | dc_asgd")
+    lr: float = opt(default_of(MasterConfig, "outer_lr"), "outer learning rate")
     options: Dict[str, Any] = opt(help="the optimizer's other options (momentum, alpha, tau_cut, betas, eps ...)", factory=dict)
     state_dtype: str = opt("float32", "the outer optimizer's buffers (m, v, momentum): float32 (fp32) | bfloat16 (bf16: "
-                                      "half the memory; the math runs in FP32, the buffers are rounded back once per step)")
+                                      "half the memory; the math runs in FP32, the buffers are rounded back once per step) | "
+                                      "int8 (8-bit blockwise codes, a quarter)")
     stochastic_rounding: bool = opt(False, "with state_dtype=bfloat16: round the buffers stochastically (unbiased, "
                                            "seeded by step and key: a resumed master rounds the same) instead of to nearest even")
 
@@ -195,9 +201,14 @@ class OuterConf:
 MasterConf = compose_section(
     "MasterConf", MasterConfig,
     exclude=("outer_optimizer", "outer_options", "outer_lr", "outer_momentum"),  # the ``outer`` group
-    defaults={"poll_interval": 0.05, "keep_globals": 20, "torch_threads": 1},
-    retype={"min_deltas": (Any, None, "quorum: accepted deltas before a round is applied, or a fraction of the live "
-                                      "nodes (a float in (0, 1]; null: every worker in lockstep, else 1)")},
+    retype={
+        "min_deltas": (Any, None, "quorum: accepted deltas before a round is applied, or a fraction of the live "
+                                  "nodes (a float in (0, 1]; null: every worker in lockstep, else 1)"),
+        "keep_globals": (Optional[int], None, "older global versions kept on the hub (null: what the workers' lockstep "
+                                              "delay d needs, d + 2, at least 4; diloco-master: 4)"),
+        "torch_threads": (Optional[int], 1, "torch threads of the master (this command's process: 1, since the round "
+                                            "is memory-bound and more threads stall on shared cores; null: torch's default)"),
+    },
     extra=[("holder", Optional[str], None, "this master's id in the lease (default host:pid:random)")],
     doc="The master's behaviour: ``master.*`` in a training run, the top level of ``diloco-master``.",
 )
@@ -262,7 +273,7 @@ class TrainerConf:
 
 @dataclass
 class LaunchConf:
-    kind: str = opt("local", "local: master + workers on this machine | submitit: one SLURM job per worker | "
+    kind: str = opt("local", "local: master + workers on this machine | submitit: SLURM jobs (the master and one per worker) | "
                              "sim: the run in this process on the simulator (sim.*)")
     devices: Optional[List[str]] = opt(None, "GPUs assigned round-robin to the workers (null: every visible GPU, else CPU)")
     timeout: float = opt(3600.0, "seconds a role=all run may last")
@@ -387,13 +398,20 @@ def format_value(value: Any) -> str:
 # ----------------------------------------------------------------------------- Hydra plumbing
 
 
-def run_id_from_overrides(overrides: List[str]) -> str:
+def run_id_from_overrides(overrides: List[str], *, sweep: bool = False) -> str:
     """A deterministic run id from the command line (never a timestamp).
 
     Keys that differ between the processes of one run (role, node_index, ...) are left
-    out so a worker and its master agree. Long ids are shortened with a hash.
+    out so a worker and its master agree, and so are the keys that extend a run
+    (``trainer.max_steps``, ``trainer.max_time``: raising one resumes the same run). In a sweep
+    (``sweep``) those stay in: two jobs of one sweep that differ only in ``trainer.max_steps``
+    are two runs, each with its own schedule. Long ids are shortened with a hash.
     """
-    skip = ("role=", "node_index=", "run_id=", "run_root=", "launch.", "hub.", "+role=", "trainer.num_threads=")
+    from diloco_lightning.app.launches import EXTENDING_KEYS
+
+    skip: tuple[str, ...] = ("role=", "node_index=", "run_id=", "run_root=", "launch.", "hub.", "+role=", "trainer.num_threads=")
+    if not sweep:
+        skip += tuple(k + "=" for k in EXTENDING_KEYS)
     kept = sorted(o.lstrip("+~") for o in overrides if not o.lstrip("+~").startswith(skip))
     text = ",".join(kept) if kept else "default"
     slug = re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
@@ -405,11 +423,14 @@ def run_id_from_overrides(overrides: List[str]) -> str:
 def _run_id_resolver() -> str:
     from hydra.core.hydra_config import HydraConfig
 
+    from hydra.types import RunMode
+
     try:
-        overrides = list(HydraConfig.get().overrides.task)
+        hc = HydraConfig.get()
+        overrides, sweep = list(hc.overrides.task), hc.mode == RunMode.MULTIRUN
     except ValueError:  # composed outside a Hydra app (tests): no command line
-        overrides = []
-    return run_id_from_overrides(overrides)
+        overrides, sweep = [], False
+    return run_id_from_overrides(overrides, sweep=sweep)
 
 
 def register_configs() -> None:

@@ -41,6 +41,8 @@ from diloco_lightning.app.build import (
     tau_label,
     worker_delay,
 )
+from diloco_lightning.app.console import log_to_file
+from diloco_lightning.app.launches import Launches, invoked_as, read_jsonl, resume_command, round_counts
 from diloco_lightning.app.errors import Interrupted, RunError, Signal, terminate_as_exception
 from diloco_lightning.app.worker import worker_command
 
@@ -67,17 +69,12 @@ def _read_progress(path: Path) -> list[tuple[int, float]]:
 
 
 def _read_progress_timed(path: Path) -> list[tuple[int, float, float | None]]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
     out = []
-    for line in lines:
+    for d in read_jsonl(path):
         try:
-            d = json.loads(line)
             t = d.get("time")
             out.append((int(d["step"]), float(d["loss"]), float(t) if isinstance(t, (int, float)) else None))
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError):
             continue
     return out
 
@@ -125,6 +122,21 @@ def finished_results(cfg: DictConfig, rdir: Path) -> dict[str, Any] | None:
     return None
 
 
+def finished_message(cfg: DictConfig, rdir: Path, done: dict[str, Any]) -> str:
+    """What a finished run's command says: its results, and the exact command that trains it further."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except (ValueError, ImportError):
+        overrides = []
+    more = resume_command(overrides, invoked_as(), **{"trainer.max_steps": 2 * int(cfg.trainer.max_steps)})
+    return (f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {_loss(done):.3f} "
+            f"after {done.get('outer_steps')} outer steps, {done.get('max_steps')} steps per worker). Nothing to do. To "
+            f"train it further (it resumes), raise trainer.max_steps:\n    {more}\nTo start again, use another "
+            f"run_id=... or delete {rdir}.")
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
@@ -138,14 +150,12 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     label = recipe_name()
     done = finished_results(cfg, rdir)
     if done is not None:
-        print(
-            f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {_loss(done):.3f} "
-            f"after {done.get('outer_steps')} outer steps). Nothing to do: to train further raise trainer.max_steps "
-            f"(it resumes); to start again use another run_id=... or delete {rdir}.",
-            flush=True,
-        )
+        print(finished_message(cfg, rdir, done), flush=True)
         return done
+    hub = open_run_hub(cfg)  # first: a hub that does not exist is refused in seconds, before the data is built
     rdir.mkdir(parents=True, exist_ok=True)
+    log_to_file(rdir / "train.log")
+    launches = Launches(rdir)
     started = time.perf_counter()
     named = f" (recipe {label})" if label and f"recipe={label}" not in str(cfg.run_id) else ""
     print(f"run {cfg.run_id}{named}: {cfg.workers} workers, model {cfg.model.preset}, "
@@ -155,8 +165,6 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     dm.prepare_data()  # tokenizer + token cache built once here, not raced by the workers
     config_path = rdir / "config.yaml"
     OmegaConf.save(cfg, config_path, resolve=True)
-
-    hub = open_run_hub(cfg)
     rounds: list[dict] = []
 
     def on_round(m: dict) -> None:
@@ -209,6 +217,9 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
         for fh, _ in logs:
             fh.close()
         master.stop(drain=not (failed or interrupted))
+    if failed or interrupted:
+        launches.end("interrupted" if interrupted else "failed", max_steps=int(cfg.trainer.max_steps),
+                      outer_step=master.outer_step if master.has_state else None)
     if interrupted:
         hub.close()
         name = signal.Signals(interrupted).name
@@ -229,21 +240,32 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
             f"{logs[i][1]}:\n{tail or '    (empty)'}"
         )
 
+    return finish_run(cfg, rdir, hub, dm, evaluator, launches, rounds, eval_curve)
+
+
+def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launches: Launches, rounds: list[dict],
+               eval_curve: list[list[float]]) -> dict[str, Any]:
+    """The end of a whole run (local or SLURM): evaluate the newest global model, write
+    ``results.json`` (whole-run counters, this launch's under ``last_launch``) and print the summary."""
+    label = recipe_name()
     outer_step, eval_loss = evaluate_global(cfg, hub, dm, evaluator)
     hub.close()
     if not eval_curve or eval_curve[-1][0] != outer_step:
         eval_curve.append([outer_step, eval_loss])
-    wall = time.perf_counter() - started
+    wall, launch_wall = launches.whole_seconds(), launches.seconds()
     summaries = [json.loads((rdir / "nodes" / node_id(i) / "summary.json").read_text()) for i in range(cfg.workers)]
     curves = [_read_progress(rdir / "nodes" / node_id(i) / "progress.jsonl") for i in range(cfg.workers)]
     train_curve = _mean_curve(curves)
     chance = math.log(dm.vocab_size)
-    accepted = sum(int(r.get("accepted", 0)) for r in rounds)
-    rejected = sum(sum((r.get("rejected_by_reason") or {}).values()) for r in rounds)
+    # the whole run's rounds (metrics.jsonl is appended by every launch) and this launch's
+    accepted, rejected = round_counts(r for r in read_jsonl(rdir / "master" / "metrics.jsonl") if is_round(r))
+    launch_accepted, launch_rejected = round_counts(rounds)
     final_train = [s["final_train_loss"] for s in summaries]
     final_train_loss = sum(final_train) / len(final_train)
     diverged = not math.isfinite(eval_loss) or eval_loss > chance
     tokens = sum(s["tokens"] for s in summaries)
+    launch_tokens = sum(s.get("launch", {}).get("tokens", s["tokens"]) for s in summaries)
+    previous = launches.previous()
     results = {
         "run_id": cfg.run_id,
         "recipe": label,
@@ -268,13 +290,26 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
         "bytes_sent": sum(s["bytes_sent"] for s in summaries),
         "deltas_accepted": accepted,
         "deltas_rejected": rejected,
+        "launches": len(previous) + 1,
+        # the counters above are the whole run's (every launch of this run_id); these, the last launch's
+        "last_launch": {
+            "wall_seconds": launch_wall,
+            "tokens": launch_tokens,
+            "tokens_per_second": launch_tokens / launch_wall if launch_wall > 0 else 0.0,
+            "bytes_sent": sum(s.get("launch", {}).get("bytes_sent", s["bytes_sent"]) for s in summaries),
+            "deltas_accepted": launch_accepted,
+            "deltas_rejected": launch_rejected,
+            "from_step": min((s.get("launch", {}).get("from_step", 0) for s in summaries), default=0),
+        },
         "train_curve": train_curve,
         "eval_curve": eval_curve,
         "workers_summary": summaries,
     }
     (rdir / RESULTS_FILE).write_text(dumps_json(results, indent=2))
+    launches.end("finished", max_steps=int(cfg.trainer.max_steps), outer_step=outer_step)
+    again = f" (launch {len(previous) + 1} of this run: {launch_wall:.0f} s, {launch_accepted} deltas accepted)" if previous else ""
     print(
-        f"done in {wall:.0f}s: {outer_step} outer steps, {accepted} deltas accepted, {rejected} rejected, "
+        f"done in {wall:.0f}s{again}: {outer_step} outer steps, {accepted} deltas accepted, {rejected} rejected, "
         f"{results['bytes_sent'] / 1e6:.1f} MB sent, {results['tokens_per_second']:.0f} tokens/s | "
         f"train loss {curves[0][0][1] if curves and curves[0] else float('nan'):.3f} -> {final_train_loss:.3f} | "
         f"eval loss of the global model {eval_loss:.3f} (chance {chance:.2f}){' DIVERGED' if diverged else ''} | "

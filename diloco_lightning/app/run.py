@@ -16,24 +16,17 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from diloco_lightning.app.build import build_master, open_run_hub, recipe_name, resolve_run_dir, run_dir
+from diloco_lightning.app.build import recipe_name, resolve_run_dir, run_dir
 from diloco_lightning.app.config import validate
+from diloco_lightning.app.console import configure_console
 from diloco_lightning.app.errors import Interrupted, RunError
 from diloco_lightning.app.local import finished_results, run_all
+from diloco_lightning.app.serving import run_master
 from diloco_lightning.app.worker import run_worker
 
 __all__ = ["run", "run_master", "Interrupted", "RunError"]
 
 log = logging.getLogger(__name__)
-
-
-def run_master(cfg: DictConfig) -> int:
-    """role=master: serve rounds until Ctrl-C / SIGTERM (a final round is drained); the exit status
-    of :func:`diloco_lightning.app.master.serve_command`."""
-    from diloco_lightning.app.serving import serve_command
-
-    hub = open_run_hub(cfg)
-    return serve_command(build_master(cfg, hub, on_round=lambda m: None))
 
 
 def _quiet_hub_logs() -> None:
@@ -47,8 +40,8 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Validate, refuse what this machine cannot run, then dispatch on ``cfg.role``."""
     validate(cfg)
     resolve_run_dir(cfg)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    finished = cfg.role == "all" and cfg.launch.kind in ("local", "sim") and finished_results(cfg, run_dir(cfg)) is not None
+    configure_console(whole_run=cfg.role == "all")
+    finished = cfg.role == "all" and cfg.launch.kind in ("local", "sim", "submitit") and finished_results(cfg, run_dir(cfg)) is not None
     if cfg.launch.check_resources and not finished:  # a finished run starts nothing: run_all only says so
         from diloco_lightning.app.resources import check_resources
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["build", "default_state_dir", "serve_command"]
+__all__ = ["build", "default_state_dir", "run_master", "serve_command"]
 
 
 def default_state_dir(hub) -> Path:
@@ -81,3 +81,13 @@ def serve_command(master, **kw) -> int:
         master.hub.close()
     say(f"[master] stopped at outer_step {master.outer_step}")
     return report.exit_code
+
+
+def run_master(cfg) -> int:
+    """``train.py role=master`` (and the master's SLURM job): the run's master from a training run's
+    config, serving rounds until Ctrl-C / SIGTERM (a final round is drained); the exit status of
+    :func:`serve_command`."""
+    from diloco_lightning.app.build import build_master, open_run_hub
+
+    hub = open_run_hub(cfg)
+    return serve_command(build_master(cfg, hub, on_round=lambda m: None))

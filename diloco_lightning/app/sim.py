@@ -33,9 +33,11 @@ from diloco_lightning.app.build import (
     recipe_name,
     regime,
     run_dir,
+    run_master_config,
     tau_label,
 )
-from diloco_lightning.app.config import master_config, sim_options
+from diloco_lightning.app.config import sim_options
+from diloco_lightning.app.console import log_to_file
 from diloco_lightning.app.local import _loss, _mean_curve, finished_results, print_round
 
 __all__ = ["build_simulator", "run_sim"]
@@ -124,8 +126,7 @@ def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_v
 
     device = _device(cfg)
     workers = [build_worker(cfg, i, device) for i in range(cfg.workers)]
-    config = master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if cfg.diloco.sync == "lockstep" else 1,
-                           fragments=cfg.diloco.get("fragments"))
+    config = run_master_config(cfg)
     master = SimMaster(workers[0].params, config)  # version 0: the first worker's initial weights, as its init offer
     n = int(cfg.launch.eval_points)
     total = max(1, expected_outer_steps(cfg))
@@ -159,7 +160,12 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
               f"Nothing to do: use another run_id=... or delete {rdir}.", flush=True)
         return done
     rdir.mkdir(parents=True, exist_ok=True)
+    log_to_file(rdir / "train.log")
     started = time.perf_counter()
+
+    def stage(text: str) -> None:  # the slow first minute says what it does
+        print(f"[{time.perf_counter() - started:6.0f}s] {text}", flush=True)
+
     # one thread per op unless told otherwise: the workers run side by side on threads of their own
     # (sim.parallel), a small model's ops gain little from more, and on a shared machine spinning
     # threads cost far more than they give
@@ -169,6 +175,7 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
           f"{cfg.diloco.sync}, aggregation {cfg.master.aggregation}, tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps"
           + (f", simulated time {sim_options(cfg).max_time:g}" if sim_options(cfg).max_time is not None else ""),
           flush=True)
+    stage("preparing the data (the tokenizer and token cache are built once, then cached)")
     dm = build_datamodule(cfg)
     dm.prepare_data()
     OmegaConf.save(cfg, rdir / "config.yaml", resolve=True)
@@ -186,8 +193,11 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
             last_print[0] = now
             print_round(rec)
 
+    stage(f"building {cfg.workers} workers")
     evaluator = Evaluator(cfg, dm)
     sim = build_simulator(cfg, evaluator=evaluator, on_version=on_version)
+    stage(f"simulating: {total} outer steps expected, the first after each worker's first {nominal_inner_steps(cfg)} "
+          "inner steps")
     result = sim.run()
     wall = time.perf_counter() - started
     results = _results(cfg, sim, result, dm.vocab_size, wall, label)
@@ -254,6 +264,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             # loss against simulated time: [time, eval loss] at each eval_curve point
             "eval_curve_time": [[t, loss] for t, (_, loss) in zip(result.eval_times, result.eval_curve)],
             "lost_phases": result.lost_phases,
+            "stopped_early": result.stopped_early,
             "max_time": sim_options(cfg).max_time,
             # tokens of the deltas delivered to the master by each eval_curve point: [tokens, eval loss]
             "eval_curve_tokens": [[n, loss] for n, (_, loss) in zip(result.eval_tokens, result.eval_curve)],
@@ -265,7 +276,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             "versions": [
                 {k: r.get(k) for k in ("outer_step", "time", "accepted", "rejected", "rejected_by_reason",
                                        "staleness_histogram", "update_norm", "update_rms", "update_rms_over_lr",
-                                       "null_round")}
+                                       "null_round", "outer_state")}
                 for r in records
             ],
         },

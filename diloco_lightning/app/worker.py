@@ -65,8 +65,43 @@ class ProgressFile:
         return ProgressCallback()
 
 
+def _launch_start(diloco: Any) -> Any:
+    """A callback noting where this launch started (after a resume: the checkpoint's step, tokens and
+    upload totals), so a worker's summary tells its whole run from this launch."""
+    import lightning as L
+
+    class LaunchStart(L.Callback):
+        step = tokens = bytes_sent = deltas_sent = 0
+
+        def on_train_start(self, trainer, pl_module):  # after the checkpoint and DiLoCo's start
+            self.step = int(trainer.global_step)
+            self.tokens = int(getattr(pl_module, "tokens_seen", 0))
+            totals = diloco.worker.totals if diloco.worker is not None else {}
+            self.bytes_sent = int(totals.get("bytes_uploaded_total", 0))
+            self.deltas_sent = int(totals.get("deltas_uploaded_total", 0))
+
+    return LaunchStart()
+
+
+def _refuse_a_running_node_id(cfg: DictConfig, nid: str) -> None:
+    """:class:`~diloco_lightning.worker.claim.NodeIdTakenError` when another live worker holds ``nid``
+    on the run's hub (the worker's own claim, at its start, still decides)."""
+    from diloco_lightning.app.checks import open_configured_hub
+    from diloco_lightning.worker.claim import ClaimKeeper
+
+    hub = open_configured_hub(cfg.hub, hub_url(cfg))
+    try:
+        ClaimKeeper(hub, nid).check_free()
+    finally:
+        hub.close()
+
+
 def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
     """Train one worker to ``trainer.max_steps`` with the DiLoCo callback; returns its summary."""
+    index = cfg.node_index if index is None else index
+    nid = node_id(index)
+    _refuse_a_running_node_id(cfg, nid)  # at once: before Lightning is imported, the data or the model built
+
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -74,8 +109,6 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
 
     from diloco_lightning import DiLoCo
 
-    index = cfg.node_index if index is None else index
-    nid = node_id(index)
     out = run_dir(cfg) / "nodes" / nid
     out.mkdir(parents=True, exist_ok=True)
     if cfg.trainer.num_threads:
@@ -87,6 +120,7 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
     callback = DiLoCo(hub=hub_url(cfg), node_id=nid, hub_options=hub_options(cfg),
                       **{**worker_options(d), "delay": worker_delay(cfg, index)})
     ckpt_dir = out / "checkpoints"
+    start = _launch_start(callback)
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,
                                  every_n_train_steps=nominal_inner_steps(cfg))
     t = cfg.trainer
@@ -97,7 +131,7 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
         val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
         limit_val_batches=cfg.data.val_batches if t.val_check_interval else 0,
         logger=CSVLogger(out, name="logs"),
-        callbacks=[callback, checkpoint, ProgressFile(out / "progress.jsonl", t.log_every_n_steps).callback()],
+        callbacks=[callback, checkpoint, ProgressFile(out / "progress.jsonl", t.log_every_n_steps).callback(), start],
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
     )
     last = ckpt_dir / "last.ckpt"
@@ -112,6 +146,14 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
         "final_train_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
         "bytes_sent": int(callback.metrics.get("bytes_uploaded_total", 0)),
         "deltas_sent": int(callback.metrics.get("deltas_uploaded_total", 0)),
+    }
+    # the figures above are the whole run's (checkpointed); this launch's part of them
+    summary["launch"] = {
+        "from_step": start.step,
+        "steps": summary["steps"] - start.step,
+        "tokens": summary["tokens"] - start.tokens,
+        "bytes_sent": summary["bytes_sent"] - start.bytes_sent,
+        "deltas_sent": summary["deltas_sent"] - start.deltas_sent,
     }
     (out / "summary.json").write_text(dumps_json(summary, indent=2))
     return summary

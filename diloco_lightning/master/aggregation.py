@@ -188,12 +188,15 @@ def round_step(opt: Any, outer_optimizer: str, *, legacy: bool,
     """How a round's mean is applied, ``(state, mean) -> applied``: with the older PA-CGAD rule
     (``legacy``) gated per fragment on ``max(tau_max, age_f)``; PA-CGAD's deltas were each gated on
     ``max(tau_i, age_f)`` before the mean (``step_pregated``); any other optimizer's were gated by
-    their own staleness (``gated=True``). The master's rounds and the simulator both step here."""
+    their own staleness (``gated=True``), and an optimizer whose step corrects per coordinate
+    (``STEP_USES_STALENESS``: gap-aware, DC-ASGD) is told the round's largest staleness (exact when
+    every delta of the round has the same). The master's rounds and the simulator both step here."""
     if legacy:
         return lambda state, mean: opt.step(state, mean, staleness=tau_max)
     if outer_optimizer == "pa_cgad":
         return lambda state, mean: opt.step_pregated(state, mean)
-    return lambda state, mean: opt.step(state, mean, staleness=0, gated=True)
+    tau = tau_max if getattr(opt, "STEP_USES_STALENESS", False) else 0
+    return lambda state, mean: opt.step(state, mean, staleness=tau, gated=True)
 
 
 def arrival_step(opt: Any, outer_optimizer: str, state: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor],

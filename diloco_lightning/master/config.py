@@ -53,7 +53,7 @@ class MasterConfig:
     )
     aggregation: str = option("round", "round: one outer step per round | arrival: one per accepted delta")
     weighting: str = option("equal", "equal | tokens (weight each delta by its num_tokens)")
-    poll_interval: float = option(60.0, "seconds between the master's rounds")
+    poll_interval: float = option(1.0, "seconds between the master's rounds")
     min_deltas: Any = option(
         1, "quorum: accepted deltas before a round is applied (an int), or a fraction of the live nodes (a float in (0, 1])"
     )

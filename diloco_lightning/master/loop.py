@@ -90,6 +90,7 @@ from diloco_lightning.hub import open_hub
 from diloco_lightning.hub.base import Hub, PublishConflictError
 from diloco_lightning.wire.manifest import GlobalVersion, ManifestError
 from diloco_lightning.master import localstate
+from diloco_lightning.master.health import RunHealth
 from diloco_lightning.master.compat import make_compat
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig, MasterConfigError
 from diloco_lightning.master.intake import Intake
@@ -235,6 +236,9 @@ class MasterOuterLoop:
         self.membership = Membership(self.hub, node_timeout=self.config.node_timeout, poll_interval=self.config.poll_interval,
                                      signing_key=key)
         self.rounds = Rounds(self)
+        #: identical deltas from two nodes, a diverging run: one line each, naming the knob
+        self.health = RunHealth(lr=self.config.optimizer_options().get("lr"), min_deltas=self.config.min_deltas,
+                                optimizer=self.config.outer_optimizer)
 
         self._round_lock = threading.RLock()  # one round at a time
         self._thread_lock = threading.Lock()

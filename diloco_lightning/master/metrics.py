@@ -76,7 +76,8 @@ class RoundMetrics:
 
 
 def format_progress(m: dict[str, Any]) -> str:
-    """``outer_step 12 | accepted 3 | rejected 1 (too_stale=1) | staleness [0:2 1:1] | 0.41s | 312.5 MB``."""
+    """``outer_step 12 | accepted 3 | rejected 1 (too_stale=1) | staleness [0:2 1:1] | round 0.41 s | read 312.5 MB``
+    (``read``: the bytes of deltas this round downloaded from the hub)."""
     rej = m.get("rejected_by_reason") or {}
     rej_text = " ".join(f"{k}={v}" for k, v in rej.items())
     hist = m.get("staleness_histogram") or {}
@@ -97,8 +98,8 @@ def format_progress(m: dict[str, Any]) -> str:
     return (
         f"outer_step {m.get('outer_step')} | accepted {m.get('accepted', 0)}"
         f" | rejected {m.get('rejected', 0)}{' (' + rej_text + ')' if rej_text else ''}"
-        f" | staleness [{hist_text}] | {m.get('round_seconds', 0.0):.2f}s"
-        f" | {m.get('bytes_downloaded', 0) / 1e6:.1f} MB"
+        f" | staleness [{hist_text}] | round {m.get('round_seconds', 0.0):.2f} s"
+        f" | read {m.get('bytes_downloaded', 0) / 1e6:.1f} MB"
         + (" | " + ", ".join(flags) if flags else "")
     )
 

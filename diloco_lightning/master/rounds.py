@@ -389,7 +389,13 @@ class Rounds:
         except BaseException:
             roll_back()
             raise
+        update = _distance(buf, run.state) if run.state is not None else math.nan
+        base = run.outer_step
         run.committed(buf, new_step, new_ledger, manifest, record)
+        self.master.health.note_deltas((a.ref.node_id, (base - a.staleness, a.fragment), a.norm) for a in accepted)
+        self.master.health.note_version(new_step, update, norm)
+        self.master.health.note_losses(new_step, {n: st.report.train_loss for n, st in self.master.membership.nodes.items()
+                                                  if st.report.train_loss is not None})
         self.master.validator.load_state_dict(payload)
         self.master.validator.note_global(buf, new_step, norm, numel)
         self.master.intake.published(new_ledger)
@@ -397,3 +403,14 @@ class Rounds:
         m.published += 1
         self.master._notify()
         return True
+
+
+def _distance(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> float:
+    """``|new - old|`` over the synced keys (the outer update's L2 norm), one key at a time."""
+    total = 0.0
+    with torch.no_grad():
+        for k, t in new.items():
+            o = old.get(k)
+            if o is not None and is_synced(t) and o.shape == t.shape:
+                total += float(torch.dist(t.float(), o.float())) ** 2
+    return math.sqrt(total)

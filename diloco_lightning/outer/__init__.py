@@ -5,6 +5,9 @@ name                   class                           reference
 =====================  ==============================  ============================================
 ``nesterov``           :class:`NesterovOuterOptimizer`  DiLoCo, arXiv 2311.08105 (Speedtronic's step)
 ``poly_nesterov``      :class:`PolyNesterov`           "Poly", Liu et al. 2024, arXiv 2401.09135
+``staleness_sgd``      :class:`StalenessSGD`           Zhang et al. 2016, arXiv 1511.05950 (lr / staleness)
+``gap_aware``          :class:`GapAware`               Barkai et al. 2020, arXiv 1909.10802
+``dc_asgd``            :class:`DelayCompensated`       DC-ASGD, Zheng et al. 2017, arXiv 1609.08326
 ``delayed_nesterov``   :class:`DelayedNesterov`        Liu et al. 2024, arXiv 2401.09135, Alg. 3
 ``cgad``               :class:`CGAD`                   Shah & Sun 2026, arXiv 2605.09126
 ``adam_decay``         :class:`AdamDecay`              CGAD without the cosine cut
@@ -32,8 +35,9 @@ from torch import Tensor
 from diloco_lightning.outer.adam import CGAD, AdamDecay, OuterAdam
 from diloco_lightning.outer.base import OuterOptimizer
 from diloco_lightning.outer.delayed_nesterov import DelayedNesterov
+from diloco_lightning.outer.gap import DelayCompensated, GapAware
 from diloco_lightning.outer.gates import cgad_gate, check_staleness, exp_gate, poly_gate
-from diloco_lightning.outer.nesterov import NesterovOuterOptimizer, PolyNesterov
+from diloco_lightning.outer.nesterov import NesterovOuterOptimizer, PolyNesterov, StalenessSGD
 from diloco_lightning.outer.pacgad import PACGAD
 
 __all__ = [
@@ -43,11 +47,14 @@ __all__ = [
     "PACGAD",
     "PRECISION_OPTIONS",
     "AdamDecay",
+    "DelayCompensated",
     "DelayedNesterov",
+    "GapAware",
     "NesterovOuterOptimizer",
     "OuterAdam",
     "OuterOptimizer",
     "PolyNesterov",
+    "StalenessSGD",
     "build_outer_optimizer",
     "cgad_gate",
     "check_staleness",
@@ -60,7 +67,8 @@ __all__ = [
 OUTER_OPTIMIZERS: Mapping[str, type[OuterOptimizer]] = MappingProxyType(
     {
         cls.name: cls
-        for cls in (NesterovOuterOptimizer, CGAD, AdamDecay, OuterAdam, DelayedNesterov, PACGAD, PolyNesterov)
+        for cls in (NesterovOuterOptimizer, CGAD, AdamDecay, OuterAdam, DelayedNesterov, PACGAD, PolyNesterov,
+                    StalenessSGD, GapAware, DelayCompensated)
     }
 )
 

@@ -28,6 +28,13 @@ learning rate and eps rescaled so that its ``lr'*M'/(sqrt(V') + eps')`` is the u
 The step count ``t`` and the scales are kept per key (``state_dict()``: ``keys``, ``steps``,
 ``exp_avg_scales``, ``exp_avg_sq_scales``; ``step`` counts the steps applied).
 Complex keys (``v`` real, ``g*conj(g)``) take a plain in-place path with the same scalars.
+
+``state_layout="naive"`` keeps ``m`` and ``v`` themselves as the buffers, which the gated delta
+``gate * g`` enters directly (the layout of ``torch.optim.Adam`` and of the CGAD paper's master):
+the same update in exact arithmetic, but in a low-precision buffer (``state_dtype="bfloat16"`` or
+``"int8"``) a small ``gate * g`` meets the buffer's own resolution there, which the scaled layout's
+FP32 scalars keep away from it. It exists to test that mechanism (docs/study.md); ``"scaled"`` is
+the default.
 """
 
 from __future__ import annotations
@@ -50,7 +57,10 @@ from diloco_lightning.outer.gates import cgad_gate, check_staleness, exp_gate
 from diloco_lightning.outer.kernels import adam_step_
 from diloco_lightning.outer.work import Item, Work
 
-__all__ = ["CGAD", "AdamDecay", "OuterAdam", "adam_kernel_constants"]
+__all__ = ["CGAD", "STATE_LAYOUTS", "AdamDecay", "OuterAdam", "adam_kernel_constants"]
+
+#: ``scaled``: normalised moments with FP32 scales (the default); ``naive``: m and v themselves
+STATE_LAYOUTS = ("scaled", "naive")
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +119,7 @@ class _AdamBase(OuterOptimizer):
         "exp_avg_sq_scales": ("scale", 0.0),
     }
     STATE_KINDS: ClassVar[tuple[str, ...]] = ("cgad", "adam_decay", "adam")
+    NONNEGATIVE = frozenset({"exp_avg_sq"})
 
     def __init__(
         self,
@@ -117,23 +128,54 @@ class _AdamBase(OuterOptimizer):
         betas: tuple[float, float],
         eps: float,
         extra_options: dict[str, Any],
+        state_layout: str = "scaled",
     ) -> None:
         lr = check_real("lr", lr, low=0.0, low_open=True)
         betas = check_betas(betas)
         eps = check_real("eps", eps, low=0.0, low_open=True)
-        super().__init__(state, {"lr": lr, "betas": list(betas), "eps": eps, **extra_options})
+        if state_layout not in STATE_LAYOUTS:
+            raise ValueError(f"state_layout must be one of {list(STATE_LAYOUTS)}, got {state_layout!r}")
+        naive = state_layout == "naive"
+        options = {"lr": lr, "betas": list(betas), "eps": eps, **extra_options}
+        if naive:
+            options["state_layout"] = "naive"
+        super().__init__(state, options, key_scalars={"steps": ("count", 0)} if naive else None)
         self.lr = lr
         self.betas = betas
         self.eps = eps
+        self.naive = naive
         self._t = 0
 
     def _apply(self, items: list[Item], tau: float, gated: bool, fragment: str | None) -> bool:
         gate = self.gate(tau)
         if gate == 0.0:
             return False
-        self._adam_update(items, 1.0 if gated else gate)
+        (self._naive_update if self.naive else self._adam_update)(items, 1.0 if gated else gate)
         self._t += 1
         return True
+
+    def _naive_update(self, items: list[Item], gate: float) -> None:
+        """One Adam step with ``gate * delta`` entering ``m`` and ``v`` as they are (no scales): the
+        kernel's lr and eps carry the bias correction, ``lr*sqrt(bc2)/bc1`` and ``eps*sqrt(bc2)``."""
+        beta1, beta2 = self.betas
+        steps: dict[str, int] = {}
+
+        def fn(batch: list[Work]) -> None:
+            for (t,), works in self._group(batch, ("steps",)).items():
+                root = math.sqrt(1.0 - beta2 ** (t + 1))
+                lr, eps = self.lr * root / (1.0 - beta1 ** (t + 1)), self.eps * root
+                grads = [w.g if gate == 1.0 else w.g * gate for w in works]  # a scaled copy: w.g is the caller's
+                real = [(w, g) for w, g in zip(works, grads) if not w.is_complex]
+                if real:
+                    adam_step_([w.p for w, _ in real], [g for _, g in real], [w.bufs["exp_avg"] for w, _ in real],
+                               [w.bufs["exp_avg_sq"] for w, _ in real], lr=lr, beta1=beta1, beta2=beta2, eps=eps)
+                for w, g in zip(works, grads):
+                    if w.is_complex:
+                        self._complex_update(w, beta1, beta2, lr, eps, g)
+                    steps[w.key] = t + 1
+
+        self._run(items, fn)
+        self._key_scalars["steps"].update(steps)
 
     def _adam_update(self, items: list[Item], gate: float) -> None:
         """One Adam step on ``gate * delta`` for ``items`` (each key's own step count and scales)."""
@@ -168,20 +210,25 @@ class _AdamBase(OuterOptimizer):
                 self._key_scalars[name][key] = value
 
     @staticmethod
-    def _complex_update(w: Work, beta1: float, beta2: float, lr: float, eps: float) -> None:
+    def _complex_update(w: Work, beta1: float, beta2: float, lr: float, eps: float, g: Tensor | None = None) -> None:
         # v accumulates g*conj(g) = |g|^2 (real); m is complex. Same normalised scalars as the kernel.
+        g = w.g if g is None else g
         exp_avg = torch.view_as_complex(w.bufs["exp_avg"])
         exp_avg_sq = w.bufs["exp_avg_sq"]
-        exp_avg.mul_(beta1).add_(torch.view_as_complex(w.g), alpha=1.0 - beta1)
-        exp_avg_sq.mul_(beta2).add_(w.g.square().sum(-1), alpha=1.0 - beta2)
+        exp_avg.mul_(beta1).add_(torch.view_as_complex(g), alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).add_(g.square().sum(-1), alpha=1.0 - beta2)
         denom = exp_avg_sq.sqrt().add_(eps).unsqueeze(-1)
         w.p.addcdiv_(w.bufs["exp_avg"], denom, value=-lr)
 
     # ------------------------------------------------------------------ state
     def _scalar_state(self) -> dict[str, Any]:
-        return {"step": self._t}
+        return {"step": self._t, **({"state_layout": "naive"} if self.naive else {})}
 
     def _check_scalar_state(self, scalars: dict[str, Any]) -> dict[str, Any]:
+        layout = scalars.pop("state_layout", "scaled")
+        if layout != ("naive" if self.naive else "scaled"):
+            raise ValueError(f"the {self.name} state_dict was saved with state_layout={layout!r}; this optimizer uses "
+                             f"{'naive' if self.naive else 'scaled'}")
         unexpected = sorted(set(scalars) - {"step"})
         if unexpected:
             raise ValueError(f"unexpected entries in {self.name} state_dict: {unexpected}")
@@ -206,6 +253,7 @@ class CGAD(_AdamBase):
         eps: Adam's epsilon, ``> 0``.
         alpha: decay rate of the gate's exponential, ``>= 0`` (paper default 0.2).
         tau_cut: staleness at and beyond which the gate is 0, ``> 0`` (paper default 32).
+        state_layout: ``"scaled"`` (default) or ``"naive"`` (m and v themselves; see the module docstring).
     """
 
     name = "cgad"
@@ -218,9 +266,10 @@ class CGAD(_AdamBase):
         eps: float = 1e-8,
         alpha: float = 0.2,
         tau_cut: float = 32,
+        state_layout: str = "scaled",
     ) -> None:
         alpha, tau_cut = check_cgad_gate_args(alpha, tau_cut)
-        super().__init__(state, lr, betas, eps, {"alpha": alpha, "tau_cut": tau_cut})
+        super().__init__(state, lr, betas, eps, {"alpha": alpha, "tau_cut": tau_cut}, state_layout)
         self.alpha = alpha
         self.tau_cut = tau_cut
 
@@ -244,9 +293,10 @@ class AdamDecay(_AdamBase):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         alpha: float = 0.2,
+        state_layout: str = "scaled",
     ) -> None:
         alpha = check_real("alpha", alpha, low=0.0)
-        super().__init__(state, lr, betas, eps, {"alpha": alpha} if type(self) is AdamDecay else {})
+        super().__init__(state, lr, betas, eps, {"alpha": alpha} if type(self) is AdamDecay else {}, state_layout)
         self.alpha = alpha
 
     def gate(self, staleness: float) -> float:
@@ -272,5 +322,6 @@ class OuterAdam(AdamDecay):
         lr: float,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        state_layout: str = "scaled",
     ) -> None:
-        super().__init__(state, lr, betas, eps, alpha=0.0)
+        super().__init__(state, lr, betas, eps, alpha=0.0, state_layout=state_layout)

@@ -30,7 +30,10 @@ what is common to all of them:
   bit, then truncated; :func:`stochastic_round_`), seeded by the step count, the key and the
   chunk, so a resumed master rounds exactly as the one it replaces. The state update itself uses
   the FP32 values before they are rounded, so one step equals an FP32 step started from the same
-  (bf16) buffers. Complex keys keep complex64/FP32 buffers.
+  (bf16) buffers. ``state_dtype="int8"`` keeps them as 8-bit blockwise codes (a quarter of FP32;
+  :mod:`~diloco_lightning.outer.blockwise`: ``state_dict()`` has the uint8 codes under
+  ``"<buffer>/<key>"`` and their FP32 block maxima under ``"<buffer>.absmax/<key>"``), read into FP32
+  and stored back the same way. Complex keys keep complex64/FP32 buffers.
 
 Subclasses implement :meth:`OuterOptimizer.gate` and :meth:`OuterOptimizer._apply`.
 """
@@ -38,8 +41,6 @@ Subclasses implement :meth:`OuterOptimizer.gate` and :meth:`OuterOptimizer._appl
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -47,7 +48,15 @@ import torch
 from torch import Tensor
 
 from diloco_lightning.outer.gates import check_staleness
-from diloco_lightning.outer.precision import STATE_DTYPES, math_dtype, parse_state_dtype, stochastic_round_
+from diloco_lightning.outer.blockwise import blocks, dequantize_, quantize_
+from diloco_lightning.outer.checks import check_betas, check_int, check_real
+from diloco_lightning.outer.precision import (
+    STATE_DTYPE_NAMES,
+    STATE_DTYPES,
+    math_dtype,
+    parse_state_dtype,
+    stochastic_round_,
+)
 from diloco_lightning.outer.work import CHUNK_BYTES, TEMP_BUDGET_BYTES, Item, Work, WorkArea, real_view
 
 __all__ = [
@@ -73,49 +82,6 @@ def _is_trainable(tensor: Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
 
-# ----------------------------------------------------------------------------- option checks
-def check_real(
-    name: str,
-    value: Any,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> float:
-    """Return ``value`` as a float after checking that it is a finite number in the given range.
-
-    Raises:
-        ValueError: naming ``name`` when ``value`` is not a finite real number in range.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r}")  # noqa: TRY004 (a bad option value)
-    result = float(value)
-    ok = math.isfinite(result)
-    if ok and low is not None:
-        ok = result > low if low_open else result >= low
-    if ok and high is not None:
-        ok = result < high if high_open else result <= high
-    if not ok:
-        lo = "-inf" if low is None else f"{low!r}"
-        hi = "inf" if high is None else f"{high!r}"
-        interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
-        raise ValueError(f"{name} must be a finite number in {interval}, got {value!r}")
-    return result
-
-
-def check_betas(betas: Any) -> tuple[float, float]:
-    """Check Adam's ``betas``: two numbers in ``[0, 1)``."""
-    try:
-        beta1, beta2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
-    return (
-        check_real("betas[0]", beta1, low=0.0, high=1.0, high_open=True),
-        check_real("betas[1]", beta2, low=0.0, high=1.0, high_open=True),
-    )
-
-
 # ----------------------------------------------------------------------------- base class
 class OuterOptimizer(WorkArea):
     """Base class of the outer optimizers (see the module docstring for the shared contract).
@@ -134,6 +100,9 @@ class OuterOptimizer(WorkArea):
     KEY_SCALARS: ClassVar[dict[str, tuple[str, Any]]] = {}
     #: ``state_dict()["optimizer"]`` values that ``load_state_dict`` accepts.
     STATE_KINDS: ClassVar[tuple[str, ...]] = ()
+    #: The step reads the staleness beyond the scalar gate (a per-coordinate correction, as the
+    #: gap-aware optimizers make): a round's mean is then stepped with the round's largest staleness.
+    STEP_USES_STALENESS: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -151,6 +120,8 @@ class OuterOptimizer(WorkArea):
         self._scalar_kinds: dict[str, tuple[str, Any]] = dict(self.KEY_SCALARS if key_scalars is None else key_scalars)
         self._specs: dict[str, tuple[tuple[int, ...], bool]] = {}
         self._buffers: dict[str, dict[str, Tensor]] = {family: {} for family in self._families}
+        self._absmax: dict[str, dict[str, Tensor]] = {family: {} for family in self._families}  # int8 buffers
+        self.precision_stats: dict[str, dict[str, float]] = {}
         self._key_scalars: dict[str, dict[str, Any]] = {name: {} for name in self._scalar_kinds}
         self._scratch: Tensor | None = None
         self._views: dict[str, dict[str, Tensor]] = {}
@@ -169,9 +140,9 @@ class OuterOptimizer(WorkArea):
         return self._state_dtype
 
     def set_state_precision(self, state_dtype: Any = "float32", stochastic_rounding: bool = False) -> None:
-        """Keep the buffers of real keys in ``state_dtype`` (``"float32"`` or ``"bfloat16"``), rounded
-        back after each step to nearest even or, with ``stochastic_rounding``, stochastically (see the
-        module docstring). Existing buffers are converted now (to nearest). Recorded in
+        """Keep the buffers of real keys in ``state_dtype`` (``"float32"``, ``"bfloat16"`` or ``"int8"``),
+        rounded back after each step to nearest (even) or, bf16 with ``stochastic_rounding``,
+        stochastically (see the module docstring). Existing buffers are converted now (to nearest). Recorded in
         :attr:`options` when not the default, so ``build_outer_optimizer(opt.name, state, **opt.options)``
         builds the same optimizer.
 
@@ -182,19 +153,18 @@ class OuterOptimizer(WorkArea):
         dtype = parse_state_dtype(state_dtype)
         if not isinstance(stochastic_rounding, bool):
             raise ValueError(f"stochastic_rounding must be True or False, got {stochastic_rounding!r}")  # noqa: TRY004
-        if stochastic_rounding and dtype == torch.float32:
-            raise ValueError("stochastic_rounding needs state_dtype='bfloat16' (FP32 buffers are not rounded)")
+        if stochastic_rounding and dtype != torch.bfloat16:
+            raise ValueError("stochastic_rounding needs state_dtype='bfloat16' (FP32 buffers are not rounded; "
+                             "8-bit ones round to the nearest code)")
+        values = {(f, k): self._values(f, k) for f, per_key in self._buffers.items() for k in per_key}
         self._state_dtype, self._stochastic = dtype, stochastic_rounding
-        for family, buffers in self._buffers.items():
-            for key, buf in list(buffers.items()):
-                want = self._buffer_dtype(family, key)
-                if buf.dtype != want:
-                    buffers[key] = buf.to(want)
+        for (family, key), value in values.items():
+            self._store(family, key, value)
         self._views = {}
         self.options.pop("state_dtype", None)
         self.options.pop("stochastic_rounding", None)
         if dtype != torch.float32:
-            self.options["state_dtype"] = "bfloat16"
+            self.options["state_dtype"] = STATE_DTYPE_NAMES[dtype]
             if stochastic_rounding:
                 self.options["stochastic_rounding"] = True
 
@@ -268,6 +238,9 @@ class OuterOptimizer(WorkArea):
         for family, buffers in self._buffers.items():
             for key, buf in buffers.items():
                 out[f"{family}/{key}"] = buf.clone() if copy else buf
+                if buf.dtype == torch.uint8:
+                    amax = self._absmax[family][key]
+                    out[f"{family}.absmax/{key}"] = amax.clone() if copy else amax
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -326,7 +299,34 @@ class OuterOptimizer(WorkArea):
         buf = buffers.get(key)
         if buf is None:
             buf = buffers[key] = torch.zeros(self._specs[key][0], dtype=self._buffer_dtype(family, key))
+            if buf.dtype == torch.uint8:  # all-zero maxima: every code stands for 0
+                self._absmax[family][key] = torch.zeros(blocks(buf.numel()))
         return buf
+
+    def _values(self, family: str, key: str) -> Tensor:
+        """The values of a buffer in its math dtype (8-bit codes decoded)."""
+        buf = self._buffer(family, key)
+        if buf.dtype != torch.uint8:
+            return buf.clone()
+        return dequantize_(torch.empty(buf.shape), buf, self._absmax[family][key], family not in self.NONNEGATIVE)
+
+    def _store(self, family: str, key: str, values: Tensor | tuple[Tensor, Tensor]) -> None:
+        """Keep ``values`` as ``family``'s buffer of ``key`` in its dtype (8-bit: as codes and maxima;
+        ``values`` may be 8-bit ``(codes, maxima)`` already, kept as they are: decoding and coding
+        again is not exact)."""
+        want = self._buffer_dtype(family, key)
+        self._absmax[family].pop(key, None)
+        if isinstance(values, tuple):
+            if want == torch.uint8:
+                self._buffers[family][key], self._absmax[family][key] = values
+                return
+            values = dequantize_(torch.empty(values[0].shape), *values, family not in self.NONNEGATIVE)
+        if want != torch.uint8:
+            self._buffers[family][key] = values.to(want)
+            return
+        codes, amax = torch.empty(values.shape, dtype=torch.uint8), torch.empty(blocks(values.numel()))
+        quantize_(codes, amax, values.float(), family not in self.NONNEGATIVE)
+        self._buffers[family][key], self._absmax[family][key] = codes, amax
 
     def _buffer_dtype(self, family: str, key: str) -> torch.dtype:
         """What ``family``'s buffer of ``key`` is stored in: complex64 for a complex buffer, FP32 for the
@@ -336,8 +336,13 @@ class OuterOptimizer(WorkArea):
             return math_dtype(self._families[family])
         return self._state_dtype
 
-    def _set_buffers(self, buffers: dict[str, dict[str, Tensor]]) -> None:
-        self._buffers = buffers
+    def _set_buffers(self, buffers: dict[str, dict[str, Any]]) -> None:
+        """Keep ``buffers`` (values as :meth:`_parse_buffers` gives them), each in its buffer dtype."""
+        self._buffers = {family: {} for family in self._families}
+        self._absmax = {family: {} for family in self._families}
+        for family, per_key in buffers.items():
+            for key, values in per_key.items():
+                self._store(family, key, values)
         self._views = {}
 
     def _group(self, batch: list[Work], names: tuple[str, ...]) -> dict[tuple[Any, ...], list[Work]]:
@@ -401,10 +406,25 @@ class OuterOptimizer(WorkArea):
             items.append(Item(key, param, d))
         return items
 
-    def _parse_buffers(self, tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
-        buffers: dict[str, dict[str, Tensor]] = {family: {} for family in self._families}
+    def _parse_buffers(self, tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Any]]:
+        """Checked buffer values (8-bit ones as ``(codes, maxima)``), zeros where absent."""
+        buffers: dict[str, dict[str, Any]] = {family: {} for family in self._families}
+        maxima = {name: t for name, t in tensors.items() if name.partition("/")[0].endswith(".absmax")}
         for name, tensor in tensors.items():
+            if name.partition("/")[0].endswith(".absmax"):
+                continue
             family, sep, key = name.partition("/")
+            if tensor.dtype == torch.uint8 and sep and family in self._families:
+                amax = maxima.pop(f"{family}.absmax/{key}", None)
+                if amax is None or amax.dtype != torch.float32 or amax.numel() != blocks(tensor.numel()):
+                    raise ValueError(f"state_dict entry {name!r} holds 8-bit codes without their {family}.absmax/{key} "
+                                     f"({blocks(tensor.numel())} FP32 block maxima)")
+                spec = self._specs.get(key)
+                if spec is None or spec[1] or tuple(tensor.shape) != spec[0]:
+                    raise ValueError(f"state_dict entry {name!r}: 8-bit codes of shape {tuple(tensor.shape)} do not "
+                                     f"match a real key of the global state")
+                buffers[family][key] = (tensor.detach().to("cpu", copy=True), amax.detach().to("cpu", copy=True))
+                continue
             if not sep or family not in self._families:
                 raise ValueError(
                     f"unexpected tensor {name!r} in {self.name} state_dict "
@@ -415,7 +435,9 @@ class OuterOptimizer(WorkArea):
         for family, per_key in buffers.items():
             for key, (shape, _) in self._specs.items():
                 if key not in per_key:
-                    per_key[key] = torch.zeros(shape, dtype=self._buffer_dtype(family, key))
+                    per_key[key] = torch.zeros(shape, dtype=math_dtype(self._specs[key][1] and self._families[family]))
+        if maxima:
+            raise ValueError(f"unexpected tensor(s) {sorted(maxima)} in {self.name} state_dict (block maxima without codes)")
         return buffers
 
     def _parse_key_scalars(self, scalars: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -459,13 +481,5 @@ class OuterOptimizer(WorkArea):
         want_complex = is_complex and follows_complex
         if not _is_trainable(tensor) or (tensor.is_complex() and not want_complex):
             raise ValueError(f"state_dict entry {name!r} has dtype {tensor.dtype}")
-        family = name.partition("/")[0]
-        # FP32 -> bf16 rounds to nearest (a state saved by an FP32 master loaded by a bf16 one)
-        return tensor.detach().to(device="cpu", dtype=self._buffer_dtype(family, key), copy=True)
-
-
-def check_int(name: str, value: Any, *, low: int) -> int:
-    """Return ``value`` as an int after checking that it is an integer ``>= low``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
+        # kept in the math dtype here; _set_buffers stores it in the buffer dtype (FP32 -> bf16 to nearest)
+        return tensor.detach().to(device="cpu", dtype=math_dtype(want_complex), copy=True)

@@ -1,4 +1,4 @@
-"""Nesterov outer optimizers: DiLoCo's outer SGD with Nesterov momentum, and its Poly-gated variant.
+"""The SGD family of outer optimizers: DiLoCo's Nesterov SGD, Poly, and staleness-scaled SGD.
 
 DiLoCo (Douillard et al. 2023, arXiv 2311.08105) applies the averaged pseudo-gradient ``g`` with
 SGD + Nesterov momentum (lr 0.7, momentum 0.9)::
@@ -10,9 +10,13 @@ which is ``torch.optim.SGD(lr=lr, momentum=momentum, nesterov=True)`` fed ``grad
 behaviour of Speedtronic's DumbDiLoCo master (CPU FP32 buffers, state updated in its own dtype).
 
 :class:`PolyNesterov` is the "Poly" baseline of Liu et al. 2024 (arXiv 2401.09135): the same step
-fed ``g * (1 + tau) ** -0.5``.
+fed ``g * (1 + tau) ** -0.5``. :class:`StalenessSGD` is the same step fed ``g * (1 + tau) ** -power``
+with ``momentum`` 0 by default: with ``power = 1`` and no momentum it is Zhang et al.'s
+staleness-aware SGD (2016, arXiv 1511.05950: the learning rate divided by the staleness, here
+``1 + tau`` so that a fresh delta keeps the full rate); ``power=0.5, momentum=0.9`` is Poly and
+``power=0`` is DiLoCo's Nesterov.
 
-Both run as one fused SGD call (``kernels.nesterov_step_``) per batch of tensors (memory-bandwidth speed). The gate
+All run as one fused SGD call (``kernels.nesterov_step_``) per batch of tensors (memory-bandwidth speed). The gate
 is folded into the kernel's scalars rather than applied to the delta: the momentum buffer is kept
 as ``buf = momentum_scale * B`` with a per-key scalar ``momentum_scale`` (always 1 for plain Nesterov), and
 a step with gate ``s`` on scale ``c`` runs the kernel with ``c' = sqrt(s*c)``,
@@ -36,7 +40,7 @@ from diloco_lightning.outer.gates import check_staleness, poly_gate
 from diloco_lightning.outer.kernels import nesterov_step_
 from diloco_lightning.outer.work import Item, Work
 
-__all__ = ["NesterovOuterOptimizer", "PolyNesterov"]
+__all__ = ["NesterovOuterOptimizer", "PolyNesterov", "StalenessSGD"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +62,15 @@ def sgd_kernel_constants(momentum: float, lr: float, gate: float, scale: float) 
 class _NesterovBase(OuterOptimizer):
     BUFFERS: ClassVar[dict[str, bool]] = {"momentum": True}
 
-    def __init__(self, state: Mapping[str, Tensor], lr: float, momentum: float = 0.9) -> None:
+    def __init__(self, state: Mapping[str, Tensor], lr: float, momentum: float = 0.9,
+                 extra_options: Mapping[str, Any] | None = None, *, momentum_free: bool = False) -> None:
+        """``momentum_free``: keep no momentum buffer when ``momentum`` is 0 (it would hold nothing)."""
         lr = check_real("lr", lr, low=0.0, low_open=True)
         momentum = check_real("momentum", momentum, low=0.0, high=1.0, high_open=True)
-        super().__init__(state, {"lr": lr, "momentum": momentum})
+        layout: dict[str, Any] = {}
+        if momentum_free and momentum == 0.0:
+            layout = {"buffers": {}, "key_scalars": {}}
+        super().__init__(state, {"lr": lr, "momentum": momentum, **(extra_options or {})}, **layout)
         self.lr = lr
         self.momentum = momentum
 
@@ -119,6 +128,8 @@ class NesterovOuterOptimizer(_NesterovBase):
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {key: buf.clone() if copy else buf for key, buf in self._buffers["momentum"].items()}
+        for key, amax in self._absmax["momentum"].items():  # 8-bit buffers (not a Speedtronic option): their maxima
+            out[f"momentum.absmax/{key}"] = amax.clone() if copy else amax
         if self._stochastic:  # not a Speedtronic option: its step count rides along
             out["rounding_step"] = self._rounding_step
         return out
@@ -133,7 +144,7 @@ class NesterovOuterOptimizer(_NesterovBase):
                 continue
             if not isinstance(value, Tensor):
                 raise ValueError(f"nesterov state_dict entry {key!r} is not a tensor: {type(value).__name__}")  # noqa: TRY004
-            tensors[f"momentum/{key}"] = value
+            tensors[key if key.startswith("momentum.absmax/") else f"momentum/{key}"] = value
         self._set_buffers(self._parse_buffers(tensors))
         self._rounding_step = rounding_step
 
@@ -151,3 +162,37 @@ class PolyNesterov(_NesterovBase):
 
     def gate(self, staleness: float) -> float:
         return poly_gate(staleness, 0.5)
+
+
+class StalenessSGD(_NesterovBase):
+    """Staleness-scaled SGD: the Nesterov step fed ``g * (1 + tau) ** -power``, momentum 0 by default.
+
+    With the defaults (``momentum=0``, ``power=1``) a delta of staleness tau moves the state by
+    ``lr * g / (1 + tau)``: Zhang et al.'s staleness-aware SGD (2016, arXiv 1511.05950), the
+    learning rate divided by the staleness, which keeps synchronous SGD's convergence. Equal to
+    ``torch.optim.SGD(lr=lr, momentum=momentum, nesterov=momentum > 0)`` fed
+    ``grad = g * (1 + tau) ** -power``. ``power=0.5, momentum=0.9`` is ``poly_nesterov``;
+    ``power=0`` is ``nesterov``. With ``momentum=0`` no buffer is kept (nothing but the state).
+
+    ``state_dict()``: ``{"optimizer": "staleness_sgd"}``, plus with momentum the ``momentum/<key>``
+    tensors, ``keys`` and ``momentum_scales`` (as :class:`PolyNesterov`).
+
+    Args:
+        state: the global state.
+        lr: outer learning rate.
+        momentum: Nesterov momentum in ``[0, 1)`` (default 0: none).
+        power: the gate's exponent p >= 0 in ``(1 + tau) ** -p`` (default 1).
+    """
+
+    name = "staleness_sgd"
+    STATE_KINDS = ("staleness_sgd",)
+    KEY_SCALARS: ClassVar[dict[str, tuple[str, Any]]] = {"momentum_scales": ("positive", 1.0)}
+
+    def __init__(self, state: Mapping[str, Tensor], lr: float, momentum: float = 0.0, power: float = 1.0) -> None:
+        power = check_real("power", power, low=0.0)
+        super().__init__(state, lr, momentum, {"power": power}, momentum_free=True)
+        self.power = power
+
+    def gate(self, staleness: float) -> float:
+        """``(1 + tau) ** -power``."""
+        return poly_gate(staleness, self.power)

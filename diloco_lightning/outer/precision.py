@@ -1,9 +1,11 @@
-"""The precision of the outer optimizers' buffers: FP32 or bf16, rounded to nearest or stochastically.
+"""The precision of the outer optimizers' buffers: FP32, bf16 (to nearest or stochastic), or 8-bit blockwise.
 
 The math of every outer optimizer runs in FP32 (complex64 for complex keys: :func:`math_dtype`);
 ``state_dtype="bfloat16"`` keeps the buffers of real keys in bf16, read into FP32 for each step
 and rounded back once, to nearest even or, with ``stochastic_rounding``, by
-:func:`stochastic_round_` (see :mod:`diloco_lightning.outer.base` for the contract).
+:func:`stochastic_round_`; ``state_dtype="int8"`` keeps them as 8-bit blockwise codes
+(:mod:`diloco_lightning.outer.blockwise`; the codes are ``torch.uint8`` tensors, their block maxima
+FP32). See :mod:`diloco_lightning.outer.base` for the contract.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["STATE_DTYPES", "math_dtype", "parse_state_dtype", "stochastic_round_"]
+__all__ = ["STATE_DTYPES", "STATE_DTYPE_NAMES", "math_dtype", "parse_state_dtype", "stochastic_round_"]
 
 
 def math_dtype(is_complex: bool) -> torch.dtype:
@@ -24,11 +26,15 @@ def math_dtype(is_complex: bool) -> torch.dtype:
 #: ``state_dtype`` names -> the dtype of the buffers of real keys
 STATE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "int8": torch.uint8,  # 8-bit blockwise codes (outer/blockwise.py)
 }
+#: the name each buffer dtype is recorded under in an optimizer's options
+STATE_DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.uint8: "int8"}
 
 
 def parse_state_dtype(value: Any) -> torch.dtype:
-    """``"float32"``/``"fp32"``/``"bfloat16"``/``"bf16"`` (or the torch dtype) -> torch dtype.
+    """``"float32"``/``"fp32"``/``"bfloat16"``/``"bf16"``/``"int8"`` (or the torch dtype) -> torch dtype
+    (``torch.uint8`` for the 8-bit blockwise codes).
 
     Raises:
         ValueError: naming ``state_dtype`` for anything else.
@@ -37,7 +43,7 @@ def parse_state_dtype(value: Any) -> torch.dtype:
         return value
     if isinstance(value, str) and value.lower().removeprefix("torch.") in STATE_DTYPES:
         return STATE_DTYPES[value.lower().removeprefix("torch.")]
-    raise ValueError(f"state_dtype must be one of 'float32', 'bfloat16' (or 'fp32', 'bf16'), got {value!r}")
+    raise ValueError(f"state_dtype must be one of 'float32', 'bfloat16', 'int8' (or 'fp32', 'bf16'), got {value!r}")
 
 
 def stochastic_round_(src: Tensor, generator: torch.Generator) -> Tensor:

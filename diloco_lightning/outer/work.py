@@ -18,14 +18,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from diloco_lightning.outer.blockwise import BLOCK, blocks, dequantize_, quantize_
 from diloco_lightning.outer.precision import math_dtype, stochastic_round_
 
-__all__ = ["CHUNK_BYTES", "TEMP_BUDGET_BYTES", "Item", "Work", "WorkArea", "real_view"]
+__all__ = ["CHUNK_BYTES", "TEMP_BUDGET_BYTES", "Back", "Item", "Work", "WorkArea", "real_view"]
 
 #: Size of the reusable FP32 scratch area for delta conversions and copies of non-FP32 state.
 TEMP_BUDGET_BYTES = 16 * 1024 * 1024
 #: Converted tensors are processed in chunks of this many FP32 bytes (about a core's share of cache).
 CHUNK_BYTES = 4 * 1024 * 1024
+assert (CHUNK_BYTES // 4) % BLOCK == 0  # a chunk of an 8-bit blockwise buffer starts on a block
 
 
 def real_view(tensor: Tensor) -> Tensor:
@@ -40,6 +42,16 @@ class Item:
     key: str
     param: Tensor
     delta: Tensor
+
+
+class Back(NamedTuple):
+    """A low-precision buffer (slice) and its FP32 copy in a :class:`Work`'s ``bufs``."""
+
+    stored: Tensor  # the bf16 values or uint8 codes
+    math_copy: Tensor  # FP32, what the math updated
+    label: str  # seeds stochastic rounding
+    family: str
+    absmax: Tensor | None  # 8-bit blockwise: the slice of the block maxima (None for bf16)
 
 
 @dataclass(slots=True)
@@ -59,8 +71,10 @@ class Work:
     target: Tensor  # the state tensor (or its flat slice) that p stands for
     p_math: Tensor  # p before view_as_real, shaped like target
     writeback: str | None  # None (p is the state tensor), "copy" or "add"
-    #: (stored buffer slice, its FP32 copy in bufs, seed label) for low-precision buffers: rounded back after the math
-    buffer_back: list[tuple[Tensor, Tensor, str]] = field(default_factory=list)
+    #: low-precision buffers: what their FP32 copies in ``bufs`` are stored back into after the math
+    buffer_back: list[Back] = field(default_factory=list)
+    #: where ``p`` starts in the key's flattened tensor (elements; 0 for a whole tensor)
+    start: int = 0
 
     def write_back(self) -> None:
         if self.writeback == "copy":
@@ -125,6 +139,15 @@ class WorkArea:
     _state_dtype: torch.dtype
     _stochastic: bool
     _rounding_step: int
+    #: 8-bit blockwise buffers: family -> key -> FP32 block maxima
+    _absmax: dict[str, dict[str, Tensor]]
+    #: buffer families whose values are never negative (8-bit: the unsigned code book)
+    NONNEGATIVE: frozenset[str] = frozenset()
+    #: measure what the buffers' precision does at each step (:attr:`precision_stats`); off by default (it costs passes)
+    track_precision: bool = False
+    #: per low-precision buffer family, for the last step: ``floor`` (the fraction of values stored as 0
+    #: although not 0) and ``stuck`` (stored unchanged although the step changed them: rounded away)
+    precision_stats: dict[str, dict[str, float]]
 
     def _register(self, key: str, tensor: Tensor) -> None:
         raise NotImplementedError
@@ -144,6 +167,7 @@ class WorkArea:
         batches): per-key scalars are to be read before and written after :meth:`_run`.
         """
         low = 0 if self._state_dtype == torch.float32 else len(self._families)
+        counts: dict[str, list[int]] = {}
         units = [u for item in items
                  for u in _units(item, CHUNK_BYTES // 4, 0 if item.param.is_complex() else low)]
         needs = [u.need for u in units]
@@ -169,21 +193,46 @@ class WorkArea:
             if key not in self._specs:
                 self._register(key, unit.item.param)
             if scratch is not None and offset + need > scratch.numel():
-                self._flush(batch, fn)
+                self._flush(batch, fn, counts)
                 batch, offset = [], 0
             batch.append(self._make_work(unit, take))
         if batch:
-            self._flush(batch, fn)
+            self._flush(batch, fn, counts)
+        if self.track_precision:
+            self.precision_stats = {f: {"floor": c[0] / max(c[2], 1), "stuck": c[1] / max(c[2], 1)}
+                                    for f, c in counts.items()}
 
-    def _flush(self, batch: list[Work], fn: Callable[[list[Work]], None]) -> None:
+    def _flush(self, batch: list[Work], fn: Callable[[list[Work]], None], counts: dict[str, list[int]]) -> None:
         fn(batch)
         for work in batch:
             work.write_back()
-            for stored, math_copy, label in work.buffer_back:
+            for back in work.buffer_back:
                 if self._stochastic:
-                    seed = zlib.crc32(f"{self._rounding_step}:{label}".encode())
-                    stochastic_round_(math_copy, torch.Generator().manual_seed(seed))
-                stored.copy_(math_copy)  # to nearest even (exact after a stochastic rounding)
+                    seed = zlib.crc32(f"{self._rounding_step}:{back.label}".encode())
+                    stochastic_round_(back.math_copy, torch.Generator().manual_seed(seed))
+                if self.track_precision:
+                    self._count_precision(back, counts.setdefault(back.family, [0, 0, 0]))
+                if back.absmax is None:
+                    back.stored.copy_(back.math_copy)  # to nearest even (exact after a stochastic rounding)
+                else:
+                    quantize_(back.stored, back.absmax, back.math_copy, back.family not in self.NONNEGATIVE)
+
+    def _count_precision(self, back: Back, count: list[int]) -> None:
+        """Add to ``count`` ([floor, stuck, values]) what storing ``back`` will do (before it is stored)."""
+        new, old = back.math_copy, back.stored
+        if back.absmax is None:
+            rounded = new.to(old.dtype)
+            old_values = old.float()
+        else:
+            signed = back.family not in self.NONNEGATIVE
+            codes, amax = torch.empty_like(old), torch.empty_like(back.absmax)
+            quantize_(codes, amax, new, signed)
+            old_values = dequantize_(torch.empty(old.shape), old, back.absmax, signed)
+            rounded = dequantize_(torch.empty(old.shape), codes, amax, signed)
+        rounded_f, changed = rounded.float(), new != old_values
+        count[0] += int(((rounded_f == 0) & (new != 0)).sum())
+        count[1] += int(((rounded_f == old_values) & changed).sum())
+        count[2] += new.numel()
 
     def _make_work(self, unit: _Unit, take: Callable[[_Unit], Tensor]) -> Work:
         item = unit.item
@@ -212,24 +261,29 @@ class WorkArea:
                 p.copy_(target)
                 mode = "copy"
         p_math = p
-        back: list[tuple[Tensor, Tensor, str]] = []
+        back: list[Back] = []
         if unit.is_complex or self._state_dtype == torch.float32:
             if whole:
                 bufs = self._buffer_views(item.key)
             else:
                 bufs = {family: real_view(self._buffer(family, item.key).view(-1)[start:stop]) for family in self._families}
-        else:  # low-precision buffers: an FP32 copy of each, rounded back in _flush
+        else:  # low-precision buffers: an FP32 copy of each, stored back in _flush
             bufs = {}
             for family in self._families:
                 buf = self._buffer(family, item.key)
                 stored = buf if whole else buf.view(-1)[start:stop]
                 math_copy = take(unit).view(stored.shape)
-                math_copy.copy_(stored)
+                absmax = None
+                if buf.dtype == torch.uint8:  # 8-bit blockwise: chunks start on a block (CHUNK_BYTES // 4 % BLOCK == 0)
+                    absmax = self._absmax[family][item.key][start // BLOCK: blocks(stop)]
+                    dequantize_(math_copy, stored, absmax, family not in self.NONNEGATIVE)
+                else:
+                    math_copy.copy_(stored)
                 bufs[family] = math_copy
-                back.append((stored, math_copy, f"{family}/{item.key}/{start}"))
+                back.append(Back(stored, math_copy, f"{family}/{item.key}/{start}", family, absmax))
         if unit.is_complex:
             p, g = torch.view_as_real(p), torch.view_as_real(g)
-        return Work(item.key, p, g, bufs, unit.is_complex, target, p_math, mode, back)
+        return Work(item.key, p, g, bufs, unit.is_complex, target, p_math, mode, back, 0 if whole else start)
 
     def _buffer_views(self, key: str) -> dict[str, Tensor]:
         """``{family: real view of key's buffer}``, cached (the buffers are updated in place)."""

@@ -138,6 +138,7 @@ class SimResult:
     eval_times: list[float] = field(default_factory=list)  # simulated time of each eval_curve point
     lost_phases: int = 0  # phases in flight when their worker left
     eval_tokens: list[int] = field(default_factory=list)  # tokens delivered to the master by each eval_curve point
+    stopped_early: bool = False  # an evaluation was above options.stop_above: the run stopped there
 
 
 class Simulator:
@@ -222,6 +223,7 @@ class Simulator:
         self.eval_tokens: list[int] = []
         self._eval_at = sorted(set(float(t) for t in eval_times))
         self._last_eval: tuple[int, float] | None = None  # (outer step, loss) of the last evaluation
+        self.stopped_early = False  # an evaluation above options.stop_above ended the run
         self._rate: list[float | None] = [None] * len(self.workers)  # steps per unit of time, last finished phase
         self._phase: dict[tuple[int, int], tuple[float, int]] = {}  # (worker, r) -> (start, steps)
         self._tokens_in = 0  # tokens of the deltas delivered to the master
@@ -353,7 +355,7 @@ class Simulator:
                     self._push(joins, _JOIN, w.index)
                 else:
                     self._begin(w.index, 0.0)
-            while self._heap:
+            while self._heap and not self.stopped_early:
                 t, _, kind, k, r = heapq.heappop(self._heap)
                 self._evaluate_times(t, inclusive=False)  # the versions published before t
                 self.now = t
@@ -368,7 +370,8 @@ class Simulator:
                 pool.shutdown(wait=True, cancel_futures=True)
         # the master drains what is pending at the end; under a time budget a lockstep round that
         # some worker could not finish is not applied (the product's master would still wait)
-        if not self.arrival and self.master.open_deltas and not (self.sync == "lockstep" and self.max_time is not None):
+        if (not self.arrival and self.master.open_deltas and not self.stopped_early
+                and not (self.sync == "lockstep" and self.max_time is not None)):
             self._publish(self.master.close_round(self.now))
         pending = self.master.pending_record()
         if pending is not None:
@@ -386,6 +389,7 @@ class Simulator:
             inner_steps=sum(w.steps for w in self.workers), bytes_sent=self.bytes_sent, deltas=self.deltas,
             staleness_histogram=dict(sorted(self.histogram.items(), key=lambda kv: int(kv[0]))),
             eval_times=list(self.eval_times), lost_phases=self.lost_phases, eval_tokens=list(self.eval_tokens),
+            stopped_early=self.stopped_early,
         )
 
     def _phase_end(self, k: int, r: int, t: float) -> None:
@@ -482,6 +486,16 @@ class Simulator:
         self.eval_curve.append([s, float(self.evaluate(self.master.state))])
         self.eval_times.append(self.now)
         self.eval_tokens.append(self._tokens_in)
+        self._check_stop(s, self.eval_curve[-1][1])
+
+    def _check_stop(self, step: int, loss: float) -> None:
+        """End the run (no more events) at an evaluation after version 0 above ``options.stop_above``."""
+        limit = self.options.stop_above
+        if limit is not None and step > 0 and not (loss <= limit):
+            log.info("outer step %d: eval loss %s above stop_above=%s: the run stops here", step, loss, limit)
+            self.stopped_early = True
+            self._heap.clear()
+            self._eval_at = []
 
     def _evaluate_times(self, t: float, *, inclusive: bool) -> None:
         """Evaluate the newest version at each of ``eval_times`` before ``t`` (or at it)."""
@@ -493,6 +507,7 @@ class Simulator:
             self.eval_curve.append([s, self._last_eval[1]])
             self.eval_times.append(at)
             self.eval_tokens.append(self._tokens_in)
+            self._check_stop(s, self._last_eval[1])
 
     def _prune(self) -> None:
         """Drop the versions no worker can start from any more."""

@@ -28,7 +28,9 @@ the schedule goes on; it is counted in the metrics.
 
 Besides the master's own metrics (``staleness_histogram``, ``rejected_by_reason`` ...), each
 version records the outer step's size: the L2 norm and the RMS of ``new - old`` over the
-floating keys, and the RMS in units of the outer learning rate.
+floating keys, and the RMS in units of the outer learning rate; with low-precision outer buffers
+(``state_dtype`` bf16 or int8), ``outer_state``: per buffer, the fraction of values at the
+quantisation floor (stored as 0 though not 0) and stuck (the step's change rounded away).
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class SimMaster:
         self.opt = build_outer_optimizer(config.outer_optimizer, stepped_state(self.plan, self.state),
                                          **with_run_fragments(config.outer_optimizer, config.optimizer_options(), self.plan))
         self.lr = float(self.opt.options.get("lr", float("nan")))
+        # low-precision buffers: record what their precision does at each step (the version's ``outer_state``)
+        self.opt.track_precision = self.opt.state_dtype != torch.float32
         self.legacy = legacy_pa(config.outer_optimizer, self.plan, self.opt)
         self.outer_step = 0
         self.versions: dict[int, dict[str, Tensor]] = {0: _clone(self.state)}
@@ -253,6 +257,8 @@ class SimMaster:
         rec = m.to_dict()
         rec.update(time=now, round_seconds=self._step_seconds if applied else 0.0, null_round=not applied)
         rec.update(self._update_size(applied))
+        if applied and self.opt.precision_stats:
+            rec["outer_state"] = {f: dict(v) for f, v in self.opt.precision_stats.items()}
         self.records.append(rec)
         return rec
 

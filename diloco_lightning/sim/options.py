@@ -99,6 +99,10 @@ class SimOptions:
         None, "per-worker speeds drawn once from a seeded law, times speeds: {law: lognormal, sigma: 0.5, seed: 0} "
         "(exp(sigma N(0,1))) or {law: uniform, low: 0.25, high: 1, seed: 0} (null: no draw)"
     )
+    stop_above: float | None = option(
+        None, "stop the run at an evaluation after version 0 whose eval loss is above this or not finite (a "
+        "diverged run: a sweep stops paying for it; results.json's sim.stopped_early says so; null: never)"
+    )
     traces: list[Any] | None = option(
         None, "per worker, null or a list of [time, speed] change points (times increasing): the worker's speed "
         "from each time on (before the first: its speed); a phase lasts until the speed integrates to H"
@@ -137,6 +141,7 @@ class SimOptions:
             if workers is not None and len(list(times)) != workers:
                 raise OptionError(name, f"must give one time (or null) per worker ({workers}), got {len(list(times))}")
         check_number(self, "max_time", low=0.0, strict=True, optional=True)
+        check_number(self, "stop_above", low=0.0, strict=True, optional=True)
         if self.speed_law is not None:
             law = dict(self.speed_law) if isinstance(self.speed_law, Mapping) else None
             kind = (law or {}).get("law")

@@ -10,12 +10,12 @@ with its own defaults, and reports an :class:`OptionError` with the key's full n
 from __future__ import annotations
 
 import math
-from dataclasses import field
+from dataclasses import MISSING, field, fields
 from typing import Any
 
 from diloco_lightning.util.errors import ConfigError
 
-__all__ = ["OptionError", "option", "check_number", "check_choice"]
+__all__ = ["OptionError", "option", "default_of", "check_number", "check_choice"]
 
 
 class OptionError(ConfigError):
@@ -31,6 +31,19 @@ def option(default: Any = None, help: str = "", *, factory: Any = None) -> Any: 
     if factory is not None:
         return field(default_factory=factory, metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def default_of(options: type, name: str) -> Any:
+    """The default of option ``name`` of the option dataclass ``options`` (where other code needs
+    the value, it reads it from here: each default is written once)."""
+    for f in fields(options):
+        if f.name == name:
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+            if f.default is MISSING:
+                raise TypeError(f"{options.__name__}.{name} has no default")
+            return f.default
+    raise TypeError(f"{options.__name__} has no option {name!r}")
 
 
 def check_number(obj: Any, name: str, *, low: float, strict: bool = False, optional: bool = False,

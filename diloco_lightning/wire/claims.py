@@ -78,13 +78,14 @@ def default_claim_ttl(hub: Any) -> float:
 
 #: what a heartbeat may report, and the largest value believed: an inner step faster than a
 #: microsecond, 10**13 tokens a second (a million times a large GPU), a local step of more than
-#: 18 digits (the delta header's own bound) or an H above 10**9 is not a measurement but a bug or
-#: a lie, and is dropped
+#: 18 digits (the delta header's own bound), an H above 10**9 or a training loss above 10**6 is
+#: not a measurement but a bug or a lie, and is dropped
 REPORT_BOUNDS: dict[str, tuple[type, float]] = {
     "step_rate": (float, 1e6),
     "tokens_per_second": (float, 1e13),
     "local_step": (int, 10**18 - 1),
     "inner_steps": (int, 10**9),
+    "train_loss": (float, 1e6),
 }
 
 
@@ -188,14 +189,17 @@ class NodeReport:
 
     ``step_rate``: inner optimizer steps per second of compute (waits for the master and the
     boundaries themselves left out); ``tokens_per_second``: tokens trained on per second of
-    compute; ``local_step``: its last delta's ``local_step``; ``inner_steps``: the H it uses now.
-    Any may be None (not measured yet). Untrusted on the reading side: see :meth:`from_info`.
+    compute; ``local_step``: its last delta's ``local_step``; ``inner_steps``: the H it uses now;
+    ``train_loss``: the mean training loss of its last inner phase (the master watches it for
+    divergence, :mod:`diloco_lightning.master.health`). Any may be None (not measured yet).
+    Untrusted on the reading side: see :meth:`from_info`.
     """
 
     step_rate: float | None = None
     tokens_per_second: float | None = None
     local_step: int | None = None
     inner_steps: int | None = None
+    train_loss: float | None = None
 
     def to_info(self) -> dict[str, Any]:
         """The heartbeat's ``info`` object (keys of None values left out)."""

@@ -158,6 +158,18 @@ class ClaimKeeper:
             return "it is not signed with the run key"
         return other.dead_reason(now) or ("its process is gone" if _dead_here(other.holder) else None)
 
+    def check_free(self) -> None:
+        """Raise :class:`NodeIdTakenError` now if another live process holds this node id: a cheap
+        read, for a process to call before its slow start-up (data, model) rather than minutes in.
+        Nothing is written; :meth:`acquire` still decides."""
+        try:
+            current = self.hub.read_claim(self.node_id)
+        except NotImplementedError:
+            return
+        now = self.clock()
+        if current is not None and current.holder != self.holder and self._dead(current, now) is None:
+            raise self._taken(current, now)
+
     def acquire(self) -> None:
         """Claim the id, then keep the heartbeat going. Raises :class:`NodeIdTakenError`."""
         for _ in range(5):

@@ -35,7 +35,9 @@ usual), and undelivered work from the checkpoint that the hub already covers is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import shutil
 import time
@@ -48,7 +50,7 @@ from diloco_lightning.util import faults
 from diloco_lightning.encoding.feedback import ErrorFeedback
 from diloco_lightning.wire.delta import model_fingerprint, synced_keys
 from diloco_lightning.util.fileio import make_owned_dir, sweep_owned_dirs
-from diloco_lightning.wire.fragments import FragmentPlan, build_plan, fragment_count
+from diloco_lightning.wire.fragments import FragmentPlan, build_plan
 from diloco_lightning.hub.versions import read_verified_manifest
 from diloco_lightning.hub import Hub, open_hub
 from diloco_lightning.wire.manifest import Manifest
@@ -57,7 +59,7 @@ from diloco_lightning.wire.signing import RunKey, load_run_key
 from diloco_lightning.worker import checkpoint, modes
 from diloco_lightning.worker.claim import ClaimKeeper
 from diloco_lightning.worker.fragstate import FragmentBook
-from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, parse_delta_dtype, resolve_encoding
+from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, WorkerOptions, parse_delta_dtype
 from diloco_lightning.worker.pacing import Pacing
 from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.params import copy_into, module_state, snapshot
@@ -65,7 +67,7 @@ from diloco_lightning.worker.results import BoundaryResult, InstallResult
 from diloco_lightning.worker.waits import Waits
 from diloco_lightning.worker.install import check_global
 from diloco_lightning.worker.startup import fresh_start, hub_seen_high_of, settle_restart
-from diloco_lightning.worker.sync import GlobalFetcher, WaitTimeoutError, WorkerError, resolve_delay
+from diloco_lightning.worker.sync import GlobalFetcher, WaitTimeoutError, WorkerError
 from diloco_lightning.worker.uploader import Part, Uploader, UploadReport
 
 log = logging.getLogger(__name__)
@@ -87,36 +89,29 @@ class DiLoCoWorker:
         node_id: this worker's name on the hub (``[A-Za-z0-9._-]``, 1-64 characters).
         params: ``name -> tensor`` to sync and install into (use :func:`module_state`); the
             floating ones travel in deltas, integer buffers are only installed.
-        sync: ``"async"`` (install the newest version at each boundary, never wait) or
-            ``"lockstep"`` (at boundary r, wait for version ``r - delay`` and install exactly it;
-            the first ``delay`` boundaries install version 0).
-        delay: lockstep delay: an int, a per-node list, or a seeded distribution
-            (:func:`~diloco_lightning.worker.sync.resolve_delay`).
+        options: the worker's :class:`~diloco_lightning.worker.options.WorkerOptions` (``sync``,
+            ``delay``, ``delta_dtype``, ``topk``, ``topk_values``, ``error_feedback``,
+            ``fragments``, ``wait_timeout``, ``poll_interval``, ``claim_ttl`` ...: each one's
+            meaning and default is written there). Instead of ``options``, the same names may be
+            given as keywords (``DiLoCoWorker(hub, "w0", params, sync="lockstep", delay=2)``).
         node_index: this worker's index for a list/distribution ``delay`` (default: the number
             ending ``node_id``).
-        delta_dtype: the encoding on the wire: ``"float32"`` (default), ``"bfloat16"``,
-            ``"float16"``, ``"int8"``, ``"int4"`` or ``"topk"`` (``docs/encoding.md``; the worker
-            computes in FP32 and encodes once).
-        topk: ``delta_dtype="topk"``: the fraction of each tensor's entries sent.
-        topk_values: ``delta_dtype="topk"``: ``"int8"`` or ``"int4"`` values.
-        error_feedback: add what the encoding dropped to the next delta (None: on for int8, int4
-            and topk, off for the float casts); the residual is part of :meth:`anchor_state`.
         signing_key: a :class:`~diloco_lightning.wire.signing.RunKey`, key text/bytes, or None to
             take ``DILOCO_RUN_KEY`` / ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned
             when neither is set).
-        wait_timeout: seconds a blocking wait may last (bootstrap, lockstep, the final flush)
-            before ``WaitTimeoutError``; keep it below a DDP process-group timeout.
-        poll_interval: seconds between manifest reads while waiting, and of the async prefetcher.
+        hub_options: options for ``open_hub`` when ``hub`` is a URL.
         spool_dir: where delta files are written before upload (default: a temporary folder).
         claim: claim ``node_id`` on the hub at start (``nodes/<node_id>/claim.json``), so a second
-            live worker with the same id refuses to start (:mod:`diloco_lightning.worker.claim`).
-        claim_ttl: seconds the claim lives without a heartbeat (None: 60 on a folder hub, 900 on
-            ``hf://``); the heartbeat runs every ``claim_ttl / 2``.
+            live worker with the same id refuses to start (:mod:`diloco_lightning.worker.claim`);
+            the heartbeat runs every ``claim_ttl / 2``.
         pacing: the :class:`~diloco_lightning.worker.pacing.Pacing` the adapter drives (inner
             steps, Dynamic Local Updates, the throttle; see ``WorkerOptions.pacing``): at each
             boundary the worker asks it for the next phase's H (``BoundaryResult.inner_steps``)
             and reports its speed in the claim's heartbeat. None: a plain one (the caller decides
             boundaries; only tokens per second and the last local step are reported).
+
+    The options are checked by :meth:`WorkerOptions.validate` (an ``OptionError``, a ``ValueError``,
+    naming the option).
     """
 
     def __init__(
@@ -124,51 +119,30 @@ class DiLoCoWorker:
         hub: Hub | str | os.PathLike,
         node_id: str,
         params: Mapping[str, torch.Tensor],
+        options: WorkerOptions | None = None,
         *,
-        sync: str = "async",
-        delay: Any = 0,
         node_index: int | None = None,
-        delta_dtype: Any = "float32",
-        topk: float = 0.01,
-        topk_values: str = "int8",
-        error_feedback: bool | None = None,
         signing_key: RunKey | str | bytes | None = None,
         hub_options: Mapping[str, Any] | None = None,
-        wait_timeout: float = 1200.0,
-        poll_interval: float = 1.0,
         spool_dir: str | os.PathLike | None = None,
         claim: bool = True,
-        claim_ttl: float | None = None,
         pacing: Pacing | None = None,
-        fragments: Any = None,
+        **option_values: Any,
     ) -> None:
         self.node_id = validate_node_id(node_id)
-        if sync not in SYNC_MODES:
-            raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
-        self.sync = sync
-        self.delay = resolve_delay(delay, node_id, node_index)
-        self.delta_dtype = parse_delta_dtype(delta_dtype)
-        self.encoding, self.error_feedback = resolve_encoding(delta_dtype, topk, topk_values, error_feedback)
-        for name, value in (("wait_timeout", wait_timeout), ("poll_interval", poll_interval)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        self.wait_timeout = float(wait_timeout)
-        self.poll_interval = float(poll_interval)
-        if not isinstance(params, Mapping) or not params:
-            raise ValueError("params must be a non-empty mapping name -> tensor (e.g. module_state(model))")
-        for k, t in params.items():
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"params[{k!r}] is a {type(t).__name__}, not a tensor")
-        self.params: dict[str, torch.Tensor] = dict(params)
+        self.options = _worker_options(options, option_values).validate(self.node_id, node_index)
+        opts = self.options
+        self.sync = opts.sync
+        self.delay = opts.resolved_delay(self.node_id, node_index)
+        self.encoding, self.error_feedback = opts.encoding, opts.feedback
+        self.delta_dtype = self.encoding.name
+        self.wait_timeout = float(opts.wait_timeout)
+        self.poll_interval = float(opts.poll_interval)
+        self.params: dict[str, torch.Tensor] = _check_params(params)
         self.synced = synced_keys(self.params)
-        if not self.synced:
-            raise ValueError("params has no floating-point tensor to sync")
         self.fingerprint = model_fingerprint(self.params)
         #: the fragments (Streaming DiLoCo; ``diloco_lightning/wire/fragments.py``), None: one delta of every key
-        self.plan: FragmentPlan | None = build_plan(fragments, {k: self.params[k] for k in self.synced})
-        if self.plan is not None and self.error_feedback:
-            raise ValueError(f"fragments={fragment_count(fragments)} cannot be combined with error feedback yet "
-                             f"(delta_dtype={self.encoding.name}): pass error_feedback=False or a float delta_dtype")
+        self.plan: FragmentPlan | None = build_plan(opts.fragments, {k: self.params[k] for k in self.synced})
         #: per fragment: its anchor's base, tokens since its last delta, the prefetched version (worker/fragstate.py)
         self._frags = FragmentBook(self.plan)
         self._pin = any(t.device.type == "cuda" for t in self.params.values()) and torch.cuda.is_available()
@@ -203,8 +177,7 @@ class DiLoCoWorker:
         self._fetcher: GlobalFetcher | None = None
         self._spool: str | None = None
         self._started = False
-        self._closed = False
-        self._newest_seen = -1
+        self._closed, self._newest_seen = False, -1
         self._waits = Waits(self)
         #: exported work not yet handed to the uploader, and the hand-over (worker/outbox.py)
         self._outbox = Outbox(self.hub, self.node_id, self.totals, self._waits, poll_interval=self.poll_interval,
@@ -216,8 +189,9 @@ class DiLoCoWorker:
             raise ValueError(f"fragments={self.plan.count} cannot be combined with inner_steps='auto' (Dynamic Local "
                              f"Updates) yet: give a fixed inner_steps, a multiple of the fragment count")
         self._reported = False
+        self._train_loss: float | None = None  # the last phase's mean loss, in the heartbeat
         self._claim_keeper = (
-            ClaimKeeper(self.hub, self.node_id, ttl=claim_ttl, signing_key=self.signing_key,
+            ClaimKeeper(self.hub, self.node_id, ttl=opts.claim_ttl, signing_key=self.signing_key,
                         watch_peers=self.pacing.auto and self.pacing.dylu_seconds is None)
             if claim else None
         )
@@ -367,12 +341,14 @@ class DiLoCoWorker:
         self._anchor = snap
         return part
 
-    def boundary(self, num_tokens: int | None = None) -> BoundaryResult:
+    def boundary(self, num_tokens: int | None = None, train_loss: float | None = None) -> BoundaryResult:
         """End an inner phase: export ``anchor - local``, hand it to the uploader, install a
-        newer global (see the module docstring). ``num_tokens``: tokens trained on since the last
-        boundary (optional; goes in the delta header)."""
+        newer global (see the module docstring). Optional: ``num_tokens`` trained on since the last
+        boundary (in the delta header), ``train_loss`` (in the heartbeat: the master watches it)."""
         if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0):
             raise ValueError(f"num_tokens must be a non-negative integer or None, got {num_tokens!r}")
+        if train_loss is not None:  # a non-finite loss is not reported (the heartbeat would drop it)
+            self._train_loss = float(train_loss) if math.isfinite(float(train_loss)) else None
         if self._claim_keeper is not None:
             self._claim_keeper.check()  # another process took this node id over: never send under it
         self.start()
@@ -422,7 +398,8 @@ class DiLoCoWorker:
         peers = keeper.peer_reports() if keeper is not None and keeper.watch_peers else {}
         h = self.pacing.end_phase(num_tokens, [p.step_rate for p in peers.values()])
         if keeper is not None:
-            keeper.set_info(self.pacing.report(self.boundaries + self._offset()).to_info(), urgent=not self._reported)
+            report = dataclasses.replace(self.pacing.report(self.boundaries + self._offset()), train_loss=self._train_loss)
+            keeper.set_info(report.to_info(), urgent=not self._reported)
             self._reported = True
         return h
 
@@ -502,3 +479,29 @@ class DiLoCoWorker:
         """Restore :meth:`anchor_state` (before :meth:`start`): the first delta after resume is
         then the true pseudo-gradient of the interrupted inner phase."""
         checkpoint.load_anchor_state(self, state)
+
+
+def _worker_options(options: WorkerOptions | None, values: Mapping[str, Any]) -> WorkerOptions:
+    """``options``, or the :class:`WorkerOptions` the keywords ``values`` name (not both)."""
+    if options is not None and values:
+        raise TypeError("DiLoCoWorker: give either options= or option keywords, not both")
+    if options is not None:
+        if not isinstance(options, WorkerOptions):
+            raise TypeError(f"DiLoCoWorker: options must be a WorkerOptions, got {type(options).__name__}")
+        return options
+    unknown = sorted(set(values) - set(WorkerOptions.names()))
+    if unknown:
+        raise TypeError(f"DiLoCoWorker got unknown option(s) {unknown}; valid: {WorkerOptions.names()}")
+    return WorkerOptions(**values)
+
+
+def _check_params(params: Any) -> dict[str, torch.Tensor]:
+    if not isinstance(params, Mapping) or not params:
+        raise ValueError("params must be a non-empty mapping name -> tensor (e.g. module_state(model))")
+    for k, t in params.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"params[{k!r}] is a {type(t).__name__}, not a tensor")
+    out = dict(params)
+    if not synced_keys(out):
+        raise ValueError("params has no floating-point tensor to sync")
+    return out

@@ -25,7 +25,7 @@ from diloco_lightning.wire.fragments import FragmentError, fragment_count
 from diloco_lightning.util.options import OptionError, check_choice, check_number, option
 from diloco_lightning.worker.pacing import AUTO, Pacing, resolve_throttle
 
-__all__ = ["SYNC_MODES", "DELTA_DTYPES", "TOPK_VALUES", "WorkerOptions", "parse_delta_dtype", "resolve_encoding"]
+__all__ = ["SYNC_MODES", "DELTA_DTYPES", "TOPK_VALUES", "DEFAULTS", "WorkerOptions", "parse_delta_dtype", "resolve_encoding"]
 
 #: ``async``: install the newest global at each boundary, never wait; ``lockstep``: install exactly
 #: version ``r - delay`` at boundary r (controlled staleness, for experiments)
@@ -88,7 +88,7 @@ class WorkerOptions:
     """What shapes a worker (keywords of ``DiLoCo``, the Accelerate adapter and ``DiLoCoWorker``)."""
 
     inner_steps: Any = option(
-        500, "H: inner optimizer steps between two deltas, or auto (Dynamic Local Updates: H from this worker's speed)"
+        8, "H: inner optimizer steps between two deltas, or auto (Dynamic Local Updates: H from this worker's speed)"
     )
     dylu_steps: int = option(100, "inner_steps=auto: H of the fastest live worker; slower ones take proportionally fewer")
     dylu_min_steps: int | None = option(None, "inner_steps=auto: the fewest inner steps of a phase (null: dylu_steps / 16, >= 1)")
@@ -216,6 +216,10 @@ class WorkerOptions:
     def feedback(self) -> bool:
         """Whether error feedback is on (``error_feedback`` resolved for this encoding)."""
         return resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback)[1]
+
+
+#: every option at its default (read it, never change it): what the adapters' signatures show
+DEFAULTS = WorkerOptions()
 
 
 def _no_index(node_id: str) -> bool:

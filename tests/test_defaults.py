@@ -1,0 +1,119 @@
+"""Each option has one default, written beside its owner (``WorkerOptions``, ``MasterConfig``,
+``SimOptions``): the Hydra schema takes it, the adapters' signatures show it, and no YAML file says it
+again. A YAML file that sets an option makes a choice (``diloco=lockstep`` sets ``sync``; the folder
+hub polls faster), never a second default; a product key with a meaning of its own is named here
+with that meaning in its help."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from diloco_lightning.app import config as schema
+from diloco_lightning.master.config import MasterConfig
+from diloco_lightning.sim.options import SimOptions
+from diloco_lightning.util.options import default_of
+from diloco_lightning.worker.options import WorkerOptions
+
+#: schema section -> (library option class, keys the product gives a meaning of its own)
+SECTIONS: dict[str, tuple[type, type, set[str]]] = {
+    "diloco": (schema.DiLoCoConf, WorkerOptions, set()),
+    # null: decided by the run (the workers' lockstep quorum and delay); 1: the command owns its process
+    "master": (schema.MasterConf, MasterConfig, {"min_deltas", "keep_globals", "torch_threads"}),
+    "sim": (schema.SimConf, SimOptions, set()),
+}
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_the_schema_takes_each_library_default(section):
+    conf, options, own = SECTIONS[section]
+    library = {f.name for f in dataclasses.fields(options)}
+    for f in dataclasses.fields(conf):
+        if f.name not in library or f.name in own:
+            continue
+        assert _default(f) == default_of(options, f.name), f"{section}.{f.name}"
+    for name in own:
+        help_text = next(f for f in dataclasses.fields(conf) if f.name == name).metadata["help"]
+        assert help_text and help_text != next(f for f in dataclasses.fields(options) if f.name == name).metadata["help"]
+
+
+def test_the_outer_group_defaults_are_the_masters():
+    fields = {f.name: f for f in dataclasses.fields(schema.OuterConf)}
+    assert fields["name"].default == default_of(MasterConfig, "outer_optimizer")
+    assert fields["lr"].default == default_of(MasterConfig, "outer_lr")
+
+
+@pytest.mark.parametrize("adapter", ["diloco_lightning.adapters.lightning", "diloco_lightning.adapters.accelerate"])
+def test_the_adapters_show_the_library_defaults(adapter):
+    import importlib
+
+    sig = inspect.signature(importlib.import_module(adapter).DiLoCo.__init__)
+    names = set(WorkerOptions.names())
+    shown = {n: p.default for n, p in sig.parameters.items() if n in names}
+    assert set(shown) == names  # every option is a keyword of the adapter
+    assert shown.pop("inner_steps") is inspect.Parameter.empty  # DiLoCo(hub, node_id, inner_steps): required
+    assert shown == {n: default_of(WorkerOptions, n) for n in shown}
+
+
+def _yaml_options(path: Path) -> dict[str, dict[str, Any]]:
+    """``section -> {key: value}`` a config file sets, for the sections with a library option class."""
+    text = path.read_text()
+    node = yaml.safe_load(text) or {}
+    package = "_global_" if "# @package _global_" in text else path.parent.name
+    if path.parent.name == "configs":
+        package = "_global_" if path.name == "train.yaml" else "master"  # diloco-master: the master keys on top
+    if package != "_global_":
+        node = {package: node}
+    return {s: v for s, v in node.items() if s in SECTIONS and isinstance(v, dict)}
+
+
+CONFIGS = sorted(p for p in schema.CONFIG_DIR.rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(schema.CONFIG_DIR)) for p in CONFIGS])
+def test_no_yaml_file_says_a_default_again(path):
+    for section, values in _yaml_options(path).items():
+        conf, options, own = SECTIONS[section]
+        library = set(options.names()) - own
+        if path.parent == schema.CONFIG_DIR:  # train.yaml, master.yaml: the defaults are the library's
+            assert not library.intersection(values), f"{path.name} sets {sorted(library.intersection(values))}"
+        for key, value in values.items():
+            if key in library and value != path.stem:  # a group option says the value it is named for (sync: async)
+                assert value != default_of(options, key), f"{path}: {section}.{key}: {value!r} is the default already"
+
+
+def test_the_composed_commands_use_the_library_defaults():
+    """What the two commands run with, key by key: the library's value unless a chosen group sets it."""
+    from diloco_lightning.app.cli import _compose
+
+    schema.register_configs()
+    cfg = _compose("train", ["hub=hf", "hub.url=hf://org/run"])  # the one group that sets nothing of these
+    for key in ("inner_steps", "dylu_steps", "wait_timeout", "poll_interval", "claim_ttl", "delta_dtype"):
+        assert cfg.diloco[key] == default_of(WorkerOptions, key), key
+    assert cfg.diloco.sync == "lockstep"  # configs/train.yaml chooses the diloco=lockstep group
+    assert cfg.master.poll_interval == default_of(MasterConfig, "poll_interval")
+    folder = _compose("train", [])
+    assert folder.diloco.poll_interval == folder.master.poll_interval == 0.05  # configs/hub/file.yaml's choice
+    master = _compose("master", ["hub.url=/tmp/hub"])
+    for key in ("poll_interval", "norm_ratio", "lease_ttl", "gc_every", "aggregation"):
+        assert master[key] == default_of(MasterConfig, key), key
+
+
+def test_keep_globals_follows_the_lockstep_delay():
+    from diloco_lightning.app.build import run_master_config
+    from diloco_lightning.app.cli import _compose
+
+    schema.register_configs()
+    assert run_master_config(_compose("train", ["recipe=tiny"])).keep_globals == default_of(MasterConfig, "keep_globals")
+    assert run_master_config(_compose("train", ["recipe=llama25m_tau16"])).keep_globals == 18
+    assert run_master_config(_compose("train", ["recipe=tiny", "master.keep_globals=2"])).keep_globals == 2
+    assert run_master_config(_compose("train", ["recipe=tiny", "diloco=async", "diloco.delay=9"])).keep_globals == 4
