@@ -83,6 +83,7 @@ from diloco_lightning.wire.names import (
     validate_hub_path,
     validate_node_id,
 )
+from diloco_lightning.hub.options import DEFAULT_NODE_REPO, LAYOUTS, parse_node_repo
 from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.signing import load_run_key
 
@@ -90,28 +91,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HFNodesHub", "DEFAULT_NODE_REPO", "LAYOUTS", "parse_node_repo"]
 
-DEFAULT_NODE_REPO = "{repo}-{node}"
-LAYOUTS = ("shared", "per_node")
 
 _Files = list[tuple[str, "int | None", "str | None"]]
-
-
-def parse_node_repo(pattern: str, org: str, repo: str) -> tuple[str, str, str]:
-    """``(namespace, prefix, suffix)`` of a node repository pattern: ``<ns>/<prefix>{node}<suffix>``."""
-    if not isinstance(pattern, str) or pattern.count("{node}") != 1:
-        raise ValueError(f"node_repo {pattern!r} must contain {{node}} exactly once, as in '{DEFAULT_NODE_REPO}'")
-    ns_pat, _, name_pat = pattern.rpartition("/")
-    if "{node}" in ns_pat:
-        raise ValueError(f"node_repo {pattern!r}: {{node}} must be in the repository name, not its namespace")
-    head, _, tail = name_pat.partition("{node}")
-    try:
-        ns = (ns_pat or "{org}").format(org=org, repo=repo)
-        prefix, suffix = head.format(org=org, repo=repo), tail.format(org=org, repo=repo)
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"node_repo {pattern!r}: only {{org}}, {{repo}} and {{node}} may appear ({e})") from None
-    if not prefix and not suffix:
-        raise ValueError(f"node_repo {pattern!r}: the name needs text besides {{node}} (e.g. '{DEFAULT_NODE_REPO}')")
-    return ns, prefix, suffix
 
 
 class HFNodesHub(Hub):

@@ -1,7 +1,7 @@
 """A worker's exported work that is not yet on the hub: what it holds, and when it hands it over.
 
-The training thread exports a :class:`~diloco_lightning.worker.uploader.Part` at each boundary;
-the :class:`Outbox` holds it as a :class:`~diloco_lightning.worker.uploader.Job` until the
+The training thread exports a :class:`~diloco_lightning.worker.jobs.Part` at each boundary;
+the :class:`Outbox` holds it as a :class:`~diloco_lightning.worker.jobs.Job` until the
 background :class:`~diloco_lightning.worker.uploader.Uploader` is free (and the hub's commit
 budget allows an upload), takes back what failed (merged into the next delta: nothing is lost),
 counts what was delivered in the worker's totals, and blocks when it must (a flush, a whole
@@ -17,7 +17,8 @@ from typing import Any
 
 from diloco_lightning.hub import Hub
 from diloco_lightning.worker.sync import WaitTimeoutError, WorkerError
-from diloco_lightning.worker.uploader import Job, Part, Uploader, UploadReport, merge_jobs, retry_pause
+from diloco_lightning.worker.jobs import Job, Part, UploadReport, merge_jobs
+from diloco_lightning.worker.uploader import Uploader, retry_pause
 from diloco_lightning.worker.waits import Waits
 
 __all__ = ["Outbox"]

@@ -21,7 +21,7 @@ from diloco_lightning.hub.base import DeltaRef, Hub
 from diloco_lightning.wire.manifest import Manifest
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.wire.layout import LayoutError, read_layout
-from diloco_lightning.worker.uploader import Job
+from diloco_lightning.worker.jobs import Job
 
 __all__ = ["hub_seen_high", "is_authentic", "drop_delivered"]
 
