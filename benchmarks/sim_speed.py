@@ -1,8 +1,11 @@
 """Inner steps per second: the simulator (``launch=sim``) against the multi-process run (``launch=local``).
 
-The same recipe (default ``recipe=tiny``: 2 workers, H = 8, 160 steps each), run alternately with
-each launcher, ``--repeat`` times, each in a fresh ``train.py`` process (the tokenizer and token
-cache built once beforehand, so neither pays for it). Two figures per run:
+The same recipe (default ``recipe=tiny``: 2 workers, H = 8, 160 steps each; ``--model study``: the
+staleness study's model and data, 4 workers, 200 steps each), run alternately with each launcher,
+``--repeat`` times, each in a fresh ``train.py`` process (the tokenizer and token cache built once
+beforehand, so neither pays for it). The simulator runs twice: unbatched (``sim``:
+``sim.batched=false``, the workers' phases on threads, the default on a CPU) and batched
+(``sim-batched``: ``sim.batched=true``, the default on a GPU). Two figures per run:
 
 * end to end: ``workers * max_steps`` over the wall time of the whole ``train.py`` command
   (start-up, data, evaluation and results included): what a user waits for;
@@ -20,6 +23,7 @@ cores)`` workers side by side on threads, one intra-op thread each, as the simul
 Its ratio to the multi-process run bounds the simulator's speed-up on this machine.
 
     python benchmarks/sim_speed.py --repeat 2 --ceiling
+    python benchmarks/sim_speed.py --model study --repeat 3 --ceiling
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: ``--model study``: the staleness study's setting (benchmarks/study.py), 4 workers, 200 inner steps each
+STUDY = ["workers=4", "data.tokenizer=byte", "data.max_bytes=2000000", "data.seq_len=64", "data.batch_size=8",
+         "model.d_model=96", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=256",
+         "optim.lr=0.004", "optim.warmup_steps=20", "trainer.max_steps=200"]
+LAUNCHES = {"local": ["launch=local"], "sim": ["launch=sim", "sim.batched=false"], "sim-batched": ["launch=sim", "sim.batched=true"]}
 
 
 def _run(args: list[str], root: Path, env: dict) -> tuple[float, dict]:
@@ -87,14 +96,16 @@ def _ceiling(overrides: list[str], root: Path, steps: int = 24) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="tiny")
+    ap.add_argument("--model", choices=("recipe", "study"), default="recipe",
+                    help="study: the staleness study's model and data (4 workers, 200 steps)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--ceiling", action="store_true", help="also time the bare inner loops (the in-process bound)")
     ap.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
     a = ap.parse_args(argv)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    common = [f"recipe={a.recipe}", *a.overrides]
-    rows: dict[str, list[tuple[float, float]]] = {"local": [], "sim": []}
+    common = [f"recipe={a.recipe}", *(STUDY if a.model == "study" else []), *a.overrides]
+    rows: dict[str, list[tuple[float, float]]] = {k: [] for k in LAUNCHES}
     bare: list[float] = []
     with tempfile.TemporaryDirectory(prefix="sim_speed_") as tmp:
         root = Path(tmp)
@@ -102,20 +113,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {' '.join(common)}; load average {os.getloadavg()[0]:.2f}", flush=True)
         _run([*common, "launch=sim", "trainer.max_steps=8", "run_id=warm"], root, env)  # builds the data cache once
         for i in range(a.repeat):
-            for launch in ("local", "sim"):
-                wall, res = _run([*common, f"launch={launch}", f"run_id={launch}{i}"], root, env)
+            for launch, extra in LAUNCHES.items():
+                wall, res = _run([*common, *extra, f"run_id={launch}{i}"], root, env)
                 steps = res["workers"] * res["max_steps"]
                 rows[launch].append((steps / wall, steps / res["wall_seconds"]))
-                print(f"{launch:5} run {i}: {steps} inner steps, command {wall:6.1f} s -> {steps / wall:6.1f} steps/s end to end, "
+                print(f"{launch:8} run {i}: {steps} inner steps, command {wall:6.1f} s -> {steps / wall:6.1f} steps/s end to end, "
                       f"{steps / res['wall_seconds']:6.1f} steps/s in-run; eval loss {res['eval_loss']:.3f}", flush=True)
             if a.ceiling:
                 bare.append(_ceiling(common, root))
                 print(f"bare  run {i}: {bare[-1]:6.1f} steps/s (inner steps only, no launcher)", flush=True)
     med = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v)) for k, v in rows.items()}
-    print(f"# median end to end: local {med['local'][0]:.1f}, sim {med['sim'][0]:.1f} steps/s: "
-          f"sim / local = {med['sim'][0] / med['local'][0]:.1f}x")
-    print(f"# median in-run:     local {med['local'][1]:.1f}, sim {med['sim'][1]:.1f} steps/s: "
-          f"sim / local = {med['sim'][1] / med['local'][1]:.1f}x")
+    for i, what in ((0, "end to end"), (1, "in-run")):
+        print(f"# median {what:10}: local {med['local'][i]:.1f}, sim {med['sim'][i]:.1f}, sim-batched "
+              f"{med['sim-batched'][i]:.1f} steps/s: sim / local = {med['sim'][i] / med['local'][i]:.1f}x, "
+              f"sim-batched / local = {med['sim-batched'][i] / med['local'][i]:.1f}x, "
+              f"sim-batched / sim = {med['sim-batched'][i] / med['sim'][i]:.2f}x")
     if bare:
         b = statistics.median(bare)
         print(f"# median bare inner loops: {b:.1f} steps/s: bare / local (in-run) = {b / med['local'][1]:.1f}x, "

@@ -1,302 +1,481 @@
-"""What asynchrony buys with slow workers, under one budget of simulated time (issue 16's evidence, ``launch=sim``).
+"""When asynchrony wins, measured fairly: asynchronous DiLoCo beside every synchronous baseline, on the simulator.
 
-Four workers on the in-process simulator with per-worker speeds (``sim.speeds``: inner steps per
-unit of simulated time), every run of a profile under the SAME budget of simulated time
-(``sim.max_time``): the time synchronous DiLoCo needs for ``--rounds`` rounds (each round waits
-for the slowest worker: ``H / min(speeds)``). Every worker keeps starting phases while they end
-within the budget, so in the asynchronous runs the fast workers train ~3x the steps of the
-synchronous run's. Configs:
+    python benchmarks/sim_stragglers.py --plan                 # what would run, what is done
+    python benchmarks/sim_stragglers.py                        # everything (resumable), then the report
+    python benchmarks/sim_stragglers.py --phases tune          # one phase: tune | seeds | sweep
+    python benchmarks/sim_stragglers.py --scenarios straggler  # some scenarios only
+    python benchmarks/sim_stragglers.py --report               # the tables and the plot from what finished
 
-* ``sync``: synchronous DiLoCo: ``diloco.sync=lockstep`` (delay 0), Nesterov (DiLoCo's outer
-  optimizer); every round waits for the slowest worker.
-* ``sync_cgad``: the same with CGAD (a control: the outer optimizer, not the waiting).
-* ``async_nesterov``: ``diloco.sync=async``, one outer step per arriving delta
-  (``master.aggregation=arrival``), Nesterov: nobody waits, stale deltas are not gated.
-* ``async_cgad``: the same with CGAD (the staleness gate).
-* ``async_cgad_dylu``: plus Dynamic Local Updates (``diloco.inner_steps=auto``, ``dylu_steps=H``):
-  the slow workers take fewer inner steps per phase (arrival mode: each delta is its own outer step).
-* ``async_cgad_q3``: CGAD in rounds of any 3 deltas (``aggregation=round``, ``sim.quorum=3``: the
-  real master's quorum of 3 of 4 live workers), a fixed H.
-* ``async_cgad_q3_dylu``: the same with DyLU and ``master.weighting=tokens`` (each delta weighted
-  by its tokens in the round's mean).
+Every run is ``train.py launch=sim`` composed in this process (the product's own ``run_sim``) and
+writes ``<out>/runs/<id>/results.json`` when it ends; a run whose results exist is never run
+again, so an interrupted study resumes where it stopped (failures: ``<out>/failures.jsonl``). The
+report (``benchmarks/stragglers_report.py``) writes ``docs/stragglers_results.md`` and
+``docs/figures/stragglers_scenarios.png``; docs/stragglers.md says what they show.
 
-Model (``--model study``, the default): ``benchmarks/study.py``'s (a Llama of d_model 96, 3
-layers, UTF-8 bytes, sequences of 64, batch 8, AdamW lr 4e-3), ~4x cheaper per step than
-``recipe=tiny``'s. ``trainer.max_steps`` (also the inner lr schedule's length) is, per config,
-the steps its fastest worker can take in the budget (sync: ``rounds * H``; async: ``max_time *
-max(speeds)``), as a user sizes a run.
+**Setting.** The staleness study's model (``benchmarks/study.py``: a Llama of d_model 96, 3 layers,
+0.36 M parameters, UTF-8 bytes, sequences of 64, batch 8, AdamW 4e-3 with 20 warm-up steps and a
+cosine to 10 %), K = 4 workers, H = 8. One unit of simulated time is one inner step of a speed-1
+worker. Each scenario has one **budget of simulated time** that every arm gets (``sim.max_time``):
+each worker keeps starting phases while they end in the budget. ``trainer.max_steps`` (also the
+inner lr schedule's length) is, per arm, the steps its fastest worker takes in the budget, found by
+simulating the arm's schedule with no arithmetic first (:func:`schedule_steps`: the schedule does
+not depend on the weights), so every arm's inner lr decays over the budget it has.
 
-Reported per profile (mean ± std over seeds): the final eval loss at the budget (equal time);
-the simulated time each run first reaches the same seed's synchronous run's final loss
-(interpolated between the evenly spaced evaluations) as a ratio of the budget; the eval loss at
-the synchronous run's total tokens (the tokens of the deltas delivered to the master, interpolated
-between evaluations); and, for each asynchronous config, the paired difference to ``sync`` per
-seed with a 95 % t interval (n = number of seeds).
+**Scenarios** (:data:`SCENARIOS`): ``straggler`` (speeds [1, 1, 1, 1/4], budget 640: 20
+synchronous rounds), ``spread`` ([1, 2/3, 1/2, 1/3], 480: 20 rounds), ``xdc`` (a cross-datacenter
+link: 4 equal workers whose upload of the uncompressed delta takes rho = 0.45 of a phase's compute,
+as a 1.1 B-parameter bf16 delta, 2.2 GB, over 1 Gbit/s takes ~18 s against ~40 s for H = 100; the
+download of a version the same; budget 320), ``xdc_r<rho>`` (the same link at rho 0, 0.25, 1, 2:
+the sweep), ``preempt`` (4 equal workers, each preempted at a seeded Poisson rate of 1 per 200 units
+of up time for an exponential 20 units: ~9 % of worker time down plus the lost partial phases, ~11
+% in all; budget 320) and ``varying`` (4 workers whose speed switches between 1 and 1/4 at seeded
+exponential times, mean 60 units fast and 20 slow; budget 320). The preemption and speed draws are
+the seed's: every arm of a seed sees the same ones (paired).
 
-Phases: ``grid`` (every config at its default outer lr, every profile and seed), ``tune`` (seed 0,
-the first profile: 3 outer lrs per config, the same budget for every method: Nesterov 0.1 / 0.3 /
-0.7, CGAD 0.001 / 0.003 / 0.01), ``tuned`` (the other seeds of the first profile at each config's
-tuned lr, the lowest final loss of ``tune``).
+**Arms** (:data:`ARMS`): synchronous ``sync`` (lockstep, every worker, delay 0), ``sync_drop``
+(lockstep without the workers slower than half the fastest), ``sync_q3_drop`` / ``sync_q3_apply``
+(synchronous rounds that close with 3 of 4 deltas or at a deadline of twice a fast worker's round,
+a late delta's phase given up / applied late: ``sim.barrier``), ``sync_dylu`` (lockstep with
+Dynamic Local Updates, token-weighted), ``sync_overlap`` (lockstep with one round of delay: the
+upload overlaps the next phase), and asynchronous ``async`` (one outer step per delta), ``async_q3``
+(rounds of any 3 deltas), ``async_dylu``; in ``xdc`` also ``*_int4`` (int4 deltas with error
+feedback) and ``*_frag4`` (4 fragments, Streaming DiLoCo) for both sides.
 
-    python benchmarks/sim_stragglers.py                         # grid: 36 runs, 47 min on 2 cores at load 6-8
-    python benchmarks/sim_stragglers.py --phases grid tune tuned --plot docs/figures/stragglers_sim_time.png
-    python benchmarks/sim_stragglers.py --report                # the tables again from the finished runs
+**Outer optimizers, tuned the same way.** Two families for every arm, each with its own 5-point
+log lr grid (factor 2), extended by one point (up to twice) on the side where the best lr sits on
+the edge, so the chosen lr is interior: ``nesterov`` (DiLoCo's, momentum 0.9; 0.05-0.8) and ``cgad``
+(Adam-family; at staleness 0 it is Adam; 2.5e-4-4e-3). The families' best staleness-aware SGD of
+issue 24 joins as ``sgd`` when it is registered (:data:`FAMILIES`). Tuning: seed 0, the final eval
+loss at the budget (equal time). Then seeds 1 and 2 at each (scenario, arm)'s best (family, lr).
+The sweep scenarios reuse ``xdc``'s tuned choices.
 
-Runs go to ``bench_sim_stragglers/<profile>-<config>[-lr<lr>]-s<seed>/results.json`` (a finished
-run is not run again); the tables are printed and written to ``bench_sim_stragglers/summary.json``.
+Runs one at a time (``--jobs`` for more), one intra-op thread each, ``nice``: see docs/stragglers.md
+for how long the whole study took.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
-import statistics
-import subprocess
+import os
+import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-H = 8
+sys.path.insert(0, str(ROOT))
 
-PROFILES = {
-    "one_4x_straggler": [1.0, 1.0, 1.0, 0.25],
-    "spread": [1.0, 2 / 3, 1 / 2, 1 / 3],
+H, K = 8, 4
+MODEL = ["model.d_model=96", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=256",
+         "data.tokenizer=byte", "data.max_bytes=2000000", "data.seq_len=64", "data.batch_size=8", "data.val_batches=16",
+         "optim.lr=0.004", "optim.warmup_steps=20"]
+COMMON = ["recipe=tiny", "launch=sim", f"workers={K}", f"diloco.inner_steps={H}", *MODEL, "launch.eval_points=16",
+          "trainer.log_every_n_steps=8", "sim.parallel=1", "sim.stop_above=6.0"]  # ln(257) = 5.55: diverged
+SEEDS = (0, 1, 2)
+#: the uncompressed delta of the study's model (FP32), bytes: the link's rho is set against it
+DELTA_BYTES = None  # filled by delta_bytes()
+RHO_MAIN = 0.45
+SWEEP = (0.0, 0.25, 1.0, 2.0)
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "straggler": {"speeds": [1.0, 1.0, 1.0, 0.25], "budget": 320.0},
+    "spread": {"speeds": [1.0, 2 / 3, 1 / 2, 1 / 3], "budget": 240.0},
+    "xdc": {"speeds": [1.0] * K, "rho": RHO_MAIN, "budget": 160.0},
+    **{f"xdc_r{rho:g}": {"speeds": [1.0] * K, "rho": rho, "budget": 160.0, "tuned_as": "xdc"} for rho in SWEEP},
+    "preempt": {"speeds": [1.0] * K, "preempt": {"rate": 1 / 100, "down": 10.0, "law": "exponential"}, "budget": 160.0},
+    "varying": {"speeds": [1.0] * K, "varying": {"fast": 30.0, "slow": 10.0, "slow_speed": 0.25}, "budget": 160.0},
 }
-CONFIGS = {
-    "sync": ["diloco.sync=lockstep", "diloco.delay=0", "outer=nesterov"],
-    "sync_cgad": ["diloco.sync=lockstep", "diloco.delay=0", "outer=cgad"],
-    "async_nesterov": ["diloco.sync=async", "master.aggregation=arrival", "outer=nesterov"],
-    "async_cgad": ["diloco.sync=async", "master.aggregation=arrival", "outer=cgad"],
-    "async_cgad_dylu": ["diloco.sync=async", "master.aggregation=arrival", "outer=cgad", "diloco.inner_steps=auto",
-                        f"diloco.dylu_steps={H}"],
-    "async_cgad_q3": ["diloco.sync=async", "master.aggregation=round", "sim.quorum=3", "outer=cgad"],
-    "async_cgad_q3_dylu": ["diloco.sync=async", "master.aggregation=round", "sim.quorum=3", "outer=cgad",
-                           "diloco.inner_steps=auto", f"diloco.dylu_steps={H}", "master.weighting=tokens"],
+#: in the order they run (an interrupted study has the whole of each scenario it reached)
+MAIN = ("straggler", "xdc", "preempt", "varying", "spread")
+
+SYNC = ["diloco.sync=lockstep", "diloco.delay=0"]
+BARRIER = ["diloco.sync=async", "master.aggregation=round", "sim.barrier=true", "sim.quorum=3"]
+DYLU = ["diloco.inner_steps=auto", f"diloco.dylu_steps={H}", "master.weighting=tokens"]
+INT4 = ["diloco.delta_dtype=int4"]
+FRAG4 = ["diloco.fragments=4"]
+ARMS: dict[str, dict[str, Any]] = {
+    "sync": {"sync": True, "ov": SYNC},
+    "sync_drop": {"sync": True, "ov": SYNC, "drop_slow": True},
+    "sync_q3_drop": {"sync": True, "ov": [*BARRIER, "sim.late=drop"], "deadline": True},
+    "sync_q3_apply": {"sync": True, "ov": [*BARRIER, "sim.late=apply"], "deadline": True},
+    "sync_dylu": {"sync": True, "ov": [*SYNC, *DYLU]},
+    "sync_overlap": {"sync": True, "ov": ["diloco.sync=lockstep", "diloco.delay=1"]},
+    "sync_int4": {"sync": True, "ov": [*SYNC, *INT4]},
+    "sync_frag4": {"sync": True, "ov": [*SYNC, *FRAG4]},
+    "async": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival"]},
+    "async_q3": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=round", "sim.quorum=3"]},
+    "async_dylu": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival", *DYLU]},
+    "async_int4": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival", *INT4]},
+    "async_frag4": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival", *FRAG4]},
 }
-LR_GRID = {"nesterov": (0.1, 0.3, 0.7), "cgad": (0.001, 0.003, 0.01)}
-DEFAULT_LR = {"nesterov": 0.7, "cgad": 0.003}
-MODELS = {
-    "study": ["model.d_model=96", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=256",
-              "data.tokenizer=byte", "data.max_bytes=2000000", "data.seq_len=64", "data.batch_size=8",
-              "data.val_batches=24", "optim.lr=0.004", "optim.warmup_steps=20"],
-    "tiny": [],
+#: the arms each scenario compares (the others do not apply there: no slow worker to drop, no link to overlap)
+SCENARIO_ARMS = {
+    "straggler": ["sync", "sync_drop", "sync_q3_drop", "sync_q3_apply", "sync_dylu", "async", "async_q3"],
+    "spread": ["sync", "sync_drop", "sync_dylu", "async", "async_q3"],
+    "xdc": ["sync", "sync_overlap", "sync_int4", "sync_frag4", "async", "async_int4", "async_frag4"],
+    "preempt": ["sync", "sync_q3_drop", "sync_q3_apply", "async", "async_q3"],
+    "varying": ["sync", "sync_q3_drop", "sync_dylu", "async", "async_q3"],
+    **{f"xdc_r{rho:g}": ["sync", "sync_overlap", "async", "async_int4"] for rho in SWEEP},
 }
-T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776}  # two-sided 95 % t quantiles by n (df = n - 1)
+#: family -> (outer optimizer, its 5-point lr grid). ``sgd``: issue 24's staleness-scaled SGD (momentum 0,
+#: ``g / (1 + tau)``; at staleness 0 plain SGD: FedAvg with an outer lr); ``cgad``: at staleness 0 plain
+#: Adam; ``nesterov``: DiLoCo's (momentum 0.9), for the synchronous arms of the first scenario only
+FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
+    "sgd": ("staleness_sgd", (0.25, 0.5, 1.0, 2.0, 4.0)),
+    "cgad": ("cgad", (0.00025, 0.0005, 0.001, 0.002, 0.004)),
+    "nesterov": ("nesterov", (0.05, 0.1, 0.2, 0.4, 0.8)),
+}
+EXTEND = 2  # grid points added beyond an edge, at most, per side
 
 
-def outer_of(config: str) -> str:
-    return "nesterov" if "nesterov" in config or config == "sync" else "cgad"
+def families_of(scenario: str, arm: str) -> list[str]:
+    """The families an arm is tuned in: ``sgd`` and ``cgad`` everywhere, ``nesterov`` too for the
+    synchronous arms of the first scenario (a check that DiLoCo's own optimizer does not beat them)."""
+    return ["sgd", "cgad", "nesterov"] if scenario == MAIN[0] and ARMS[arm]["sync"] else ["sgd", "cgad"]
 
 
-def budget(profile: str, rounds: int) -> float:
-    """The synchronous run's simulated time: ``rounds`` rounds, each waiting for the slowest worker."""
-    return rounds * (H / min(PROFILES[profile]))
+# ----------------------------------------------------------------------------- the plan
 
 
-def run_id(profile: str, config: str, seed: int, lr: float | None) -> str:
-    return f"{profile}-{config}{'' if lr is None else f'-lr{lr:g}'}-s{seed}"
+def scenario_overrides(name: str, seed: int, drop_slow: bool = False) -> tuple[list[str], list[float]]:
+    """``(sim overrides, speeds)`` of a scenario for ``seed`` (``drop_slow``: without the workers
+    slower than half the fastest)."""
+    sc = SCENARIOS[name]
+    speeds = list(sc["speeds"])
+    keep = [k for k, v in enumerate(speeds) if not drop_slow or v >= 0.5 * max(speeds)]
+    speeds = [speeds[k] for k in keep]
+    ov = [f"workers={len(keep)}", "sim.speeds=[" + ",".join(f"{v:.6g}" for v in speeds) + "]",
+          f"sim.max_time={sc['budget']:g}"]
+    if sc.get("rho"):
+        bandwidth = delta_bytes() / (sc["rho"] * H)
+        ov.append(f"sim.bandwidth={bandwidth:.6g}")
+    if "preempt" in sc:
+        law = {**sc["preempt"], "seed": seed}
+        ov.append("sim.preempt={" + ",".join(f"{k}:{v}" for k, v in law.items()) + "}")
+    if "varying" in sc:
+        traces = [varying_trace(seed, k, sc["budget"], **sc["varying"]) for k in keep]
+        ov.append("sim.traces=" + json.dumps(traces).replace(" ", ""))
+    return ov, speeds
 
 
-def overrides(profile: str, config: str, seed: int, lr: float | None, args) -> list[str]:
-    speeds = ",".join(f"{s:.6g}" for s in PROFILES[profile])
-    t = budget(profile, args.rounds)
-    steps = args.rounds * H if config.startswith("sync") else math.ceil(t * max(PROFILES[profile]))
-    return ["recipe=tiny", "launch=sim", "workers=4", f"diloco.inner_steps={H}", f"sim.speeds=[{speeds}]",
-            *CONFIGS[config], *MODELS[args.model], *([f"outer.lr={lr}"] if lr is not None else []), f"seed={seed}",
-            f"trainer.max_steps={steps}", f"sim.max_time={t:g}", f"launch.eval_points={args.eval_points}",
-            f"run_root={args.out}", f"run_id={run_id(profile, config, seed, lr)}"]
+def varying_trace(seed: int, k: int, budget: float, *, fast: float, slow: float, slow_speed: float) -> list[list[float]]:
+    """Worker ``k``'s speed over time: fast (1) and slow (``slow_speed``) spells of exponential
+    lengths (means ``fast`` and ``slow``), from ``random.Random("<seed>:varying:<k>")``."""
+    rng = random.Random(f"{seed}:varying:{k}")
+    t, points, is_fast = 0.0, [], rng.random() < fast / (fast + slow)
+    while t < budget:
+        points.append([round(t, 3), 1.0 if is_fast else slow_speed])
+        t += rng.expovariate(1.0 / (fast if is_fast else slow))
+        is_fast = not is_fast
+    return points
 
 
-def time_to(curve: list[list[float]], target: float) -> float | None:
-    """The first x at which the curve ``[[x, loss], ...]`` reaches ``target`` (linear between points)."""
-    for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
-        if l1 <= target:
-            if l0 <= target:
-                return t0
-            return t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
-    return None
+def delta_bytes() -> int:
+    """Bytes of the study model's FP32 delta (every parameter, 4 bytes)."""
+    global DELTA_BYTES
+    if DELTA_BYTES is None:
+        from diloco_lightning.models.llama import LlamaConfig
+
+        DELTA_BYTES = 4 * LlamaConfig(vocab_size=257, d_model=96, n_layers=3, n_heads=4, n_kv_heads=2,
+                                      ffn_hidden=256).parameter_count()
+    return DELTA_BYTES
 
 
-def loss_at(curve: list[list[float]], x: float) -> float | None:
-    """The loss at ``x`` on the curve ``[[x, loss], ...]``, linear between points (None past its end)."""
-    for (x0, l0), (x1, l1) in zip(curve, curve[1:]):
-        if x0 <= x <= x1:
-            return l0 if x1 == x0 else l0 + (l1 - l0) * (x - x0) / (x1 - x0)
-    return None
+def run_id(scenario: str, arm: str, family: str, lr: float, seed: int) -> str:
+    return f"{scenario}-{arm}-{family}-lr{lr:g}-s{seed}"
 
 
-def run(ov: list[str], path: Path) -> bool:
-    if path.is_file():
-        return True
-    print("$ python train.py " + " ".join(o for o in ov if not o.startswith("run_root")), flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "train.py", *ov], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(proc.stdout[-1500:] + proc.stderr[-1500:], file=sys.stderr, flush=True)
-        return False
-    print(f"  {proc.stdout.strip().splitlines()[-1].split(' | /')[0][:200]} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    return True
+def job(scenario: str, arm: str, family: str, lr: float, seed: int) -> dict[str, Any]:
+    spec = ARMS[arm]
+    sim_ov, speeds = scenario_overrides(scenario, seed, drop_slow=spec.get("drop_slow", False))
+    ov = [*sim_ov, *spec["ov"], f"outer={FAMILIES[family][0]}", f"outer.lr={lr}", f"seed={seed}"]
+    if spec.get("deadline"):
+        sc = SCENARIOS[scenario]
+        comm = 2 * sc.get("rho", 0.0) * H
+        ov.append(f"sim.deadline={2 * (H / max(speeds) + comm):g}")
+    return {"id": run_id(scenario, arm, family, lr, seed), "scenario": scenario, "arm": arm, "family": family,
+            "lr": lr, "seed": seed, "overrides": ov}
 
 
-def load(args, profile: str, config: str, seed: int, lr: float | None) -> dict | None:
-    path = Path(args.out) / run_id(profile, config, seed, lr) / "results.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+class Study:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.root = Path(args.out).resolve()
+        self.scenarios = [s for s in (args.scenarios or list(SCENARIOS)) if s in SCENARIOS]
+        self._steps: dict[str, int] = {}
+        p = self.root / "steps.json"
+        if p.is_file():
+            self._steps = json.loads(p.read_text())
 
+    def results(self, j: dict) -> dict | None:
+        try:
+            return json.loads((self.root / "runs" / j["id"] / "results.json").read_text())
+        except (OSError, ValueError):
+            return None
 
-def tuned_lrs(args, configs: list[str]) -> dict[str, float]:
-    """Each config's outer lr with the lowest final loss at seed 0 on the first profile (ties: the default)."""
-    profile, out = args.profiles[0], {}
-    for config in configs:
-        scores = []
-        for lr in LR_GRID[outer_of(config)]:
-            r = load(args, profile, config, 0, None if lr == DEFAULT_LR[outer_of(config)] else lr)
-            if r is not None and math.isfinite(r["eval_loss"]):
-                scores.append((r["eval_loss"], lr))
-        if scores:
-            out[config] = min(scores)[1]
-    return out
+    def loss(self, j: dict) -> float:
+        r = self.results(j)
+        if r is None:
+            return math.nan
+        return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else float(r["eval_loss"])
 
+    def failed(self) -> set[str]:
+        p = self.root / "failures.jsonl"
+        if not p.is_file() or self.args.retry_failed:
+            return set()
+        return {json.loads(x)["id"] for x in p.read_text().splitlines() if x.strip()}
 
-def row_stats(rows: list[dict], key: str) -> tuple[float, float]:
-    xs = [x[key] for x in rows if x[key] is not None]
-    if not xs:
-        return float("nan"), float("nan")
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    # ------------------------------------------------------------------ tuning: a grid per (scenario, arm, family)
 
+    def grid(self, scenario: str, arm: str, family: str) -> tuple[list[float], bool]:
+        """The lrs run or to run for this cell, and whether the grid is settled (the best lr interior,
+        or the extension limit reached)."""
+        lrs = list(FAMILIES[family][1])
+        for _ in range(2 * EXTEND + 1):
+            scores = [self.loss(job(scenario, arm, family, lr, SEEDS[0])) for lr in lrs]
+            if any(math.isnan(x) for x in scores):
+                return lrs, False
+            best = min(range(len(lrs)), key=lambda i: (scores[i], lrs[i]))
+            grown = len(lrs) - len(FAMILIES[family][1])
+            if best == 0 and grown < 2 * EXTEND and lrs[0] / FAMILIES[family][1][0] > 0.5 ** EXTEND * 1.001:
+                lrs.insert(0, lrs[0] / 2)
+            elif best == len(lrs) - 1 and grown < 2 * EXTEND and lrs[-1] / FAMILIES[family][1][-1] < 2 ** EXTEND / 1.001:
+                lrs.append(lrs[-1] * 2)
+            else:
+                return lrs, True
+        return lrs, True
 
-def paired(rows: list[dict], ref: dict[int, dict], key: str) -> str:
-    diffs = [x[key] - ref[x["seed"]][key] for x in rows if x["seed"] in ref and x[key] is not None
-             and ref[x["seed"]][key] is not None]
-    if len(diffs) < 2:
-        return "" if not diffs else f"{diffs[0]:+.3f}"
-    m, sd = statistics.fmean(diffs), statistics.stdev(diffs)
-    half = T95.get(len(diffs), 2.0) * sd / math.sqrt(len(diffs))
-    return f"{m:+.3f} [{m - half:+.3f}, {m + half:+.3f}]"
-
-
-def table(args, profile: str, configs: list[str], seeds: list[int], lrs: dict[str, float | None], title: str) -> list:
-    """Print one profile's table; returns its rows."""
-    t_budget = budget(profile, args.rounds)
-    print(f"\n{title}: speeds {[round(s, 3) for s in PROFILES[profile]]} ({profile}); budget {t_budget:g} units of "
-          f"simulated time ({args.rounds} synchronous rounds of H={H}); seeds {seeds}")
-    print(f"{'config':<20} {'outer lr':>8} {'final loss (time)':>18} {'reach sync':>11} {'x budget':>9} "
-          f"{'loss @ sync tokens':>19} {'tokens x sync':>13} | paired vs sync: final loss, loss @ sync tokens (95% CI)")
-    ref: dict[int, dict] = {}
-    out = []
-    for config in configs:
-        lr = lrs.get(config)
-        rows = []
-        for seed in seeds:
-            r = load(args, profile, config, seed, lr if lr != DEFAULT_LR[outer_of(config)] else None)
-            s = load(args, profile, "sync", seed, lrs.get("sync") if lrs.get("sync") != DEFAULT_LR["nesterov"] else None)
-            if r is None or s is None:
+    def tuning_jobs(self) -> tuple[list[dict], bool]:
+        """The tuning runs still to do (seed 0), and whether every cell's grid is settled."""
+        todo, settled = [], True
+        for sc in self.scenarios:
+            if "tuned_as" in SCENARIOS[sc]:
                 continue
-            sync_tokens = s["sim"]["eval_curve_tokens"][-1][0]
-            tokens = r["sim"]["eval_curve_tokens"]
-            reach = time_to(r["sim"]["eval_curve_time"], s["eval_loss"])
-            rows.append({"seed": seed, "loss": r["eval_loss"], "reach": reach,
-                         "x_reach": None if reach is None else reach / t_budget,
-                         "loss_tok": loss_at(tokens, sync_tokens), "x_tokens": tokens[-1][0] / sync_tokens,
-                         "outer_steps": r["outer_steps"], "phase_steps": [sorted(set(p)) for p in r["sim"]["phase_steps"]]})
-        if not rows:
-            continue
-        if config == "sync":
-            ref = {x["seed"]: x for x in rows}
-        (lm, ls), (rm, _), (xm, _), (tm, ts), (km, _) = (row_stats(rows, k) for k in
-                                                          ("loss", "reach", "x_reach", "loss_tok", "x_tokens"))
-        reached = sum(x["reach"] is not None for x in rows)
-        used_lr = lr if lr is not None else DEFAULT_LR[outer_of(config)]
-        print(f"{config:<20} {used_lr:>8g} {lm:>10.3f} ± {ls:<5.3f} {rm:>11.0f} {xm:>9.2f} {tm:>11.3f} ± {ts:<5.3f} "
-              f"{km:>13.2f} | " + (f"{paired(rows, ref, 'loss')}, {paired(rows, ref, 'loss_tok')}" if config != "sync" else "")
-              + "  per seed: " + " ".join(f"{x['loss']:.3f}" for x in rows)
-              + " | x budget per seed: " + " ".join("-" if x["x_reach"] is None else f"{x['x_reach']:.2f}" for x in rows)
-              + (f"  (reached sync's final loss in {reached}/{len(rows)})" if reached < len(rows) else ""))
-        out.append({"profile": profile, "config": config, "outer_lr": used_lr, "budget": t_budget, "runs": rows})
-    return out
+            for arm in SCENARIO_ARMS[sc]:
+                if self.args.arms and arm not in self.args.arms:
+                    continue
+                for fam in families_of(sc, arm):
+                    lrs, ok = self.grid(sc, arm, fam)
+                    settled &= ok
+                    todo += [job(sc, arm, fam, lr, SEEDS[0]) for lr in lrs]
+        return todo, settled
+
+    def best(self, scenario: str, arm: str) -> tuple[str, float] | None:
+        """The (family, lr) with the lowest final loss at seed 0 (None: tuning not finished)."""
+        source = SCENARIOS[scenario].get("tuned_as", scenario)
+        out = []
+        for fam in families_of(source, arm):
+            lrs, ok = self.grid(source, arm, fam)
+            if not ok:
+                return None
+            out += [(self.loss(job(source, arm, fam, lr, SEEDS[0])), fam, lr) for lr in lrs]
+        loss, fam, lr = min(out, key=lambda x: (x[0], x[1], x[2]))
+        return fam, lr
+
+    def seed_jobs(self, sweep: bool) -> list[dict]:
+        """Seeds 1 and 2 of every arm at its tuned (family, lr) (the sweep: all three seeds at ``xdc``'s);
+        in each scenario the best synchronous and the best asynchronous arm (seed 0) first."""
+        out = []
+        for sc in self.scenarios:
+            if ("tuned_as" in SCENARIOS[sc]) != sweep:
+                continue
+            cells = [(arm, b) for arm in SCENARIO_ARMS[sc] if (not self.args.arms or arm in self.args.arms)
+                     and (b := self.best(sc, arm)) is not None]
+            source = SCENARIOS[sc].get("tuned_as", sc)
+
+            def seed0(cell: tuple[str, tuple[str, float]], source: str = source) -> float:
+                return self.loss(job(source, cell[0], cell[1][0], cell[1][1], SEEDS[0]))
+
+            first = [min((c for c in cells if ARMS[c[0]]["sync"] == side), key=seed0, default=None)
+                     for side in (True, False)]
+            ordered = [c for c in first if c is not None] + [c for c in cells if c not in first]
+            for arm, (fam, lr) in ordered:
+                out += [job(sc, arm, fam, lr, s) for s in SEEDS if sweep or s != SEEDS[0]]
+        return out
+
+    # ------------------------------------------------------------------ running
+
+    def steps_for(self, j: dict) -> int:
+        """``trainer.max_steps`` of a run: the steps its fastest worker takes in the budget (cached)."""
+        ov = [o for o in j["overrides"] if not o.startswith(("outer=", "outer.lr="))]
+        key = json.dumps(ov)
+        if key not in self._steps:
+            self._steps[key] = schedule_steps(COMMON + ov + ["outer=staleness_sgd"])
+            self.root.mkdir(parents=True, exist_ok=True)
+            (self.root / "steps.json").write_text(json.dumps(self._steps, indent=0))
+        return self._steps[key]
+
+    def run_all(self, jobs: list[dict], phase: str) -> None:
+        failed = self.failed()
+        todo = [j for j in jobs if self.results(j) is None and j["id"] not in failed]
+        print(f"== {phase}: {len(jobs)} runs, {len(jobs) - len(todo)} done or failed, {len(todo)} to run", flush=True)
+        for j in todo:
+            j = {**j, "overrides": j["overrides"] + [f"trainer.max_steps={self.steps_for(j)}"]}
+            rec = run_job((j, COMMON, str(self.root)))
+            with open(self.root / "log.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if "error" in rec:
+                with open(self.root / "failures.jsonl", "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                print(f"  FAILED {j['id']}: {rec['error'].splitlines()[0]}", flush=True)
+            else:
+                print(f"  {j['id']}: eval loss {rec['eval_loss']:.3f}{' (diverged)' if rec['diverged'] else ''} "
+                      f"in {rec['wall']:.0f} s", flush=True)
+
+    def run(self) -> int:
+        """Scenario by scenario: its tuning (grids grow until every best lr is interior), then its seeds;
+        the sweep (which reuses ``xdc``'s tuning) last."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        _prepare_data(COMMON)
+        phases = self.args.phases
+        everything = self.scenarios
+        for sc in [s for s in everything if "tuned_as" not in SCENARIOS[s]]:
+            self.scenarios = [sc]
+            while "tune" in phases:
+                todo, _ = self.tuning_jobs()
+                if not [j for j in todo if self.results(j) is None and j["id"] not in self.failed()]:
+                    break
+                self.run_all(todo, f"tune {sc}")
+            if "seeds" in phases:
+                self.run_all(self.seed_jobs(sweep=False), f"seeds {sc}")
+        self.scenarios = everything
+        if "sweep" in phases:
+            self.run_all(self.seed_jobs(sweep=True), "sweep")
+        return self.report()
+
+    def plan(self) -> int:
+        todo, settled = self.tuning_jobs()
+        seeds, sweep = self.seed_jobs(False), self.seed_jobs(True)
+        for name, jobs in (("tune", todo), ("seeds", seeds), ("sweep", sweep)):
+            done = sum(self.results(j) is not None for j in jobs)
+            print(f"{name}: {len(jobs)} runs known so far, {done} done")
+        print("tuning settled" if settled else "tuning not settled: grids may still grow, seeds and sweep follow it")
+        return 0
+
+    def report(self) -> int:
+        from stragglers_report import write_report
+
+        write_report(self, Path(self.args.doc), Path(self.args.plot))
+        print(f"wrote {self.args.doc} and {self.args.plot}")
+        return 0
+
+
+# ----------------------------------------------------------------------------- the schedule alone, and one run
+
+
+def schedule_steps(overrides: list[str]) -> int:
+    """The inner steps the fastest worker of this configuration takes in its budget, from simulating
+    its schedule with workers that compute nothing (the schedule depends on speeds, traces, links,
+    preemptions and DyLU, never on the weights): the model's parameter shapes, zero deltas, no norm
+    checks, and an outer optimizer that refuses nothing (``staleness_sgd``: a refused delta would
+    publish no version and so change when versions are downloaded; CGAD refuses past tau_cut = 32,
+    which no arm here reaches)."""
+    import itertools
+
+    import torch
+
+    from diloco_lightning.app.build import build_module, nominal_inner_steps
+    from diloco_lightning.app.config import master_config, sim_options
+    from diloco_lightning.app.sim import _delay_option, _fragments, dylu_option
+    from diloco_lightning.sim import InnerLoop, SimMaster, SimWorker, Simulator
+    from diloco_lightning.worker.options import resolve_encoding
+    from diloco_lightning.worker.params import module_state
+
+    cfg = _compose(overrides + ["trainer.max_steps=1000000", "run_id=schedule"])
+    opts = sim_options(cfg)
+    module = build_module(cfg, 257)
+    shapes = {k: v.detach() for k, v in module_state(module).items()}
+    tokens = int(cfg.data.batch_size) * int(cfg.data.seq_len)
+    workers = []
+    for i in range(int(cfg.workers)):
+        dummy = torch.nn.Parameter(torch.zeros(()))
+        inner = InnerLoop(lambda _b, d=dummy: d * 0.0, torch.optim.SGD([dummy], lr=0.0), itertools.repeat(None),
+                          count_tokens=lambda _b: tokens)
+        params = {k: torch.zeros_like(v) for k, v in shapes.items()}
+        workers.append(SimWorker(i, params, inner, inner_steps=nominal_inner_steps(cfg), max_steps=None,
+                                 speed=opts.speed(i), fragments=_fragments(cfg)))
+    config = master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if cfg.diloco.sync == "lockstep" else 1,
+                           fragments=cfg.diloco.get("fragments"))
+    config.norm_ratio = config.norm_global_ratio = config.max_delta_norm = None
+    encoding, feedback = resolve_encoding(cfg.diloco.delta_dtype, cfg.diloco.topk, cfg.diloco.topk_values,
+                                          cfg.diloco.error_feedback)
+    opts.batched = False
+    sim = Simulator(workers, SimMaster(shapes, config), sync=cfg.diloco.sync, delay=_delay_option(cfg), options=opts,
+                    delta_dtype=encoding, error_feedback=feedback, seed=int(cfg.seed), dylu=dylu_option(cfg))
+    sim.run()
+    return max(w.steps for w in sim.workers)
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from diloco_lightning.app.config import CONFIG_DIR, register_configs, validate
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose(config_name="train", overrides=overrides)
+    return validate(cfg)
+
+
+def _prepare_data(common: list[str]) -> None:
+    from diloco_lightning.app.build import build_datamodule
+
+    build_datamodule(_compose(common + ["run_id=prepare"])).prepare_data()
+
+
+def run_job(spec: tuple[dict, list[str], str]) -> dict[str, Any]:
+    """Run one job with the product's launch=sim code; its stdout goes to ``<run>/sim.log``."""
+    j, common, root = spec
+    from diloco_lightning.app.sim import run_sim
+
+    rdir = Path(root) / "runs" / j["id"]
+    rdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rec: dict[str, Any] = {"id": j["id"], "time": time.time()}
+    try:
+        cfg = _compose(common + j["overrides"] + [f"run_id={j['id']}", f"run_root={Path(root) / 'runs'}"])
+        (rdir / "job.json").write_text(json.dumps({**j, "common": common}, indent=2))
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            res = run_sim(cfg)
+        (rdir / "sim.log").write_text(buf.getvalue())
+        rec.update(eval_loss=res["eval_loss"], diverged=res["diverged"], wall=time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - recorded, the study goes on
+        import traceback
+
+        rec.update(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}", wall=time.perf_counter() - t0)
+    return rec
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--rounds", type=int, default=20, help="synchronous rounds the budget allows (20 x H=8: 160 steps)")
-    ap.add_argument("--model", default="study", choices=list(MODELS), help="study: benchmarks/study.py's; tiny: recipe=tiny's")
-    ap.add_argument("--eval-points", type=int, default=24, help="evaluations, evenly over the budget")
-    ap.add_argument("--phases", nargs="+", default=["grid"], choices=["grid", "tune", "tuned"])
-    ap.add_argument("--out", default=str(ROOT / "bench_sim_stragglers"))
-    ap.add_argument("--report", action="store_true", help="run nothing: print the tables of the finished runs")
-    ap.add_argument("--plot", default=None, help="write a PNG of eval loss against simulated time (seed 0) here")
+    ap.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=None)
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=None)
+    ap.add_argument("--phases", nargs="+", default=["tune", "seeds", "sweep"], choices=["tune", "seeds", "sweep"])
+    ap.add_argument("--out", default=str(ROOT / "bench_stragglers"))
+    ap.add_argument("--plan", action="store_true", help="print what would run and what is done")
+    ap.add_argument("--report", action="store_true", help="run nothing: write the report from what finished")
+    ap.add_argument("--retry-failed", action="store_true")
+    ap.add_argument("--doc", default=str(ROOT / "docs" / "stragglers_results.md"))
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "figures" / "stragglers_scenarios.png"))
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    started = time.perf_counter()
-    if not args.report:
-        if "grid" in args.phases:
-            for profile in args.profiles:
-                for seed in args.seeds:
-                    for config in args.configs:
-                        run(overrides(profile, config, seed, None, args), out / run_id(profile, config, seed, None) / "results.json")
-        if "tune" in args.phases:
-            for config in args.configs:
-                for lr in LR_GRID[outer_of(config)]:
-                    if lr != DEFAULT_LR[outer_of(config)]:
-                        p = args.profiles[0]
-                        run(overrides(p, config, 0, lr, args), out / run_id(p, config, 0, lr) / "results.json")
-        if "tuned" in args.phases:
-            for config, lr in tuned_lrs(args, args.configs).items():
-                if lr != DEFAULT_LR[outer_of(config)]:
-                    p = args.profiles[0]
-                    for seed in args.seeds[1:]:
-                        run(overrides(p, config, seed, lr, args), out / run_id(p, config, seed, lr) / "results.json")
-        print(f"runs took {time.perf_counter() - started:.0f} s", flush=True)
-    summary = []
-    for profile in args.profiles:
-        summary += table(args, profile, args.configs, args.seeds, {}, "default outer lrs (Nesterov 0.7, CGAD 0.003)")
-    tuned = tuned_lrs(args, args.configs)
-    if any(load(args, args.profiles[0], c, 0, lr) is not None for c in args.configs for lr in LR_GRID[outer_of(c)]
-           if lr != DEFAULT_LR[outer_of(c)]):  # the tuning ran
-        print(f"\ntuned outer lrs (seed 0, {args.profiles[0]}, grid {LR_GRID}): {tuned}")
-        summary += table(args, args.profiles[0], args.configs, args.seeds, dict(tuned), "tuned outer lrs")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps({"tuned_lrs": tuned, "tables": summary}, indent=1))
-    if args.plot:
-        plot(args, Path(args.plot))
-    return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch
 
-
-def plot(args, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    seed = min(args.seeds)
-    fig, axes = plt.subplots(1, len(args.profiles), figsize=(5.8 * len(args.profiles), 4.2), squeeze=False)
-    for ax, profile in zip(axes[0], args.profiles):
-        for config in args.configs:
-            r = load(args, profile, config, seed, None)
-            if r is None:
-                continue
-            t, loss = zip(*r["sim"]["eval_curve_time"])
-            ax.plot(t, loss, marker=".", label=config, linestyle="--" if config.startswith("sync") else "-")
-        s = load(args, profile, "sync", seed, None)
-        if s is not None:
-            ax.axhline(s["eval_loss"], color="gray", linewidth=0.8)
-        ax.set_title(f"speeds {[round(v, 2) for v in PROFILES[profile]]}, seed {seed}, default outer lrs")
-        ax.set_xlabel("simulated time (inner steps of a speed-1 worker)")
-        ax.set_ylabel("eval loss of the global model")
-        lows = [r["eval_loss"] for c in args.configs if (r := load(args, profile, c, seed, None)) is not None]
-        if lows:
-            ax.set_ylim(min(lows) - 0.1, min(lows) + 2.0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    torch.set_num_threads(1)
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    study = Study(args)
+    if args.plan:
+        return study.plan()
+    if args.report:
+        return study.report()
+    return study.run()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     python benchmarks/study.py --plan          # every run planned so far as a train.py command line, done or not
     python benchmarks/study.py --report        # study/ -> docs/study_results.md, no runs
     python benchmarks/study.py --quick         # a few-minute smoke version into study_quick/
+    python benchmarks/study.py --full          # every method at every setting (about twice the runs)
     python benchmarks/study.py --only arr8     # the cells of one setting (pilots); --methods sgd,cgad likewise
 
 Setting (every run): a Llama of d_model 96, 3 layers (4 heads, 2 KV heads, SwiGLU 256, tied embeddings:
@@ -69,6 +70,7 @@ SETTINGS: dict[str, list[str]] = {
     "arr16": ["master.aggregation=arrival", "diloco.delay=16"],
     "heavy": ["master.aggregation=arrival", *HEAVY],
     "rnd2": ["master.aggregation=round", "diloco.delay=2"],  # 2 rounds of 4: about 8 arrivals
+    "rnd4": ["master.aggregation=round", "diloco.delay=4"],  # what recipes named tau4 run (their tau counts rounds)
 }
 #: which lr a method's "tuned at tau = 0" takes: its family's synchronous cell
 FAMILY_SYNC = {"sgd0": "sgd", "sgd0.5": "sgd_m0.5", "sgd0.9": "sgd_m0.9", "adam": "adam"}
@@ -83,12 +85,14 @@ class Method:
     family: str
     k0: int = 0  # the prior: the centre of the first grid is BASE[family] * 2**k0
     note: str = ""
+    extra: tuple[str, ...] = ()  # more overrides this method always takes
 
 
 METHODS: dict[str, Method] = {
     "sgd": Method("staleness_sgd", {"momentum": 0.0}, "sgd0", 0, "staleness-scaled SGD, lr / (1 + tau), no momentum"),
     "sgd_p0": Method("staleness_sgd", {"momentum": 0.0, "power": 0.0}, "sgd0", -3, "plain SGD, a constant lr (no gate)"),
     "sgd_m0.5": Method("staleness_sgd", {"momentum": 0.5}, "sgd0.5", 0, "the same, Nesterov momentum 0.5"),
+    "sgd_mneg": Method("staleness_sgd", {"momentum": -0.5}, "sgd0", 0, "the same, momentum -0.5 (asynchrony begets momentum)"),
     "sgd_m0.9": Method("staleness_sgd", {"momentum": 0.9}, "sgd0.9", 0, "the same, Nesterov momentum 0.9"),
     "nesterov": Method("nesterov", {"momentum": 0.9}, "sgd0.9", -2, "DiLoCo's outer step (no gate)"),
     "poly": Method("poly_nesterov", {"momentum": 0.9}, "sgd0.9", -1, "Poly: Nesterov fed g (1 + tau)^-1/2"),
@@ -99,19 +103,30 @@ METHODS: dict[str, Method] = {
     "dc": Method("dc_asgd", {"momentum": 0.0, "history": 16, "lam": 1.0}, "sgd0", -1, "DC-ASGD, exact, lambda 1"),
     "adam": Method("adam", {}, "adam", 0, "plain Adam (no gate): the control"),
     "adam_decay": Method("adam_decay", {}, "adam", 0, "Adam-Decay, gate exp(-0.2 tau)"),
-    "cgad": Method("cgad", {}, "adam", 0, "CGAD (the paper's, unchanged)"),
+    "cgad": Method("cgad", {"state_layout": "naive"}, "adam", -1, "CGAD (the paper's, unchanged; m and v as FP32 buffers)"),
 }
-_FIXED = ["sgd", "sgd_m0.5", "sgd_m0.9", "gap", "dn", "adam", "cgad"]
-#: the cells. At a fixed delay a constant gate is a constant lr factor after the first tau arrivals, so
-#: nesterov and poly are sgd_m0.9 and adam_decay is cgad there up to the warm-up: they run where tau varies.
+#: the cells (setting -> methods): the synchronous reference, then the audit's baseline (sgd), the
+#: master-side corrections (gap, dc), CGAD and DiLoCo's Nesterov (the old default) at each delay. At
+#: a fixed delay a constant gate is a constant lr factor after the first tau arrivals, so nesterov is
+#: sgd_m0.9 there up to that warm-up, and adam_decay is cgad.
 PLAN: dict[str, list[str]] = {
-    "sync": ["sgd", "sgd_m0.5", "sgd_m0.9", "adam"],
-    "async": [*_FIXED, "nesterov", "poly", "adam_decay", "gap_h"],
-    "arr4": _FIXED,
-    "arr8": [*_FIXED, "sgd_p0", "gap_h", "dc"],
-    "arr16": _FIXED,
-    "heavy": [*_FIXED, "nesterov", "poly", "adam_decay"],
+    "sync": ["sgd", "sgd_m0.9"],  # sgd_m0.9 at tau = 0 is DiLoCo's Nesterov step exactly
+    "async": ["sgd", "gap", "dc", "cgad", "nesterov"],
+    "arr4": ["sgd", "gap", "cgad", "nesterov"],
+    "arr8": ["sgd", "gap", "dc", "cgad", "nesterov"],
+    "arr16": ["sgd", "gap", "cgad", "nesterov"],
+}
+#: --full: the rest of the grid (momentum for the SGD family, the other Adam and Nesterov variants,
+#: the heavy tail, round-mode delays)
+FULL_EXTRA: dict[str, list[str]] = {
+    "sync": ["sgd_m0.5", "adam"],
+    "async": ["sgd_m0.5", "sgd_m0.9", "poly", "dn", "adam", "adam_decay", "gap_h"],
+    "arr4": ["sgd_m0.5", "sgd_m0.9", "dc", "dn", "adam"],
+    "arr8": ["sgd_p0", "sgd_m0.5", "sgd_m0.9", "sgd_mneg", "gap_h", "dn", "adam"],
+    "arr16": ["sgd_m0.5", "sgd_m0.9", "dc", "dn", "adam"],
+    "heavy": ["sgd", "sgd_m0.9", "gap", "nesterov", "poly", "dn", "adam", "adam_decay", "cgad"],
     "rnd2": ["sgd", "sgd_m0.9", "gap", "adam", "cgad"],
+    "rnd4": ["sgd", "gap", "adam", "cgad"],
 }
 SEEDS = (0, 1, 2)
 CLOSE_SEEDS = (3, 4)
@@ -133,6 +148,14 @@ QUICK = {"common_extra": ["trainer.max_steps=32", "model.d_model=32", "model.n_l
          "plan": {"sync": ["sgd"], "arr8": ["sgd", "cgad"]}, "points": 3, "seeds": (0, 1)}
 
 
+#: the reduced setting the study ran on this shared 2-core machine (--small): a quarter of the compute of
+#: a full run (0.1 M parameters, H = 4, 96 inner steps per worker: still 96 deltas, so 96 outer steps
+#: in arrival mode and 24 rounds of 4 in round mode)
+SMALL = {"common_extra": ["trainer.max_steps=96", "diloco.inner_steps=4", "model.d_model=64", "model.n_layers=2",
+                          "model.ffn_hidden=172", "data.val_batches=8", "optim.warmup_steps=10",
+                          "launch.eval_points=2"]}
+
+
 def lr_of(method: str, k: int) -> float:
     m = METHODS[method]
     return float(f"{BASE[m.family] * 2.0 ** k:.4g}")
@@ -142,7 +165,7 @@ def job(setting: str, method: str, k: int, seed: int, extra: tuple[str, ...] = (
     """One run: ``method`` at lattice point ``k`` in ``setting`` with ``seed`` (``extra``: more overrides)."""
     m, lr = METHODS[method], lr_of(method, k)
     ov = [f"outer={m.outer}", f"outer.lr={lr}", f"seed={seed}", *SETTINGS[setting]]
-    ov += [f"outer.options.{key}={value}" for key, value in sorted(m.options.items())] + list(extra)
+    ov += [f"outer.options.{key}={value}" for key, value in sorted(m.options.items())] + list(m.extra) + list(extra)
     ident = hashlib.sha256(json.dumps(ov).encode()).hexdigest()[:10]
     return {"id": f"{setting}-{method}-lr{lr:g}-s{seed}-{ident}", "setting": setting, "method": method, "k": k,
             "lr": lr, "seed": seed, "block": block, "overrides": ov}
@@ -158,9 +181,12 @@ class Cell:
 class Study:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        q = QUICK if args.quick else {}
-        self.root = Path(args.root or (ROOT / ("study_quick" if args.quick else "study"))).resolve()
+        q = QUICK if args.quick else SMALL if args.small else {}
+        default = "study_quick" if args.quick else "study_small" if args.small else "study"
+        self.root = Path(args.root or (ROOT / default)).resolve()
         plan = q.get("plan", PLAN)
+        if args.full and not args.quick:
+            plan = {s: list(PLAN.get(s, [])) + FULL_EXTRA.get(s, []) for s in SETTINGS}
         if args.only:
             plan = {s: v for s, v in plan.items() if s in args.only.split(",")}
         if args.methods:
@@ -248,7 +274,8 @@ class Study:
         for s, m in self.cells():
             k = self.sync_k(m)
             if s != "sync" and k is not None:
-                seeds = TRANSFER_SEEDS.get(s, self.seeds[:1]) if not self.args.quick else self.seeds[:1]
+                reduced = self.args.quick or self.args.small
+                seeds = self.seeds[:1] if reduced else TRANSFER_SEEDS.get(s, self.seeds[:1])
                 out += [job(s, m, k, seed, block="transfer") for seed in seeds]
         return out
 
@@ -284,7 +311,8 @@ class Study:
 
     def long_jobs(self) -> list[dict]:
         """The precision runs: Adam-Decay and CGAD with each outer-state layout and beta2, heavy tail."""
-        if self.args.quick or (self.args.only and "long" not in self.args.only.split(",")):
+        asked = bool(self.args.only) and "long" in self.args.only.split(",")
+        if self.args.quick or (self.args.only and not asked) or (self.args.small and not asked):
             return []
         out = []
         for m in LONG["methods"]:
@@ -436,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__)
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
     ap.add_argument("--quick", action="store_true", help="a smoke version (2 cells, 32 steps) in study_quick/")
+    ap.add_argument("--small", action="store_true", help="the reduced setting (SMALL: about 4x cheaper) in study_small/")
+    ap.add_argument("--full", action="store_true", help="the whole grid (every method at every setting; ~2x the runs)")
     ap.add_argument("--plan", action="store_true", help="list the runs planned so far (done or not); run nothing")
     ap.add_argument("--report", action="store_true", help="write the tables from what is done; run nothing")
     ap.add_argument("--only", help="comma-separated settings to run (and 'long' for the precision runs)")

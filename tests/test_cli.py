@@ -177,7 +177,8 @@ def test_master_help_lists_its_own_groups_and_a_line_per_key(tmp_path):
               if line.startswith("  ") and not line.startswith("      ")]
     assert groups == ["outer"]
     assert _help_keys(out) == {k for k, _, _ in describe(MasterCommandConf)}
-    assert "outer.lr=0.003" in out and "outer.lr=0.7" in _master(tmp_path, "--help", "outer=nesterov").stdout
+    assert "outer.lr=1.0" in out and "min_deltas=1.0" in out  # configs/master.yaml: outer=fedavg, every live node
+    assert "outer.lr=0.7" in _master(tmp_path, "--help", "outer=nesterov").stdout
 
 
 def test_train_help_lists_every_group_and_key(tmp_path):

@@ -120,3 +120,21 @@ def test_keep_globals_follows_the_lockstep_delay():
     assert run_master_config(_compose("train", ["recipe=llama25m_tau16"])).keep_globals == 18
     assert run_master_config(_compose("train", ["recipe=tiny", "master.keep_globals=2"])).keep_globals == 2
     assert run_master_config(_compose("train", ["recipe=tiny", "diloco=async", "diloco.delay=9"])).keep_globals == 4
+
+
+def test_diloco_master_averages_every_live_workers_delta_by_default():
+    """``diloco-master`` with no ``outer=`` / ``min_deltas=``: plain averaging of every live worker's
+    delta (outer SGD lr 1, no momentum; configs/outer/fedavg.yaml and configs/master.yaml), the choice
+    measured stable on both foreign modules (benchmarks/foreign_modules.py); ``outer=nesterov`` is
+    DiLoCo's own (lr 0.7, momentum 0.9), a choice a user makes."""
+    from diloco_lightning.app.checks import master_config
+    from diloco_lightning.app.cli import _compose
+
+    schema.register_configs()
+    cfg = _compose("master", ["hub.url=/tmp/hub"])
+    config = master_config(cfg, cfg.outer)
+    assert (config.outer_optimizer, config.optimizer_options(), config.min_deltas) == (
+        "nesterov", {"lr": 1.0, "momentum": 0.0}, 1.0)
+    cfg = _compose("master", ["hub.url=/tmp/hub", "outer=nesterov", "min_deltas=2"])
+    config = master_config(cfg, cfg.outer)
+    assert (config.optimizer_options(), config.min_deltas) == ({"lr": 0.7, "momentum": 0.9}, 2)

@@ -255,6 +255,26 @@ def test_staleness_sgd_matches_torch_sgd_on_scaled_delta(momentum, power):
             )
 
 
+def test_staleness_sgd_with_negative_momentum_is_the_nesterov_formula():
+    """torch's SGD refuses a negative momentum: the reference is the formula, in float64."""
+    state = make_state()
+    p = {k: v.double() for k, v in floating(state).items()}
+    buf = {k: torch.zeros_like(v) for k, v in p.items()}
+    opt = StalenessSGD(state, lr=0.6, momentum=-0.4, power=1.0)
+    for delta, tau in zip(make_deltas(state, 20), staleness_sequence(20)):
+        for k in p:
+            g = delta[k].double() / (1 + tau)
+            buf[k] = -0.4 * buf[k] + g
+            p[k] = p[k] - 0.6 * (g + -0.4 * buf[k])
+        opt.step(state, delta, staleness=tau)
+    for k in p:
+        torch.testing.assert_close(state[k].double(), p[k], rtol=1e-5, atol=1e-6, msg=k)
+    with pytest.raises(ValueError, match="momentum"):
+        StalenessSGD(state, lr=0.6, momentum=-1.0)
+    with pytest.raises(ValueError, match="momentum"):
+        build_outer_optimizer("nesterov", state, lr=0.6, momentum=-0.4)
+
+
 def test_staleness_sgd_contains_poly_and_nesterov():
     """power 0.5 with momentum 0.9 is Poly and power 0 is DiLoCo's Nesterov, bit for bit."""
     for other, options in (("poly_nesterov", {"power": 0.5, "momentum": 0.9}), ("nesterov", {"power": 0.0, "momentum": 0.9})):

@@ -58,7 +58,7 @@ class RefStaleSGD:
                 gap = diff.abs()
                 g = g * torch.where(gap > c_hat, c_hat / gap, torch.ones_like(gap))
             elif diff is not None:
-                g = g + self.lam * g * g * diff
+                g = g + self.lam * g * g * diff / (g * g).mean()
             if self.m:
                 self.buf[k] = self.m * self.buf[k] + g
                 u = g + self.m * self.buf[k]
@@ -91,8 +91,8 @@ def test_matches_the_reference(rule, history, momentum):
     if rule == "gap":
         opt = GapAware(state, lr=0.7, **kwargs)
     else:
-        opt = DelayCompensated(state, lr=0.7, lam=3.0, **kwargs)
-    ref = RefStaleSGD(state, 0.7, rule, lam=3.0, **kwargs)
+        opt = DelayCompensated(state, lr=0.7, lam=0.2, **kwargs)
+    ref = RefStaleSGD(state, 0.7, rule, lam=0.2, **kwargs)
     for delta, tau in zip(deltas, taus):
         assert opt.step(state, delta, staleness=tau) is True
         ref.step(delta, tau)

@@ -56,7 +56,7 @@ def main() -> None:
         hub=cfg["hub"], node_id=cfg.get("node_id", "w0"), inner_steps=cfg["inner_steps"],
         hub_options=cfg.get("hub_options") or None, signing_key=cfg.get("signing_key"), poll_interval=0.02,
         wait_timeout=60.0, token_counter=False, throttle=cfg.get("throttle", 0.0), claim_ttl=cfg.get("claim_ttl"),
-        fragments=cfg.get("fragments"),
+        fragments=cfg.get("fragments"), **cfg.get("encoding", {}),
     )
 
     class Started(L.Callback):

@@ -206,7 +206,8 @@ MasterConf = compose_section(
     exclude=("outer_optimizer", "outer_options", "outer_lr", "outer_momentum"),  # the ``outer`` group
     retype={
         "min_deltas": (Any, None, "quorum: accepted deltas before a round is applied, or a fraction of the live "
-                                  "nodes (a float in (0, 1]; null: every worker in lockstep, else 1)"),
+                                  "nodes (a float in (0, 1]; null: every worker in lockstep, else 1; diloco-master: "
+                                  "1.0, every live node)"),
         "keep_globals": (Optional[int], None, "older global versions kept on the hub (null: what the workers' lockstep "
                                               "delay d needs, d + 2, at least 4; diloco-master: 4)"),
         "torch_threads": (Optional[int], 1, "torch threads of the master (this command's process: 1, since the round "

@@ -63,16 +63,19 @@ def serve_command(master, **kw) -> int:
     """A master in the foreground of a command (``diloco-master``, ``train.py role=master``): one
     line saying what it runs, progress lines on stdout, SIGINT/SIGTERM stop it after a final
     round; returns the exit status (:class:`~diloco_lightning.master.serve.ServeReport`)."""
+    from diloco_lightning.master.quorum import is_fraction
     from diloco_lightning.master.serve import serve
 
     def say(line: str) -> None:
         print(line, flush=True)
 
     where = master.hub.local_root or master.hub.url
+    q = master.config.min_deltas
+    quorum = f"{q:g} of the live nodes" if is_fraction(q) else f"{q} delta(s)"
     say(
         f"[master] {master.holder} on {where}: optimizer {master.config.outer_optimizer} "
         f"{master.optimizer.options if master.optimizer is not None else master.config.optimizer_options()}, "
-        f"aggregation {master.config.aggregation}, quorum {master.config.min_deltas}; "
+        f"aggregation {master.config.aggregation}, quorum {quorum}; "
         f"local state in {master.node_state_dir} (node_state_dir=... to change)"
     )
     try:

@@ -63,6 +63,12 @@ def _device(cfg: DictConfig):
     return torch.device("cpu")
 
 
+def _training_loss(module, batch):
+    """The product's training step's loss (``LlamaLightningModule.training_step`` without its logging)."""
+    x, y = module.inputs_targets(batch)
+    return module.model.loss(x, y)
+
+
 def build_worker(cfg: DictConfig, index: int, device):
     """Worker ``index`` of the run: its model (the product's module), shard, inner optimizer and schedule."""
     import torch
@@ -80,14 +86,10 @@ def build_worker(cfg: DictConfig, index: int, device):
     sched = conf.get("lr_scheduler")
     scheduler = sched["scheduler"] if isinstance(sched, dict) else sched
 
-    def loss_fn(batch):
-        x, y = module.inputs_targets(batch)
-        return module.model.loss(x, y)
-
     inner = InnerLoop(
-        loss_fn, conf["optimizer"], iter(dm.train_dataloader()), scheduler=scheduler,
+        None, conf["optimizer"], iter(dm.train_dataloader()), scheduler=scheduler,
         gradient_clip_val=cfg.trainer.gradient_clip_val, precision=cfg.trainer.precision, device=device,
-        count_tokens=lambda b: module.inputs_targets(b)[0].numel(),
+        count_tokens=lambda b: module.inputs_targets(b)[0].numel(), module=module, module_loss=_training_loss,
     )
     opts = sim_options(cfg)
     return SimWorker(index, module_state(module), inner, inner_steps=nominal_inner_steps(cfg),
@@ -119,6 +121,11 @@ def dylu_option(cfg: DictConfig) -> dict[str, Any] | None:
             "seconds": cfg.diloco.get("dylu_seconds")}
 
 
+def _parallel(cfg: DictConfig, opts, device) -> int:
+    """``sim.parallel``, or its default: ``min(workers, CPU cores)`` on a CPU, 1 on a GPU."""
+    return opts.parallel or (1 if device.type == "cuda" else min(int(cfg.workers), os.cpu_count() or 1))
+
+
 def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_version=None):
     """The :class:`~diloco_lightning.sim.Simulator` of a run's configuration (data prepared first)."""
     from diloco_lightning.sim import SimMaster, Simulator
@@ -138,11 +145,12 @@ def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_v
     elif n > 0:
         points = sorted({0} | {max(1, round(k * total / n)) for k in range(1, n + 1)})
     encoding, feedback = resolve_encoding(cfg.diloco.delta_dtype, cfg.diloco.topk, cfg.diloco.topk_values,
-                                          cfg.diloco.error_feedback)
-    parallel = opts.parallel or (1 if device.type == "cuda" else min(int(cfg.workers), os.cpu_count() or 1))
+                                          cfg.diloco.error_feedback, cfg.diloco.topk_chunk)
+    parallel = _parallel(cfg, opts, device)
     return Simulator(
         workers, master, sync=cfg.diloco.sync, delay=_delay_option(cfg), options=opts,
-        delta_dtype=encoding, error_feedback=feedback, evaluate=evaluator.loss if evaluator else None,
+        delta_dtype=encoding, error_feedback=feedback, error_feedback_decay=cfg.diloco.error_feedback_decay,
+        evaluate=evaluator.loss if evaluator else None,
         eval_points=points, on_version=on_version, parallel=parallel, seed=int(cfg.seed), eval_times=times,
         dylu=dylu_option(cfg),
     )
@@ -219,6 +227,13 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
     return results
 
 
+def _histogram(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[str(v)] = out.get(str(v), 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
 def _worker_summary(cfg: DictConfig, sim, w) -> dict[str, Any]:
     return {
         "node_id": w.node_id, "delay": sim._worker_delay[w.index] if not sim._per_delta else "per delta",
@@ -261,6 +276,9 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             "inner_steps": result.inner_steps, "run_seconds": result.wall_seconds,
             "inner_steps_per_second": result.inner_steps / result.wall_seconds if result.wall_seconds > 0 else 0.0,
             "staleness_histogram": result.staleness_histogram, "null_rounds": sim.master.null_rounds,
+            # phases computed batched (sim.batched), else why not; phases per computation
+            "batched": sim.batched_reason is None, "batched_reason": sim.batched_reason,
+            "batch_sizes": _histogram(sim.runner.batches),
             # loss against simulated time: [time, eval loss] at each eval_curve point
             "eval_curve_time": [[t, loss] for t, (_, loss) in zip(result.eval_times, result.eval_curve)],
             "lost_phases": result.lost_phases,
@@ -271,8 +289,14 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             # H of each phase each worker began (differs between phases with inner_steps=auto)
             "phase_steps": [list(w.phase_lengths) for w in sim.workers],
             "traces": [sim_options(cfg).trace(i) for i in range(cfg.workers)],
-            "membership": [list(sim._membership[i]) if math.isfinite(sim._membership[i][1])
-                           else [sim._membership[i][0], None] for i in range(cfg.workers)],
+            # per worker, its down intervals (join_at, leave_at, preemptions) within the run: [down, up or null]
+            "down": [[[d, u if math.isfinite(u) else None] for d, u in sim.churn.intervals(i, result.sim_time)]
+                     for i in range(cfg.workers)],
+            "abandoned_phases": sim.abandoned_phases,
+            # per worker, simulated time computing finished phases, computing lost or given-up ones, and down
+            "time_use": result.time_use,
+            # the communication: bytes per upload (by fragment) and per version, time spent transferring
+            "comm": result.comm,
             "versions": [
                 {k: r.get(k) for k in ("outer_step", "time", "accepted", "rejected", "rejected_by_reason",
                                        "staleness_histogram", "update_norm", "update_rms", "update_rms_over_lr",

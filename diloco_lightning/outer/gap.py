@@ -13,9 +13,12 @@ Nesterov momentum ``m`` (default 0: none) on the corrected ``g'``::
   no more than one typical step since the base is not penalised; one that moved k typical
   steps is divided by k. A coordinate that drifts steadily is penalised about like Zhang et
   al.'s ``lr / tau``; a coordinate that only jitters (its moves cancel) much less.
-- :class:`DelayCompensated` (DC-ASGD, Zheng et al. 2017, arXiv 1609.08326, the constant-lambda
-  variant): ``g'_i = g_i + lam * g_i * g_i * diff_i``: the delayed gradient carried from
-  ``theta_base`` to ``theta_now`` by the diagonal ``g (.) g`` approximation of the Hessian.
+- :class:`DelayCompensated` (DC-ASGD, Zheng et al. 2017, arXiv 1609.08326):
+  ``g'_i = g_i + lam * g_i * g_i * diff_i / mean(g * g)``: the delayed gradient carried from
+  ``theta_base`` to ``theta_now`` by the diagonal ``g (.) g`` approximation of the Hessian. The
+  paper's adaptive lambda divides by a running mean square of the gradient; a pseudo-gradient is
+  a displacement (parameter units), so here each tensor's ``g * g * diff`` is divided by that
+  tensor's mean of ``g * g``, which makes ``lam`` a pure number (0: plain SGD).
 
 **Where theta_base comes from.** The master holds ``theta_now`` only. Two sources:
 
@@ -50,7 +53,7 @@ from torch import Tensor
 
 from diloco_lightning.outer.base import OuterOptimizer, check_int, check_real
 from diloco_lightning.outer.gates import check_staleness
-from diloco_lightning.outer.work import Item, Work
+from diloco_lightning.outer.work import Item, Work, real_view
 
 __all__ = ["DelayCompensated", "GapAware"]
 
@@ -234,7 +237,7 @@ class GapAware(_StaleCorrected):
 
 
 class DelayCompensated(_StaleCorrected):
-    """DC-ASGD (Zheng et al. 2017, arXiv 1609.08326), constant lambda: ``g + lam * g * g * diff``.
+    """DC-ASGD (Zheng et al. 2017, arXiv 1609.08326): ``g + lam * g * g * diff / mean(g * g)`` per tensor.
 
     Args: as :class:`GapAware`, plus ``lam`` (lambda >= 0, the variance-control parameter; 0 is plain SGD).
     """
@@ -247,6 +250,16 @@ class DelayCompensated(_StaleCorrected):
         lam = check_real("lam", lam, low=0.0)
         super().__init__(state, lr, momentum, history, beta, {"lam": lam})
         self.lam = lam
+        self._mean_square: dict[str, float] = {}
 
     def _correct(self, w: Work, g: Tensor, diff: Tensor) -> Tensor:
-        return torch.addcmul(g, g * g, diff, value=self.lam)
+        mean_square = self._mean_square.get(w.key, 0.0)
+        if mean_square == 0.0:
+            return g.clone()
+        return torch.addcmul(g, g * g, diff, value=self.lam / mean_square)
+
+    def _apply(self, items: list[Item], tau: float, gated: bool, fragment: str | None) -> bool:
+        # each key's mean of g * g over the whole tensor (a chunk alone would see part of it)
+        self._mean_square = {it.key: float(real_view(it.delta.detach()).double().square().mean()) if it.delta.numel()
+                             else 0.0 for it in items}
+        return super()._apply(items, tau, gated, fragment)

@@ -63,10 +63,13 @@ class _NesterovBase(OuterOptimizer):
     BUFFERS: ClassVar[dict[str, bool]] = {"momentum": True}
 
     def __init__(self, state: Mapping[str, Tensor], lr: float, momentum: float = 0.9,
-                 extra_options: Mapping[str, Any] | None = None, *, momentum_free: bool = False) -> None:
-        """``momentum_free``: keep no momentum buffer when ``momentum`` is 0 (it would hold nothing)."""
+                 extra_options: Mapping[str, Any] | None = None, *, momentum_free: bool = False,
+                 negative_momentum: bool = False) -> None:
+        """``momentum_free``: keep no momentum buffer when ``momentum`` is 0 (it would hold nothing);
+        ``negative_momentum``: momentum may be in ``(-1, 0)`` too."""
         lr = check_real("lr", lr, low=0.0, low_open=True)
-        momentum = check_real("momentum", momentum, low=0.0, high=1.0, high_open=True)
+        momentum = check_real("momentum", momentum, low=-1.0 if negative_momentum else 0.0, high=1.0,
+                              low_open=negative_momentum, high_open=True)
         layout: dict[str, Any] = {}
         if momentum_free and momentum == 0.0:
             layout = {"buffers": {}, "key_scalars": {}}
@@ -174,13 +177,17 @@ class StalenessSGD(_NesterovBase):
     ``grad = g * (1 + tau) ** -power``. ``power=0.5, momentum=0.9`` is ``poly_nesterov``;
     ``power=0`` is ``nesterov``. With ``momentum=0`` no buffer is kept (nothing but the state).
 
+    A negative momentum (in ``(-1, 0)``) is allowed: asynchrony itself acts like momentum on the
+    update (Mitliagkas et al. 2016, "Asynchrony begets momentum", arXiv 1605.09774), which a
+    negative explicit momentum can partly cancel.
+
     ``state_dict()``: ``{"optimizer": "staleness_sgd"}``, plus with momentum the ``momentum/<key>``
     tensors, ``keys`` and ``momentum_scales`` (as :class:`PolyNesterov`).
 
     Args:
         state: the global state.
         lr: outer learning rate.
-        momentum: Nesterov momentum in ``[0, 1)`` (default 0: none).
+        momentum: Nesterov momentum in ``(-1, 1)`` (default 0: none).
         power: the gate's exponent p >= 0 in ``(1 + tau) ** -p`` (default 1).
     """
 
@@ -190,7 +197,7 @@ class StalenessSGD(_NesterovBase):
 
     def __init__(self, state: Mapping[str, Tensor], lr: float, momentum: float = 0.0, power: float = 1.0) -> None:
         power = check_real("power", power, low=0.0)
-        super().__init__(state, lr, momentum, {"power": power}, momentum_free=True)
+        super().__init__(state, lr, momentum, {"power": power}, momentum_free=True, negative_momentum=True)
         self.power = power
 
     def gate(self, staleness: float) -> float:

@@ -5,72 +5,63 @@ staleness in minutes"): the workers are :class:`~diloco_lightning.sim.inner.SimW
 model, any inner optimizer), the master is :class:`~diloco_lightning.sim.master.SimMaster`
 (the product's gate, checks, round mean and outer optimizers), and the schedule is an event
 queue on a simulated clock: worker ``k`` runs a phase of ``inner_steps`` steps in
-``inner_steps / speed_k`` units of time, and events (a phase ends, a delta is uploaded) are
-processed in time order, ties by the order they were queued (so by worker index at equal
-speeds). Nothing else decides the order, so a run is a pure function of its options and seeds.
+``inner_steps / speed_k`` units of time, and events are processed in time order, ties by the
+order they were queued (so by worker index at equal speeds). Nothing else decides the order, so
+a run is a pure function of its options and seeds. This module is the clock and the workers'
+phases; :mod:`~diloco_lightning.sim.transfers` (a base class) is what travels between them and
+the master: uploads, the master's rounds, publications, downloads.
 
 Staleness, as the product's ``sync`` modes define it:
 
 * ``lockstep``, ``aggregation="round"`` (the product's lockstep with a quorum of every worker):
-  round ``s`` (outer step ``s``) is the ``(s+1)``-th delta of every worker; worker ``k``'s delta
-  ``r`` was computed from version ``max(0, r - 1 - tau)``, so it is applied with staleness
-  ``tau`` counted in rounds (``r - 1`` for the first ``tau`` rounds, whose deltas start from
-  version 0). A worker waits at boundary ``r`` for the version its next delta starts from, and
-  a delta ``r`` is uploaded once version ``r - 1`` exists, as the product's are.
+  round ``s`` is the ``(s+1)``-th delta of every worker; worker ``k``'s delta ``r`` was computed
+  from version ``max(0, r - 1 - tau)``, applied with staleness ``tau`` counted in rounds. A worker
+  waits at boundary ``r`` for the version its next delta starts from; delta ``r`` is uploaded once
+  version ``r - 1`` exists, as the product's are.
 * ``lockstep``, ``aggregation="arrival"``: every delta is one outer step; the delta applied at
-  outer step ``s`` was computed from version ``max(0, s - tau)``: staleness ``tau`` counted in
-  arrivals. The clock orders the arrivals (round-robin over the workers at equal speeds); the
-  delay is imposed, not caused by the clock (workers never wait).
-* ``async``: no imposed delay. A worker starts each phase from the newest version and its delta
-  is applied when the clock brings it: the staleness is what the speeds make it (K - 1 in
-  arrival mode at equal speeds). In round mode a round closes every ``quorum`` deltas.
+  outer step ``s`` was computed from version ``max(0, s - tau)``: ``tau`` counted in arrivals,
+  imposed (workers never wait), the clock ordering the arrivals.
+* ``async``: no imposed delay. A worker starts each phase from the newest version it holds and
+  its delta is applied when the clock brings it (K - 1 arrivals stale at equal speeds). In round
+  mode a round closes every ``quorum`` deltas (or at ``deadline``). With ``barrier`` the rounds
+  are synchronous: after its delta a worker waits for a version newer than its phase's; a delta
+  from an older version is applied where it arrives (``late="apply"``) or its phase is given up
+  when the newer version is published (``late="drop"``: the worker starts over from it).
 
 ``tau`` is the ``delay`` option: an int, a per-worker list, or a distribution drawn once per
 worker (:func:`~diloco_lightning.worker.sync.resolve_delay`, the product's draw) or, with
 ``delay_per="delta"``, once per delta (:func:`~diloco_lightning.worker.sync.draw_delay`),
 capped at ``max_delay``; during the first ``burn_in`` outer steps it is 0.
 
-A phase depends only on the version it starts from and the worker's own state (inner optimizer,
-schedule, data position), so it can be computed whenever that version is known: with
-``parallel > 1`` each worker computes its next phase on a thread of its own as soon as it begins
-(round-mode lockstep and async; arrival-mode lockstep learns the version only when the delta is
-applied), while the master and the other workers go on. torch releases the GIL inside its ops
-and each worker's ops are exactly the sequential ones, so the results do not depend on
-``parallel``. Phases are otherwise computed when their delta is applied.
+Phases are computed by a runner (:mod:`diloco_lightning.sim.runners`): batched with the other
+workers' begun phases (:mod:`diloco_lightning.sim.batched`, equal to the unbatched ones to float
+tolerance), on threads, or one at a time; arrival-mode lockstep learns a phase's version only
+when its delta arrives, and computes it then.
 
-Membership and a noisy clock (``sync="async"``): ``join_at`` / ``leave_at`` let a worker start
-late (from the newest version at that time) or stop (a phase not finished when it leaves is
-lost: the master never sees it), and ``speed_jitter`` multiplies each phase's duration by a
-log-normal factor drawn from the seed, worker and phase. The quorum of a round (``quorum``)
-stays what it was: rounds close every ``quorum`` deltas, whoever sends them. Every published
-version and every evaluation carries its simulated time, so loss can be read against time.
+The clock: ``speed_jitter`` multiplies each phase's duration by a log-normal factor drawn from
+the seed, worker and phase; traces change speeds over time. Churn
+(:mod:`diloco_lightning.sim.churn`): a worker is down during intervals (``join_at``,
+``leave_at``, preemptions from a trace or a seeded law); a phase a down interval interrupts is
+lost and never computed, and the worker comes back with the state of its last finished phase
+(lockstep: it computes that round's phase again and the round waits; async: from the newest
+version). A budget (``max_time``): a worker begins a phase only if it ends by ``max_time``; a
+lockstep round some worker could not finish in time is not applied. Evaluations are then taken at
+given simulated times (``eval_times``: the newest published version at each), with the tokens
+of the deltas delivered by then, so runs line up on one time axis.
 
-Fragments (Streaming DiLoCo, ``diloco_lightning/wire/fragments.py``; the workers' and the master's
-``fragments`` must agree): a phase is then the ``H / F`` steps between two boundaries and its
-delta carries one fragment (:class:`~diloco_lightning.sim.inner.SimWorker`), so every schedule
-above counts boundaries where it counted phases (lockstep: round ``s`` is every worker's
-``(s+1)``-th boundary, one fragment each). The staleness the master applies is the fragment's
-own (its outer steps since the delta's base, as the product's master counts it), which is what
-the histogram records; the imposed delay is still counted in versions.
-
-A budget of simulated time (``max_time``, :mod:`diloco_lightning.sim.options` for the units): a
-worker begins a phase only if it would end by ``max_time``, so each keeps working as long as the
-budget allows, as ``trainer.max_time`` makes a real worker. Lockstep's rounds wait for the
-slowest worker as always; a round that some worker could not finish in time is not applied (the
-product's lockstep master would still be waiting for it). Evaluations are then taken at given
-simulated times (``eval_times``: the newest version at each), so runs of different speeds and
-modes line up on one time axis; each also records the tokens of the deltas delivered by then.
+Fragments (Streaming DiLoCo, ``diloco_lightning/wire/fragments.py``): a phase is the ``H / F``
+steps between two boundaries and its delta carries one fragment, so every schedule above counts
+boundaries (lockstep: round ``s`` is every worker's ``(s+1)``-th boundary); the staleness the
+master applies is the fragment's own, as the product's master counts it.
 
 Dynamic Local Updates (``dylu``): each worker chooses the H of its next phase when it begins it,
 with the product's rule (:func:`~diloco_lightning.worker.pacing.dylu_inner_steps`), fed by the
-step rates a heartbeat would carry: each worker's rate over its last finished phase in simulated
-time (``H / duration``, jitter and trace included; none before its first phase ends), the peers'
-those of the workers still live. Deltas then carry different numbers of tokens; the master's
-``weighting="tokens"`` weights them by it.
+rates a heartbeat would carry (each worker's steps per unit of time over its last finished phase;
+the peers' of the workers still live).
 
-The pseudo-gradient is encoded as a real worker encodes it (``delta_dtype``: a float cast, int8,
-int4 or top-k, with the worker's error-feedback residual: :class:`~diloco_lightning.encoding.feedback.
-ErrorFeedback`, one per worker) and decoded as the master decodes it, before the master sees it.
+The pseudo-gradient is encoded as a real worker encodes it (``delta_dtype``, with the worker's
+error-feedback residual: :class:`~diloco_lightning.encoding.feedback.ErrorFeedback`) and decoded
+as the master decodes it, before the master sees it.
 """
 
 from __future__ import annotations
@@ -81,67 +72,33 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from diloco_lightning.sim.inner import SimWorker
+from diloco_lightning.encoding import EncodingSpec
+from diloco_lightning.encoding.feedback import ErrorFeedback
+from diloco_lightning.sim.churn import Churn
+from diloco_lightning.sim.inner import SimWorker, check_fragments
 from diloco_lightning.sim.master import SimMaster
 from diloco_lightning.sim.options import SimOptions, phase_end
+from diloco_lightning.sim.result import SimResult, as_received
+from diloco_lightning.sim.runners import PhaseRunner, choose_runner
+from diloco_lightning.sim.transfers import _DEADLINE, Transfers
+from diloco_lightning.util.options import OptionError
 from diloco_lightning.worker.options import SYNC_MODES, feedback_of, resolve_encoding
-from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.pacing import dylu_inner_steps
 from diloco_lightning.worker.sync import draw_delay, resolve_delay
-from diloco_lightning.encoding.feedback import ErrorFeedback, decode_delta
-from diloco_lightning.encoding import EncodingSpec
 
 __all__ = ["SimResult", "Simulator", "as_received"]
 
 log = logging.getLogger(__name__)
 
-_PHASE_END, _UPLOAD, _JOIN = 0, 1, 2
+_PHASE_END, _JOIN, _LOST = 0, 1, 2
 
 
-def as_received(wire: Mapping[str, Any]) -> dict[str, Tensor]:
-    """What the master adds to its sum from what a worker put on the wire: the tensors themselves,
-    or, for an encoded value (``diloco_lightning.encoding.EncodedTensor``), its FP32 decoding."""
-    return decode_delta(wire)
-
-
-def _wire_bytes(wire: Mapping[str, Any]) -> int:
-    total = 0
-    for v in wire.values():
-        if isinstance(v, Tensor):
-            total += v.numel() * v.element_size()
-        else:  # an encoded tensor: its parts
-            total += v.nbytes
-    return total
-
-
-@dataclass
-class SimResult:
-    """What a simulated run produced (the product turns it into ``results.json``)."""
-
-    outer_steps: int
-    final_state: dict[str, Tensor]
-    records: list[dict[str, Any]]  # one per published version (and refusals in between)
-    eval_curve: list[list[float]]
-    sim_time: float
-    wall_seconds: float
-    inner_steps: int  # inner steps taken, all workers
-    bytes_sent: int
-    deltas: int
-    staleness_histogram: dict[str, int] = field(default_factory=dict)
-    eval_times: list[float] = field(default_factory=list)  # simulated time of each eval_curve point
-    lost_phases: int = 0  # phases in flight when their worker left
-    eval_tokens: list[int] = field(default_factory=list)  # tokens delivered to the master by each eval_curve point
-    stopped_early: bool = False  # an evaluation was above options.stop_above: the run stopped there
-
-
-class Simulator:
+class Simulator(Transfers):
     """See the module docstring.
 
     Args:
@@ -155,14 +112,16 @@ class Simulator:
             a float torch dtype, or an :class:`~diloco_lightning.encoding.EncodingSpec`).
         error_feedback: each worker keeps what its encoding dropped and adds it to its next delta
             (None: on for the lossy encodings, as in a real run).
+        error_feedback_decay: SparseLoCo's beta on each worker's residual (1: none).
         evaluate: ``state -> loss`` of a global version (None: no evaluation).
         eval_points: outer steps after which to evaluate (the first version at or past each).
         on_version: called with each version's record (progress lines, metrics files).
         parallel: workers whose phases may be computed at the same time, each on its own thread
-            (1: one after the other in this thread); the results are the same.
+            (1: one after the other in this thread); batched, the groups of workers stacked and
+            computed side by side, each on a thread. The results do not depend on it.
         seed: seeds ``speed_jitter``'s draws.
-        eval_times: simulated times at which to evaluate the newest version (instead of
-            ``eval_points``; the ones past the end are taken on the final state).
+        eval_times: simulated times at which to evaluate the newest published version (instead
+            of ``eval_points``; the ones past the end are taken on the final state).
         dylu: Dynamic Local Updates: ``{"max_steps": H_max, "min_steps": H_min or None,
             "seconds": a target time per phase or None}`` (None: every phase has the worker's
             ``inner_steps``).
@@ -178,6 +137,7 @@ class Simulator:
         options: SimOptions | None = None,
         delta_dtype: torch.dtype | str | EncodingSpec = torch.float32,
         error_feedback: bool | None = None,
+        error_feedback_decay: float = 1.0,
         evaluate: Callable[[Mapping[str, Tensor]], float] | None = None,
         eval_points: Sequence[int] = (),
         on_version: Callable[[dict[str, Any]], None] | None = None,
@@ -191,20 +151,21 @@ class Simulator:
         if not workers:
             raise ValueError("workers: a simulation needs at least one worker")
         self.workers = list(workers)
+        n = len(self.workers)
         self.master = master
         self.sync = sync
-        self.options = (options or SimOptions()).validate(len(self.workers))
+        self.options = (options or SimOptions()).validate(n)
         if isinstance(delta_dtype, EncodingSpec):
             spec, feedback = delta_dtype, feedback_of(delta_dtype, error_feedback)
         else:
             spec, feedback = resolve_encoding(delta_dtype, error_feedback=error_feedback)
         self.encoding = spec
-        self._feedback = [ErrorFeedback(spec, enabled=feedback) for _ in self.workers]
+        self._feedback = [ErrorFeedback(spec, enabled=feedback, decay=error_feedback_decay) for _ in self.workers]
         self.dylu: dict[str, Any] | None = None
         if dylu is not None:
             self.dylu = {"max_steps": int(dylu["max_steps"]), "min_steps": dylu.get("min_steps"),
                          "seconds": dylu.get("seconds")}
-        self._check_fragments(feedback)
+        check_fragments(self.workers, self.master.plan, self.dylu is not None)
         self.max_time = self.options.max_time
         if self.max_time is None and any(w.max_steps is None for w in self.workers):
             raise ValueError("a worker without max_steps needs a time budget (options.max_time), or the run never ends")
@@ -213,21 +174,14 @@ class Simulator:
         self.on_version = on_version
         self.arrival = master.config.aggregation == "arrival"
         self.seed = int(seed)
-        self._membership = [self.options.membership(w.index) for w in self.workers]
         if self.options.changes_membership() and sync != "async":
             raise ValueError("join_at / leave_at need sync='async' (lockstep's imposed delays expect every worker's "
                              "every delta)")
-        self._active = [False] * len(self.workers)  # joined and not gone
-        self.lost_phases = 0
-        self.eval_times: list[float] = []
-        self.eval_tokens: list[int] = []
-        self._eval_at = sorted(set(float(t) for t in eval_times))
-        self._last_eval: tuple[int, float] | None = None  # (outer step, loss) of the last evaluation
-        self.stopped_early = False  # an evaluation above options.stop_above ended the run
-        self._rate: list[float | None] = [None] * len(self.workers)  # steps per unit of time, last finished phase
-        self._phase: dict[tuple[int, int], tuple[float, int]] = {}  # (worker, r) -> (start, steps)
-        self._tokens_in = 0  # tokens of the deltas delivered to the master
-        self.quorum = len(self.workers) if sync == "lockstep" else (self.options.quorum or len(self.workers))
+        if self.options.barrier and (sync != "async" or self.arrival):
+            raise OptionError("barrier", "synchronous rounds with a quorum need diloco.sync=async and "
+                              "master.aggregation=round")
+        self.churn = Churn(n, join_at=self.options.join_at, leave_at=self.options.leave_at, preempt=self.options.preempt)
+        self.quorum = n if sync == "lockstep" else (self.options.quorum or n)
         self._delay_spec = delay
         self._per_delta = isinstance(delay, Mapping) and self.options.delay_per == "delta"
         self._seed = delay.get("seed", 0) if isinstance(delay, Mapping) else 0
@@ -235,37 +189,52 @@ class Simulator:
                               if not self._per_delta else 0 for w in self.workers]
         if sync == "async" and delay not in (0, None):
             log.warning("sync=async: the delay option is ignored (the clock makes the staleness), as in the product")
-        self._heap: list[tuple[float, int, int, int, int]] = []
+        # the clock and the workers
+        self._heap: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
-        self._held: dict[int, list[tuple[int, int]]] = {}  # version -> (worker, r) uploads waiting for it
-        self._waiting: dict[int, list[int]] = {}  # version -> workers waiting to start their next phase
-        self._base: list[int] = [0] * len(self.workers)  # async: the version each worker's phase started from
-        self._published_at: dict[int, float] = {0: 0.0}
-        self.histogram: dict[str, int] = {}
-        self.eval_curve: list[list[float]] = []
-        self.bytes_sent = 0
-        self.deltas = 0
         self.now = 0.0
-        self._begun = [0] * len(self.workers)  # phases begun per worker
-        self._ahead: dict[tuple[int, int], tuple[int, Future]] = {}  # (worker, r) -> (base, its phase computing)
-        prefetch = parallel > 1 and not (sync == "lockstep" and self.arrival)
-        self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"sim-{w.node_id}") for w in self.workers] if prefetch else None
+        self._up = [False] * n  # up and taking part (not down, not done)
+        self._active = [False] * n  # computing a phase or about to (for DyLU's peers and pruning)
+        self._begun = [0] * n  # phases begun per worker (a lost one is begun again)
+        self._phase: dict[tuple[int, int], tuple[float, int]] = {}  # (worker, r) -> (start, steps)
+        self._rate: list[float | None] = [None] * n  # steps per unit of time, last finished phase
+        self._base: list[int] = [0] * n  # the version each worker's current phase started from
+        self._held = [0] * n  # the version each worker holds (downloaded; lockstep: installed)
+        self._fetching = [-1] * n  # the version each worker's fetcher is downloading (-1: none)
+        self._lost: dict[tuple[int, int], float] = {}  # phases that will be lost -> when
+        self._token: dict[tuple[int, int], int] = {}  # (worker, r) -> the phase's token (its events carry it)
+        self._over = False  # the run has ended: nothing begins any more
+        self._idle: list[Any] = [None] * n  # what an idle worker waits for ("newer", base) / ("room",) / None
+        self.lost_phases = 0
+        self.abandoned_phases = 0
+        self._use = [{"compute": 0.0, "lost": 0.0, "down": 0.0} for _ in range(n)]
+        self._init_transfers(n)
+        # evaluations
+        self.eval_curve: list[list[float]] = []
+        self.eval_times: list[float] = []
+        self.eval_tokens: list[int] = []
+        self._eval_at = sorted(set(float(t) for t in eval_times))
+        self._last_eval: tuple[int, float] | None = None  # (outer step, loss) of the last evaluation
+        self.stopped_early = False  # an evaluation above options.stop_above ended the run
+        self.batched_reason: str | None = None  # why the phases are not batched (None: they are)
+        self.runner = self._runner(parallel)
 
-    def _check_fragments(self, feedback: bool) -> None:
-        """The workers split the model as the master does; no error feedback and no DyLU with
-        fragments (as the product)."""
-        ours = FragmentBook(self.master.plan).digests()
-        for w in self.workers:
-            if w.book.digests() != ours:
-                raise ValueError(f"worker {w.node_id} splits the model into "
-                                 f"{'no' if w.plan is None else w.plan.count} fragments, the master into "
-                                 f"{'none' if ours is None else len(ours)}: give both the same fragments")
-        if ours is not None and feedback:
-            raise ValueError(f"fragments={len(ours)} cannot be combined with error feedback yet "
-                             f"(delta_dtype={self.encoding.name}): pass error_feedback=False or a float delta_dtype")
-        if ours is not None and self.dylu is not None:
-            raise ValueError(f"fragments={len(ours)} cannot be combined with Dynamic Local Updates (dylu): the "
-                             f"boundaries every H / F steps are the fragments' schedule")
+    @property
+    def _base_known_at_delivery(self) -> bool:
+        """Lockstep in arrival mode: a phase starts from the version ``delay`` outer steps before
+        the one its delta is applied to, known only when it arrives."""
+        return self.sync == "lockstep" and self.arrival
+
+    @property
+    def _abandonable(self) -> bool:
+        """A phase may be given up before it ends (synchronous rounds that drop late deltas)."""
+        return self.options.barrier and self.options.late == "drop"
+
+    def _runner(self, parallel: int) -> PhaseRunner:
+        """How the phases are computed: :func:`~diloco_lightning.sim.runners.choose_runner`."""
+        runner, self.batched_reason = choose_runner(self.workers, self.options.batched, parallel,
+                                                    known_at_delivery=self._base_known_at_delivery)
+        return runner
 
     # ------------------------------------------------------------------ delays
 
@@ -278,33 +247,60 @@ class Simulator:
             return min(tau, self.options.max_delay)
         return self._worker_delay[index]
 
+    def _base_of(self, k: int, r: int) -> int:
+        """The version worker ``k``'s delta ``r`` starts from."""
+        if self.sync == "async":
+            return self._base[k]
+        applied_at = r - 1 if not self.arrival else self.master.outer_step
+        return max(0, applied_at - self.delay_of(k, r, applied_at))
+
     # ------------------------------------------------------------------ the clock
 
-    def _push(self, t: float, kind: int, k: int, r: int = 0) -> None:
+    def _push(self, t: float, kind: int, k: int, data: Any = None) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, kind, k, r))
+        heapq.heappush(self._heap, (t, self._seq, kind, k, data))
 
     def _begin(self, k: int, t: float) -> None:
-        """Worker ``k`` starts its next phase at ``t`` (if its step cap, its membership and the
-        time budget leave it one: a phase that would end after ``max_time`` is not run)."""
+        """Worker ``k``, holding the version its next phase starts from, begins it at ``t`` (if it is
+        up and its step cap and the time budget leave it one: a phase that would end after
+        ``max_time`` is not run)."""
+        if self._over:
+            return
         w = self.workers[k]
+        self._idle[k] = None
+        back = self.churn.up_at(k, t)
+        if back > t:  # down now: it comes back later (or never)
+            self._up[k] = self._active[k] = False
+            if math.isfinite(back) and (self.max_time is None or back < self.max_time):
+                self._push(back, _JOIN, k)
+            return
         steps = self.next_inner_steps(k)
         r = self._begun[k] + 1
         end = self._end_of(k, r, t, steps)
         over = self.max_time is not None and end > self.max_time * (1 + 1e-12)
-        if not w.fits(steps) or t >= self._membership[k][1] or over:
-            self._active[k] = False
+        if not w.fits(steps) or over:
+            self._up[k] = self._active[k] = False  # done
             return
-        self._active[k] = True
+        self._up[k] = self._active[k] = True
         self._begun[k] = r
         w.begin_phase(steps)
         self._phase[(k, r)] = (t, steps)
-        self._base[k] = self.master.outer_step
-        if self._threads is not None:
-            base = self._base_of(k, r)
-            self._ahead[(k, r)] = (base, self._threads[k].submit(w.phase, self.master.versions[base],
-                                                                       inner_steps=steps, **self._phase_args(k, base)))
-        self._push(end, _PHASE_END, k, r)
+        self._base[k] = self._held[k]
+        self._seq += 1
+        token = self._token[(k, r)] = self._seq  # a phase begun again under the same number is another one
+        down = self.churn.next_down(k, t)
+        if down < end:  # preempted (or gone) before it ends: lost, never computed
+            self._lost[(k, r)] = down
+            self._push(down, _LOST, k, (r, token))
+            return
+        if not self._base_known_at_delivery and not self._abandonable:
+            self._give(k, r)
+        self._push(end, _PHASE_END, k, (r, token))
+
+    def _give(self, k: int, r: int) -> None:
+        """Hand phase ``r`` of worker ``k`` (its version known) to the runner."""
+        base = self._base_of(k, r)
+        self.runner.begin(k, r, (base, self.master.versions[base], self._phase_args(k, base), self._phase[(k, r)][1]))
 
     def next_inner_steps(self, k: int) -> int:
         """Inner steps of worker ``k``'s next phase: its ``phase_steps`` (H, or H / F with
@@ -337,42 +333,40 @@ class Simulator:
             return {}
         return {"version": base, "steps": self.master.version_steps.get(base), "exact": self.sync != "async"}
 
-    def _base_of(self, k: int, r: int) -> int:
-        """The version worker ``k``'s delta ``r`` starts from."""
-        if self.sync == "async":
-            return self._base[k]
-        applied_at = r - 1 if not self.arrival else self.master.outer_step
-        return max(0, applied_at - self.delay_of(k, r, applied_at))
-
     def run(self) -> SimResult:
         started = time.perf_counter()
         try:
             self._evaluate_due()
             self._evaluate_times(0.0, inclusive=False)
-            for w in self.workers:
-                joins = self._membership[w.index][0]
-                if joins > 0:
-                    self._push(joins, _JOIN, w.index)
-                else:
-                    self._begin(w.index, 0.0)
+            for k in range(len(self.workers)):
+                self._begin(k, 0.0)
+            if self.options.deadline is not None and not self.arrival:
+                self._push(self.options.deadline, _DEADLINE, -1, 0)  # the first round's
             while self._heap and not self.stopped_early:
-                t, _, kind, k, r = heapq.heappop(self._heap)
+                t, _, kind, k, data = heapq.heappop(self._heap)
                 self._evaluate_times(t, inclusive=False)  # the versions published before t
                 self.now = t
-                if kind == _PHASE_END:
-                    self._phase_end(k, r, t)
+                if kind in (_PHASE_END, _LOST):
+                    r, token = data
+                    if self._token.get((k, r)) != token:
+                        continue  # a phase given up (late="drop"): begun again since
+                    if kind == _PHASE_END:
+                        self._phase_end(k, r, t)
+                    else:
+                        self._lose(k, r, t)
                 elif kind == _JOIN:
-                    self._begin(k, t)
+                    self._join(k, t)
                 else:
-                    self._deliver(k, r, t)
+                    self._handle(kind, k, data, t)
         finally:
-            for pool in self._threads or []:
-                pool.shutdown(wait=True, cancel_futures=True)
+            self.runner.close()
+            self._over = True  # nothing begins any more
         # the master drains what is pending at the end; under a time budget a lockstep round that
         # some worker could not finish is not applied (the product's master would still wait)
         if (not self.arrival and self.master.open_deltas and not self.stopped_early
                 and not (self.sync == "lockstep" and self.max_time is not None)):
             self._publish(self.master.close_round(self.now))
+        self._visible = self.master.outer_step
         pending = self.master.pending_record()
         if pending is not None:
             self._emit(pending)
@@ -383,141 +377,110 @@ class Simulator:
                 self.eval_curve.append([self.master.outer_step, float(self.evaluate(self.master.state))])
                 self.eval_times.append(self.now)
                 self.eval_tokens.append(self._tokens_in)
+        end = self.now if self.max_time is None else max(self.now, float(self.max_time))
+        for k, use in enumerate(self._use):
+            use["down"] = self.churn.down_time(k, end)
         return SimResult(
             outer_steps=self.master.outer_step, final_state=self.master.state, records=self.master.records,
             eval_curve=self.eval_curve, sim_time=self.now, wall_seconds=time.perf_counter() - started,
             inner_steps=sum(w.steps for w in self.workers), bytes_sent=self.bytes_sent, deltas=self.deltas,
             staleness_histogram=dict(sorted(self.histogram.items(), key=lambda kv: int(kv[0]))),
             eval_times=list(self.eval_times), lost_phases=self.lost_phases, eval_tokens=list(self.eval_tokens),
-            stopped_early=self.stopped_early,
+            time_use=[dict(u) for u in self._use], comm=self.comm_summary(), stopped_early=self.stopped_early,
         )
+
+    # ------------------------------------------------------------------ the workers' events
 
     def _phase_end(self, k: int, r: int, t: float) -> None:
         start, steps = self._phase[(k, r)]
         if t > start:
             self._rate[k] = steps / (t - start)  # what its next heartbeat reports
-        if t > self._membership[k][1]:  # the worker left before this phase ended: it is lost
-            self.lost_phases += 1
-            self._active[k] = False
-            ahead = self._ahead.pop((k, r), None)
-            if ahead is not None:
-                ahead[1].result()  # let its thread finish (its result goes nowhere)
-            log.info("worker %s left at %.1f: its phase %d (due at %.1f) is lost", self.workers[k].node_id,
-                     self._membership[k][1], r, t)
-            return
+        self._use[k]["compute"] += t - start
+        if self._abandonable:
+            self._give(k, r)  # it can no longer be given up
+        self.hand_in(k, r, t)
         if self.sync == "lockstep" and not self.arrival:
-            # delta r is uploaded once version r - 1 exists (the product's gated upload)
-            if self.master.outer_step >= r - 1:
-                self._deliver(k, r, t)
-            else:
-                self._held.setdefault(r - 1, []).append((k, r))
             # the worker waits for the version its next delta starts from
-            target = max(0, r - self.delay_of(k, r + 1, r))
-            if self.master.outer_step >= target:
-                self._begin(k, t)
-            else:
-                self._waiting.setdefault(target, []).append(k)
-            return
-        self._deliver(k, r, t)
-        self._begin(k, t)  # async, or arrival lockstep: never waits
+            self.need(k, max(0, r - self.delay_of(k, r + 1, r)), t)
+        elif self.options.barrier:
+            self._wait_newer(k, self._base[k], t)
+        elif self._blocked(k):
+            self._idle[k] = ("room",)  # fragments: a whole cycle of deltas is held (the product's backpressure)
+        else:
+            self._begin(k, t)  # async, or arrival lockstep: never waits
 
-    # ------------------------------------------------------------------ deliveries
+    def _lose(self, k: int, r: int, t: float) -> None:
+        """Worker ``k`` went down at ``t`` during its phase ``r``: the phase is lost."""
+        start, steps = self._phase.pop((k, r))
+        self._lost.pop((k, r), None)
+        self.lost_phases += 1
+        self._use[k]["lost"] += t - start
+        self._undo(k, steps)
+        self._up[k] = self._active[k] = False
+        back = self.churn.up_at(k, t)
+        log.info("worker %s went down at %.1f: its phase %d is lost%s", self.workers[k].node_id, t, r,
+                 "" if math.isinf(back) else f" (back at {back:.1f})")
+        if math.isfinite(back) and (self.max_time is None or back < self.max_time):
+            self._push(back, _JOIN, k)
 
-    def _deliver(self, k: int, r: int, t: float) -> None:
-        """Worker ``k``'s delta ``r`` reaches the master at ``t``: compute its phase, apply or fold it in."""
+    def _undo(self, k: int, steps: int) -> None:
+        """A phase of worker ``k`` that will never be computed: its steps and its number are free again."""
         w = self.workers[k]
-        s = self.master.outer_step
-        ahead = self._ahead.pop((k, r), None)
-        if ahead is not None:
-            base, future = ahead
-            delta = future.result()
-        else:
-            base = self._base_of(k, r)
-            delta = w.phase(self.master.versions[base], inner_steps=self._phase[(k, r)][1], **self._phase_args(k, base))
-        self._phase.pop((k, r), None)
-        wire = self._feedback[k].encode(delta)
-        del delta
-        self.bytes_sent += _wire_bytes(wire)
-        self.deltas += 1
-        received = as_received(wire)
-        fragment = None
-        if w.plan is not None:  # the fragment's own staleness, from its header (as the product's master)
-            fragment, tau = self.master.fragment_staleness(*w.headers.pop(r))
-        else:
-            tau = s - base
-        ident = f"{w.node_id}/{r}"
-        tokens = w.delta_tokens(r)
-        self._tokens_in += tokens or 0
-        if self.arrival:
-            rec = self.master.arrive(ident, received, tau, num_tokens=tokens, now=t, fragment=fragment)
-            if rec is not None:
-                self._count(tau)
-                self._publish(rec)
-        else:
-            if self.master.add(ident, received, tau, num_tokens=tokens, fragment=fragment):
-                self._count(tau)
-            if self.master.open_deltas >= self.quorum:
-                self._publish(self.master.close_round(t))
-        self._prune()
+        self._begun[k] -= 1
+        w.planned -= steps
+        w.phase_lengths.pop()
 
-    def _count(self, tau: int) -> None:
-        self.histogram[str(tau)] = self.histogram.get(str(tau), 0) + 1
-
-    def _publish(self, rec: dict[str, Any]) -> None:
-        v = self.master.outer_step
-        self._published_at[v] = self.now
-        self._emit(rec)
-        self._evaluate_due()
-        for k, r in self._held.pop(v, []):
-            self._push(self.now, _UPLOAD, k, r)
-        for k in self._waiting.pop(v, []):
-            self._begin(k, self.now)
-
-    def _emit(self, rec: dict[str, Any]) -> None:
-        if self.on_version is not None:
-            self.on_version(rec)
-
-    def _evaluate_due(self) -> None:
-        s = self.master.outer_step
-        if self.evaluate is None or not self.eval_points or self.eval_points[0] > s:
-            return
-        while self.eval_points and self.eval_points[0] <= s:
-            self.eval_points.pop(0)
-        self.eval_curve.append([s, float(self.evaluate(self.master.state))])
-        self.eval_times.append(self.now)
-        self.eval_tokens.append(self._tokens_in)
-        self._check_stop(s, self.eval_curve[-1][1])
-
-    def _check_stop(self, step: int, loss: float) -> None:
-        """End the run (no more events) at an evaluation after version 0 above ``options.stop_above``."""
-        limit = self.options.stop_above
-        if limit is not None and step > 0 and not (loss <= limit):
-            log.info("outer step %d: eval loss %s above stop_above=%s: the run stops here", step, loss, limit)
-            self.stopped_early = True
-            self._heap.clear()
-            self._eval_at = []
-
-    def _evaluate_times(self, t: float, *, inclusive: bool) -> None:
-        """Evaluate the newest version at each of ``eval_times`` before ``t`` (or at it)."""
-        while self.evaluate is not None and self._eval_at and (self._eval_at[0] < t or (inclusive and self._eval_at[0] <= t)):
-            at = self._eval_at.pop(0)
-            s = self.master.outer_step
-            if self._last_eval is None or self._last_eval[0] != s:  # an unchanged version is not evaluated twice
-                self._last_eval = (s, float(self.evaluate(self.master.state)))
-            self.eval_curve.append([s, self._last_eval[1]])
-            self.eval_times.append(at)
-            self.eval_tokens.append(self._tokens_in)
-            self._check_stop(s, self._last_eval[1])
-
-    def _prune(self) -> None:
-        """Drop the versions no worker can start from any more."""
-        s = self.master.outer_step
-        if self.sync == "async":  # a worker that has not joined starts from the newest version
-            keep = min([b for b, active in zip(self._base, self._active) if active] or [s])
-        elif self._per_delta:
-            keep = s - self.options.max_delay
-        else:
-            keep = s - max(self._worker_delay)
+    def _join(self, k: int, t: float) -> None:
+        """Worker ``k`` (re)joins at ``t``: it gets the version its next phase starts from, then begins."""
+        self._up[k] = True
         if self.sync == "lockstep" and not self.arrival:
-            keep -= 1  # a round's deltas start from version (round - tau)
-        self.master.prune(max(0, keep))
+            self.need(k, self._base_of(k, self._begun[k] + 1), t)
+        elif self.sync == "async":
+            self._idle[k] = ("join",)
+            self.fetch(k, t)
+            if self._idle[k] == ("join",) and not self.links[k].downloading(t):
+                self._begin(k, t)  # holds the newest already
+        else:
+            self._begin(k, t)
+
+    def _wait_newer(self, k: int, base: int, t: float) -> None:
+        """Synchronous rounds: worker ``k`` begins once it holds a version newer than ``base``."""
+        if self._held[k] > base:
+            self._begin(k, t)
+        else:
+            self._idle[k] = ("newer", base)
+
+    def _holds(self, k: int, v: int, t: float) -> None:
+        """Worker ``k`` has downloaded version ``v`` at ``t``."""
+        idle = self._idle[k]
+        if self.sync == "lockstep":
+            if not self._base_known_at_delivery:
+                self._begin(k, t)
+        elif idle is not None and idle[0] == "newer" and v > idle[1]:
+            self._begin(k, t)
+        elif idle == ("join",) and not self.links[k].downloading(t):
+            self._begin(k, t)
+
+    def _on_new_version(self, v: int, t: float) -> None:
+        """Version ``v`` is published: with ``late="drop"``, phases from older versions are given up."""
+        if not self._abandonable:
+            return
+        for (k, r), (start, steps) in list(self._phase.items()):
+            if self._base[k] < v and (k, r) not in self._lost and self._begun[k] == r and self._idle[k] is None \
+                    and self._up[k]:
+                self._token.pop((k, r))
+                self._phase.pop((k, r))
+                self.abandoned_phases += 1
+                self._use[k]["lost"] += t - start
+                self._undo(k, steps)
+                self._idle[k] = ("newer", self._base[k])
+                if self._held[k] > self._base[k]:
+                    self._begin(k, t)
+
+    def _blocked(self, k: int) -> bool:
+        w = self.workers[k]
+        return self.sync == "async" and w.plan is not None and len(self._outbox[k]) >= w.plan.count
+
+    def _unblock(self, k: int, t: float) -> None:
+        if self._idle[k] == ("room",) and not self._blocked(k):
+            self._begin(k, t)

@@ -25,6 +25,7 @@ anchor's bases and the tokens per fragment are the product's
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -37,7 +38,7 @@ from diloco_lightning.wire.fragments import build_plan
 from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.params import copy_into
 
-__all__ = ["PRECISIONS", "InnerLoop", "SimWorker", "precision_context"]
+__all__ = ["PRECISIONS", "InnerLoop", "SimWorker", "check_fragments", "precision_context"]
 
 #: the trainer precisions the simulator reproduces (``16-mixed`` needs a GradScaler: not simulated)
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed")
@@ -68,11 +69,15 @@ class InnerLoop:
         precision: one of :data:`PRECISIONS`.
         device: where the batches go (the model's device).
         count_tokens: ``batch -> int`` tokens trained on (for ``num_tokens`` and results).
+        module: the model the loss is computed with (None: unknown), and
+        module_loss: ``(module, batch) -> loss``, the same loss as ``loss_fn(batch)`` computed
+            with ``module``: with both, the batched simulator can compute it with another
+            worker's parameters (:mod:`diloco_lightning.sim.batched`); ``loss_fn`` may then be None.
     """
 
     def __init__(
         self,
-        loss_fn: Callable[[Any], Tensor],
+        loss_fn: Callable[[Any], Tensor] | None,
         optimizer: torch.optim.Optimizer,
         batches: Iterator[Any],
         *,
@@ -81,10 +86,20 @@ class InnerLoop:
         precision: str = "32-true",
         device: torch.device | str = "cpu",
         count_tokens: Callable[[Any], int] | None = None,
+        module: torch.nn.Module | None = None,
+        module_loss: Callable[[torch.nn.Module, Any], Tensor] | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not simulated; use one of {', '.join(PRECISIONS)}")
+        if (module is None) != (module_loss is None):
+            raise ValueError("module and module_loss go together: give both or neither")
+        if loss_fn is None:
+            if module is None or module_loss is None:
+                raise ValueError("loss_fn: give a loss function, or module and module_loss")
+            loss_fn = functools.partial(module_loss, module)
         self.loss_fn = loss_fn
+        self.module = module
+        self.module_loss = module_loss
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.batches = batches
@@ -99,21 +114,31 @@ class InnerLoop:
 
     def step(self) -> Tensor:
         """One inner step; returns the (detached) loss."""
+        batch = self.next_batch()
+        self.optimizer.zero_grad(set_to_none=True)
+        with precision_context(self.precision, self.device):
+            loss = self.loss_fn(batch)
+        loss.backward()
+        self.update()
+        return loss.detach()
+
+    def next_batch(self) -> Any:
+        """The next training batch, on the device, its tokens counted."""
         batch = next(self.batches)
         if self.device.type != "cpu":
             batch = batch.to(self.device, non_blocking=True) if isinstance(batch, Tensor) else batch
         if self.count_tokens is not None:
             self.tokens += int(self.count_tokens(batch))
-        self.optimizer.zero_grad(set_to_none=True)
-        with precision_context(self.precision, self.device):
-            loss = self.loss_fn(batch)
-        loss.backward()
+        return batch
+
+    def update(self) -> None:
+        """The step after the backward pass (the gradients are in the parameters' ``.grad``):
+        clip, ``optimizer.step()``, ``scheduler.step()``."""
         if self.gradient_clip_val is not None:
             torch.nn.utils.clip_grad_norm_(self._clipped(), self.gradient_clip_val)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        return loss.detach()
 
 
 class SimWorker:
@@ -175,6 +200,9 @@ class SimWorker:
         #: boundary -> (base_outer_step, the fragment header entries) of its delta (fragments only)
         self.headers: dict[int, tuple[int, dict[str, str]]] = {}
         self._num_tokens: dict[int, int | None] = {}  # boundary -> tokens its fragment's delta covers
+        self._anchor: dict[str, Tensor] = {}  # the open phase's FP32 anchor (no fragments)
+        self._pending: list[tuple[int, Tensor]] = []  # the open phase's (step, loss) lines to record
+        self._last: Tensor | None = None  # the open phase's last loss
 
     @property
     def phase_steps(self) -> int:
@@ -210,34 +238,54 @@ class SimWorker:
         With fragments: ``base`` is global version ``version``, whose fragments' outer step counts
         are ``steps``; the first phase installs all of it, a later one the fragment of the last
         boundary (``exact``: always, as lockstep does; else only when ``base`` updated it), and
-        the delta returned is the next boundary's fragment's (its header: :attr:`headers`)."""
+        the delta returned is the next boundary's fragment's (its header: :attr:`headers`).
+
+        The same as :meth:`open_phase`, ``inner_steps`` times :meth:`inner.step() <InnerLoop.step>`
+        and :meth:`record_step`, then :meth:`close_phase`: the batched simulator
+        (:mod:`diloco_lightning.sim.batched`) takes the steps of several workers' phases at once
+        between the same two calls."""
         t0 = time.perf_counter()
+        n = self.open_phase(base, version=version, steps=steps, exact=exact, inner_steps=inner_steps)
+        for _ in range(n):
+            self.record_step(self.inner.step())
+        self.compute_seconds += time.perf_counter() - t0
+        return self.close_phase()
+
+    def open_phase(self, base: Mapping[str, Tensor], *, version: int = 0, steps: Mapping[str, int] | None = None,
+                   exact: bool = True, inner_steps: int | None = None) -> int:
+        """Install ``base`` (see :meth:`phase`) and return the inner steps the phase takes."""
         if self.plan is None:
-            anchor = self.install(base)
+            self._anchor = self.install(base)
         else:
             self._install_fragments(base, version, steps, exact)
-        pending: list[tuple[int, Tensor]] = []
-        n = self.phase_steps if inner_steps is None else int(inner_steps)
+        self._pending = []
+        return self.phase_steps if inner_steps is None else int(inner_steps)
+
+    def record_step(self, loss: Tensor) -> None:
+        """One inner step of the open phase was taken, with this (detached) loss."""
+        self.steps += 1
+        s = self.steps
         last = None if self.phases is None else self.phases * self.phase_steps
-        loss = None
-        for _ in range(n):
-            loss = self.inner.step()
-            self.steps += 1
-            s = self.steps
-            if s == 1 or s % self.log_every == 0 or s == self.max_steps or s == last:
-                pending.append((s, loss))
-        self.losses.extend((s, float(v)) for s, v in pending)  # one device sync per phase
-        if loss is not None:
-            self.last_loss = float(loss)
+        if s == 1 or s % self.log_every == 0 or s == self.max_steps or s == last:
+            self._pending.append((s, loss))
+        self._last = loss
+
+    def close_phase(self) -> dict[str, Tensor]:
+        """End the open phase: its pseudo-gradient (see :meth:`phase`)."""
+        self.losses.extend((s, float(v)) for s, v in self._pending)  # one device sync per phase
+        self._pending = []
+        if self._last is not None:
+            self.last_loss = float(self._last)
+            self._last = None
         tokens = self.inner.tokens - self._tokens_after[-1]
         with torch.no_grad():
             if self.plan is None:
+                anchor, self._anchor = self._anchor, {}
                 delta = {k: anchor[k] - _fp32(self.params[k]) for k in self.synced}
             else:
                 delta = self._export(self.boundaries + 1, tokens)
         self.boundaries += 1
         self._tokens_after.append(self.inner.tokens)
-        self.compute_seconds += time.perf_counter() - t0
         return delta
 
     def _install_fragments(self, base: Mapping[str, Tensor], version: int, steps: Mapping[str, int] | None,
@@ -296,3 +344,17 @@ def _fp32(t: Tensor) -> Tensor:
     if t.device.type == "cpu" and t.dtype == target:
         return t.clone()
     return t.to("cpu", target)
+
+
+def check_fragments(workers: list[SimWorker], plan: Any, dylu: bool) -> None:
+    """The workers split the model as the master does (``plan``, its fragment plan); no DyLU with
+    fragments (as the product). Error feedback is per key, so each fragment keeps its own residual."""
+    ours = FragmentBook(plan).digests()
+    for w in workers:
+        if w.book.digests() != ours:
+            raise ValueError(f"worker {w.node_id} splits the model into "
+                             f"{'no' if w.plan is None else w.plan.count} fragments, the master into "
+                             f"{'none' if ours is None else len(ours)}: give both the same fragments")
+    if ours is not None and dylu:
+        raise ValueError(f"fragments={len(ours)} cannot be combined with Dynamic Local Updates (dylu): the "
+                         f"boundaries every H / F steps are the fragments' schedule")

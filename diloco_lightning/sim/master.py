@@ -269,6 +269,10 @@ class SimMaster:
         self._prev = None
         return {"update_norm": math.sqrt(total), "update_rms": rms, "update_rms_over_lr": rms / self.lr if self.lr else 0.0}
 
+    def refuse(self, reason: str) -> None:
+        """Count a delta refused before its checks (the simulator's own rule, e.g. ``late``)."""
+        self._m.reject(reason)
+
     def pending_record(self) -> dict[str, Any] | None:
         """Refusals since the last version (arrival mode), as a record, or None."""
         if not self._m.rejected:

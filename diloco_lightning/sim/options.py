@@ -24,9 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from diloco_lightning.sim.churn import PREEMPT_LAWS
 from diloco_lightning.util.options import OptionError, check_choice, check_number, option
 
-__all__ = ["DELAY_PER", "SPEED_LAWS", "SimOptions", "phase_end"]
+__all__ = ["DELAY_PER", "LATE", "SPEED_LAWS", "SimOptions", "phase_end"]
 
 #: ``worker``: a distribution ``delay`` is drawn once per worker (the product's draw); ``delta``:
 #: a fresh draw for every delta
@@ -34,12 +35,26 @@ DELAY_PER = ("worker", "delta")
 #: ``sim.speed_law``'s laws: ``lognormal`` (``exp(sigma * N(0, 1))``, median 1) and ``uniform``
 #: (in ``[low, high]``)
 SPEED_LAWS = ("lognormal", "uniform")
+#: ``sim.late``: what synchronous rounds (``sim.barrier``) do with a delta from an older version
+LATE = ("apply", "drop")
 _LAW_KEYS = {"lognormal": {"law", "sigma", "seed"}, "uniform": {"law", "low", "high", "seed"}}
 
 
 def _number(v: Any, low: float = 0.0, strict: bool = True) -> bool:
     return (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
             and (v > low if strict else v >= low))
+
+
+def _is_trace(v: Any, *, start: bool = False) -> bool:
+    """Whether ``v`` is a list of ``[time, value]`` change points (times increasing, values > 0;
+    ``start``: the first at time 0)."""
+    try:
+        points = [(t, x) for t, x in v]
+    except (TypeError, ValueError):
+        return False
+    times = [t for t, _ in points]
+    return (bool(points) and all(_number(t, strict=False) and _number(x) for t, x in points)
+            and all(b > a for a, b in zip(times, times[1:])) and (not start or times[0] == 0))
 
 
 def phase_end(start: float, work: float, speed: float, trace: Any = None) -> float:
@@ -74,8 +89,13 @@ class SimOptions:
     burn_in: int = option(0, "lockstep: outer steps applied with staleness 0 before the delays start")
     max_delay: int = option(256, "the largest delay drawn (a distribution's draws are capped here; older versions are dropped)")
     parallel: int | None = option(
-        None, "workers whose phases run at the same time, one thread each (null: min(workers, CPU cores) on a CPU, "
-        "1 on a GPU); the results do not depend on it"
+        None, "workers whose phases run at the same time, one thread each (batched: groups of workers stacked, one "
+        "thread per group); null: min(workers, CPU cores) on a CPU, 1 on a GPU; the results do not depend on it"
+    )
+    batched: bool | None = option(
+        None, "take the workers' inner steps as one batched step over stacked parameters where they share a model "
+        "shape (docs/simulator.md; equal to the unbatched steps to float tolerance): null = on a GPU where possible "
+        "(on a CPU it measured no faster), true = wherever possible (an error says why not), false = never"
     )
     save_weights: bool = option(False, "write the final global weights to <run_dir>/global.safetensors")
     speed_jitter: float = option(
@@ -108,6 +128,30 @@ class SimOptions:
         "from each time on (before the first: its speed); a phase lasts until the speed integrates to H"
     )
 
+    bandwidth: Any = option(
+        None, "each worker's link to the hub, bytes per unit of simulated time in each direction: a number for every "
+        "worker, or one entry per worker (a number, null: unlimited, or a trace [[0, b0], [t1, b1], ...]); null: "
+        "unlimited (docs/simulator.md, Communication)"
+    )
+    latency: Any = option(0.0, "units of simulated time every upload and download takes besides its bytes: a number, "
+                               "or one per worker")
+    master_time: float = option(0.0, "units of simulated time the master takes per outer step (a version is "
+                                     "published that long after its round closes, one step after the other)")
+    listing_delay: float = option(0.0, "a delta reaches the master this long after its upload ends (the hub's "
+                                       "listing lag and the master's polling)")
+    preempt: Any = option(
+        None, "workers that go down and come back: per worker null or a list of [down, up] times (up null: gone), or a "
+        "law {rate: r per unit of up time, down: d, law: fixed | exponential, seed: s}; a phase a preemption "
+        "interrupts is lost"
+    )
+    barrier: bool = option(False, "synchronous rounds with a quorum (diloco.sync=async, aggregation=round): after its "
+                                  "delta a worker waits for a version newer than its phase's; rounds close with "
+                                  "sim.quorum deltas (or at sim.deadline)")
+    late: str = option("apply", "barrier: a delta from an older version is applied in the round it reaches (apply), or "
+                                "its phase is given up when a newer version is published (drop)")
+    deadline: float | None = option(None, "aggregation=round: a round also closes this long after the previous "
+                                          "version was published, with the deltas it has (at least one)")
+
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
@@ -127,6 +171,8 @@ class SimOptions:
         check_number(self, "burn_in", low=0, integer=True)
         check_number(self, "max_delay", low=0, integer=True)
         check_number(self, "parallel", low=1, integer=True, optional=True)
+        if self.batched is not None and not isinstance(self.batched, bool):
+            raise OptionError("batched", f"must be true, false or null, got {self.batched!r}")
         if not isinstance(self.save_weights, bool):
             raise OptionError("save_weights", f"must be True or False, got {self.save_weights!r}")
         check_number(self, "speed_jitter", low=0.0)
@@ -174,7 +220,78 @@ class SimOptions:
                 if not all(_number(t, strict=False) and _number(v) for t, v in points) or any(
                         b <= a for a, b in zip(times, times[1:])):
                     raise OptionError("traces", f"worker {i}: times >= 0 increasing, speeds > 0; got {trace!r}")
+        self._validate_comm(workers)
+        self._validate_churn(workers)
         return self
+
+    def _validate_comm(self, workers: int | None) -> None:
+        for name in ("bandwidth", "latency"):
+            value = getattr(self, name)
+            single = not isinstance(value, (list, tuple)) or (name == "bandwidth" and _is_trace(value, start=True))
+            entries = None if single else list(value)
+            if entries is not None and workers is not None and len(entries) != workers:
+                raise OptionError(name, f"must give one entry per worker ({workers}) or one number for all, got "
+                                        f"{len(entries)}")
+            for i, v in enumerate(entries if entries is not None else [value]):
+                where = f"worker {i}: " if entries is not None else ""
+                if name == "latency":
+                    if not _number(v, strict=False):
+                        raise OptionError(name, f"{where}must be a number >= 0, got {v!r}")
+                elif v is not None and not _number(v) and not _is_trace(v, start=True):
+                    raise OptionError(name, f"{where}must be a number > 0, null (unlimited) or a trace "
+                                            f"[[0, b0], [t1, b1], ...] (times increasing from 0, bandwidths > 0), "
+                                            f"got {v!r}")
+        for name in ("master_time", "listing_delay"):
+            check_number(self, name, low=0.0)
+        check_number(self, "deadline", low=0.0, strict=True, optional=True)
+        check_choice(self, "late", LATE)
+        if not isinstance(self.barrier, bool):
+            raise OptionError("barrier", f"must be true or false, got {self.barrier!r}")
+
+    def _validate_churn(self, workers: int | None) -> None:
+        p = self.preempt
+        if p is None:
+            return
+        if isinstance(p, Mapping):
+            law = dict(p)
+            extra = sorted(set(law) - {"rate", "down", "law", "seed"})
+            if extra or not _number(law.get("rate"), strict=False) or not _number(law.get("down")):
+                raise OptionError("preempt", f"a law is {{rate: r >= 0, down: d > 0, law: fixed | exponential, "
+                                             f"seed: s}}, got {p!r}")
+            if law.get("law", "fixed") not in PREEMPT_LAWS or isinstance(law.get("seed", 0), bool) or \
+                    not isinstance(law.get("seed", 0), int):
+                raise OptionError("preempt", f"law must be one of {list(PREEMPT_LAWS)} and seed an integer, got {p!r}")
+            return
+        entries = list(p) if isinstance(p, (list, tuple)) else None
+        if entries is None or (workers is not None and len(entries) != workers):
+            raise OptionError("preempt", f"must be a law {{rate, down, seed}} or one entry per worker "
+                                         f"({workers}), got {p!r}")
+        for i, trace in enumerate(entries):
+            if trace is None:
+                continue
+            try:
+                spans = [(d, u) for d, u in trace]
+            except (TypeError, ValueError):
+                raise OptionError("preempt", f"worker {i}: must be a list of [down, up] pairs, got {trace!r}") from None
+            if not all(_number(d, strict=False) and (u is None or (_number(u) and u > d)) for d, u in spans):
+                raise OptionError("preempt", f"worker {i}: each pair is [down, up] with 0 <= down < up (up null: "
+                                             f"gone for good), got {trace!r}")
+
+    def latency_of(self, index: int) -> float:
+        """Worker ``index``'s latency per transfer."""
+        v = self.latency
+        return float(list(v)[index] if isinstance(v, (list, tuple)) else v)
+
+    def bandwidth_of(self, index: int) -> float | list[list[float]] | None:
+        """Worker ``index``'s bandwidth: a number, a trace, or None (unlimited)."""
+        v = self.bandwidth
+        if isinstance(v, (list, tuple)) and not _is_trace(v, start=True):
+            v = list(v)[index]
+        if v is None:
+            return None
+        if isinstance(v, (list, tuple)):
+            return [[float(t), float(b)] for t, b in v]
+        return float(v)
 
     def membership(self, index: int) -> tuple[float, float]:
         """Worker ``index``'s (join time, leave time): (0, inf) unless ``join_at`` / ``leave_at`` say otherwise."""

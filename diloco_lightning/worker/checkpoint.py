@@ -85,15 +85,16 @@ def pack_residual(feedback_state: Mapping[str, Any]) -> dict[str, torch.Tensor] 
 
 
 def unpack_residual(residual: Mapping[str, torch.Tensor] | None,
-                    synced: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+                    synced: Mapping[str, torch.Tensor], *, partial: bool = False) -> dict[str, Any]:
     """Inverse of :func:`pack_residual`: the state :meth:`ErrorFeedback.load_state_dict` takes, after
-    checking keys and shapes against the model's synced tensors (``ValueError`` naming the first
-    that does not fit). Checkpoints written before residuals existed have none (zero)."""
+    checking keys and shapes against the model's synced tensors (with fragments, their pieces;
+    ``partial``: some may owe nothing, e.g. a fragment that never sent) (``ValueError`` naming the
+    first that does not fit). Checkpoints written before residuals existed have none (zero)."""
     if residual is None:
         return {"residual": None}
     if not isinstance(residual, Mapping):
         raise ValueError(f"expected a mapping of tensors, got {type(residual).__name__}")
-    missing = sorted(set(synced).difference(residual))
+    missing = [] if partial else sorted(set(synced).difference(residual))
     extra = sorted(set(residual).difference(synced))
     if missing or extra:
         raise ValueError(f"missing {missing[:5]}, unexpected {extra[:5]}")
@@ -169,8 +170,8 @@ def load_anchor_state(progress: Progress, model: LocalModel, outbox: Outbox, fee
                     node_id, state.get("node_id"))
         return
     progress.restored = True
-    try:
-        feedback.load_state_dict(unpack_residual(state.get("residual"), {k: model.params[k] for k in model.synced}))
+    try:  # keyed as the deltas are: by piece with fragments, each owed to its own fragment's next delta
+        feedback.load_state_dict(unpack_residual(state.get("residual"), units, partial=plan is not None))
     except ValueError as e:
         raise WorkerError(f"the checkpoint's DiLoCo error-feedback residual does not fit this model: {e}") from None
     progress.step_offset = step_offset_of(state)

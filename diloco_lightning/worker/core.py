@@ -92,8 +92,9 @@ class DiLoCoWorker:
         params: ``name -> tensor`` to sync and install into (use :func:`module_state`); the
             floating ones travel in deltas, integer buffers are only installed.
         options: the worker's :class:`~diloco_lightning.worker.options.WorkerOptions` (``sync``,
-            ``delay``, ``delta_dtype``, ``topk``, ``topk_values``, ``error_feedback``,
-            ``fragments``, ``wait_timeout``, ``poll_interval``, ``claim_ttl`` ...: each one's
+            ``delay``, ``delta_dtype``, ``topk``, ``topk_values``, ``topk_chunk``, ``error_feedback``,
+            ``error_feedback_decay``, ``fragments``, ``wait_timeout``, ``poll_interval``, ``claim_ttl``
+            ...: each one's
             meaning and default is written there). Instead of ``options``, the same names may be
             given as keywords (``DiLoCoWorker(hub, "w0", params, sync="lockstep", delay=2)``).
         node_index: this worker's index for a list/distribution ``delay`` (default: the number
@@ -137,6 +138,7 @@ class DiLoCoWorker:
         self.sync = opts.sync
         self.delay = opts.resolved_delay(self.node_id, node_index)
         self.encoding, self.error_feedback = opts.encoding, opts.feedback
+        self.error_feedback_decay = float(opts.error_feedback_decay)
         self.delta_dtype = self.encoding.name
         self.wait_timeout = float(opts.wait_timeout)
         self.poll_interval = float(opts.poll_interval)
@@ -148,7 +150,7 @@ class DiLoCoWorker:
         #: what this worker has done (checkpointed): worker/progress.py
         self.progress = Progress(self.node_id, FragmentBook(self.model.plan))
         #: the encoding and its residual; the uploader owns it once started (worker/uploader.py)
-        self._feedback = ErrorFeedback(self.encoding, self.error_feedback)
+        self._feedback = ErrorFeedback(self.encoding, self.error_feedback, self.error_feedback_decay)
         self._uploader: Uploader | None = None  # also the outbox's (attached at start)
         self._fetcher: GlobalFetcher | None = None
         self._mode: AsyncMode | LockstepMode | None = None  # what a boundary does after its export (at start)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Part", "Job", "UploadReport", "merge_parts", "merge_jobs", "Tensors"]
+__all__ = ["Part", "Job", "UploadReport", "merge_parts", "merge_jobs", "job_keys", "Tensors"]
 
 Tensors = dict[str, torch.Tensor]
 
@@ -124,6 +124,19 @@ class Job:
     @property
     def phases(self) -> int:
         return (self.fresh.phases if self.fresh else 0) + (self.doubt[1].phases if self.doubt else 0)
+
+
+def job_keys(job: Job) -> set[str] | None:
+    """The keys a job's parts carry (None: unknown, so every key)."""
+    keys: set[str] = set()
+    for part in (job.fresh, job.doubt[1] if job.doubt else None):
+        if part is None:
+            continue
+        source = part.anchor if part.anchor is not None else part.residual
+        if source is None:
+            return None
+        keys.update(source)
+    return keys
 
 
 def merge_jobs(old: Job | None, new: Job | None) -> Job | None:

@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 
 from diloco_lightning.encoding.feedback import ErrorFeedback
 from diloco_lightning.util.fileio import owner_tag
@@ -33,22 +34,24 @@ log = logging.getLogger(__name__)
 
 
 def settle_residual(feedback: ErrorFeedback, job: Job | None, first: int, step_offset: int, seen: int,
-                    node_id: str) -> None:
-    """A resumed worker's residual, given that the hub has this node's deltas up to ``seen``.
+                    node_id: str, keys: Sequence[str] | None = None) -> None:
+    """A resumed worker's residual (of ``keys``: a fragment's; None: every key), given that the hub
+    has this node's deltas up to ``seen``.
 
     The checkpoint's residual is owed to the first delta sent after it (``first``: the next
-    boundary's ``local_step``, or the held ``job``'s if earlier); if the hub has that one, it was
-    sent before the crash with the residual in it: it is owed no more (zero, not twice).
-    Otherwise, if the checkpoint's doubtful upload landed, the residual of its content is owed
-    (recomputed: the encoding is deterministic).
+    boundary's ``local_step`` that carries these keys, or the held ``job``'s if earlier); if the
+    hub has that one, it was sent before the crash with the residual in it: it is owed no more
+    (zero, not twice). Otherwise, if the checkpoint's doubtful upload landed, the residual of its
+    content is owed (recomputed: the encoding is deterministic).
     """
     if job is not None and job.fresh is not None:
         first = min(first, job.fresh.boundary + step_offset)
     if seen >= first:
-        if feedback.residual is not None:
-            log.info("node %s: the checkpoint's error-feedback residual went out with delta_%d before the restart; "
-                     "starting from zero", node_id, first)
-        feedback.forget()
+        owed = feedback.residual or {}
+        if any(k in owed for k in (keys if keys is not None else owed)):
+            log.info("node %s: the checkpoint's error-feedback residual%s went out with delta_%d before the restart; "
+                     "starting from zero", node_id, "" if keys is None else " of a fragment", first)
+        feedback.forget(keys)
     elif job is not None and job.doubt is not None and job.doubt[0] <= seen:
         feedback.absorb(job.doubt[1].materialize())
 
@@ -141,7 +144,21 @@ class Startup:
                 "delta_%d): the inner steps replayed up to boundary %d will not be sent again",
                 node_id, seen, first, seen - progress.step_offset,
             )
-        settle_residual(feedback, outbox.jobs.get(None), first, progress.step_offset, seen, node_id)
+        plan = self.installer.model.plan
+        if plan is None:
+            settle_residual(feedback, outbox.jobs.get(None), first, progress.step_offset, seen, node_id)
+        else:  # each fragment's residual is owed to that fragment's next delta
+            held = {}
+            for j in outbox.jobs.values():
+                part = j.fresh if j.fresh is not None else (j.doubt[1] if j.doubt is not None else None)
+                if part is not None:
+                    held[part.fragment] = j
+            for name in plan.names:
+                r = progress.boundaries + 1
+                while plan.fragment_at(r) != name:
+                    r += 1
+                settle_residual(feedback, held.get(name), r + progress.step_offset, progress.step_offset, seen,
+                                node_id, progress.frags.keys(name))
         jobs, outbox.jobs = outbox.jobs, {}
         for job in jobs.values():
             outbox.hold(drop_delivered(job, seen, progress.step_offset, node_id))

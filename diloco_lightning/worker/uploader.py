@@ -9,11 +9,12 @@ Encoding and error feedback
 ---------------------------
 What is sent is :class:`~diloco_lightning.encoding.feedback.ErrorFeedback`'s encoding of the
 pseudo-gradient plus the residual the previous encodings dropped (``encoding/feedback.py``: the one
-"delta -> what is sent" step). The residual is the uploader's state (the worker checkpoints it):
-it becomes the new one only when the delta is delivered. When an upload fails, the delta that
-comes back to be merged or retried already holds the old residual, so the residual is zero
-until the next delivery; when a doubtful upload turns out to have landed, its residual is
-computed again from its content (encoding is deterministic) and kept. A pseudo-gradient with
+"delta -> what is sent" step). The residual is the uploader's state (the worker checkpoints it),
+per key: a fragment's delta renews its own keys' residual only. It becomes the new one only when
+the delta is delivered. When an upload fails, the delta that comes back to be merged or retried
+already holds the old residual, so the residual of its keys is zero until their next delivery;
+when a doubtful upload turns out to have landed, its residual is computed again from its content
+(encoding is deterministic) and kept. A pseudo-gradient with
 NaN or inf values (a diverged worker) cannot be quantized: it is sent in plain FP32 (the master
 rejects it, ``non_finite``, as before encodings existed) and the residual is left as it was.
 
@@ -73,7 +74,7 @@ from diloco_lightning.hub.base import DeltaExistsError, Hub
 from diloco_lightning.wire.manifest import Manifest
 from diloco_lightning.wire.names import MAX_STEP
 from diloco_lightning.wire.signing import RunKey
-from diloco_lightning.worker.jobs import Job, Part, UploadReport, merge_jobs, merge_parts
+from diloco_lightning.worker.jobs import Job, Part, UploadReport, job_keys, merge_jobs, merge_parts
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ class Uploader:
             except BaseException as e:  # never let the thread die with a job: hand it back
                 log.exception("delta uploader crashed on node %s", self.node_id)
                 with self._feedback_lock:  # possibly half updated: the job is resent without it
-                    self.feedback.forget()
+                    self.feedback.forget(job_keys(job))
                 report = UploadReport(ok=False, error=f"{type(e).__name__}: {e}", remaining=job)
             retry = False
             self._failures_in_row = 0 if report.ok else self._failures_in_row + 1
@@ -363,11 +364,12 @@ class Uploader:
                        fragment=fresh.fragment, base_fragment_step=fresh.base_fragment_step)
         return tensors, content, norm, encoded
 
-    def _forget_residual(self, encoded: bool) -> None:
-        """An undelivered delta comes back holding the residual (``content``): it is owed no more."""
+    def _forget_residual(self, content: Part, encoded: bool) -> None:
+        """An undelivered delta comes back holding the residual of its keys (``content``): it is
+        owed no more."""
         if encoded:
             with self._feedback_lock:
-                self.feedback.forget()
+                self.feedback.forget(content.residual)
 
     def _send(self, fresh: Part, tensors: Mapping[str, torch.Tensor | EncodedTensor], content: Part, norm: float,
               encoded: bool) -> UploadReport:
@@ -401,7 +403,7 @@ class Uploader:
                     high = step
                 target = max(step, high) + 1
                 if target > MAX_STEP:
-                    self._forget_residual(encoded)
+                    self._forget_residual(content, encoded)
                     return dataclasses.replace(
                         sent, remaining=Job(fresh=content),
                         fatal=(f"node {self.node_id}: cannot number its next delta: this node's deltas on {self.hub.url} "
@@ -419,7 +421,7 @@ class Uploader:
                 error = f"{type(e).__name__}: {e}"
                 landed = self._landed(step)
                 if not landed:
-                    self._forget_residual(encoded)
+                    self._forget_residual(content, encoded)
                     remaining = Job(fresh=content) if landed is False else Job(doubt=(step, content))
                     return dataclasses.replace(sent, local_step=step, error=error, remaining=remaining)
                 log.info("node %s: upload of delta_%d reported %s but the file landed", self.node_id, step, error)
@@ -430,7 +432,7 @@ class Uploader:
                 except FileNotFoundError:
                     pass
             return dataclasses.replace(sent, ok=True, local_step=step, hub_path=hub_path, nbytes=nbytes)
-        self._forget_residual(encoded)
+        self._forget_residual(content, encoded)
         return UploadReport(
             ok=False,
             error=f"delta_{fresh.boundary + self.step_offset} kept colliding with existing deltas on {self.hub.url}",

@@ -1,0 +1,65 @@
+"""benchmarks/study.py's tuning rule, which every table of docs/study.md rests on: a >= 5-point log
+grid per cell, extended past an edge that wins until the best lr is interior; seeds at the tuned lr;
+a diverged run counted as such. No training: results are written by hand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def study():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("study_under_test", ROOT / "benchmarks" / "study.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["study_under_test"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("study_under_test", None)
+
+
+def _args(root: Path, **kw) -> argparse.Namespace:
+    base = dict(quick=False, small=True, full=False, only="arr8", methods="sgd", root=str(root), out=None,
+                retry_failed=False, jobs=1, plan=False, report=False)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _done(st, j: dict, loss: float, diverged: bool = False) -> None:
+    d = st.root / "runs" / j["id"]
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "results.json").write_text(json.dumps({"eval_loss": loss, "diverged": diverged}))
+
+
+def test_the_grid_grows_past_a_winning_edge_until_the_best_lr_is_interior(study, tmp_path):
+    st = study.Study(_args(tmp_path))
+    first = st.grid("arr8", "sgd")
+    assert len(first) == 5 and first == list(range(first[0], first[0] + 5))
+    assert [j["block"] for j in st.tuning_jobs()] == ["tune"] * 5
+    for i, k in enumerate(first):  # the largest lr wins: one more point above
+        _done(st, study.job("arr8", "sgd", k, 0), 3.0 - 0.1 * i)
+    assert st.grid("arr8", "sgd") == [*first, first[-1] + 1] and st.best_k("arr8", "sgd") is None
+    _done(st, study.job("arr8", "sgd", first[-1] + 1, 0), 9.0, diverged=True)
+    assert st.best_k("arr8", "sgd") == first[-1]
+    assert st.loss(study.job("arr8", "sgd", first[-1] + 1, 0)) == float("inf")
+    seeds = st.seed_jobs()
+    assert [(j["k"], j["seed"]) for j in seeds] == [(first[-1], 1), (first[-1], 2)]
+
+
+def test_every_planned_run_is_a_distinct_train_py_composition(study, tmp_path):
+    st = study.Study(_args(tmp_path, only=None, methods=None))
+    jobs = st.all_jobs()
+    assert len({j["id"] for j in jobs}) == len(jobs) > 0
+    assert {j["setting"] for j in jobs} == set(study.PLAN)
+    assert all(any(o.startswith("outer.lr=") for o in j["overrides"]) for j in jobs)
+    cgad = [j for j in jobs if j["method"] == "cgad"]
+    assert cgad and all("outer.options.state_layout=naive" in j["overrides"] for j in cgad)
+    cfg = study._compose(st.common + jobs[0]["overrides"] + ["run_id=x", f"run_root={tmp_path}"])
+    assert cfg.trainer.max_steps == 96 and cfg.diloco.inner_steps == 4
