@@ -291,7 +291,7 @@ def test_a_node_the_hub_knows_restarts_without_sending_what_the_hub_has(hub, pub
     params = make_params()
     pub.publish(snapshot(params), ledger={"w0": 7})
     with DiLoCoWorker(hub, "w0", params, **FAST) as w:
-        assert w.next_local_step == 8 and w.delivered_until == 7  # after the ledger
+        assert w.next_local_step == 8 and w.progress.delivered_until == 7  # after the ledger
         for _ in range(7):
             w.boundary()  # replayed: on the hub already
         assert w.flush() and not hub.list_deltas()
@@ -299,7 +299,7 @@ def test_a_node_the_hub_knows_restarts_without_sending_what_the_hub_has(hub, pub
         assert w.flush()
     assert [r.local_step for r in hub.list_deltas()] == [8]
     with DiLoCoWorker(hub, "w0", params, **FAST) as w:  # again, after its delta_8 reached the hub
-        assert w.next_local_step == 9 and w.delivered_until == 8
+        assert w.next_local_step == 9 and w.progress.delivered_until == 8
 
 
 def test_lockstep_installs_exactly_r_minus_delay_from_history(hub, pub):
