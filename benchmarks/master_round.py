@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--compat", default=None, help="the master's compat mode (speedtronic: also write its global/ view)")
     ap.add_argument("--workdir", default=None, help="where the hubs and the delta pool go (default: a temp dir)")
     ap.add_argument("--encodings", default="float32",
-                    help="comma-separated delta encodings (float32, bfloat16, int8, int4, topk, topk+int4); the first is the "
+                    help="comma-separated delta encodings (float32, bfloat16, int8, int4, topk, topk+int4, ctopk+int2); the first is the "
                          "reference")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pool", default=None, help=argparse.SUPPRESS)

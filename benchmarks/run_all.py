@@ -178,7 +178,10 @@ def run_bytes_files() -> list[dict]:
     specs = {"float32": EncodingSpec("float32"), "bfloat16": EncodingSpec("bfloat16"), "float16": EncodingSpec("float16"),
              "int8": EncodingSpec("int8"), "int4": EncodingSpec("int4"),
              "topk1%+int8": EncodingSpec("topk", topk=0.01, topk_values="int8"),
-             "topk1%+int4": EncodingSpec("topk", topk=0.01, topk_values="int4")}
+             "topk1%+int4": EncodingSpec("topk", topk=0.01, topk_values="int4"),
+             "ctopk1%+int2": EncodingSpec("ctopk", topk=0.01, topk_values="int2"),
+             "ctopk1.6%+int2": EncodingSpec("ctopk", chunk_k=64, topk_values="int2"),
+             "ctopk3%+int2": EncodingSpec("ctopk", topk=0.03, topk_values="int2")}
     rows = []
     g = torch.Generator().manual_seed(0)
     delta = {k: torch.randn(v, generator=g).mul_(1e-3) for k, v in shapes.items()}
@@ -201,7 +204,7 @@ def run_compression(args) -> dict:
         r["command"] = r["command"].replace(f" --json {raw}", "")
         r["figures"] = json.loads(raw.read_text())
     cmd = [sys.executable, "benchmarks/master_round.py", "--n", "8", "--repeat", "2" if args.quick else "5",
-           "--encodings", "float32,int8,int4,topk+int4"]
+           "--encodings", "float32,int8,int4,topk+int4,ctopk+int2"]
     m = sh(cmd)
     r["master_round"] = {k: m[k] for k in ("command", "stdout", "wall", "load_before", "load_after", "when")}
     return r
@@ -298,9 +301,10 @@ def _loss_cells(loss: dict | None, row: str, tau: int = 0) -> tuple[str, str]:
 def write_compression(w, d: dict, loss: dict | None) -> None:
     w("## Compression: bytes, speed and loss of each pseudo-gradient encoding")
     w("")
-    w("`diloco.delta_dtype` picks the encoding (docs/encoding.md; error feedback on by default for int8, int4 and "
-      "top-k). Bytes: the delta file a worker writes, header included (the `bytes` section measures the same end to "
-      "end). Speeds on the 25M model's real pseudo-gradient (10 AdamW steps on Zipf tokens), GB/s of FP32 input: "
+    w("`diloco.delta_dtype` picks the encoding (docs/encoding.md; error feedback on by default for int8, int4, "
+      "top-k and the chunked top-k `ctopk`). Bytes: the delta file a worker writes, header included (the `bytes` section measures the same end to "
+      "end). Speeds on the 25M model's real pseudo-gradient (10 AdamW steps on Zipf tokens), GB/s of FP32 input on "
+      "one core (one torch thread, timed by the thread's CPU time): "
       "*worker* = `ErrorFeedback.encode(in_place=True)`, the uploader's whole step (residual added, encoded, new "
       "residual kept); *master* = `decode_add_` into the round's FP32 sum. Loss: final eval loss of `train.py "
       "recipe=tiny` (2 workers, H = 8, lockstep, tau = 0, CGAD, 160 steps; on the simulator, `launch=sim`, when its "
@@ -312,7 +316,8 @@ def write_compression(w, d: dict, loss: dict | None) -> None:
     w("| encoding | tiny file bytes | vs FP32 | 25M file bytes | vs FP32 | worker GB/s | master GB/s | rel. error | "
       "eval loss | vs float32 |")
     w("|---|---|---|---|---|---|---|---|---|---|")
-    for enc in ("float32", "bfloat16", "float16", "int8", "int4", "topk1%+int8", "topk1%+int4"):
+    for enc in ("float32", "bfloat16", "float16", "int8", "int4", "topk1%+int8", "topk1%+int4", "ctopk1%+int2",
+                "ctopk1.6%+int2", "ctopk2%+int2", "ctopk3%+int2", "ctopk1.6%+sign", "ctopk1.6%+int8"):
         t, b = rows.get(("tiny", enc)), rows.get(("llama25m", enc))
         if t is None and b is None:
             continue

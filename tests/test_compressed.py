@@ -50,10 +50,14 @@ LOSSY = [
     EncodingSpec("topk", topk=0.01, topk_values="int8"),
     EncodingSpec("topk", topk=0.03, topk_values="int4"),
     EncodingSpec("bfloat16"),
+    EncodingSpec("ctopk", chunk=64, chunk_k=2, topk_values="int2"),
+    EncodingSpec("ctopk", chunk=256, chunk_k=8, topk_values="sign"),
 ]
 
 
 def spec_id(spec: EncodingSpec) -> str:
+    if spec.name == "ctopk":
+        return f"ctopk-c{spec.chunk}-k{spec.chunk_k}-{spec.topk_values}"
     return spec.name + (f"-{spec.topk_values}-{spec.topk}" if spec.name == "topk" else "")
 
 
@@ -121,6 +125,57 @@ def test_error_feedback_rounds_match_the_reference_bit_for_bit(spec):
     for k in rounds[1]:
         for part, t in enc2[k].parts.items():
             assert torch.equal(bits(t), bits(sent[k].parts[part])), (k, part)
+
+
+@pytest.mark.parametrize("decay", [0.95, 0.5])
+def test_decayed_error_feedback_is_sparselocos_buffer_bit_for_bit(decay):
+    """SparseLoCo: e = beta * e + delta; send Q(e); e = e - Q(e). Three rounds on real deltas, in
+    NumPy float32 (beta * e rounded, then added): what is sent and what is owed, bit for bit."""
+    spec = EncodingSpec("ctopk", chunk=64, chunk_k=4, topk_values="int2")
+    rounds = real_deltas(3, 2)
+    fb = ErrorFeedback(spec, decay=decay)
+    e: dict[str, np.ndarray] = {}
+    for delta in rounds:
+        sent = fb.encode({k: v.clone() for k, v in delta.items()}, in_place=True)
+        for k, d in delta.items():
+            x = d.numpy().reshape(-1).astype(np.float32)
+            if k in e:
+                x = (x + (e[k] * np.float32(decay)).astype(np.float32)).astype(np.float32)
+            want = ref_encode(torch.from_numpy(x), spec)
+            for part, arr in want.items():
+                assert np.array_equal(sent[k].parts[part].numpy().view(np.uint8), arr.view(np.uint8)), (k, part)
+            e[k] = (x - ref_decode(want, spec, x.size)).astype(np.float32)
+            assert np.array_equal(fb.residual[k].numpy().reshape(-1).view(np.int32), e[k].view(np.int32)), k
+    with pytest.raises(ValueError, match="decay"):
+        ErrorFeedback(spec, decay=0.0)
+    with pytest.raises(ValueError, match="decay"):
+        encode_delta(rounds[0], spec, decay=1.5)
+
+
+def test_error_feedback_keeps_a_residual_per_key_for_partial_deltas():
+    """A delta of some keys (a fragment) adds and renews their residual only; forget() and absorb()
+    touch the keys they are given; state_dict round-trips what is owed."""
+    spec = EncodingSpec("int4")
+    d = real_deltas(1, 2)[0]
+    keys = sorted(d)
+    half, rest = keys[: len(keys) // 2], keys[len(keys) // 2 :]
+    fb = ErrorFeedback(spec)
+    fb.encode({k: d[k].clone() for k in half})
+    assert sorted(fb.residual) == half
+    before = {k: fb.residual[k].clone() for k in half}
+    fb.encode({k: d[k].clone() for k in rest})
+    assert sorted(fb.residual) == keys and all(torch.equal(fb.residual[k], before[k]) for k in half)
+    fb.forget(rest)
+    assert sorted(fb.residual) == half
+    state = fb.state_dict()
+    fb2 = ErrorFeedback(spec)
+    fb2.load_state_dict(state)
+    assert sorted(fb2.residual) == half and all(torch.equal(fb2.residual[k], before[k]) for k in half)
+    fb2.absorb({k: d[k].clone() for k in rest})  # a delta of ``rest`` landed after all: its dropped part is owed
+    _, dropped = encode_delta({k: d[k].clone() for k in rest}, spec)
+    assert sorted(fb2.residual) == keys and all(torch.equal(fb2.residual[k], dropped[k]) for k in rest)
+    fb2.forget()
+    assert fb2.residual is None and fb2.state_dict() == {"residual": None}
 
 
 def test_lossless_and_disabled_feedback_keep_no_residual():
@@ -205,6 +260,33 @@ def test_encoded_file_layout_on_disk(tmp_path):
         assert torch.equal(bits(decode(d.encoded[key])), bits(decode(enc[key])))
 
 
+def test_ctopk_file_layout_on_disk(tmp_path):
+    """The chunked top-k as docs/encoding.md lays it out: chunk and k in the header, three parts per key."""
+    ref = {"w": torch.zeros(40, 33), "b": torch.zeros(7), "s": torch.zeros(()), "c": torch.zeros(3, 2, dtype=torch.complex64)}
+    delta = {k: torch.randn(v.shape, dtype=v.dtype) * 1e-3 for k, v in ref.items()}
+    spec = EncodingSpec("ctopk", chunk=256, chunk_k=4, topk_values="int2")
+    enc, _ = encode_delta(delta, spec)
+    path = tmp_path / "nodes" / "w0" / "delta_3.safetensors"
+    path.parent.mkdir(parents=True)
+    size = write_delta(path, enc, node_id="w0", local_step=3, base_outer_step=1, model_fingerprint=model_fingerprint(ref))
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    md = header.pop("__metadata__")
+    assert {k: md[k] for k in md if k.startswith("encoding")} == {
+        "encoding": "ctopk", "encoding_chunk": "256", "encoding_chunk_k": "4", "encoding_topk_values": "int2"}
+    kept = 5 * 4 + 1  # 1320 values: 5 chunks of 256, a tail of 40 keeping ceil(4 * 40 / 256) = 1
+    assert header["w"]["dtype"] == "U8" and header["w"]["shape"] == [math.ceil(kept * 2 / 8)]
+    assert header["w::idx"]["dtype"] == "U8" and header["w::idx"]["shape"] == [kept]  # 8-bit offsets
+    assert header["w::scale"]["dtype"] == "F32" and header["w::scale"]["shape"] == [6, 2]
+    assert sorted(header) == sorted(f"{k}{p}" for k in ref for p in ("", "::idx", "::scale"))
+    assert header["c::scale"]["shape"] == [1, 2] and header["s::idx"]["shape"] == [1]  # complex: 12 real values
+    assert size == len(raw) == 8 + n + sum(t.nbytes for e in enc.values() for t in e.parts.values())
+    d = read_delta(path, reference=ref)
+    for key in ref:
+        assert torch.equal(bits(decode(d.encoded[key])), bits(decode(enc[key])))
+
+
 # ============================================================================ 3. malformed encodings at the master
 
 
@@ -256,6 +338,19 @@ def _header(**entries):
 
 INT8, INT4 = EncodingSpec("int8"), EncodingSpec("int4")
 TOPK = EncodingSpec("topk", topk=0.05, topk_values="int8")
+CTOPK = EncodingSpec("ctopk", chunk=64, chunk_k=3, topk_values="int2")  # w: 1320 values, 20 chunks + a tail of 40
+
+
+def _ctopk_offsets(name, fn):
+    """Re-pack the 6-bit offsets of ``name`` after ``fn`` changed them (a writer that knows the format)."""
+    from diloco_lightning.encoding.bits import pack_bits, unpack_bits
+
+    def mutate(t, md):
+        count = t[name].numel() * 8 // 6
+        t[name] = pack_bits(fn(unpack_bits(t[name], 6, 0, count)), 6)
+    return mutate
+
+
 MALFORMED = {
     # the header's encoding
     "unknown encoding": (INT8, _header(encoding="int3"), "encoding"),
@@ -291,6 +386,28 @@ MALFORMED = {
     "top-k counts not summing to k": (TOPK, _set("w::count", 0, 5), "encoding"),
     "negative top-k count": (TOPK, _set("b::count", 0, -1), "encoding"),
     "NaN in a cast": (EncodingSpec("bfloat16"), _set("w", 0, float("nan")), "non_finite"),
+    # the chunked top-k: its header, then its parts, then its values
+    "ctopk chunk not a power of two": (CTOPK, _header(encoding_chunk="100"), "encoding"),
+    "ctopk chunk of 5000 digits": (CTOPK, _header(encoding_chunk="9" * 5000), "encoding"),
+    "ctopk without chunk_k": (CTOPK, _header(encoding_chunk_k=None), "encoding"),
+    "ctopk chunk_k above the chunk": (CTOPK, _header(encoding_chunk_k="65"), "encoding"),
+    "ctopk chunk_k 0": (CTOPK, _header(encoding_chunk_k="0"), "encoding"),
+    "ctopk values fp4": (CTOPK, _header(encoding_topk_values="fp4"), "encoding"),
+    "ctopk claiming more kept values": (CTOPK, _header(encoding_chunk_k="4"), "encoding"),
+    "ctopk offsets one byte short": (CTOPK, _replace("w::idx", lambda i: i[:-1]), "encoding"),
+    "ctopk offsets of another dtype": (CTOPK, _replace("w::idx", lambda i: i.to(torch.int16)), "encoding"),
+    "ctopk one scale pair too few": (CTOPK, _replace("w::scale", lambda s: s[:-1]), "encoding"),
+    "ctopk with a paged count": (CTOPK, _replace("w::count", torch.zeros(1, dtype=torch.int32)), "encoding"),
+    "ctopk NaN scale": (CTOPK, _set("w::scale", 3, float("nan")), "encoding"),
+    "ctopk negative step": (CTOPK, _set("w::scale", 1, -1.0), "encoding"),
+    "ctopk levels that decode to inf": (CTOPK, lambda t, md: t["b::scale"].fill_(3e38), "encoding"),
+    "ctopk offsets not increasing": (CTOPK, _ctopk_offsets("w::idx", lambda o: o.flip(0)), "encoding"),
+    "ctopk duplicate offsets": (CTOPK, _ctopk_offsets("w::idx", lambda o: o.index_fill_(0, torch.tensor([1]), int(o[0]))),
+                                "encoding"),
+    "ctopk offset beyond the last chunk": (CTOPK, _ctopk_offsets("w::idx", lambda o: o.index_fill_(0, torch.tensor(
+        [o.numel() - 1]), 63)), "encoding"),
+    "ctopk non-zero padding bits": (CTOPK, lambda t, md: t["b::idx"].__setitem__(-1, int(t["b::idx"][-1]) | 0x80),
+                                    "encoding"),
     # decoded values within the format but far beyond an honest delta: the norm bounds, as for plain ones
     "valid codes, absurd scale": (INT8, _set("w::scale", 0, 1e10), "norm_global"),
     "decoded norm overflows": (INT8, lambda t, md: t["w::scale"].fill_(2e36), "norm"),
@@ -639,6 +756,7 @@ def test_a_mixed_run_applies_the_decoded_mean(tmp_path, aggregation):
 # ============================================================================ 6. train.py end to end
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_train_int4_end_to_end(tmp_path):
     """``python train.py recipe=tiny diloco.delta_dtype=int4``: the run trains, every delta is
     accepted, and each file on the hub is ~8x smaller than the FP32 delta of the same model."""

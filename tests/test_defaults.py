@@ -1,5 +1,5 @@
 """Each option has one default, written beside its owner (``WorkerOptions``, ``MasterConfig``,
-``SimOptions``): the Hydra schema takes it, the adapters' signatures show it, and no YAML file says it
+``SimOptions``, ``HubOptions``): the Hydra schema takes it, the adapters' signatures show it, and no YAML file says it
 again. A YAML file that sets an option makes a choice (``diloco=lockstep`` sets ``sync``; the folder
 hub polls faster), never a second default; a product key with a meaning of its own is named here
 with that meaning in its help."""
@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from diloco_lightning.app import config as schema
+from diloco_lightning.hub.options import HubOptions
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.sim.options import SimOptions
 from diloco_lightning.util.options import default_of
@@ -26,6 +27,8 @@ SECTIONS: dict[str, tuple[type, type, set[str]]] = {
     # null: decided by the run (the workers' lockstep quorum and delay); 1: the command owns its process
     "master": (schema.MasterConf, MasterConfig, {"min_deltas", "keep_globals", "torch_threads"}),
     "sim": (schema.SimConf, SimOptions, set()),
+    # false: the commands never create a misspelt hub (the library's open_hub does, as a folder API would)
+    "hub": (schema.HubConf, HubOptions, {"create"}),
 }
 
 
@@ -117,3 +120,21 @@ def test_keep_globals_follows_the_lockstep_delay():
     assert run_master_config(_compose("train", ["recipe=llama25m_tau16"])).keep_globals == 18
     assert run_master_config(_compose("train", ["recipe=tiny", "master.keep_globals=2"])).keep_globals == 2
     assert run_master_config(_compose("train", ["recipe=tiny", "diloco=async", "diloco.delay=9"])).keep_globals == 4
+
+
+def test_diloco_master_averages_every_live_workers_delta_by_default():
+    """``diloco-master`` with no ``outer=`` / ``min_deltas=``: plain averaging of every live worker's
+    delta (outer SGD lr 1, no momentum; configs/outer/fedavg.yaml and configs/master.yaml), the choice
+    measured stable on both foreign modules (benchmarks/foreign_modules.py); ``outer=nesterov`` is
+    DiLoCo's own (lr 0.7, momentum 0.9), a choice a user makes."""
+    from diloco_lightning.app.checks import master_config
+    from diloco_lightning.app.cli import _compose
+
+    schema.register_configs()
+    cfg = _compose("master", ["hub.url=/tmp/hub"])
+    config = master_config(cfg, cfg.outer)
+    assert (config.outer_optimizer, config.optimizer_options(), config.min_deltas) == (
+        "nesterov", {"lr": 1.0, "momentum": 0.0}, 1.0)
+    cfg = _compose("master", ["hub.url=/tmp/hub", "outer=nesterov", "min_deltas=2"])
+    config = master_config(cfg, cfg.outer)
+    assert (config.optimizer_options(), config.min_deltas) == ({"lr": 0.7, "momentum": 0.9}, 2)

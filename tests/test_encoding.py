@@ -45,11 +45,20 @@ QUANTIZED = [
     EncodingSpec("topk", topk=0.1, topk_values="int8", block_size=16),
     EncodingSpec("topk", topk=0.3, topk_values="int4", block_size=16),
 ]
-ALL_SPECS = [EncodingSpec(n) for n in ("float32", "bfloat16", "float16")] + QUANTIZED
+#: the chunked top-k (its own reference and hostile inputs: tests/test_chunked.py); the generic properties here
+CTOPK = [
+    EncodingSpec("ctopk", chunk=16, chunk_k=3, topk_values="int2"),
+    EncodingSpec("ctopk", chunk=64, chunk_k=2, topk_values="sign"),
+    EncodingSpec("ctopk", chunk=4096, chunk_k=64, topk_values="int2"),
+    EncodingSpec("ctopk", chunk=256, chunk_k=8, topk_values="int8"),
+]
+ALL_SPECS = [EncodingSpec(n) for n in ("float32", "bfloat16", "float16")] + QUANTIZED + CTOPK
 SHAPES = [(), (0,), (3, 0, 5), (1,), (3,), (15,), (16,), (17,), (127,), (129,), (5, 7), (2, 3, 33), (64, 16)]
 
 
 def spec_id(spec: EncodingSpec) -> str:
+    if spec.name == "ctopk":
+        return f"ctopk-c{spec.chunk}-k{spec.chunk_k}-{spec.topk_values}"
     return spec.name + (f"-{spec.topk_values}-{spec.topk}" if spec.name == "topk" else "") + f"-b{spec.block_size}"
 
 
@@ -94,6 +103,10 @@ def ref_pack(codes: list[int], name: str) -> np.ndarray:
 def ref_encode(t: torch.Tensor, spec: EncodingSpec) -> dict[str, np.ndarray]:
     real = torch.view_as_real(t) if t.is_complex() else t
     x = [F32(v) for v in real.reshape(-1).to(torch.float32).tolist()]
+    if spec.name == "ctopk":
+        from test_chunked import ref_encode as ref_ctopk
+
+        return ref_ctopk(x, spec)
     if spec.name != "topk":
         codes, scales = ref_blocks(x, spec.name, spec.block_size)
         return {"q": ref_pack(codes, spec.name), "scale": np.array(scales, dtype=np.float32)}
@@ -112,6 +125,10 @@ def ref_encode(t: torch.Tensor, spec: EncodingSpec) -> dict[str, np.ndarray]:
 
 
 def ref_decode(parts: dict[str, np.ndarray], spec: EncodingSpec, n: int) -> np.ndarray:
+    if spec.name == "ctopk":
+        from test_chunked import ref_decode as ref_ctopk
+
+        return ref_ctopk(parts, spec, n)
     name = spec.topk_values if spec.name == "topk" else spec.name
     q = parts["q"]
     if name == "int4":
@@ -396,7 +413,7 @@ def test_same_bits_whatever_the_layout_threads_and_device(spec):
 # ----------------------------------------------------------------------------- error feedback, decode_add_
 
 
-@pytest.mark.parametrize("spec", QUANTIZED + [EncodingSpec("bfloat16")], ids=spec_id)
+@pytest.mark.parametrize("spec", QUANTIZED + CTOPK + [EncodingSpec("bfloat16")], ids=spec_id)
 def test_error_feedback_sends_everything_eventually(spec):
     gen = torch.Generator().manual_seed(1)
     deltas = [torch.randn(40, 33, generator=gen) * 1e-2 for _ in range(6)]
@@ -458,7 +475,8 @@ def test_decode_add_refuses_a_bad_out_or_alpha():
 
 
 @pytest.mark.parametrize("spec", [EncodingSpec("int8"), EncodingSpec("int4"), EncodingSpec("bfloat16"),
-                                  EncodingSpec("topk", topk=0.05)], ids=spec_id)
+                                  EncodingSpec("topk", topk=0.05), EncodingSpec("ctopk", topk=0.05),
+                                  EncodingSpec("ctopk", chunk=64, chunk_k=64, topk_values="int8")], ids=spec_id)
 def test_decode_add_uses_bounded_memory(spec):
     n = 8 * CHUNK  # 8 MiB of FP32: a full-size temporary would show as an allocation of n * 4 bytes
     enc = encode(sample((n,), seed=4), spec)

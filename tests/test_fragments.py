@@ -121,13 +121,13 @@ def test_worker_options_refuse_what_does_not_compose():
     for kw, msg in (
         (dict(inner_steps=6, fragments=4), "multiple of 4"),
         (dict(inner_steps="auto", fragments=2), "inner_steps=auto"),
-        (dict(inner_steps=8, fragments=2, delta_dtype="int8"), "error feedback"),
         (dict(inner_steps=8, fragments=0), "fragments"),
     ):
         with pytest.raises(OptionError, match=msg) as e:
             WorkerOptions(**kw).validate()
         assert e.value.option == "fragments"
     WorkerOptions(inner_steps=8, fragments=2, delta_dtype="int8", error_feedback=False).validate()
+    WorkerOptions(inner_steps=8, fragments=2, delta_dtype="ctopk", error_feedback_decay=0.95).validate()  # per fragment
     # a boundary every H/F steps
     p = Pacing(8, fragments=4)
     assert [s for s in range(1, 17) if p.due(s, s - 1)] == [2, 4, 6, 8, 10, 12, 14, 16]
@@ -272,13 +272,168 @@ def test_lockstep_fragments_send_one_fragment_each_and_match_a_reference(tmp_pat
         assert torch.allclose(params[k].detach(), local[k], atol=1e-6, rtol=0), k
 
 
-def test_encoded_fragment_deltas_without_error_feedback(tmp_path):
-    state, m, seen, _ = _run_lockstep(tmp_path, 2, boundaries=4, delta_dtype="int8", error_feedback=False)
+def test_encoded_fragment_deltas_with_and_without_error_feedback(tmp_path):
+    state, m, seen, _ = _run_lockstep(tmp_path / "off", 2, boundaries=4, delta_dtype="int8", error_feedback=False)
     assert m.outer_step == 4 and [f["outer_step"] for f in m.fragments] == [2, 2]
     assert all(h["encoding"] == "int8" for h, _ in seen)
-    with pytest.raises(ValueError, match="error feedback"):
-        DiLoCoWorker(FileHub(tmp_path / "x"), "w0", _module_params(llama_like()), fragments=2, delta_dtype="int8",
-                     claim=False)
+    state, m, seen, _ = _run_lockstep(tmp_path / "on", 2, boundaries=6, delta_dtype="ctopk", topk=0.25, topk_chunk=16)
+    assert m.outer_step == 6 and [f["outer_step"] for f in m.fragments] == [3, 3]
+    assert all(h["encoding"] == "ctopk" for h, _ in seen)
+
+
+# ----------------------------------------------------------------------------- error feedback per fragment
+
+
+def _frag_worker(tmp_path: Path, hub: FileHub, params, **kw) -> DiLoCoWorker:
+    """A worker of a 2-fragment run whose master published version 0 only (nothing is installed,
+    so each fragment's deltas add up to its start minus its end)."""
+    from diloco_lightning.master import MasterOuterLoop
+
+    if hub.read_manifest() is None:
+        m = MasterOuterLoop(FileHub(hub.root), {k: v.detach() for k, v in params.items()}, node_state_dir=tmp_path / "m",
+                            fragments=2, norm_ratio=None, outer_lr=1.0, outer_momentum=0.0, poll_interval=0.01)
+        assert m.sync_once()
+    return DiLoCoWorker(hub, "w0", params, fragments=2, delta_dtype="ctopk", topk=0.25, topk_chunk=16, **kw, **FAST)
+
+
+def _frag_phase(params, i):
+    g = torch.Generator().manual_seed(200 + i)
+    with torch.no_grad():
+        for v in params.values():
+            if v.is_floating_point():
+                v.add_(torch.randn(v.shape, generator=g) * 0.05)
+
+
+def _assert_each_fragment_loses_nothing(hub: FileHub, w: DiLoCoWorker, start):
+    """Per piece: what its fragment's deltas carried (decoded) plus its residual still owed is its whole
+    pseudo-gradient (start - the fragment's anchor, its last export), to FP32 rounding: each fragment
+    keeps its own residual."""
+    from diloco_lightning.encoding.feedback import decode_delta
+    from diloco_lightning.wire.delta import read_delta
+
+    assert w.plan is not None
+    sent = {n: {p: torch.zeros(t.shape, dtype=torch.float64) for p, t in w.plan.substate(n, start).items()}
+            for n in w.plan.names}
+    for ref in hub.list_deltas():
+        h = read_delta_header(hub.root / ref.path)
+        name = h.extra["fragment"]
+        d = read_delta(hub.root / ref.path, reference=w.plan.substate(name, start))
+        for p, t in decode_delta(d.by_key()).items():
+            sent[name][p] += t.double()
+    owed = w._uploader.feedback.residual or {}
+    assert w.anchor is not None
+    for name in w.plan.names:
+        truth = {p: (a - w.anchor[p]).double() for p, a in w.plan.substate(name, start).items()}
+        for p in truth:
+            torch.testing.assert_close(sent[name][p] + (owed[p].double() if p in owed else 0), truth[p], rtol=0,
+                                       atol=2e-6)
+
+
+def test_each_fragment_keeps_its_own_residual_through_failed_and_doubtful_uploads(tmp_path):
+    from test_worker import FlakyHub
+
+    hub = FlakyHub(tmp_path / "hub")
+    params = _module_params(llama_like(blocks=2))
+    start = {k: v.detach().clone() for k, v in params.items() if v.is_floating_point()}
+    w = _frag_worker(tmp_path, hub, params)
+    w.start()
+    for i in range(2):  # both fragments sent once: each owes its own residual
+        _frag_phase(params, i)
+        w.boundary()
+        assert w.flush()
+    owed = w._uploader.feedback.residual
+    assert owed is not None and sorted(owed) == sorted(w.plan.keys["0"] + w.plan.keys["1"])
+    hub.down = True  # fragment 1's next delta fails: only its residual went into what is retried
+    _frag_phase(params, 2)
+    w.boundary()
+    w._uploader.wait_idle(5)
+    assert sorted(w._uploader.feedback.residual) == sorted(w.plan.keys["0"])
+    hub.list_down = True  # the retry fails so that the hub cannot say whether it landed: a doubt
+    _frag_phase(params, 3)
+    w.boundary()
+    w._uploader.wait_idle(5)
+    hub.down = hub.list_down = False
+    for i in (4, 5, 6):
+        _frag_phase(params, i)
+        w.boundary()
+        assert w.flush()
+    assert w.totals["upload_failures_total"] >= 2
+    _assert_each_fragment_loses_nothing(hub, w, start)
+    w.close()
+
+
+def _frag_resume(tmp_path: Path, name: str, crash: bool, decay: float) -> tuple[list, dict]:
+    """Five boundaries; with ``crash``, a checkpoint after the third, a new worker from it for the rest."""
+    hub = FileHub(tmp_path / name / "hub")
+    params = _module_params(llama_like(blocks=2))
+    w = _frag_worker(tmp_path / name, hub, params, error_feedback_decay=decay)
+    w.start()
+    for i in range(3):
+        _frag_phase(params, i)
+        w.boundary()
+        assert w.flush()
+    if crash:
+        ckpt = tmp_path / name / "ckpt.pt"
+        torch.save({"worker": w.state_dict(), "anchor": w.anchor_state(),
+                    "params": {k: v.detach().clone() for k, v in params.items()}}, ckpt)
+        w.close()
+        state = torch.load(ckpt, weights_only=True)
+        assert sorted(state["anchor"]["residual"]) == sorted(w.plan.keys["0"] + w.plan.keys["1"])  # both, by piece
+        params = _module_params(state["params"])
+        w = _frag_worker(tmp_path / name, hub, params, error_feedback_decay=decay)
+        w.load_state_dict(state["worker"])
+        w.load_anchor_state(state["anchor"])
+    for i in (3, 4):  # one delta of each fragment: each adds its own fragment's residual
+        _frag_phase(params, i)
+        w.boundary()
+        assert w.flush()
+    owed = {k: v.clone() for k, v in (w._uploader.feedback.residual or {}).items()}
+    w.close()
+    out = []
+    for r in sorted(hub.list_deltas())[-2:]:  # each file's header entries (in any order) and its tensor bytes
+        data = (hub.root / r.path).read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        out.append((json.loads(data[8 : 8 + n])["__metadata__"], data[8 + n :]))
+    return out, owed
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.9])
+def test_fragment_residuals_survive_a_checkpoint_and_resume_exactly(tmp_path, decay):
+    straight, owed_straight = _frag_resume(tmp_path, "straight", crash=False, decay=decay)
+    resumed, owed_resumed = _frag_resume(tmp_path, "resumed", crash=True, decay=decay)
+    assert resumed == straight  # the last delta of each fragment: the same header and bytes
+    assert owed_resumed.keys() == owed_straight.keys()
+    for k in owed_straight:
+        assert torch.equal(owed_resumed[k], owed_straight[k]), k
+
+
+def test_a_fragment_residual_already_sent_before_a_crash_is_not_sent_twice(tmp_path):
+    """Checkpoint after boundaries 1-2 (both fragments owe a residual); boundary 3 (fragment 1) goes
+    out with its residual and the worker dies; resumed, fragment 1 owes nothing, fragment 0 its own."""
+    hub = FileHub(tmp_path / "hub")
+    params = _module_params(llama_like(blocks=2))
+    w = _frag_worker(tmp_path, hub, params)
+    w.start()
+    for i in range(2):
+        _frag_phase(params, i)
+        w.boundary()
+        assert w.flush()
+    state = {"worker": w.state_dict(), "anchor": w.anchor_state(),
+             "params": {k: v.detach().clone() for k, v in params.items()}}
+    state["anchor"]["residual"] = {k: v.clone() for k, v in state["anchor"]["residual"].items()}
+    assert w.plan is not None and w.plan.fragment_at(3) == "1"
+    _frag_phase(params, 2)
+    w.boundary()
+    assert w.flush()
+    w.close()
+    w = _frag_worker(tmp_path, hub, _module_params(state["params"]))
+    w.load_state_dict(state["worker"])
+    w.load_anchor_state(state["anchor"])
+    w.start()
+    assert sorted(w._feedback.residual or {}) == sorted(w.plan.keys["0"])  # fragment 1's went out with delta_3
+    for k in w.plan.keys["0"]:
+        assert torch.equal(w._feedback.residual[k], state["anchor"]["residual"][k])
+    w.close()
 
 
 def test_e2e_pa_cgad_fragments_lockstep(tmp_path):
@@ -468,8 +623,9 @@ def frag_hubs(request, tmp_path):
 
 
 WORKER_POINTS = [
-    pytest.param("file", "worker.uploaded"),
-    pytest.param("hf", "worker.uploading"),
+    # every point is in CI's slow run (a Lightning worker's kill -9 runs by default in test_exactly_once.py)
+    pytest.param("file", "worker.uploaded", marks=pytest.mark.slow),
+    pytest.param("hf", "worker.uploading", marks=pytest.mark.slow),
     pytest.param("file", "worker.exported", marks=pytest.mark.slow),
     pytest.param("file", "worker.uploading", marks=pytest.mark.slow),
     pytest.param("hf", "worker.exported", marks=pytest.mark.slow),
@@ -485,6 +641,21 @@ def test_worker_kill9_in_fragment_traffic_loses_and_duplicates_nothing(frag_hubs
     momentum). p and q are split by rows (half of the model each): rows 0-3 (fragment 0, synced at
     steps 4, 8, ..., 20) end at exactly 10 + 20, rows 4-7 (fragment 1, steps 2, 6, ..., 18) at
     10 + 18: no fragment's progress lost or applied twice."""
+    _kill9_fragment_run(frag_hubs, tmp_path, point)
+
+
+@pytest.mark.parametrize("frag_hubs, point", [pytest.param("file", "worker.uploaded", marks=pytest.mark.slow),
+                                              pytest.param("file", "worker.exported", marks=pytest.mark.slow)],
+                         indirect=["frag_hubs"])
+def test_worker_kill9_with_per_fragment_error_feedback(frag_hubs, tmp_path, point):
+    """The same with ctopk and error feedback on (each fragment's residual checkpointed and settled
+    on its own after the kill): every 4-value piece is one dense chunk of equal values, so its
+    2-bit codes are exact (lo = hi) and the totals stay exact."""
+    _kill9_fragment_run(frag_hubs, tmp_path, point, encoding=dict(delta_dtype="ctopk", topk_chunk=16, topk=1.0,
+                                                                  topk_values="int2", error_feedback=True))
+
+
+def _kill9_fragment_run(frag_hubs, tmp_path, point, encoding=None):
     from test_hardening import _run_worker
 
     from diloco_lightning.master import MasterOuterLoop
@@ -498,7 +669,7 @@ def test_worker_kill9_in_fragment_traffic_loses_and_duplicates_nothing(frag_hubs
     # (with fragments a paced delta waits instead of merging: docs/design.md, "Streaming fragments")
     options = dict(frag_hubs.options, commits_per_hour=0) if frag_hubs.kind == "hf" else frag_hubs.options
     cfg = dict(hub=frag_hubs.url, hub_options=options, ckpt_dir=str(tmp_path / "ckpt"), max_steps=20,
-               inner_steps=4, fragments=2)
+               inner_steps=4, fragments=2, encoding=encoding or {})
     first = _run_worker(cfg, f"{point}:3")
     assert first.returncode == -9, first.stderr[-3000:]
     second = _run_worker(cfg, None)

@@ -161,11 +161,56 @@ def test_fragment_options_must_agree():
     with pytest.raises(ValueError, match="multiple of 2"):
         _workers(1, 3, 2, 2)
     config = MasterConfig(outer_optimizer="nesterov", norm_ratio=None, norm_global_ratio=None, fragments=2)
-    with pytest.raises(ValueError, match="error feedback"):
-        Simulator(_workers(2, 4, 2, 2), SimMaster({n: torch.zeros(N) for n in TARGET}, config), delta_dtype="int8")
     with pytest.raises(ValueError, match="Dynamic Local Updates"):  # the product refuses it too (app/checks.py)
         Simulator(_workers(2, 4, 2, 2), SimMaster({n: torch.zeros(N) for n in TARGET}, config),
                   dylu={"max_steps": 4})
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.8])
+def test_error_feedback_with_fragments_keeps_one_residual_per_fragment(decay):
+    """ctopk with error feedback, 2 fragments: each worker's residual holds both fragments' keys, and per
+    key what the master received plus the residual owed is every pseudo-gradient (decay 1), or the
+    residual follows e = decay * e + delta - sent exactly (decay < 1)."""
+    from diloco_lightning.encoding import EncodingSpec
+
+    workers = _workers(2, 4, 8, 2)
+    config = MasterConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.0, norm_ratio=None,
+                          norm_global_ratio=None, fragments=2)
+    master = SimMaster({n: torch.zeros(N) for n in TARGET}, config)
+    spec = EncodingSpec("ctopk", chunk=16, chunk_k=1, topk_values="int2")  # 1 of the 3 values of each key
+    true = {w.node_id: {n: torch.zeros(N) for n in TARGET} for w in workers}
+    got = {w.node_id: {n: torch.zeros(N) for n in TARGET} for w in workers}
+    owed = {w.node_id: {n: torch.zeros(N) for n in TARGET} for w in workers}
+    for w in workers:
+        orig = w.phase
+
+        def phase(state, _orig=orig, _id=w.node_id, **kw):
+            d = _orig(state, **kw)
+            for n, t in d.items():
+                true[_id][n] += t
+                owed[_id][n] = decay * owed[_id][n] + t  # SparseLoCo's buffer before the send
+            return d
+        w.phase = phase
+    add = master.add
+
+    def add_and_count(ident, received, *a, **kw):
+        node = ident.split("/")[0]
+        for n, t in received.items():
+            got[node][n] += t
+            owed[node][n] -= t
+        return add(ident, received, *a, **kw)
+    master.add = add_and_count
+    sim = Simulator(workers, master, sync="lockstep", delay=0, delta_dtype=spec, error_feedback=True,
+                    error_feedback_decay=decay)
+    result = sim.run()
+    assert result.outer_steps == 8
+    for k, w in enumerate(workers):
+        residual = sim._feedback[k].residual
+        assert residual is not None and sorted(residual) == sorted(TARGET)  # one per fragment's key
+        for n in TARGET:
+            torch.testing.assert_close(residual[n], owed[w.node_id][n], atol=1e-6, rtol=0)
+            if decay == 1.0:
+                torch.testing.assert_close(got[w.node_id][n] + residual[n], true[w.node_id][n], atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow
@@ -177,6 +222,7 @@ def test_matches_the_product_with_fragments(tmp_path, token_cache):  # noqa: F81
     assert worst <= 1e-6
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_train_py_launch_sim_with_fragments(tmp_path):
     """``python train.py recipe=tiny launch=sim diloco.fragments=4 outer=pa_cgad``: a boundary every
     H / 4 = 2 steps, one round each; lockstep delay 4 rounds (one H of latency) gives every fragment

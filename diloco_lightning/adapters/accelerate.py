@@ -76,7 +76,8 @@ class DiLoCo:
         accelerator: the ``accelerate.Accelerator``.
         model: the prepared model (it is unwrapped to find the tensors).
         hub, node_id, inner_steps, dylu_steps, dylu_min_steps, dylu_seconds, throttle, sync, delay,
-            node_index, delta_dtype, topk, topk_values, error_feedback, fragments, hub_options, create, signing_key,
+            node_index, delta_dtype, topk, topk_values, topk_chunk, error_feedback, error_feedback_decay, fragments,
+            hub_options, create, signing_key,
             wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
         optimizer: the optimizer(s) whose state ``reset_inner_optimizer`` clears after an install.
         reset_inner_optimizer: clear the inner optimizer state after each install (default False).
@@ -106,8 +107,10 @@ class DiLoCo:
         node_index: int | None = None,
         delta_dtype: str | torch.dtype = DEFAULTS.delta_dtype,
         topk: float = DEFAULTS.topk,
-        topk_values: str = DEFAULTS.topk_values,
+        topk_values: str | None = DEFAULTS.topk_values,
+        topk_chunk: int = DEFAULTS.topk_chunk,
         error_feedback: bool | None = DEFAULTS.error_feedback,
+        error_feedback_decay: float = DEFAULTS.error_feedback_decay,
         fragments: int | list | None = DEFAULTS.fragments,
         optimizer: Any = None,
         reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
@@ -125,7 +128,8 @@ class DiLoCo:
         self.node_id, self.delay, self.options, self.pacing = check_worker_args(
             node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
             dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
-            topk_values=topk_values, error_feedback=error_feedback, fragments=fragments,
+            topk_values=topk_values, topk_chunk=topk_chunk, error_feedback=error_feedback,
+            error_feedback_decay=error_feedback_decay, fragments=fragments,
             reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout, poll_interval=poll_interval,
             claim_ttl=claim_ttl,
         )

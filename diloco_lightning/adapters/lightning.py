@@ -133,11 +133,17 @@ class DiLoCo(Callback):
             number ending ``node_id``).
         delta_dtype: the pseudo-gradient's encoding on the wire: ``"float32"`` (default),
             ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"int4"`` (blockwise absmax, 0.26x / 0.13x
-            the bytes of FP32) or ``"topk"`` (``docs/encoding.md``).
-        topk: for ``delta_dtype="topk"``, the fraction of each tensor's entries sent (default 0.01).
-        topk_values: for ``delta_dtype="topk"``, how the kept values are stored: ``"int8"`` or ``"int4"``.
+            the bytes of FP32), ``"topk"`` or ``"ctopk"`` (chunked top-k, SparseLoCo's: 1.6 % of
+            each chunk in 2 bits, 0.0071x) (``docs/encoding.md``).
+        topk: for ``delta_dtype="topk"``, the fraction of each tensor's entries sent (default
+            0.01); for ``"ctopk"``, of each chunk's.
+        topk_values: how the kept values are stored: ``"topk"``: ``"int8"`` (None: default) or
+            ``"int4"``; ``"ctopk"``: ``"int2"`` (None: default), ``"int8"``, ``"int4"`` or ``"sign"``.
+        topk_chunk: for ``delta_dtype="ctopk"``, values per chunk (a power of two, default 4096).
         error_feedback: add what the encoding dropped to the next delta; None (default): on for
-            int8, int4 and topk, off for the float casts.
+            int8, int4, topk and ctopk, off for the float casts.
+        error_feedback_decay: SparseLoCo's beta: the residual is multiplied by it before it is
+            added to the next delta (default 1: nothing owed is forgotten).
         fragments: Streaming DiLoCo (arXiv 2501.18512): ``F`` fragments (transformer block ``i`` in
             fragment ``i mod F``, a large embedding or head split by rows among them;
             ``diloco_lightning/wire/fragments.py``), or a list of parameter-name pattern groups. A
@@ -183,8 +189,10 @@ class DiLoCo(Callback):
         node_index: int | None = None,
         delta_dtype: str | torch.dtype = DEFAULTS.delta_dtype,
         topk: float = DEFAULTS.topk,
-        topk_values: str = DEFAULTS.topk_values,
+        topk_values: str | None = DEFAULTS.topk_values,
+        topk_chunk: int = DEFAULTS.topk_chunk,
         error_feedback: bool | None = DEFAULTS.error_feedback,
+        error_feedback_decay: float = DEFAULTS.error_feedback_decay,
         fragments: int | list | None = DEFAULTS.fragments,
         reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
@@ -203,7 +211,8 @@ class DiLoCo(Callback):
         self.node_id, self.delay, self.options, self.pacing = check_worker_args(
             node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
             dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
-            topk_values=topk_values, error_feedback=error_feedback, fragments=fragments,
+            topk_values=topk_values, topk_chunk=topk_chunk, error_feedback=error_feedback,
+            error_feedback_decay=error_feedback_decay, fragments=fragments,
             reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout, poll_interval=poll_interval,
             claim_ttl=claim_ttl,
         )

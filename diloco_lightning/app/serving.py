@@ -26,14 +26,22 @@ def build(cfg):
     """The hub and the :class:`~diloco_lightning.master.MasterOuterLoop` a config describes."""
     from diloco_lightning.app.config import master_config, open_configured_hub, validate_master_command
     from diloco_lightning.master import MasterOuterLoop
-    from diloco_lightning.wire.statefile import load_weights_file
+    from diloco_lightning.master.runstate import check_state
+    from diloco_lightning.util.errors import ConfigError
+    from diloco_lightning.wire.statefile import StateFileError, load_weights_file
 
     validate_master_command(cfg)
     hub = open_configured_hub(cfg.hub)
     state_dir = Path(cfg.node_state_dir) if cfg.get("node_state_dir") else default_state_dir(hub)
     state = None
     if cfg.get("init"):
-        state, _ = load_weights_file(cfg.init)
+        try:
+            state, _ = load_weights_file(cfg.init)
+            check_state(state, str(cfg.init))
+        except (StateFileError, ValueError) as e:
+            detail = e.detail if isinstance(e, StateFileError) else str(e)
+            raise ConfigError("init", f"{cfg.init} is not a model's initial weights ({detail}): give a safetensors "
+                              "file of the model's state_dict, or leave init unset to adopt a worker's") from None
     master = MasterOuterLoop(
         hub,
         state,
@@ -55,16 +63,19 @@ def serve_command(master, **kw) -> int:
     """A master in the foreground of a command (``diloco-master``, ``train.py role=master``): one
     line saying what it runs, progress lines on stdout, SIGINT/SIGTERM stop it after a final
     round; returns the exit status (:class:`~diloco_lightning.master.serve.ServeReport`)."""
+    from diloco_lightning.master.quorum import is_fraction
     from diloco_lightning.master.serve import serve
 
     def say(line: str) -> None:
         print(line, flush=True)
 
     where = master.hub.local_root or master.hub.url
+    q = master.config.min_deltas
+    quorum = f"{q:g} of the live nodes" if is_fraction(q) else f"{q} delta(s)"
     say(
         f"[master] {master.holder} on {where}: optimizer {master.config.outer_optimizer} "
         f"{master.optimizer.options if master.optimizer is not None else master.config.optimizer_options()}, "
-        f"aggregation {master.config.aggregation}, quorum {master.config.min_deltas}; "
+        f"aggregation {master.config.aggregation}, quorum {quorum}; "
         f"local state in {master.node_state_dir} (node_state_dir=... to change)"
     )
     try:

@@ -1,5 +1,6 @@
 """Pseudo-gradient encodings: what a delta's tensors are on the wire (``docs/encoding.md``).
 
+``bits`` (fixed-width codes in a bitstream) -> ``chunked`` (the chunked top-k, SparseLoCo's) ->
 ``format`` (the spec, the parts' layout, the checks of an untrusted file) -> ``kernels`` (blockwise
 int8/int4 codes, the top-k selection) -> ``codec`` (encode, decode, decode into a sum) ->
 ``feedback`` (what a worker sends: the encoding with error feedback). Depends on torch only.
@@ -9,11 +10,14 @@ from diloco_lightning.encoding.codec import decode, decode_add_, encode, encode_
 from diloco_lightning.encoding.format import (
     BLOCK_SIZES,
     CHUNK,
+    CHUNK_SIZES,
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_CHUNK_SIZE,
     ENCODINGS,
     LEVELS,
     PAGE_SIZE,
     PART_SEP,
+    VALUE_BITS,
     EncodedTensor,
     EncodingError,
     EncodingSpec,
@@ -26,7 +30,8 @@ from diloco_lightning.encoding.format import (
 )
 
 __all__ = [
-    "BLOCK_SIZES", "CHUNK", "DEFAULT_BLOCK_SIZE", "ENCODINGS", "LEVELS", "PAGE_SIZE", "PART_SEP", "EncodedTensor",
+    "BLOCK_SIZES", "CHUNK", "CHUNK_SIZES", "DEFAULT_BLOCK_SIZE", "DEFAULT_CHUNK_SIZE", "ENCODINGS", "LEVELS",
+    "PAGE_SIZE", "PART_SEP", "VALUE_BITS", "EncodedTensor",
     "EncodingError", "EncodingSpec", "check_layout", "decode", "decode_add_", "encode", "encode_with_residual",
     "expected_parts", "part_name", "split_part_name", "sum_of_squares", "topk_count", "validate_parts",
 ]

@@ -5,7 +5,8 @@ is what travels through the hub, so its size is the run's bandwidth. The field h
 survives heavy compression: int8 with FP32 accumulation (INTELLECT-1, arXiv 2412.01152), 4 bits
 (Streaming DiLoCo, arXiv 2501.18512), top-k at 1-3 % density with error feedback (SparseLoCo).
 
-The encodings (``float32``/``bfloat16``/``float16`` casts, blockwise ``int8``/``int4``, ``topk``),
+The encodings (``float32``/``bfloat16``/``float16`` casts, blockwise ``int8``/``int4``, ``topk``,
+the chunked top-k ``ctopk``: :mod:`diloco_lightning.encoding.chunked`),
 their parts' layout and the checks of an untrusted file are in :mod:`diloco_lightning.encoding.format`
 (:class:`EncodingSpec`, :class:`EncodedTensor`, :func:`expected_parts`, :func:`validate_parts`); the
 quantization and top-k kernels in :mod:`diloco_lightning.encoding.kernels`. This module encodes and
@@ -27,10 +28,12 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from diloco_lightning.encoding.chunked import chunk_layout, decoded_groups, encode_ctopk
 from diloco_lightning.encoding.format import (
     CAST_DTYPES,
     CHUNK,
     LEVELS,
+    TINY,
     EncodedTensor,
     EncodingSpec,
     real_view_shape,
@@ -82,6 +85,9 @@ def _encode(t: Tensor, spec: EncodingSpec, with_residual: bool, out: Tensor | No
     elif spec.name in LEVELS:
         q, scale = quantize(flat, spec.name, spec.block_size, res)
         parts = {"q": q, "scale": scale}
+    elif spec.name == "ctopk":
+        assert spec.chunk_k is not None  # set by EncodingSpec for ctopk
+        parts = encode_ctopk(flat, spec.chunk, spec.chunk_k, spec.topk_values, res, tiny=TINY)
     else:
         parts = encode_topk(flat, spec, res)
     return EncodedTensor(spec, shape, is_complex, parts), out
@@ -115,6 +121,11 @@ def _decoded_chunks(enc: EncodedTensor, device: torch.device) -> Iterator[tuple[
     """Yield ``(where, values)`` CHUNK values at a time: a slice of the flat tensor (dense encodings)
     or int64 positions (top-k), and their decoded FP32 values in a reused work buffer."""
     p = {k: t.to(device) for k, t in enc.parts.items()}  # the encoded size, never FP32
+    spec = enc.spec
+    if spec.name == "ctopk":
+        assert spec.chunk_k is not None  # set by EncodingSpec for ctopk
+        yield from decoded_groups(p, chunk_layout(enc.numel, spec.chunk, spec.chunk_k, spec.topk_values), CHUNK)
+        return
     name, block = enc.spec.value_encoding, enc.spec.block_size
     n = p["idx"].numel() if enc.spec.name == "topk" else enc.numel
     ends = p["count"].to(torch.int64).cumsum(0) if enc.spec.name == "topk" else None
@@ -137,7 +148,7 @@ def _shaped(flat: Tensor, enc: EncodedTensor) -> Tensor:
 def decode(enc: EncodedTensor) -> Tensor:
     """The FP32 tensor (complex64 for a complex one) that ``enc`` stands for, on the parts' device."""
     device = enc.parts["q"].device
-    new = torch.zeros if enc.spec.name == "topk" else torch.empty
+    new = torch.zeros if enc.spec.name in ("topk", "ctopk") else torch.empty
     out = new(enc.numel, dtype=torch.float32, device=device)
     for where, vals in _decoded_chunks(enc, device):
         out[where] = vals
@@ -163,8 +174,8 @@ def decode_add_(out: Tensor, enc: EncodedTensor, alpha: float = 1.0) -> Tensor:
             vals.mul_(float(alpha))
         if isinstance(where, slice):
             flat[where].add_(vals)
-        else:  # distinct positions: gather, add, scatter (no atomics, deterministic on CUDA too)
-            flat[where] = flat[where].add_(vals)
+        else:  # distinct positions: each entry gets one addition, in any order the same bits
+            flat.scatter_add_(0, where, vals)
     return out
 
 

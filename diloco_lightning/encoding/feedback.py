@@ -23,7 +23,7 @@ float32/bfloat16/float16, byte for byte today's files); a complex key stays comp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -56,29 +56,33 @@ def _as_sent(x: Tensor) -> EncodedTensor:
 def encode_delta(
     delta: Mapping[str, Tensor],
     spec: EncodingSpec,
-    residual: Mapping[str, Tensor] | None = None,
+    residual: Mapping[str, Tensor | None] | None = None,
     *,
     error_feedback: bool = True,
     in_place: bool = False,
     out: Mapping[str, Tensor] | None = None,
+    decay: float = 1.0,
 ) -> tuple[dict[str, EncodedTensor], dict[str, Tensor] | None]:
     """``(encoded, new residual)``: what a worker sends for the pseudo-gradient ``delta``.
 
-    ``x = delta + residual`` per key (``residual`` None: zero), then ``encoded[k] =
+    ``x = delta + fl(decay * residual)`` per key (``residual`` None: zero), then ``encoded[k] =
     encode(x[k], spec)`` and, with ``error_feedback``, ``new_residual[k] = x[k] -
     decode(encoded[k])`` exactly (FP32; complex64 for complex keys). The new residual is None
-    when ``error_feedback`` is off or ``spec`` is float32 (it would be all zeros).
+    when ``error_feedback`` is off or ``spec`` is float32 (it would be all zeros). ``decay`` is
+    SparseLoCo's beta (``e = beta * e + delta``; 1: ``x = delta + residual``, bit for bit).
 
     Args:
         delta: key -> FP32 (complex64) pseudo-gradient, CPU or CUDA (the same bits either way).
         spec: the run's encoding.
-        residual: the previous round's residual (same keys and shapes), or None.
+        residual: the previous round's residual (every key of ``delta``, same shapes; a value
+            None: that key owes nothing), or None.
         error_feedback: compute the new residual.
         in_place: write ``x`` into ``delta``'s tensors and the new residual into ``residual``'s
             (no FP32 allocation per round: a worker's kept buffers). ``delta`` then holds what
             was encoded, so a failed upload can be sent again later without the residual.
-        out: contiguous buffers (same keys, shapes and dtypes as ``delta``) to write the new
+        out: contiguous buffers (keys of ``delta``, same shapes and dtypes) to write the new
             residual into, instead of ``residual``'s tensors (``in_place``) or new ones.
+        decay: the factor on the residual, in ``(0, 1]``.
 
     Raises:
         ValueError: a key of ``residual`` missing or of another shape, a tensor that is not
@@ -87,21 +91,26 @@ def encode_delta(
     """
     if not isinstance(spec, EncodingSpec):
         raise ValueError(f"spec must be an EncodingSpec, got {spec!r}")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+        raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
     feedback = bool(error_feedback) and not is_lossless(spec)
     encoded: dict[str, EncodedTensor] = {}
     new: dict[str, Tensor] | None = {} if feedback else None
     for k, d in delta.items():
         if not isinstance(d, Tensor) or d.dtype not in (torch.float32, torch.complex64):
             raise ValueError(f"delta[{k!r}] must be a float32 (complex64) tensor, got {getattr(d, 'dtype', type(d))}")
-        r = None if residual is None else residual.get(k)
-        if residual is not None and (r is None or r.shape != d.shape or r.dtype != d.dtype):
+        if residual is not None and k not in residual:
+            raise ValueError(f"residual has no {k!r}: give every key of the delta (None: nothing owed)")
+        r = None if residual is None else residual[k]
+        if r is not None and (not isinstance(r, Tensor) or r.shape != d.shape or r.dtype != d.dtype):
             raise ValueError(f"residual[{k!r}] must be a {d.dtype} tensor of shape {list(d.shape)}")
         if r is not None:
-            x = d.add_(r) if in_place else d + r
+            rr = r if decay == 1.0 else r * decay  # two roundings, no fused multiply-add: the same bits everywhere
+            x = d.add_(rr) if in_place else d + rr
         else:
             x = d
         ks = _key_spec(x, spec)
-        buf = out[k] if out is not None else (r if in_place and r is not None and r.is_contiguous() else None)
+        buf = out.get(k) if out is not None else (r if in_place and r is not None and r.is_contiguous() else None)
         if is_lossless(ks):  # float32: the tensor itself; its residual is 0
             encoded[k] = _as_sent(x)
             if new is not None:
@@ -127,75 +136,90 @@ def decode_delta(encoded: Mapping[str, EncodedTensor | Tensor]) -> dict[str, Ten
 class ErrorFeedback:
     """The worker's error-feedback state: :func:`encode_delta` with the residual kept between rounds.
 
-    The residual lives in one FP32 buffer per key, allocated at the first lossy round and
-    updated in place after (``encode(in_place=True)``). :meth:`forget` empties it (its content
-    went back into a delta that will be sent again), :meth:`absorb` adds the residual of a delta
-    that was sent after all (an upload that landed although it reported a failure).
-    ``state_dict()`` holds the residual (None when it is zero) for a checkpoint.
+    The residual is kept per key, in one FP32 buffer each, allocated at the first lossy round of the
+    key and updated in place after (``encode(in_place=True)``). A delta may carry some keys only (a
+    Streaming DiLoCo fragment): it adds and renews the residual of its own keys, the others' stay
+    owed to their own next delta, so each fragment keeps its own residual. :meth:`forget` empties
+    keys (their content went back into a delta that will be sent again), :meth:`absorb` adds the
+    residual of a delta that was sent after all (an upload that landed although it reported a
+    failure). ``state_dict()`` holds the owed residuals (None when nothing is owed) for a checkpoint.
 
     Args:
         spec: the run's encoding.
         enabled: error feedback on (a residual is kept) or off (every round stands alone).
+        decay: SparseLoCo's beta: each delta carries ``delta + decay * residual`` (1: all of it).
     """
 
-    def __init__(self, spec: EncodingSpec, enabled: bool = True) -> None:
+    def __init__(self, spec: EncodingSpec, enabled: bool = True, decay: float = 1.0) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
         self.spec = spec
         self.enabled = bool(enabled) and not is_lossless(spec)
-        self._buf: dict[str, Tensor] | None = None
-        self._zero = True  # the buffers' content is stale: the residual is zero
+        self.decay = float(decay)
+        self._buf: dict[str, Tensor] = {}  # key -> its buffer (its content is owed only if the key is in _owed)
+        self._owed: set[str] = set()
 
     @property
     def residual(self) -> dict[str, Tensor] | None:
-        """The residual owed to the next delta (None: zero). The tensors are the live buffers."""
-        return None if self._zero else self._buf
+        """The residual owed to the next deltas, by key (None: nothing). The tensors are the live buffers."""
+        return {k: self._buf[k] for k in sorted(self._owed)} if self._owed else None
 
     def encode(self, delta: Mapping[str, Tensor], *, in_place: bool = False) -> dict[str, EncodedTensor]:
-        """Encode ``delta + residual`` (see :func:`encode_delta`) and keep the new residual.
-
-        A residual carried from a checkpoint is added even when feedback is now off (then dropped).
-        """
-        owed = self.residual
-        if owed is not None and set(owed) != set(delta):
-            raise ValueError("the error-feedback residual's keys differ from the delta's")
-        # the kept buffers receive the new residual (a stale one is written, never read)
-        out = self._buf if self.enabled and in_place and self._buf is not None and set(self._buf) == set(delta) else None
-        encoded, new = encode_delta(delta, self.spec, owed, error_feedback=self.enabled, in_place=in_place, out=out)
+        """Encode ``delta + decay * residual`` (see :func:`encode_delta`) and keep the new residual of
+        ``delta``'s keys. A residual carried from a checkpoint is added even when feedback is now off
+        (then dropped)."""
+        owed = {k: (self._buf[k] if k in self._owed else None) for k in delta}
+        if self.decay != 1.0:  # the buffers are ours and about to be renewed: decayed where they are
+            for r in owed.values():
+                if r is not None:
+                    r.mul_(self.decay)
+        out = None
+        if self.enabled and in_place:  # the kept buffers receive the new residual (a stale one is written, never read)
+            out = {k: b for k, b in ((k, self._buf.get(k)) for k in delta)
+                   if b is not None and b.shape == delta[k].shape and b.dtype == delta[k].dtype}
+        encoded, new = encode_delta(delta, self.spec, owed if self._owed else None, error_feedback=self.enabled,
+                                    in_place=in_place, out=out)
         if new is not None:
-            self._buf, self._zero = new, False
+            self._buf.update(new)
+            self._owed.update(new)
         else:
-            self._buf, self._zero = None, True
+            self._owed.difference_update(delta)
         return encoded
 
-    def forget(self) -> None:
-        """The residual went back into a pseudo-gradient that will be sent again: it is zero now."""
-        self._zero = True
+    def forget(self, keys: Iterable[str] | None = None) -> None:
+        """The residual of ``keys`` (None: all) went back into a pseudo-gradient that will be sent
+        again: nothing is owed for them now."""
+        if keys is None:
+            self._owed.clear()
+        else:
+            self._owed.difference_update(keys)
 
     def absorb(self, sent: Mapping[str, Tensor]) -> None:
         """``sent`` (an FP32 delta, ``x`` of an earlier round) was delivered after all: add what its
-        encoding dropped to the residual (the encoding is deterministic, so this is that round's)."""
+        encoding dropped to the residual of its keys (the encoding is deterministic, so this is
+        that round's)."""
         if not self.enabled:
             return
         _, dropped = encode_delta(sent, self.spec, None, error_feedback=True)
         if dropped is None:
             return
-        owed = self.residual
-        if owed is None:
-            self._buf, self._zero = dropped, False
-        else:
-            for k, t in dropped.items():
-                owed[k].add_(t)
+        for k, t in dropped.items():
+            if k in self._owed:
+                self._buf[k].add_(t)
+            else:
+                self._buf[k] = t
+                self._owed.add(k)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"residual": {key: tensor} | None}`` (the live buffers: copy them if training goes on
         while the checkpoint is written)."""
-        owed = self.residual
-        return {"residual": None if owed is None else dict(owed)}
+        return {"residual": self.residual}
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         owed = (state or {}).get("residual")
+        self._owed.clear()
         if owed is None:
-            self._zero = True
             return
-        self._buf = {k: v.detach().to("cpu", torch.complex64 if v.is_complex() else torch.float32).contiguous()
-                     for k, v in owed.items()}
-        self._zero = False
+        for k, v in owed.items():
+            self._buf[k] = v.detach().to("cpu", torch.complex64 if v.is_complex() else torch.float32).contiguous()
+            self._owed.add(k)

@@ -8,7 +8,11 @@ Encodings, chosen per run by name (:class:`EncodingSpec`):
 - ``int4``: the same with ``s = absmax / 7`` and codes in ``[-7, 7]``, two codes per byte;
 - ``topk``: the ``k = topk_count(n, topk)`` largest magnitudes of each tensor, their values encoded
   as int8 or int4 (blocks of consecutive kept values), their positions as 16-bit offsets within
-  pages of 65536 entries plus one count per page (2 bytes per kept value instead of 4 or 8).
+  pages of 65536 entries plus one count per page (2 bytes per kept value instead of 4 or 8);
+- ``ctopk`` (chunked top-k, SparseLoCo's): the ``chunk_k`` largest magnitudes of every chunk of
+  ``chunk`` values, their offsets in ``log2(chunk)`` bits, their values in 8, 4, 2 or 1 bits
+  (``topk_values``: ``int8``, ``int4``, ``int2``, ``sign``) with one scale pair per chunk
+  (:mod:`diloco_lightning.encoding.chunked`).
 
 An :class:`EncodedTensor` holds named parts (``q`` codes, ``scale``, ``idx``, ``count``) stored in
 a safetensors file as ``<key>`` (``q``) and ``<key>::<part>`` (the others). The layout, byte for
@@ -28,15 +32,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from diloco_lightning.encoding.chunked import CHUNK_SIZES, VALUE_BITS, chunk_layout, validate_ctopk
 from diloco_lightning.util.errors import DiLoCoError
 
 __all__ = [
-    "BLOCK_SIZES", "CAST_DTYPES", "CHUNK", "DEFAULT_BLOCK_SIZE", "ENCODINGS", "LEVELS", "PAGE_SIZE", "PART_SEP", "TINY",
+    "BLOCK_SIZES", "CAST_DTYPES", "CHUNK", "CHUNK_SIZES", "DEFAULT_BLOCK_SIZE", "DEFAULT_CHUNK_SIZE", "ENCODINGS",
+    "LEVELS", "PAGE_SIZE", "PART_SEP", "TINY", "VALUE_BITS",
     "EncodedTensor", "EncodingError", "EncodingSpec", "PartLayout", "check_layout", "codes_layout", "expected_parts",
     "part_name", "real_view_shape", "split_part_name", "topk_count", "topk_positions", "validate_parts",
 ]
 
-ENCODINGS = ("float32", "bfloat16", "float16", "int8", "int4", "topk")
+ENCODINGS = ("float32", "bfloat16", "float16", "int8", "int4", "topk", "ctopk")
 CAST_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LEVELS = {"int8": 127, "int4": 7}  # symmetric: absmax maps to +-LEVELS, so -128 / -8 are never used
 #: 128 values per FP32 scale: int8 costs (1 + 4/128) / 4 = 0.258x FP32, int4 (0.5 + 4/128) / 4 = 0.133x.
@@ -44,6 +50,8 @@ LEVELS = {"int8": 127, "int4": 7}  # symmetric: absmax maps to +-LEVELS, so -128
 DEFAULT_BLOCK_SIZE = 128
 #: Allowed block sizes: powers of two, so blocks tile every chunk and pair up for int4 packing.
 BLOCK_SIZES = tuple(2**i for i in range(4, 13))
+#: The chunked top-k's default chunk: SparseLoCo's (64 x 64 tiles there; here 4096 consecutive values).
+DEFAULT_CHUNK_SIZE = 4096
 #: Top-k positions are stored as 16-bit offsets within pages of this many entries.
 PAGE_SIZE = 1 << 16
 #: File names of the parts: ``<key>`` for ``q``, ``<key>::<part>`` for the others.
@@ -74,15 +82,23 @@ class EncodingSpec:
     Args:
         name: one of :data:`ENCODINGS`.
         block_size: values per scale for int8/int4 (and top-k values); a power of two, 16 to 4096.
-        topk: for ``topk``, the fraction of each tensor's entries kept, in ``(0, 1]``.
-        topk_values: for ``topk``, how the kept values are stored: ``int8`` (default: the indices
-            dominate the size, so 8-bit values cost only ~20 % more than 4-bit) or ``int4``.
+        topk: for ``topk``, the fraction of each tensor's entries kept, in ``(0, 1]``; for
+            ``ctopk``, the fraction of each chunk's (``chunk_k = round(topk * chunk)``, at least 1,
+            unless ``chunk_k`` is given; ``topk`` then becomes ``chunk_k / chunk``).
+        topk_values: how the kept values are stored: ``topk``: ``int8`` (default: the indices
+            dominate the size, so 8-bit values cost only ~20 % more than 4-bit) or ``int4``;
+            ``ctopk``: ``int8``, ``int4``, ``int2`` (SparseLoCo's 2 bits) or ``sign`` (1 bit).
+        chunk: for ``ctopk``, values per chunk; a power of two, 16 to 65536 (positions of
+            ``log2(chunk)`` bits).
+        chunk_k: for ``ctopk``, values kept per chunk, 1 to ``chunk`` (None: from ``topk``).
     """
 
     name: str = "float32"
     block_size: int = DEFAULT_BLOCK_SIZE
     topk: float = 0.01
     topk_values: str = "int8"
+    chunk: int = DEFAULT_CHUNK_SIZE
+    chunk_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.name not in ENCODINGS:
@@ -91,23 +107,42 @@ class EncodingSpec:
             raise ValueError(f"block_size must be a power of two from 16 to 4096, got {self.block_size!r}")
         if isinstance(self.topk, bool) or not isinstance(self.topk, (int, float)) or not 0.0 < self.topk <= 1.0:
             raise ValueError(f"topk must be a fraction in (0, 1], got {self.topk!r}")
-        if self.topk_values not in LEVELS:
-            raise ValueError(f"topk_values must be 'int8' or 'int4', got {self.topk_values!r}")
+        values = VALUE_BITS if self.name == "ctopk" else LEVELS
+        if self.topk_values not in values:
+            raise ValueError(f"topk_values must be one of {list(values)} for {self.name}, got {self.topk_values!r}")
+        if type(self.chunk) is not int or self.chunk not in CHUNK_SIZES:
+            raise ValueError(f"chunk must be a power of two from 16 to 65536, got {self.chunk!r}")
+        if self.chunk_k is not None and (type(self.chunk_k) is not int or not 1 <= self.chunk_k <= self.chunk):
+            raise ValueError(f"chunk_k must be an integer from 1 to chunk ({self.chunk}), got {self.chunk_k!r}")
         object.__setattr__(self, "topk", float(self.topk))
+        if self.name == "ctopk":  # the header carries chunk and chunk_k; topk is their ratio
+            k = self.chunk_k if self.chunk_k is not None else min(self.chunk, max(1, round(self.topk * self.chunk)))
+            object.__setattr__(self, "chunk_k", k)
+            object.__setattr__(self, "topk", k / self.chunk)
+            object.__setattr__(self, "block_size", DEFAULT_BLOCK_SIZE)  # one scale pair per chunk instead
+        else:  # unused: normalized, so that specs that encode alike compare equal
+            object.__setattr__(self, "chunk", DEFAULT_CHUNK_SIZE)
+            object.__setattr__(self, "chunk_k", None)
 
     @property
     def value_encoding(self) -> str | None:
-        """``int8``/``int4`` for the quantized encodings (top-k: its values), None for casts."""
-        return self.topk_values if self.name == "topk" else self.name if self.name in LEVELS else None
+        """How values are quantized: ``int8``/``int4`` (top-k and ctopk: their ``topk_values``),
+        None for the casts."""
+        if self.name in ("topk", "ctopk"):
+            return self.topk_values
+        return self.name if self.name in LEVELS else None
 
     def to_metadata(self) -> dict[str, str]:
         """The spec as safetensors header entries (strings); only what the encoding uses."""
         md = {"encoding": self.name}
-        if self.value_encoding is not None:
+        if self.name in ("int8", "int4", "topk"):
             md["encoding_block_size"] = str(self.block_size)
         if self.name == "topk":
             md["encoding_topk"] = repr(self.topk)  # shortest repr: float() reads back the same double
             md["encoding_topk_values"] = self.topk_values
+        if self.name == "ctopk":
+            md.update(encoding_chunk=str(self.chunk), encoding_chunk_k=str(self.chunk_k),
+                      encoding_topk_values=self.topk_values)
         return md
 
     @classmethod
@@ -115,8 +150,15 @@ class EncodingSpec:
         """Parse :meth:`to_metadata`'s entries from an untrusted header (no ``encoding``: float32)."""
         name = md.get("encoding", "float32")
         block = md.get("encoding_block_size", str(DEFAULT_BLOCK_SIZE))
-        if not (isinstance(block, str) and block.isascii() and block.isdigit() and len(block) <= 5):
+        if not _small_decimal(block):
             raise ValueError(f"encoding_block_size must be a power of two from 16 to 4096, got {block!r}")
+        if name == "ctopk":
+            chunk, k = md.get("encoding_chunk"), md.get("encoding_chunk_k")
+            if chunk is None or not _small_decimal(chunk):
+                raise ValueError(f"encoding_chunk must be a power of two from 16 to 65536, got {chunk!r}")
+            if k is None or not _small_decimal(k):
+                raise ValueError(f"encoding_chunk_k must be an integer from 1 to encoding_chunk, got {k!r}")
+            return cls(name=name, chunk=int(chunk), chunk_k=int(k), topk_values=md.get("encoding_topk_values", ""))
         topk = md.get("encoding_topk", "0.01")
         try:
             fraction = float(topk) if isinstance(topk, str) and len(topk) <= 32 else math.nan
@@ -125,6 +167,11 @@ class EncodingSpec:
         if not 0.0 < fraction <= 1.0:  # NaN fails too
             raise ValueError(f"encoding_topk must be a fraction in (0, 1], got {topk!r}")
         return cls(name=name, block_size=int(block), topk=fraction, topk_values=md.get("encoding_topk_values", "int8"))
+
+
+def _small_decimal(text: object) -> bool:
+    """A header's number: ASCII digits only, at most 5 of them (every size it may name is below 10**5)."""
+    return isinstance(text, str) and text.isascii() and text.isdigit() and len(text) <= 5
 
 
 # ----------------------------------------------------------------------------- layout
@@ -166,12 +213,17 @@ def expected_parts(shape: Sequence[int], spec: EncodingSpec, *, complex: bool = 
     size: casts ``{"q": (dtype, shape)}`` (``shape + (2,)`` when complex); int8 ``q`` int8 ``(n,)``
     and ``scale`` float32 ``(ceil(n/B),)``; int4 ``q`` uint8 ``(ceil(n/2),)`` and ``scale``; topk
     with ``k = topk_count(n, topk)``: ``q`` and ``scale`` for k values, ``idx`` int16 ``(k,)`` and
-    ``count`` int32 ``(ceil(n/65536),)``.
+    ``count`` int32 ``(ceil(n/65536),)``; ctopk: ``q`` and ``idx`` uint8 bitstreams and ``scale``
+    float32 ``(chunks, 2)`` (``(chunks,)`` for ``sign``), see :class:`~diloco_lightning.encoding.
+    chunked.ChunkLayout`.
     """
     real = real_view_shape(shape, complex)
     if spec.name in CAST_DTYPES:
         return {"q": (CAST_DTYPES[spec.name], real)}
     n = math.prod(real)
+    if spec.name == "ctopk":
+        assert spec.chunk_k is not None  # set by EncodingSpec for ctopk
+        return chunk_layout(n, spec.chunk, spec.chunk_k, spec.topk_values).parts()
     if spec.name == "topk":
         k = topk_count(n, spec.topk)
         return {
@@ -210,12 +262,20 @@ def validate_parts(parts: Mapping[str, Tensor], shape: Sequence[int], spec: Enco
 
     Layout (:func:`check_layout`), then values: cast values finite; scales finite, >= 0 and small
     enough that every decoded value is finite; int8 codes not -128, int4 nibbles not 0 and the
-    padding nibble 8; top-k counts >= 0 summing to k, positions strictly increasing and < n.
+    padding nibble 8; top-k counts >= 0 summing to k, positions strictly increasing and < n;
+    ctopk: :func:`~diloco_lightning.encoding.chunked.validate_ctopk`.
     """
     check_layout({p: (t.dtype, t.shape) for p, t in parts.items()}, shape, spec, complex=complex, key=key)
     if spec.name in CAST_DTYPES:
         if not bool(torch.isfinite(parts["q"]).all()):
             raise EncodingError(key, "values contain NaN or inf")
+        return
+    if spec.name == "ctopk":
+        assert spec.chunk_k is not None  # set by EncodingSpec for ctopk
+        lay = chunk_layout(math.prod(real_view_shape(shape, complex)), spec.chunk, spec.chunk_k, spec.topk_values)
+        problem = validate_ctopk(parts, lay, CHUNK)
+        if problem is not None:
+            raise EncodingError(key, problem)
         return
     levels = LEVELS[spec.value_encoding or "int8"]
     scale, q = parts["scale"], parts["q"]

@@ -142,8 +142,9 @@ class RunHealth:
         """The knobs, with their values now."""
         lr = f"outer.lr (now {self.lr:g}, e.g. outer.lr={self.lr / 4:g})" if self.lr else "outer.lr"
         quorum = f"min_deltas (now {self.min_deltas})" if self.min_deltas is not None else "min_deltas"
-        return (f"Lower {lr}, or apply more deltas per round: raise {quorum}, master.min_deltas in train.py; an "
-                "outer optimizer with momentum amplifies stale deltas (outer.options.momentum=0 removes it)")
+        return (f"Lower {lr}, or apply more deltas per round: raise {quorum} (min_deltas=1.0 waits for every live "
+                "worker), master.min_deltas in train.py; an outer optimizer with momentum amplifies stale deltas "
+                "(outer.options.momentum=0 removes it; outer=fedavg, diloco-master's default, is their plain average)")
 
 
 def _step(base: Hashable) -> object:

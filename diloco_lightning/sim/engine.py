@@ -112,6 +112,7 @@ class Simulator(Transfers):
             a float torch dtype, or an :class:`~diloco_lightning.encoding.EncodingSpec`).
         error_feedback: each worker keeps what its encoding dropped and adds it to its next delta
             (None: on for the lossy encodings, as in a real run).
+        error_feedback_decay: SparseLoCo's beta on each worker's residual (1: none).
         evaluate: ``state -> loss`` of a global version (None: no evaluation).
         eval_points: outer steps after which to evaluate (the first version at or past each).
         on_version: called with each version's record (progress lines, metrics files).
@@ -136,6 +137,7 @@ class Simulator(Transfers):
         options: SimOptions | None = None,
         delta_dtype: torch.dtype | str | EncodingSpec = torch.float32,
         error_feedback: bool | None = None,
+        error_feedback_decay: float = 1.0,
         evaluate: Callable[[Mapping[str, Tensor]], float] | None = None,
         eval_points: Sequence[int] = (),
         on_version: Callable[[dict[str, Any]], None] | None = None,
@@ -158,12 +160,12 @@ class Simulator(Transfers):
         else:
             spec, feedback = resolve_encoding(delta_dtype, error_feedback=error_feedback)
         self.encoding = spec
-        self._feedback = [ErrorFeedback(spec, enabled=feedback) for _ in self.workers]
+        self._feedback = [ErrorFeedback(spec, enabled=feedback, decay=error_feedback_decay) for _ in self.workers]
         self.dylu: dict[str, Any] | None = None
         if dylu is not None:
             self.dylu = {"max_steps": int(dylu["max_steps"]), "min_steps": dylu.get("min_steps"),
                          "seconds": dylu.get("seconds")}
-        check_fragments(self.workers, self.master.plan, self.encoding.name, feedback, self.dylu is not None)
+        check_fragments(self.workers, self.master.plan, self.dylu is not None)
         self.max_time = self.options.max_time
         if self.max_time is None and any(w.max_steps is None for w in self.workers):
             raise ValueError("a worker without max_steps needs a time budget (options.max_time), or the run never ends")

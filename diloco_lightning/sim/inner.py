@@ -346,18 +346,15 @@ def _fp32(t: Tensor) -> Tensor:
     return t.to("cpu", target)
 
 
-def check_fragments(workers: list[SimWorker], plan: Any, encoding: str, feedback: bool, dylu: bool) -> None:
-    """The workers split the model as the master does (``plan``, its fragment plan); no error
-    feedback and no DyLU with fragments (as the product)."""
+def check_fragments(workers: list[SimWorker], plan: Any, dylu: bool) -> None:
+    """The workers split the model as the master does (``plan``, its fragment plan); no DyLU with
+    fragments (as the product). Error feedback is per key, so each fragment keeps its own residual."""
     ours = FragmentBook(plan).digests()
     for w in workers:
         if w.book.digests() != ours:
             raise ValueError(f"worker {w.node_id} splits the model into "
                              f"{'no' if w.plan is None else w.plan.count} fragments, the master into "
                              f"{'none' if ours is None else len(ours)}: give both the same fragments")
-    if ours is not None and feedback:
-        raise ValueError(f"fragments={len(ours)} cannot be combined with error feedback yet "
-                         f"(delta_dtype={encoding}): pass error_feedback=False or a float delta_dtype")
     if ours is not None and dylu:
         raise ValueError(f"fragments={len(ours)} cannot be combined with Dynamic Local Updates (dylu): the "
                          f"boundaries every H / F steps are the fragments' schedule")

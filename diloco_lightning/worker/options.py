@@ -6,26 +6,30 @@ take them as keywords; ``train.py`` composes the same fields into its ``diloco``
 (:data:`SYNC_MODES`, :data:`DELTA_DTYPES`) live here and nowhere else.
 
 ``delta_dtype`` names the pseudo-gradient's encoding on the wire (``diloco_lightning/encoding/codec.py``,
-``docs/encoding.md``): the float casts, blockwise ``int8``/``int4`` and ``topk`` (with ``topk``, the
-fraction kept, and ``topk_values``, how the kept values are stored). ``error_feedback`` adds what an
-encoding dropped to the next delta (SparseLoCo, INTELLECT-1): on by default for the quantized
-encodings, off for the float casts (their error is ~0.2 % per value, and the residual costs one FP32
-copy of the model in the worker's memory and checkpoints).
+``docs/encoding.md``): the float casts, blockwise ``int8``/``int4``, ``topk`` and the chunked top-k
+``ctopk`` (with ``topk``, the fraction kept, ``topk_values``, how the kept values are stored, and for
+ctopk ``topk_chunk``, the chunk). ``error_feedback`` adds what an encoding dropped to the next delta
+(SparseLoCo, INTELLECT-1): on by default for the quantized encodings, off for the float casts (their
+error is ~0.2 % per value, and the residual costs one FP32 copy of the model in the worker's memory and
+checkpoints); ``error_feedback_decay`` is SparseLoCo's beta, the factor on the residual before it is
+added (``e = beta * e + delta``; 1: nothing owed is forgotten).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from diloco_lightning.encoding import LEVELS, EncodingSpec
+from diloco_lightning.encoding import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, LEVELS, VALUE_BITS, EncodingSpec
 from diloco_lightning.wire.fragments import FragmentError, fragment_count
 from diloco_lightning.util.options import OptionError, check_choice, check_number, option
 from diloco_lightning.worker.pacing import AUTO, Pacing, resolve_throttle
 
-__all__ = ["SYNC_MODES", "DELTA_DTYPES", "TOPK_VALUES", "DEFAULTS", "WorkerOptions", "parse_delta_dtype", "resolve_encoding"]
+__all__ = ["SYNC_MODES", "DELTA_DTYPES", "TOPK_VALUES", "DEFAULTS", "WorkerOptions", "check_decay", "parse_delta_dtype",
+           "resolve_encoding"]
 
 #: ``async``: install the newest global at each boundary, never wait; ``lockstep``: install exactly
 #: version ``r - delay`` at boundary r (controlled staleness, for experiments)
@@ -41,10 +45,11 @@ DELTA_DTYPES: dict[str, str] = {
     "int8": "int8",
     "int4": "int4",
     "topk": "topk",
+    "ctopk": "ctopk",
 }
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-#: how ``topk`` stores the values it keeps
-TOPK_VALUES = tuple(LEVELS)
+#: how ``topk`` and ``ctopk`` store the values they keep (the first is the default)
+TOPK_VALUES = {"topk": tuple(LEVELS), "ctopk": ("int2", *(v for v in VALUE_BITS if v != "int2"))}
 
 
 def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> str:
@@ -57,27 +62,39 @@ def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> str:
     raise OptionError(argname, f"must be one of {names}, got {value!r}")
 
 
-def resolve_encoding(delta_dtype: Any = "float32", topk: Any = 0.01, topk_values: Any = "int8",
-                     error_feedback: Any = None) -> tuple[EncodingSpec, bool]:
+def resolve_encoding(delta_dtype: Any = "float32", topk: Any = 0.01, topk_values: Any = None,
+                     error_feedback: Any = None, topk_chunk: Any = DEFAULT_CHUNK_SIZE) -> tuple[EncodingSpec, bool]:
     """``(EncodingSpec, error feedback on?)`` of these options; :class:`OptionError` naming a bad one.
 
-    ``error_feedback=None`` means on for the lossy encodings that need it (int8, int4, topk), off
-    for the float casts (see the module docstring); it is always off for float32 (nothing is lost).
+    ``topk_values=None`` means the encoding's default (``int8`` for topk, ``int2`` for ctopk).
+    ``error_feedback=None`` means on for the lossy encodings that need it (int8, int4, topk, ctopk),
+    off for the float casts (see the module docstring); it is always off for float32 (nothing is lost).
     """
     name = parse_delta_dtype(delta_dtype)
     if isinstance(topk, bool) or not isinstance(topk, (int, float)) or not 0.0 < topk <= 1.0:
         raise OptionError("topk", f"must be a fraction in (0, 1] (0.01 keeps 1 % of each tensor), got {topk!r}")
-    if topk_values not in TOPK_VALUES:
-        raise OptionError("topk_values", f"must be one of {list(TOPK_VALUES)}, got {topk_values!r}")
+    values = TOPK_VALUES["ctopk" if name == "ctopk" else "topk"]
+    if topk_values is not None and topk_values not in values:
+        raise OptionError("topk_values", f"must be one of {list(values)} for delta_dtype={name}, got {topk_values!r}")
+    if isinstance(topk_chunk, bool) or topk_chunk not in CHUNK_SIZES:
+        raise OptionError("topk_chunk", f"must be a power of two from 16 to 65536, got {topk_chunk!r}")
     if error_feedback is not None and not isinstance(error_feedback, bool):
         raise OptionError("error_feedback", f"must be True, False or None (automatic), got {error_feedback!r}")
-    spec = EncodingSpec(name, topk=float(topk), topk_values=topk_values)
+    spec = EncodingSpec(name, topk=float(topk), topk_values=topk_values or values[0], chunk=int(topk_chunk))
     return spec, feedback_of(spec, error_feedback)
+
+
+def check_decay(value: Any) -> float:
+    """``error_feedback_decay`` as a float in ``(0, 1]``, else :class:`OptionError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise OptionError("error_feedback_decay", f"must be a number in (0, 1] (1: no decay; SparseLoCo: 0.95), got "
+                          f"{value!r}")
+    return float(value)
 
 
 def feedback_of(spec: EncodingSpec, error_feedback: bool | None = None) -> bool:
     """Whether error feedback is on for ``spec``: ``error_feedback``, or (None) on for the quantized
-    encodings (int8, int4, topk) and off for the float casts; always off for float32."""
+    encodings (int8, int4, topk, ctopk) and off for the float casts; always off for float32."""
     if error_feedback is None:
         return spec.value_encoding is not None
     return bool(error_feedback) and spec.name != "float32"
@@ -101,12 +118,24 @@ class WorkerOptions:
         0, "lockstep staleness tau: an int, a per-worker list, or {distribution: uniform|choice|geometric|pareto, ...[, seed]}"
     )
     delta_dtype: str = option(
-        "float32", "pseudo-gradient encoding on the wire: float32 | bfloat16 | float16 | int8 | int4 | topk (docs/encoding.md)"
+        "float32", "pseudo-gradient encoding on the wire: float32 | bfloat16 | float16 | int8 | int4 | topk | ctopk "
+        "(chunked top-k, SparseLoCo's; docs/encoding.md)"
     )
-    topk: float = option(0.01, "delta_dtype=topk: the fraction of each tensor's entries sent (the largest magnitudes)")
-    topk_values: str = option("int8", "delta_dtype=topk: how the kept values are stored: int8 | int4")
+    topk: float = option(0.01, "delta_dtype=topk: the fraction of each tensor's entries sent (the largest magnitudes); "
+                         "ctopk: of each chunk's (k = round(topk * topk_chunk), at least 1)")
+    topk_values: str | None = option(
+        None, "how topk / ctopk store the kept values: topk: int8 | int4; ctopk: int2 | int8 | int4 | sign (1 bit); "
+        "null: int8 for topk, int2 for ctopk"
+    )
+    topk_chunk: int = option(DEFAULT_CHUNK_SIZE, "delta_dtype=ctopk: values per chunk, each sending its k largest "
+                             "(a power of two, 16 to 65536; offsets take log2 of it in bits)")
     error_feedback: bool | None = option(
-        None, "add what the encoding dropped to the next delta (null: on for int8, int4 and topk, off for the float casts)"
+        None, "add what the encoding dropped to the next delta (null: on for int8, int4, topk and ctopk, off for the "
+        "float casts)"
+    )
+    error_feedback_decay: float = option(
+        1.0, "beta: the error-feedback residual is multiplied by it before it is added to the next delta "
+        "(SparseLoCo's e = beta * e + delta, 0.95 there; 1: nothing owed is forgotten)"
     )
     fragments: Any = option(
         None, "Streaming DiLoCo fragments: F (transformer block i syncs in fragment i mod F, a large embedding or "
@@ -123,6 +152,20 @@ class WorkerOptions:
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def given(cls, options: "WorkerOptions | None", values: Mapping[str, Any], who: str) -> "WorkerOptions":
+        """``options``, or the options the keywords ``values`` name (``who`` takes either, not both)."""
+        if options is not None and values:
+            raise TypeError(f"{who}: give either options= or option keywords, not both")
+        if options is not None:
+            if not isinstance(options, cls):
+                raise TypeError(f"{who}: options must be a WorkerOptions, got {type(options).__name__}")
+            return options
+        unknown = sorted(set(values) - set(cls.names()))
+        if unknown:
+            raise TypeError(f"{who} got unknown option(s) {unknown}; valid: {cls.names()}")
+        return cls(**values)
 
     def validate(self, node_id: str = "w0", node_index: int | None = None) -> "WorkerOptions":
         """Raise :class:`~diloco_lightning.util.options.OptionError` naming the first option out of
@@ -150,8 +193,9 @@ class WorkerOptions:
             parse_delta_dtype(self.delta_dtype)
         else:
             check_choice(self, "delta_dtype", tuple(DELTA_DTYPES))
-        _, feedback = resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback)
-        self._check_fragments(feedback)
+        resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback, self.topk_chunk)
+        check_decay(self.error_feedback_decay)
+        self._check_fragments()
         if not isinstance(self.reset_inner_optimizer, bool):
             raise OptionError("reset_inner_optimizer", f"must be True or False, got {self.reset_inner_optimizer!r}")
         check_number(self, "wait_timeout", low=0.0, strict=True)
@@ -166,7 +210,7 @@ class WorkerOptions:
             raise OptionError(name, rest if head.startswith("delay") else msg, msg) from None
         return self
 
-    def _check_fragments(self, feedback: bool) -> None:
+    def _check_fragments(self) -> None:
         try:
             count = fragment_count(self.fragments)
         except FragmentError as e:
@@ -179,9 +223,6 @@ class WorkerOptions:
         if self.inner_steps % count:
             raise OptionError("fragments", f"= {count} needs inner_steps to be a multiple of {count} (a boundary every "
                               f"inner_steps/fragments steps), got inner_steps={self.inner_steps}")
-        if feedback:
-            raise OptionError("fragments", f"> 1 cannot be combined with error feedback yet (delta_dtype="
-                              f"{self.delta_dtype}); set error_feedback=false or use a float delta_dtype")
 
     def resolved_delay(self, node_id: str, node_index: int | None = None) -> int:
         from diloco_lightning.worker.sync import resolve_delay
@@ -210,12 +251,12 @@ class WorkerOptions:
     @property
     def encoding(self) -> EncodingSpec:
         """The pseudo-gradients' encoding (:class:`~diloco_lightning.encoding.EncodingSpec`)."""
-        return resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback)[0]
+        return resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback, self.topk_chunk)[0]
 
     @property
     def feedback(self) -> bool:
         """Whether error feedback is on (``error_feedback`` resolved for this encoding)."""
-        return resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback)[1]
+        return resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback, self.topk_chunk)[1]
 
 
 #: every option at its default (read it, never change it): what the adapters' signatures show

@@ -33,13 +33,16 @@ MAX_NUM_TOKENS = 10**15
 #: holds about 100 bytes per tensor, plus the signature and fingerprint)
 HEADER_BYTES_BASE = 64 << 10
 HEADER_BYTES_PER_TENSOR = 1 << 10
-#: the most tensors one key of the model becomes in a file (top-k: codes, scale, idx, count)
+#: the most tensors one key of the model becomes in a file (top-k: codes, scale, idx, count; ctopk: 3)
 MAX_PARTS = 4
 #: what an encoding may take beyond FP32 for one key: a 1-value tensor's int8 top-k (1 code byte,
-#: a 4-byte scale, a 2-byte position, a 4-byte count) is 11 bytes against 4 (docs/encoding.md)
+#: a 4-byte scale, a 2-byte position, a 4-byte count) is 11 bytes against 4, its int8 ctopk in
+#: chunks of 65536 too (1 code byte, 2 position bytes, 8 scale bytes); a ctopk chunk never takes
+#: more than its FP32 values, its tail at most 9 bytes more (docs/encoding.md)
 ENCODED_SLACK_PER_KEY = 16
 #: the header entries that name a delta's encoding (EncodingSpec.to_metadata)
-ENCODING_KEYS = ("encoding", "encoding_block_size", "encoding_topk", "encoding_topk_values")
+ENCODING_KEYS = ("encoding", "encoding_block_size", "encoding_topk", "encoding_topk_values", "encoding_chunk",
+                 "encoding_chunk_k")
 
 __all__ = [
     "FORMAT", "DELTA_DTYPES", "COMPLEX_DELTA_DTYPES", "MAX_NUM_TOKENS", "HEADER_BYTES_BASE", "HEADER_BYTES_PER_TENSOR",

@@ -1,0 +1,257 @@
+"""Loss against bytes of every pseudo-gradient encoding, on the simulator: >= 100 outer rounds, 3 seeds.
+
+    python benchmarks/compression_study.py                      # everything (resumable), then the tables
+    python benchmarks/compression_study.py --settings r0        # one setting (r0, a4, f4)
+    python benchmarks/compression_study.py --plan               # what would run, what is done; runs nothing
+    python benchmarks/compression_study.py --report             # compression_study/ -> the tables; runs nothing
+    python benchmarks/compression_study.py --quick              # a smoke version into compression_study_quick/
+
+Every run is ``train.py launch=sim`` composed in-process (benchmarks/study.py's ``run_job``): the study's
+model (Llama d_model 96, 3 layers, tied embeddings, 0.36 M parameters, UTF-8 bytes of the standard
+library's sources, sequences of 64, batch 8), 4 workers, H = 8, 800 inner AdamW steps each (lr 4e-3,
+20 warm-up steps, cosine to 10 %), lockstep. Settings:
+
+* ``r0``: round mode, staleness 0: 100 rounds of 4 deltas (the synchronous reference);
+* ``a4``: arrival mode, every delta 4 arrivals stale (``diloco.delay=4``): 400 outer steps;
+* ``f4``: round mode, ``diloco.fragments=4`` (a boundary every 2 steps, one fragment each): 400
+  rounds, each carrying a quarter of the model.
+
+Rows: ``float32``, ``int8``, ``int4`` (error feedback on), today's ``topk`` (1 %, int8 values, error
+feedback), and the chunked top-k ``ctopk`` at 1, 2 and 3 % of every chunk of 4096 with 2-bit values,
+with error feedback (``+ef``: beta 1) and with SparseLoCo's decayed error feedback (``+ef.95``: beta
+0.95, a plain outer step: Nesterov with momentum 0, the buffer playing the momentum). Every row is
+tuned the same way: 3 outer learning rates on seed 0 at each setting (a grid that brackets its best:
+the tables flag a best at an edge), then seeds 1 and 2 at the best one. Each run's eval curve (50
+points, float32's 100) gives the loss at equal rounds and, with its exact bytes per delta, at equal bytes.
+
+Runs are ``compression_study/runs/<id>/results.json``; one that exists is never run again, so an
+interrupted study resumes. ``--jobs 2`` runs two at a time (one core each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from study import COMMON, _prepare_data, run_job  # noqa: E402 - benchmarks/study.py, beside this file
+
+NESTEROV = ["outer=nesterov", "outer.options.momentum=0.9"]
+PLAIN = ["outer=nesterov", "outer.options.momentum=0.0"]  # SparseLoCo's outer step: theta -= lr * mean
+#: row -> (train.py overrides, the outer lr grid)
+ROWS: dict[str, tuple[list[str], tuple[float, ...]]] = {
+    "float32": (["diloco.delta_dtype=float32", *NESTEROV], (0.3, 0.7, 1.0)),
+    "bf16": (["diloco.delta_dtype=bfloat16", *NESTEROV], (0.3, 0.7, 1.0)),
+    "int8": (["diloco.delta_dtype=int8", *NESTEROV], (0.3, 0.7, 1.0)),
+    "int4": (["diloco.delta_dtype=int4", *NESTEROV], (0.3, 0.7, 1.0)),
+    "topk1%": (["diloco.delta_dtype=topk", "diloco.topk=0.01", "diloco.topk_values=int8", *NESTEROV], (0.3, 0.7, 1.0)),
+}
+for _pct in (1, 2, 3):
+    _ct = ["diloco.delta_dtype=ctopk", f"diloco.topk={_pct / 100}", "diloco.topk_values=int2", "diloco.topk_chunk=4096"]
+    ROWS[f"ctopk{_pct}%"] = ([*_ct, "diloco.error_feedback=false", *NESTEROV], (0.3, 0.7, 1.0))
+    ROWS[f"ctopk{_pct}%+ef"] = ([*_ct, *NESTEROV], (0.3, 0.7, 1.0))
+    ROWS[f"ctopk{_pct}%+ef.95"] = ([*_ct, "diloco.error_feedback_decay=0.95", *PLAIN], (2.0, 4.0, 8.0))
+
+SETTINGS = {
+    "r0": ["master.aggregation=round", "diloco.delay=0"],
+    "a4": ["master.aggregation=arrival", "diloco.delay=4"],
+    "f4": ["master.aggregation=round", "diloco.delay=0", "diloco.fragments=4"],
+}
+STEPS = 800  # inner steps per worker: 100 rounds of H = 8
+SEEDS = (0, 1, 2)
+QUICK = {"steps": 64, "extra": ["model.d_model=32", "model.n_layers=1", "model.ffn_hidden=64", "data.val_batches=2",
+                                "data.max_bytes=300000"], "rows": ("float32", "ctopk2%+ef", "ctopk2%+ef.95"),
+         "seeds": (0,), "settings": ("r0",)}
+#: what a shared 2-core machine affords in about 90 minutes (``--small``): the staleness study's small
+#: model (d_model 64, 2 layers, SwiGLU 172), 2 workers, 50 rounds of H = 8, setting r0 only, the rows
+#: below in this order (a partial study has whole rows), grids re-centred on a pilot
+SMALL = {"steps": 400, "extra": ["workers=2", "model.d_model=64", "model.n_layers=2", "model.ffn_hidden=172",
+                                 "data.val_batches=8", "optim.warmup_steps=10"],
+         "eval_points": 25, "settings": ("r0",),
+         "rows": ("float32", "ctopk2%+ef.95", "ctopk2%+ef", "ctopk2%", "topk1%", "int8", "int4", "bf16",
+                  "ctopk1%+ef.95"),
+         "grids": {"nesterov": (0.125, 0.25, 0.5), "plain": (2.0, 4.0, 8.0)},
+         "titles": {"r0": "round mode, staleness 0 (50 rounds of 2 deltas; d_model 64, 2 layers)"}}
+
+
+def job(row: str, setting: str, lr: float, seed: int, eval_points: int = 50) -> dict[str, Any]:
+    overrides = [*ROWS[row][0], *SETTINGS[setting], f"outer.lr={lr}", f"seed={seed}"]
+    if row == "float32":  # its early curve is the reference at equal bytes: evaluate it more often
+        overrides.append(f"launch.eval_points={2 * eval_points}")
+    ident = f"{setting}-{row.replace('%', 'pct').replace('+', '_')}-lr{lr:g}-s{seed}"
+    return {"id": ident, "block": setting, "row": row, "setting": setting, "lr": lr, "seed": seed,
+            "overrides": overrides}
+
+
+class CompressionStudy:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        q: dict[str, Any] = QUICK if args.quick else SMALL if args.small else {}
+        default = "compression_study_quick" if args.quick else "compression_study_small" if args.small else "compression_study"
+        self.root = Path(args.root or (ROOT / default)).resolve()
+        self.eval_points = int(q.get("eval_points", 50))
+        self.grids: dict[str, tuple[float, ...]] = q.get("grids", {})
+        self.titles: dict[str, str] = q.get("titles", {})
+        self.rows = [r for r in (args.rows.split(",") if args.rows else q.get("rows", ROWS)) if r]
+        self.settings = [s for s in (args.settings.split(",") if args.settings else q.get("settings", SETTINGS)) if s]
+        self.seeds = tuple(q.get("seeds", SEEDS))
+        #: rows run at another row's tuned lr instead of their own grid (``--lr-from row=other,...``)
+        self.lr_from = dict(x.split("=", 1) for x in (args.lr_from or "").split(",") if x)
+        steps = q.get("steps", STEPS)
+        extra = [f"trainer.max_steps={steps}", f"launch.eval_points={self.eval_points}", *q.get("extra", [])]
+        keys = {e.split("=")[0] for e in extra}
+        self.common = [c for c in COMMON if c.split("=")[0] not in keys] + extra
+        unknown = ([r for r in self.rows if r not in ROWS] + [s for s in self.settings if s not in SETTINGS]
+                   + [r for kv in self.lr_from.items() for r in kv if r not in ROWS])
+        if unknown:
+            raise SystemExit(f"unknown rows or settings {unknown}; rows: {list(ROWS)}, settings: {list(SETTINGS)}")
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def job(self, row: str, setting: str, lr: float, seed: int) -> dict[str, Any]:
+        return job(row, setting, lr, seed, self.eval_points)
+
+    def grid(self, row: str) -> tuple[float, ...]:
+        """The row's outer lr grid (a profile's re-centred grid for its outer step, else its own)."""
+        kind = "plain" if "outer.options.momentum=0.0" in ROWS[row][0] else "nesterov"
+        return self.grids.get(kind, ROWS[row][1])
+
+    def results(self, j: dict) -> dict | None:
+        try:
+            return json.loads((self.root / "runs" / j["id"] / "results.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def loss(self, j: dict) -> float:
+        r = self.results(j)
+        if r is None:
+            return math.nan
+        return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else r["eval_loss"]
+
+    def best_lr(self, row: str, setting: str) -> float | None:
+        """The grid's best outer lr on seed 0 (ties to the smaller); for a row run ``--lr-from`` another
+        (not tuned: the tables say so), that row's."""
+        if row in self.lr_from:
+            return self.best_lr(self.lr_from[row], setting)
+        scores = [(self.loss(self.job(row, setting, lr, self.seeds[0])), lr) for lr in self.grid(row)]
+        if any(math.isnan(x) for x, _ in scores):
+            return None
+        return min(scores)[1]
+
+    def tuning_jobs(self, rows: list[str] | None = None) -> list[dict]:
+        return [self.job(r, s, lr, self.seeds[0]) for s in self.settings for r in (rows or self.rows)
+                if r not in self.lr_from for lr in self.grid(r)]
+
+    def seed_jobs(self, rows: list[str] | None = None) -> list[dict]:
+        out = []
+        for s in self.settings:
+            for r in rows or self.rows:
+                lr = self.best_lr(r, s)
+                if lr is not None:
+                    out += [self.job(r, s, lr, seed) for seed in (self.seeds if r in self.lr_from else self.seeds[1:])]
+        return out
+
+    # ------------------------------------------------------------------ running
+
+    def run_all(self, jobs: list[dict], phase: str) -> None:
+        todo = [j for j in jobs if self.results(j) is None]
+        print(f"== {phase}: {len(jobs)} runs, {len(jobs) - len(todo)} done, {len(todo)} to run", flush=True)
+        specs = [(j, self.common, str(self.root)) for j in todo]
+        if self.args.jobs <= 1:
+            for spec in specs:
+                self._report_one(run_job(spec))
+            return
+        import multiprocessing as mp
+
+        from study import _child_init
+
+        with mp.get_context("spawn").Pool(self.args.jobs, initializer=_child_init) as pool:
+            for rec in pool.imap_unordered(run_job, specs):
+                self._report_one(rec)
+
+    def _report_one(self, rec: dict) -> None:
+        with open(self.root / "driver_log.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if rec.get("error"):
+            print(f"   FAILED {rec['id']}: {rec['error'][-400:]}", flush=True)
+        else:
+            print(f"   {rec['id']}: eval {rec['eval_loss']:.4f}{' DIVERGED' if rec['diverged'] else ''} "
+                  f"({rec['wall']:.0f} s)", flush=True)
+
+    def run(self) -> int:
+        self.root.mkdir(parents=True, exist_ok=True)
+        import torch
+
+        torch.set_num_threads(1)
+        _prepare_data(self.common)
+        t0 = time.time()
+        for s in self.settings:  # setting by setting, row by row: a partial study has whole rows
+            for r in self.rows:
+                self.run_all([j for j in self.tuning_jobs([r]) if j["setting"] == s], f"tuning {s} {r}")
+                self.run_all([j for j in self.seed_jobs([r]) if j["setting"] == s], f"seeds {s} {r}")
+        print(f"study session: {(time.time() - t0) / 60:.1f} min", flush=True)
+        return self.report()
+
+    def plan(self) -> int:
+        jobs = self.tuning_jobs() + self.seed_jobs()
+        for j in jobs:
+            mark = "done" if self.results(j) is not None else "    "
+            print(f"{mark} python train.py {' '.join(self.common + j['overrides'])} run_id={j['id']}")
+        done = sum(self.results(j) is not None for j in jobs)
+        print(f"{len(jobs)} runs planned (seeds 1-2 of a row once its tuning is done), {done} done")
+        return 0
+
+    def report(self) -> int:
+        from compression_report import write_report  # benchmarks/compression_report.py
+
+        out = Path(self.args.out) if self.args.out else self.root / "results.md"
+        write_report(self, out)
+        print(f"wrote {out}")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__)
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
+    ap.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}")
+    ap.add_argument("--settings", help=f"comma-separated subset of {','.join(SETTINGS)}")
+    ap.add_argument("--lr-from", help="row=other,...: run row at other's tuned outer lr, untuned (its 3 seeds only)")
+    ap.add_argument("--quick", action="store_true", help="a smoke version (3 rows, 64 steps, 1 seed)")
+    ap.add_argument("--small", action="store_true",
+                    help="what a shared 2-core machine affords (SMALL: 2 workers, 50 rounds, r0) in compression_study_small/")
+    ap.add_argument("--plan", action="store_true", help="list the runs (done or not); run nothing")
+    ap.add_argument("--report", action="store_true", help="write the tables from what is done; run nothing")
+    ap.add_argument("--root", help="study folder (default compression_study/)")
+    ap.add_argument("--out", help="report file (default <root>/results.md)")
+    args = ap.parse_args(argv)
+    study = CompressionStudy(args)
+    if args.plan:
+        return study.plan()
+    if args.report:
+        return study.report()
+    return study.run()
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % t interval (n - 1 degrees of freedom; nan for n < 2)."""
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return math.nan, math.nan
+    if len(xs) < 2:
+        return xs[0], math.nan
+    t = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}.get(len(xs) - 1, 2.0)
+    return statistics.mean(xs), t * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
