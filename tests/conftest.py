@@ -5,9 +5,9 @@
   tokens off (set once for the session, subprocesses inherit it).
 * ``hydra_configs``: the schema and recipes registered in Hydra's ConfigStore (what
   ``train.py`` does at start), for tests that compose a configuration in-process.
-* ``hf_server``: the loopback fake Hugging Face Hub (``tests/hf_server.py``).
+* ``hf_server``: the loopback fake Hugging Face Hub (``tests/support/hf_server.py``).
 * ``s3_endpoint``: a real S3 server on loopback (moto); ``s3_proxy``: the fault-injecting proxy in
-  front of it (tests/s3_proxy.py); ``s3_bucket``: a fresh bucket there.
+  front of it (tests/support/s3_proxy.py); ``s3_bucket``: a fresh bucket there.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def hydra_configs():
 
 @pytest.fixture
 def hf_server():
-    """A fresh loopback fake Hugging Face Hub (``tests/hf_server.py``)."""
-    from hf_server import FakeHubServer
+    """A fresh loopback fake Hugging Face Hub (``tests/support/hf_server.py``)."""
+    from support.hf_server import FakeHubServer
 
     with FakeHubServer() as server:
         yield server
@@ -81,9 +81,9 @@ def s3_endpoint():
 
 @pytest.fixture(scope="session")
 def s3_proxy(s3_endpoint):
-    """The loopback proxy of tests/s3_proxy.py in front of ``s3_endpoint``: it serialises writes, which gives
+    """The loopback proxy of tests/support/s3_proxy.py in front of ``s3_endpoint``: it serialises writes, which gives
     moto's conditional writes S3's atomicity (races between writers need it), and can inject faults."""
-    from s3_proxy import S3Proxy
+    from support.s3_proxy import S3Proxy
 
     with S3Proxy(s3_endpoint) as proxy:
         yield proxy
@@ -103,9 +103,9 @@ def s3_bucket(s3_endpoint):
 
 @pytest.fixture
 def slurm_cluster(tmp_path_factory):
-    """A one-node SLURM cluster (``tests/slurm_cluster.py``: munged, slurmctld, slurmd from Debian's
+    """A one-node SLURM cluster (``tests/support/slurm_cluster.py``: munged, slurmctld, slurmd from Debian's
     packages), skipped with the reason where the packages are missing or this is not root."""
-    from slurm_cluster import SlurmCluster, missing
+    from support.slurm_cluster import SlurmCluster, missing
 
     lacking = missing()
     if lacking:
