@@ -117,7 +117,7 @@ def test_master_checks_what_train_checks(tmp_path, args, key):
     assert lines[0].startswith(f"diloco-master: error: {key}"), lines
 
 
-@pytest.mark.slow  # starts train.py's processes: CI's slow run (tests/speed.py)
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_verbose_and_hydra_full_error_show_the_traceback(tmp_path):
     for proc in (_train(tmp_path, "diloco.inner_steps=0", "-v"), _train(tmp_path, "diloco.inner_steps=0", HYDRA_FULL_ERROR="1")):
         assert proc.returncode != 0
@@ -165,7 +165,7 @@ def _help_keys(text: str) -> set[str]:
     return {line.split("=", 1)[0].strip() for line in text.splitlines() if line.startswith("  ") and "=" in line.split()[0]}
 
 
-@pytest.mark.slow  # starts train.py's processes: CI's slow run (tests/speed.py)
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_master_help_lists_its_own_groups_and_a_line_per_key(tmp_path):
     proc = _master(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -201,7 +201,7 @@ def test_every_key_has_help_and_the_configuration_doc_is_current():
 # ----------------------------------------------------------------------------- signals
 
 
-@pytest.mark.slow  # starts train.py's processes: CI's slow run (tests/speed.py)
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_stop_train_py_workers_and_master_cleanly(tmp_path, sig):
     """SIGTERM to `python train.py` (what timeout, SLURM and Kubernetes send), or Ctrl-C (SIGINT to the
@@ -248,7 +248,7 @@ def test_signals_stop_train_py_workers_and_master_cleanly(tmp_path, sig):
         assert not list((run / "hub" / "nodes").glob("*/claim.json"))  # claims released on the way out
 
 
-@pytest.mark.slow  # starts train.py's processes: CI's slow run (tests/speed.py)
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_a_killed_worker_is_named_with_how_it_ended(tmp_path):
     """The reported `worker w6 failed (-9)` with an empty worker.log: now the line names the worker, says it
     was killed by SIGKILL (what the out-of-memory killer sends), that the others were stopped, and shows the
@@ -277,7 +277,7 @@ def test_a_killed_worker_is_named_with_how_it_ended(tmp_path):
     assert "Traceback (most recent call last)" not in err.split("Last lines of", 1)[0]
 
 
-@pytest.mark.slow  # starts train.py's processes: CI's slow run (tests/speed.py)
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_diloco_master_serves_an_s3_run(tmp_path, s3_endpoint, s3_bucket, s3_proxy):
     """`diloco-master hub.url=s3://bucket/run hub.endpoint_url=...` serves a run: it adopts a worker's initial
     weights, applies its deltas and exits after max_rounds. hub.endpoint is the older name of hub.endpoint_url;

@@ -78,7 +78,7 @@ def test_master_accepts_train_py_key_names(tmp_path):
     assert "[master] stopped at outer_step 0" in proc.stdout + proc.stderr
 
 
-@pytest.mark.slow  # starts train.py's processes: CI's slow run (tests/speed.py)
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_master_says_which_name_to_use(tmp_path):
     proc = _run(tmp_path, "-m", "diloco_lightning.app.master", f"hub.url={tmp_path}", "master.pol_interval=1")
     line = _error(proc, "diloco-master")
@@ -97,7 +97,7 @@ def test_a_refused_command_leaves_no_run_folder(tmp_path, args):
     assert not (tmp_path / "runs").exists(), sorted(str(p) for p in (tmp_path / "runs").rglob("*"))
 
 
-@pytest.mark.slow  # starts train.py's processes: CI's slow run (tests/speed.py)
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_a_refused_command_keeps_an_existing_run(tmp_path):
     run = tmp_path / "runs" / "outer.lr=-1"
     (run / "nodes").mkdir(parents=True)
@@ -127,7 +127,7 @@ def test_a_second_worker_with_a_running_node_id_is_refused_at_once(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.slow  # starts train.py's processes: CI's slow run (tests/speed.py)
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_a_refused_master_never_removes_its_working_folder(tmp_path):
     """diloco-master's output dir is the working folder: a refusal there removes nothing, even
     when the folder is empty."""

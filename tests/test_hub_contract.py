@@ -1,6 +1,6 @@
 """The :class:`~diloco_lightning.hub.base.Hub` contract, once, on every transport: a folder
 (``file``), the loopback Hugging Face Hub (``hf``: one repository; ``hf_nodes``: a repository per
-node, ``layout=per_node``) and S3 (moto behind the fault-free proxy, ``s3``).
+node, ``layout=per_node``) and S3 (moto behind the proxy, ``s3``): the ``transport`` fixture.
 
 What every transport promises, seen only through the interface (each test reads back with a
 second hub instance, as another process would): a delta is stored and read back bit-exact, and
@@ -15,65 +15,28 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from diloco_lightning.hub import open_hub
 from diloco_lightning.hub.base import DeltaExistsError, Hub, HubNotFoundError, LeaseConflictError, PublishConflictError
 from diloco_lightning.wire.delta import read_delta, write_delta
 from diloco_lightning.wire.manifest import Lease, Manifest
 from diloco_lightning.wire.names import InvalidNameError, global_outer_state_path, global_weights_path
 
-TOKEN = "hf_contractTESTtoken0123456789"
-TRANSPORTS = ["file", "hf", "hf_nodes", "s3"]
-
 MakeHub = Callable[[], Hub]
 
 
 @pytest.fixture
-def _hf_online(monkeypatch):
-    import huggingface_hub.constants as c
-
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(c, "HF_HUB_OFFLINE", False, raising=False)
-
-
-@pytest.fixture(params=TRANSPORTS)
-def make_hub(request, tmp_path) -> MakeHub:
-    """A factory of hub instances on one fresh store of the transport (each with its own cache)."""
+def make_hub(transport) -> MakeHub:
+    """A factory of hub handles on one fresh store of each transport (``tests/support/transports.py``;
+    each handle with its own cache, as another machine would open it)."""
     made: list[Hub] = []
-    n = [0]
-
-    def cache() -> Path:
-        n[0] += 1
-        return tmp_path / f"cache{n[0]}"
-
-    if request.param == "file":
-        def open_one() -> Hub:
-            return open_hub(str(tmp_path / "hub"), cache_dir=cache())
-    elif request.param in ("hf", "hf_nodes"):
-        request.getfixturevalue("_hf_online")
-        server = request.getfixturevalue("hf_server")
-        layout = {"layout": "per_node"} if request.param == "hf_nodes" else {}
-
-        def open_one() -> Hub:
-            return open_hub("hf://org/run", endpoint=server.endpoint, token=TOKEN, cache_dir=cache(), max_retries=2,
-                            retry_base_delay=0.001, retry_max_delay=0.01, commits_per_hour=0, **layout)
-    else:
-        proxy = request.getfixturevalue("s3_proxy")
-        bucket = request.getfixturevalue("s3_bucket")
-        prefix = f"run-{uuid.uuid4().hex[:8]}"
-
-        def open_one() -> Hub:
-            return open_hub(f"s3://{bucket}/{prefix}", endpoint_url=proxy.endpoint, addressing_style="path",
-                            cache_dir=cache(), max_retries=2, retry_base_delay=0.001, retry_max_delay=0.01)
 
     def make() -> Hub:
-        hub = open_one()
+        hub = transport.open()
         made.append(hub)
         return hub
 

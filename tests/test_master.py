@@ -1039,7 +1039,7 @@ def test_cli_runs_rounds_prints_progress_and_writes_metrics(tmp_path, capsys, hy
     assert outer_options(cfg.outer) == {"lr": float(cfg.outer.lr)}  # cgad's options dropped for another optimizer
 
 
-@pytest.mark.slow  # starts train.py's processes: CI's slow run (tests/speed.py)
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_cli_subprocess_drains_on_sigterm(tmp_path):
     import signal
     import subprocess

@@ -291,7 +291,7 @@ REAL_KEYS = {"run_id", "recipe", "outer", "outer_lr", "tau", "regime", "delays",
              "train_curve", "eval_curve", "workers_summary"}
 
 
-@pytest.mark.slow  # starts train.py's processes: CI's slow run (tests/speed.py)
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_train_py_launch_sim_end_to_end(tmp_path, token_cache):
     proc = _train(tmp_path, token_cache, "recipe=tiny", "launch=sim", "trainer.max_steps=16", "master.aggregation=arrival",
                   "diloco.delay=1", "outer.state_dtype=bfloat16", "run_id=s", "sim.save_weights=true")
@@ -369,7 +369,7 @@ def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, r
     return worst
 
 
-@pytest.mark.slow  # starts train.py's processes: CI's slow run (tests/speed.py)
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_matches_the_product_with_delays_0_and_2(tmp_path, token_cache):
     """Worker 0 at delay 0, worker 1 at delay 2 (lockstep), CGAD: staleness 0, 1 and 2 in 3 rounds."""
     worst = _versions_match(tmp_path, token_cache, "hetero", "diloco.delay=[0,2]")

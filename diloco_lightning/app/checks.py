@@ -58,8 +58,16 @@ def _number(value: Any) -> bool:
 
 def validate_outer(o: DictConfig, prefix: str = "outer.") -> None:
     """The outer optimizer section (both commands): :func:`diloco_lightning.outer.options.outer_options`,
-    the one check, with the key's full name in the error."""
-    outer_options(o, prefix)
+    the one check, with the key's full name in the error; then the optimizer built once on a probe
+    (:func:`~diloco_lightning.outer.check_outer_options`), so a value it refuses (``tau_cut=-1``) is a
+    one-line error now, not a traceback when the first weights arrive."""
+    from diloco_lightning.outer import check_outer_options
+
+    opts = outer_options(o, prefix)
+    try:
+        check_outer_options(str(o.name), **opts)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{prefix}options", str(e)) from None
 
 
 def outer_options(o: DictConfig, prefix: str = "outer.") -> dict[str, Any]:
@@ -153,6 +161,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(t.accelerator in ACCELERATORS, "trainer.accelerator", f"must be one of {list(ACCELERATORS)}, got {t.accelerator!r}")
     _check(t.precision in PRECISIONS, "trainer.precision", f"must be one of {list(PRECISIONS)}, got {t.precision!r}")
     _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")
+    _check_reaches_a_boundary(cfg)
     _check(t.max_time is None or t.max_time > 0, "trainer.max_time", f"must be > 0 seconds or null, got {t.max_time}")
     _check(t.devices >= 1, "trainer.devices", "must be >= 1")
     _check(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
@@ -171,6 +180,26 @@ def validate(cfg: DictConfig) -> DictConfig:
     if la.kind == "sim":
         validate_sim_section(cfg)
     return cfg
+
+
+def _check_reaches_a_boundary(cfg: DictConfig) -> None:
+    """``trainer.max_steps`` must reach the first boundary: a run shorter than one inner phase sends
+    no delta, trains nothing the master sees, and used to end with a NaN eval loss reported as DIVERGED."""
+    from diloco_lightning.wire.fragments import fragment_count
+
+    d = cfg.diloco
+    h = d.get("dylu_steps") if d.inner_steps == "auto" else d.inner_steps
+    if isinstance(h, bool) or not isinstance(h, int):
+        return
+    try:
+        f = fragment_count(d.get("fragments"))
+    except ValueError:
+        return  # the diloco section's own check reports it
+    first = max(1, h // max(1, f))  # with F fragments, a boundary every H / F steps
+    what = "diloco.dylu_steps" if d.inner_steps == "auto" else "diloco.inner_steps"
+    _check(cfg.trainer.max_steps >= first, "trainer.max_steps",
+           f"is {cfg.trainer.max_steps}, fewer than the {first} inner steps before a worker's first boundary ({what}"
+           f"{' / diloco.fragments' if f > 1 else ''}): no delta would ever be sent. Raise trainer.max_steps or lower {what}")
 
 
 def validate_sim_section(cfg: DictConfig) -> None:
@@ -235,14 +264,16 @@ def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool |
 
 
 def master_config(section: DictConfig, outer: DictConfig, *, min_deltas: int | None = None,
-                  fragments: Any = None, max_delay: int = 0) -> MasterConfig:
+                  fragments: Any = None, max_delay: int = 0, node_timeout: float | None = None) -> MasterConfig:
     """The :class:`MasterConfig` a master section and the ``outer`` group describe (``min_deltas``,
-    ``fragments``: the values when the section leaves them null; a training run's are the workers';
-    ``max_delay``: the workers' largest lockstep delay, which a null ``keep_globals`` keeps enough
-    versions for)."""
+    ``fragments``, ``node_timeout``: the values when the section leaves them null; a training run's are
+    the workers': their quorum, their fragments, their ``diloco.claim_ttl``; ``max_delay``: the workers'
+    largest lockstep delay, which a null ``keep_globals`` keeps enough versions for)."""
     values = _section(section, [n for n in MasterConfig.names() if n in section])
     if values.get("min_deltas") is None:
         values["min_deltas"] = min_deltas or 1
+    if values.get("node_timeout") is None and node_timeout is not None:
+        values["node_timeout"] = float(node_timeout)
     if values.get("keep_globals") is None:
         values["keep_globals"] = max(default_of(MasterConfig, "keep_globals"), max_delay + 2)
     if values.get("fragments") is None and fragments is not None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from diloco_lightning.util.jsondoc import dumps_json
 from diloco_lightning.app.build import (
     RESULTS_FILE,
     Evaluator,
@@ -101,6 +102,12 @@ def _progress_line(rdir: Path, workers: int, total: int, elapsed: float) -> tupl
     return f"[{elapsed:6.0f}s] " + " | ".join(parts), tuple(key)
 
 
+def _loss(results: dict[str, Any]) -> float:
+    """A results.json's eval loss as a number to print (NaN when it holds none: null, or missing)."""
+    x = results.get("eval_loss")
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+
+
 def finished_results(cfg: DictConfig, rdir: Path) -> dict[str, Any] | None:
     """The results of this run if a previous invocation finished it (as many workers, at least as many steps)."""
     path = rdir / RESULTS_FILE
@@ -124,7 +131,7 @@ def finished_message(cfg: DictConfig, rdir: Path, done: dict[str, Any]) -> str:
     except (ValueError, ImportError):
         overrides = []
     more = resume_command(overrides, invoked_as(), **{"trainer.max_steps": 2 * int(cfg.trainer.max_steps)})
-    return (f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {done.get('eval_loss', math.nan):.3f} "
+    return (f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {_loss(done):.3f} "
             f"after {done.get('outer_steps')} outer steps, {done.get('max_steps')} steps per worker). Nothing to do. To "
             f"train it further (it resumes), raise trainer.max_steps:\n    {more}\nTo start again, use another "
             f"run_id=... or delete {rdir}.")
@@ -327,7 +334,7 @@ def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launc
         "eval_curve": eval_curve,
         "workers_summary": summaries,
     }
-    (rdir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+    (rdir / RESULTS_FILE).write_text(dumps_json(results, indent=2))
     launches.end("finished", max_steps=int(cfg.trainer.max_steps), outer_step=outer_step)
     again = f" (launch {len(previous) + 1} of this run: {launch_wall:.0f} s, {launch_accepted} deltas accepted)" if previous else ""
     print(

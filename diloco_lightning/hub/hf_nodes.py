@@ -40,6 +40,11 @@ finished worker stays (delete the node repositories with the run). The master's 
 publication deletions (``global/``) ride in its commit as before; its deletions under
 ``nodes/`` are left to the workers.
 
+**Membership** (:meth:`HFNodesHub.list_claims`): a node's claim (``nodes/<node>/claim.json``, its
+heartbeat) is in the node's repository, found by the same discovery and tree listings as its
+deltas, so the master's live nodes, a fractional quorum, the adaptive deadline and the workers'
+Dynamic Local Updates work on this layout as on one repository.
+
 **Commit budgets** (:class:`~diloco_lightning.hub.pacing.CommitBudget`): one per repository
 this handle writes to, ``commits_per_hour`` each (default 128): a worker's uploads and claim
 renewals share its repository's, the master's publications and lease renewals the master
@@ -374,6 +379,14 @@ class HFNodesHub(Hub):
 
     def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
         self._node_hub(node_id, write=True).write_claim(node_id, claim, expected=expected)
+
+    def list_claims(self) -> dict[str, NodeClaim]:
+        """Every node's claim, from the node repositories the discovery finds (the same listing as the
+        deltas': one request per 1000 node repositories, plus a tree listing of each whose head moved),
+        a claim read again only when its blob changed. What the master's membership and the workers'
+        Dynamic Local Updates read, on this layout as on every other."""
+        entries = [(path, size, blob) for _node, path, size, blob in self._node_entries()]
+        return self._claims_from_listing(entries, lambda node: self._node_hub(node).read_claim(node))
 
     def __repr__(self) -> str:
         return f"HFNodesHub({self.url!r}, node_repo={self.node_repo!r}, endpoint={self.master.endpoint!r})"

@@ -11,8 +11,8 @@ key in a signed run) and decides:
   state, ledger and the validator's norm window, forgetting the round in progress;
 * **the master is newer** (its local state survived a hub that went back): keep it, and the next
   publication goes over the hub's;
-* **malformed or unauthenticated**: never adopted; the master's last authentic version is published
-  over it by compare-and-swap on its exact bytes (:meth:`replace_forged`).
+* **malformed, unauthenticated, or at an outer step that leaves no room to run**: never adopted;
+  the master's last authentic version is published over it by compare-and-swap on its exact bytes (:meth:`replace_forged`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from diloco_lightning.master.publication import LeaseLost, Publisher
 from diloco_lightning.master.runstate import RunState
 from diloco_lightning.master.validation import DeltaValidator
 from diloco_lightning.wire.manifest import GlobalVersion, ManifestError
-from diloco_lightning.wire.names import MANIFEST_PATH
+from diloco_lightning.wire.names import MANIFEST_PATH, MAX_ADOPTED_STEP, MAX_STEP
 from diloco_lightning.wire.signing import RunKey
 
 __all__ = ["Adoption"]
@@ -69,6 +69,10 @@ class Adoption:
             return self.replace_forged(f"{self.hub.url}/{MANIFEST_PATH} is not a valid manifest ({e})", m)
         except UnauthenticatedVersionError as e:
             return self.replace_forged(str(e), m)
+        if hm is not None and hm.outer_step > MAX_ADOPTED_STEP:  # no publication could ever follow it
+            return self.replace_forged(
+                f"{self.hub.url}/{MANIFEST_PATH} says outer_step {hm.outer_step}, which leaves no room to run (the "
+                f"largest is {MAX_STEP}); it is not a version of this run", m)
         if hm is None:
             run.hub_manifest = None
             if self.compat is not None and self.compat.adopt(run, self.validator):  # a hub Speedtronic's master served

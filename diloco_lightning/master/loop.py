@@ -7,7 +7,9 @@
   *ledger*); listing asks the hub only for deltas above it, so a processed delta is never
   downloaded again. New ones are downloaded by a bounded thread pool, a few ahead of the
   consumer, into the hub's per-path cache.
-* **Streaming aggregation.** Deltas are read one at a time (memory-mapped), checked, and
+* **Streaming aggregation.** Deltas are read one at a time (memory-mapped when the file is this
+  process's own download, read into owned memory when another writer can change it: a folder
+  hub's file, truncated under a map, would kill the master with SIGBUS), checked, and
   folded into a single FP32 sum, so a round holds the global state, a working copy of it,
   the optimizer state, the sum and one delta, whatever the number of deltas.
 * **Lock scope.** ``snapshot()`` takes a lock that only ever covers in-memory work (a
@@ -90,7 +92,7 @@ from diloco_lightning.master.health import RunHealth
 from diloco_lightning.master.compat import make_compat
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig, MasterConfigError
 from diloco_lightning.master.intake import Intake
-from diloco_lightning.master.lease import LeaseKeeper, default_holder
+from diloco_lightning.master.lease import LeaseKeeper, StandbyError, default_holder
 from diloco_lightning.master.membership import Membership
 from diloco_lightning.master.metrics import MetricsSink, RoundMetrics
 from diloco_lightning.master.publication import Publisher
@@ -229,7 +231,8 @@ class MasterOuterLoop:
                                         header_parser=self.compat.parse_header if self.compat is not None else None)
         self.publisher = Publisher(self.hub, self.config, self.node_state_dir, key, self.holder, self._lease, owner=self,
                                    compat=self.compat)
-        self.membership = Membership(self.hub, node_timeout=self.config.node_timeout, poll_interval=self.config.poll_interval)
+        self.membership = Membership(self.hub, node_timeout=self.config.node_timeout, poll_interval=self.config.poll_interval,
+                                     signing_key=key)
         #: identical deltas from two nodes, a diverging run: one line each, naming the knob
         self.health = RunHealth(lr=self.config.optimizer_options().get("lr"), min_deltas=self.config.min_deltas,
                                 optimizer=self.config.outer_optimizer)
@@ -311,8 +314,17 @@ class MasterOuterLoop:
         """``(outer_step, cloned full state)`` of the last published version.
 
         Never waits for network I/O: rounds compute on a second buffer and only swap it in
-        under the lock.
+        under the lock. A standby master (another holds the lease) that never held a version
+        raises :class:`~diloco_lightning.master.lease.StandbyError` saying so and who holds the lease.
         """
+        other = self._lease.other if self._lease is not None else None
+        if self.run.state is None and other is not None:
+            raise StandbyError(
+                f"this master is on standby: {other.holder} holds the master lease on {self.hub.url} (epoch "
+                f"{other.epoch}, for {max(0.0, other.expires_at - time.time()):.0f} s more unless renewed); it has no "
+                "version of its own until it takes over. The published version: "
+                "diloco_lightning.hub.versions.load_global(hub)"
+            )
         return self.run.snapshot()
 
     def sync_once(self, *, force: bool = False) -> bool:

@@ -14,6 +14,7 @@ most ``retry_max_delay``, jittered to 50-100 % (a fleet of masters never retries
 from __future__ import annotations
 
 import logging
+import math
 import random
 import signal
 import threading
@@ -80,6 +81,11 @@ def serve(
     each eventful round's metrics. ``finish``: end with ``master.stop()``, with a final round
     when a signal stopped it and ``drain_on_exit``.
     """
+    if max_rounds is not None and (isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0):
+        raise ValueError(f"max_rounds must be an integer >= 0 or None, got {max_rounds!r}")
+    if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
+                                    or not math.isfinite(max_seconds) or max_seconds <= 0):
+        raise ValueError(f"max_seconds must be a number of seconds > 0 or None, got {max_seconds!r}")
     stop = stop if stop is not None else threading.Event()
     speak = say or (lambda line: log.info("%s", line))
     report = ServeReport()
@@ -91,7 +97,7 @@ def serve(
     previous = _install_handlers(on_signal) if handle_signals else {}
     lines = _Lines(speak, _where(master))
     failures = 0
-    deadline = time.monotonic() + float(max_seconds) if max_seconds else None
+    deadline = time.monotonic() + float(max_seconds) if max_seconds is not None else None
     try:
         while not stop.is_set():
             failures, delay = _attempt(master, failures, speak if say is not None else None)

@@ -430,8 +430,10 @@ class DeltaValidator:
             signing_key=self.signing_key,
             check_finite=False,  # the norm below is NaN/inf exactly when a value is
             max_file_bytes=max_bytes,
-            # mapped, not copied, unless a signature must hold for bytes someone else can rewrite
-            copy=self.signing_key is not None and not self.private_downloads,
+            # a file another writer can change (the folder hub's, read in place) is copied into owned
+            # memory: mapped, a truncation under the reader would kill the process (SIGBUS); this
+            # process's own download of a remote hub's file is mapped (no copy)
+            copy=not self.private_downloads,
             header_parser=parser,
         )
         norm = delta_norm(delta.by_key()) * scale

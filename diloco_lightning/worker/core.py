@@ -67,7 +67,6 @@ from diloco_lightning.worker.params import LocalModel, module_state, snapshot
 from diloco_lightning.worker.progress import Progress
 from diloco_lightning.worker.results import BoundaryResult, InstallResult
 from diloco_lightning.worker.waits import Waits
-from diloco_lightning.worker.restart import hub_high_step
 from diloco_lightning.worker.startup import Startup
 from diloco_lightning.worker.sync import GlobalFetcher, WaitTimeoutError, WorkerError
 from diloco_lightning.worker.jobs import Part, UploadReport
@@ -80,6 +79,8 @@ __all__ = ["DiLoCoWorker", "BoundaryResult", "InstallResult", "UploadReport", "W
 
 #: spool folders of dead workers (of another host, or without an owner tag) are removed once this old
 SPOOL_MAX_AGE = 24 * 3600.0
+#: files in the download cache that no process of this host owns are removed once unchanged this long
+CACHE_MAX_AGE = 3600.0
 
 
 class DiLoCoWorker:
@@ -165,7 +166,8 @@ class DiLoCoWorker:
         self._startup = Startup(self._installer, spool_dir)
         self._reported = False
         self._train_loss: float | None = None  # the last phase's mean loss, in the heartbeat
-        self._claim_keeper = _claim_keeper(self.hub, self.node_id, opts.claim_ttl, self.pacing) if claim else None
+        self._claim_keeper = (_claim_keeper(self.hub, self.node_id, opts.claim_ttl, self.pacing, self.signing_key)
+                              if claim else None)
 
     # ------------------------------------------------------------------ properties
 
@@ -257,6 +259,13 @@ class DiLoCoWorker:
             # before anything is offered or sent: a second live worker with this node_id stops here
             self._waits.retry("claim the node id", self._claim_keeper.acquire, deadline)
         sweep_owned_dirs(self._spool_parent, "diloco-", SPOOL_MAX_AGE)
+        try:  # what an earlier life killed mid-download left in the download cache
+            swept = self.hub.sweep_cache(CACHE_MAX_AGE)
+            if swept:
+                log.info("node %s: removed %d file(s) dead processes left in %s", self.node_id, len(swept),
+                         self.hub.cache_dir)
+        except OSError as e:
+            log.debug("node %s: could not sweep %s: %s", self.node_id, self.hub.cache_dir, e)
         manifest = self._waits.retry("read the manifest", self._read_manifest, deadline)
         if manifest is not None:
             self._installer.check_global(manifest)
@@ -270,7 +279,7 @@ class DiLoCoWorker:
         uploader = self._uploader = Uploader(
             self.hub, self.node_id, step_offset=self.progress.step_offset, spool_dir=self._spool,
             feedback=self._feedback, model_fingerprint=self.fingerprint, signing_key=self.signing_key,
-            hub_high_step=lambda: hub_high_step(self.hub, self.node_id), persistent=self.sync == "lockstep",
+            hub_high_step=self._startup.hub_seen_high, persistent=self.sync == "lockstep",
             retry_interval=self.poll_interval, read_manifest=self._read_manifest,
             fragments=plan.count if plan is not None else 1,
         )
@@ -473,10 +482,12 @@ class DiLoCoWorker:
         checkpoint.load_anchor_state(self.progress, self.model, self._outbox, self._feedback, state)
 
 
-def _claim_keeper(hub: Hub, node_id: str, ttl: float | None, pacing: Pacing) -> ClaimKeeper:
-    """The keeper of ``node_id``'s claim, its first report the pacing's; it reads the peers' reports
-    when Dynamic Local Updates pace by their speed."""
-    keeper = ClaimKeeper(hub, node_id, ttl=ttl, watch_peers=pacing.auto and pacing.dylu_seconds is None)
+def _claim_keeper(hub: Hub, node_id: str, ttl: float | None, pacing: Pacing,
+                  signing_key: RunKey | None) -> ClaimKeeper:
+    """The keeper of ``node_id``'s claim (signed with the run key in a signed run), its first report
+    the pacing's; it reads the peers' reports when Dynamic Local Updates pace by their speed."""
+    keeper = ClaimKeeper(hub, node_id, ttl=ttl, signing_key=signing_key,
+                         watch_peers=pacing.auto and pacing.dylu_seconds is None)
     keeper.set_info(pacing.report().to_info())
     return keeper
 

@@ -169,3 +169,5 @@ class UploadReport:
     recovered_phases: int = 0
     #: what must be merged into the next delta after a failure (None on success)
     remaining: Job | None = None
+    #: a failure that retrying cannot fix (the message the worker stops with), None otherwise
+    fatal: str | None = None

@@ -102,13 +102,27 @@ class Startup:
             waits.pause(waits.poll_interval, "a master to publish outer step 0")
 
     def fresh(self, manifest: Manifest | None, deadline: float, *, lockstep_delay: int | None) -> InstallResult:
-        """Start without a checkpoint: number the deltas after anything the hub has (or had) of this
-        node, bootstrap the run if the hub has no global (``manifest`` None), and install the newest
-        version (async: ``lockstep_delay`` None) or version ``boundaries - delay`` (lockstep)."""
+        """Start without a checkpoint, bootstrap the run if the hub has no global (``manifest`` None),
+        and install the newest version (async: ``lockstep_delay`` None) or version ``boundaries - delay``
+        (lockstep).
+
+        A node the hub already knows (an authentic delta of it, or its ledger entry: an earlier life
+        of this node delivered work, then died before it wrote a checkpoint, or lost it) is
+        *restarting*, not starting fresh: the training loop replays its inner phases from the start,
+        the very work the hub has, so the boundaries up to that step are not sent again
+        (``delivered_until``, as after a checkpoint older than the last upload), and numbering goes on
+        from there. Numbering the replayed work after the hub's deltas instead would apply it twice."""
         progress = self.installer.progress
-        seen = self.installer.waits.retry("read what the hub has of this node", lambda: self.hub_seen_high(False),
-                                          deadline)
-        progress.step_offset = max(progress.step_offset, seen - progress.boundaries)
+        seen = self.installer.waits.retry("read what the hub has of this node", self.hub_seen_high, deadline)
+        if seen >= 0:
+            progress.delivered_until = max(progress.delivered_until, seen)
+            first = progress.boundaries + 1 + progress.step_offset
+            if seen >= first:
+                log.warning(
+                    "node %s: restarting without a checkpoint; the hub already has this node's work up to delta_%d, "
+                    "so the inner steps replayed up to boundary %d are not sent again (keep a checkpoint of the worker "
+                    "to resume without replaying them)", progress.node_id, seen, seen - progress.step_offset,
+                )
         if manifest is None:
             manifest = self.bootstrap(deadline)
         target = manifest.outer_step if lockstep_delay is None else max(0, progress.boundaries - lockstep_delay)

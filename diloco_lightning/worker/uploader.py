@@ -45,8 +45,11 @@ it (the same merge as after a failure), and a failed ``lockstep`` upload is retr
 than the budget or the server's ``Retry-After`` allows.
 
 A ``DeltaExistsError`` on a fresh ``local_step`` means another writer uses this node id (or
-a file was put there by someone else): the uploader raises ``step_offset`` past the hub's
-highest step, warns, and retries at once.
+a file was put there by someone else): the uploader raises ``step_offset`` past that file, or
+past the node's highest *authentic* delta or ledger entry when that is higher (``hub_high_step``:
+never past a file it has not authenticated, so two planted files cannot push the numbering to
+the largest step), warns, and retries at once. Failed attempts are retried with a doubling pause
+(``retry_pause``), never in a storm.
 """
 
 from __future__ import annotations
@@ -69,12 +72,23 @@ from diloco_lightning.wire.delta import write_delta
 from diloco_lightning.encoding import EncodedTensor, EncodingSpec
 from diloco_lightning.hub.base import DeltaExistsError, Hub
 from diloco_lightning.wire.manifest import Manifest
+from diloco_lightning.wire.names import MAX_STEP
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.worker.jobs import Job, Part, UploadReport, job_keys, merge_jobs, merge_parts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Part", "Job", "UploadReport", "Uploader", "merge_parts", "merge_jobs"]
+__all__ = ["Part", "Job", "UploadReport", "Uploader", "merge_parts", "merge_jobs", "retry_pause", "MAX_RETRY_PAUSE"]
+
+#: the longest pause between two attempts of a failing upload
+MAX_RETRY_PAUSE = 30.0
+
+
+def retry_pause(base: float, failures: int, cap: float = MAX_RETRY_PAUSE) -> float:
+    """Seconds before the next attempt after ``failures`` failed ones in a row: ``base``, doubling
+    with each failure up to ``cap`` (a hub that keeps refusing is asked less and less often)."""
+    return min(max(base, cap), base * 2.0 ** min(max(0, failures - 1), 30))
+
 
 # ----------------------------------------------------------------------------- the thread
 
@@ -131,6 +145,7 @@ class Uploader:
         self._active_phases = 0
         self._closed = False
         self._results: list[UploadReport] = []
+        self._failures_in_row = 0
         self._thread = threading.Thread(target=self._run, name=f"diloco-upload-{node_id}", daemon=True)
         self._thread.start()
 
@@ -250,15 +265,16 @@ class Uploader:
                     self.feedback.forget(job_keys(job))
                 report = UploadReport(ok=False, error=f"{type(e).__name__}: {e}", remaining=job)
             retry = False
+            self._failures_in_row = 0 if report.ok else self._failures_in_row + 1
             with self._cond:
-                if self.persistent and not report.ok and report.remaining is not None:
+                if self.persistent and not report.ok and report.remaining is not None and report.fatal is None:
                     self._queue.appendleft((report.remaining, None))  # its gate was open: retry as is
                     report.remaining = None
                     retry = True
                 self._results.append(report)
                 self._active = False
                 self._cond.notify_all()
-            if retry and not self._sleep(max(self.retry_interval, self._commit_wait())):
+            if retry and not self._sleep(max(retry_pause(self.retry_interval, self._failures_in_row), self._commit_wait())):
                 return
 
     def _commit_wait(self) -> float:
@@ -269,13 +285,24 @@ class Uploader:
             return 0.0
 
     def _landed(self, local_step: int) -> bool | None:
-        """Whether ``nodes/<node>/delta_<local_step>`` is on the hub; None when the hub cannot say."""
+        """Whether ``nodes/<node>/delta_<local_step>`` reached the hub: it is listed there, or the
+        manifest's ledger (read *after* the listing, so a delta the master applied and deleted
+        in between is not missed) is at or above it; None when the hub cannot say.
+
+        The ledger is what makes this safe across an outage: a delta whose answer was lost may be
+        applied and deleted by the master before the worker can ask again; the listing alone would
+        then say "never landed" and its phases would be merged into the next delta and applied twice.
+        Only accepted deltas move the ledger, and nothing later of this node is sent while this
+        question is open, so a ledger at or above ``local_step`` means this very delta was applied."""
         try:
             refs = self.hub.list_node_deltas(self.node_id, local_step - 1)
+            if any(r.node_id == self.node_id and r.local_step == local_step for r in refs):
+                return True
+            manifest = self._read_manifest()
         except Exception as e:
-            log.debug("cannot list deltas on %s: %s", self.hub.url, e)
+            log.debug("cannot tell whether delta_%d landed on %s: %s", local_step, self.hub.url, e)
             return None
-        return any(r.node_id == self.node_id and r.local_step == local_step for r in refs)
+        return manifest is not None and manifest.ledger.get(self.node_id, -1) >= local_step
 
     def _process(self, job: Job) -> UploadReport:
         """One job: settle its doubt (did an earlier attempt land?), then encode and send what is
@@ -367,8 +394,23 @@ class Uploader:
                 hub_path = self.hub.upload_delta(local, self.node_id, step)
                 faults.point("worker.uploaded")
             except DeltaExistsError:
-                high = self._hub_high_step() if self._hub_high_step is not None else step
-                self.step_offset += max(step, high) + 1 - step
+                # past the file in the way, or past this node's highest *authentic* delta (or its ledger)
+                # if that is higher: a file anyone put there never moves the numbering further
+                try:
+                    high = self._hub_high_step() if self._hub_high_step is not None else step
+                except Exception as e:  # noqa: BLE001 - the hub cannot say: step past the file in the way only
+                    log.debug("cannot read this node's highest step on %s: %s", self.hub.url, e)
+                    high = step
+                target = max(step, high) + 1
+                if target > MAX_STEP:
+                    self._forget_residual(content, encoded)
+                    return dataclasses.replace(
+                        sent, remaining=Job(fresh=content),
+                        fatal=(f"node {self.node_id}: cannot number its next delta: this node's deltas on {self.hub.url} "
+                               f"already reach local_step {max(step, high)}, the largest a delta may have; give this "
+                               f"worker another node_id"),
+                    )
+                self.step_offset += target - step
                 log.warning(
                     "node %s: delta_%d already exists on %s (another process with this node_id, or a file someone "
                     "else put there?); sending as delta_%d instead",
