@@ -13,7 +13,9 @@ Each run: ``single`` (one plain Trainer, ``--steps`` steps) or a DiLoCo configur
 ``diloco-master`` process on a folder hub and 2 worker processes, each a plain Trainer with the
 ``DiLoCo`` callback (``sync=async``, H = ``--inner-steps``) running the same script and the same
 ``seed_everything`` (what a user does), ``--steps`` steps each. The score is the held-out loss
-of the final model (the single worker's, or the master's last global), on the same batches.
+of the final model (the single worker's, or the master's last global), on the same batches. The
+comparison is at equal steps per worker: the two DiLoCo workers together see twice the tokens of
+the single worker (run ``single`` with ``--steps`` doubled for the equal-tokens reference).
 
     python benchmarks/foreign_modules.py                          # every model, config, seed 0,1,2
     python benchmarks/foreign_modules.py --models gpt2 --configs single,default --seeds 0
