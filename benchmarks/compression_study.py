@@ -80,7 +80,8 @@ SMALL = {"steps": 400, "extra": ["workers=2", "model.d_model=64", "model.n_layer
          "eval_points": 25, "settings": ("r0",),
          "rows": ("float32", "ctopk2%+ef.95", "float32-plain", "ctopk2%+ef", "ctopk2%", "topk1%", "int8", "int4",
                   "bf16", "ctopk1%+ef.95"),
-         "grids": {"nesterov": (0.0625, 0.125, 0.25, 0.5), "plain": (1.0, 2.0, 4.0, 8.0)},
+         "grids": {"nesterov": (0.0625, 0.125, 0.25, 0.5), "plain": (1.0, 2.0, 4.0, 8.0),
+                   "float32-plain": (0.5, 1.0, 2.0, 4.0, 8.0)},
          "titles": {"r0": "round mode, staleness 0 (50 rounds of 2 deltas; d_model 64, 2 layers)"}}
 
 
@@ -122,9 +123,9 @@ class CompressionStudy:
         return job(row, setting, lr, seed, self.eval_points)
 
     def grid(self, row: str) -> tuple[float, ...]:
-        """The row's outer lr grid (a profile's re-centred grid for its outer step, else its own)."""
+        """The row's outer lr grid (a profile's grid for the row, or for its outer step, else its own)."""
         kind = "plain" if "outer.options.momentum=0.0" in ROWS[row][0] else "nesterov"
-        return self.grids.get(kind, ROWS[row][1])
+        return self.grids.get(row) or self.grids.get(kind, ROWS[row][1])
 
     def results(self, j: dict) -> dict | None:
         try:
