@@ -81,7 +81,7 @@ SMALL = {"steps": 400, "extra": ["workers=2", "model.d_model=64", "model.n_layer
          "rows": ("float32", "ctopk2%+ef.95", "float32-plain", "ctopk2%+ef", "ctopk2%", "topk1%", "int8", "int4",
                   "bf16", "ctopk1%+ef.95"),
          "grids": {"nesterov": (0.0625, 0.125, 0.25, 0.5), "plain": (1.0, 2.0, 4.0, 8.0),
-                   "float32-plain": (0.5, 1.0, 2.0, 4.0, 8.0)},
+                   "float32-plain": (0.25, 0.5, 1.0, 2.0, 4.0, 8.0), "ctopk2%+ef": (0.0625, 0.125, 0.25, 0.5, 1.0)},
          "titles": {"r0": "round mode, staleness 0 (50 rounds of 2 deltas; d_model 64, 2 layers)"}}
 
 
