@@ -53,7 +53,9 @@ ROWS: dict[str, tuple[list[str], tuple[float, ...]]] = {
     "float32-plain": (["diloco.delta_dtype=float32", *PLAIN], (2.0, 4.0, 8.0)),  # SparseLoCo's outer step, no compression
     "bf16": (["diloco.delta_dtype=bfloat16", *NESTEROV], (0.3, 0.7, 1.0)),
     "int8": (["diloco.delta_dtype=int8", *NESTEROV], (0.3, 0.7, 1.0)),
+    "int8-plain": (["diloco.delta_dtype=int8", *PLAIN], (0.5, 1.0, 2.0)),
     "int4": (["diloco.delta_dtype=int4", *NESTEROV], (0.3, 0.7, 1.0)),
+    "int4-plain": (["diloco.delta_dtype=int4", *PLAIN], (0.5, 1.0, 2.0)),
     "topk1%": (["diloco.delta_dtype=topk", "diloco.topk=0.01", "diloco.topk_values=int8", *NESTEROV], (0.3, 0.7, 1.0)),
 }
 for _pct in (1, 2, 3):
