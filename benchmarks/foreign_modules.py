@@ -13,7 +13,9 @@ Each run: ``single`` (one plain Trainer, ``--steps`` steps) or a DiLoCo configur
 ``diloco-master`` process on a folder hub and 2 worker processes, each a plain Trainer with the
 ``DiLoCo`` callback (``sync=async``, H = ``--inner-steps``) running the same script and the same
 ``seed_everything`` (what a user does), ``--steps`` steps each. The score is the held-out loss
-of the final model (the single worker's, or the master's last global), on the same batches.
+of the final model (the single worker's, or the master's last global), on the same batches. The
+comparison is at equal steps per worker: the two DiLoCo workers together see twice the tokens of
+the single worker (run ``single`` with ``--steps`` doubled for the equal-tokens reference).
 
     python benchmarks/foreign_modules.py                          # every model, config, seed 0,1,2
     python benchmarks/foreign_modules.py --models gpt2 --configs single,default --seeds 0
@@ -63,6 +65,9 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
                             {"sync": "lockstep"}),
     # lr 1/K: a quorum of one applies each of the K workers' deltas whole, so lr 1 moves K times as far
     "sgd_0.5_q1": (["outer=nesterov", "outer.lr=0.5", "outer.options.momentum=0.0", "min_deltas=1"], {}),
+    # the staleness study's pick for quorum 1 (docs/study.md): each delta its own outer step, lr 0.5 / (1 + tau)
+    "staleness_sgd_0.5_arrival": (["outer=staleness_sgd", "outer.lr=0.5", "outer.options.momentum=0.0",
+                                   "aggregation=arrival", "min_deltas=1"], {}),
     # diloco-master with no outer options at all: whatever its defaults are
     "default": ([], {}),
 }
@@ -240,24 +245,27 @@ def report(rows: list[dict]) -> str:
     """Mean held-out loss per (model, config) and its paired difference to ``single`` (same seeds)."""
     import statistics
 
-    out = ["| model | config | seeds | eval loss (mean ± std) | minus single, paired (mean [95 % CI]) |",
-           "| --- | --- | --- | --- | --- |"]
-    by = {}
+    out = ["| model | steps | config | seeds | eval loss (mean ± std) | minus single, paired (mean [95 % CI]) |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    by: dict[tuple, dict[int, float]] = {}
     for r in rows:
-        by.setdefault((r["model"], r["config"]), {})[r["seed"]] = r["eval_loss"]
+        by.setdefault((r["model"], r["steps"], r["config"]), {})[r["seed"]] = r["eval_loss"]
     t975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57}
-    for (model, config), losses in sorted(by.items()):
+    for (model, steps, config), losses in sorted(by.items()):
         vals = list(losses.values())
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-        base = by.get((model, "single"), {})
+        base = by.get((model, steps, "single"), {})
         diffs = [losses[s] - base[s] for s in losses if s in base and math.isfinite(losses[s])]
         if config != "single" and diffs:
             m = statistics.mean(diffs)
-            half = t975.get(len(diffs) - 1, 2.0) * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
-            diff = f"{m:+.3f} [{m - half:+.3f}, {m + half:+.3f}]"
+            if len(diffs) > 1:
+                half = t975.get(len(diffs) - 1, 2.0) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+                diff = f"{m:+.3f} [{m - half:+.3f}, {m + half:+.3f}]"
+            else:
+                diff = f"{m:+.3f} (one seed: no interval)"
         else:
             diff = ""
-        out.append(f"| {model} | {config} | {len(vals)} | {statistics.mean(vals):.3f} ± {sd:.3f} | {diff} |")
+        out.append(f"| {model} | {steps} | {config} | {len(vals)} | {statistics.mean(vals):.3f} ± {sd:.3f} | {diff} |")
     return "\n".join(out)
 
 

@@ -148,9 +148,9 @@ QUICK = {"common_extra": ["trainer.max_steps=32", "model.d_model=32", "model.n_l
          "plan": {"sync": ["sgd"], "arr8": ["sgd", "cgad"]}, "points": 3, "seeds": (0, 1)}
 
 
-#: the reduced setting the study ran on this shared 2-core machine (--small): a quarter of the compute of
-#: a full run (0.1 M parameters, H = 4, 96 inner steps per worker: still 96 deltas, so 96 outer steps
-#: in arrival mode and 24 rounds of 4 in round mode)
+#: the reduced setting the study ran on this shared 2-core machine (--small): 0.1 M parameters, H = 4,
+#: 96 inner steps per worker (96 deltas: 96 outer steps in arrival mode, 24 rounds of 4 in round mode);
+#: under a minute a run here, against 3-10 min for the full setting
 SMALL = {"common_extra": ["trainer.max_steps=96", "diloco.inner_steps=4", "model.d_model=64", "model.n_layers=2",
                           "model.ffn_hidden=172", "data.val_batches=8", "optim.warmup_steps=10",
                           "launch.eval_points=2"]}
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__)
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
     ap.add_argument("--quick", action="store_true", help="a smoke version (2 cells, 32 steps) in study_quick/")
-    ap.add_argument("--small", action="store_true", help="the reduced setting (SMALL: about 4x cheaper) in study_small/")
+    ap.add_argument("--small", action="store_true", help="the reduced setting (SMALL, docs/study.md's tables) in study_small/")
     ap.add_argument("--full", action="store_true", help="the whole grid (every method at every setting; ~2x the runs)")
     ap.add_argument("--plan", action="store_true", help="list the runs planned so far (done or not); run nothing")
     ap.add_argument("--report", action="store_true", help="write the tables from what is done; run nothing")

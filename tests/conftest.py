@@ -8,6 +8,8 @@
 * ``hf_server``: the loopback fake Hugging Face Hub (``tests/hf_server.py``).
 * ``s3_endpoint``: a real S3 server on loopback (moto); ``s3_proxy``: the fault-injecting proxy in
   front of it (tests/s3_proxy.py); ``s3_bucket``: a fresh bucket there.
+* ``transport``: one hub on each transport (file, hf, hf per node, s3) with its failures
+  (``tests/transports.py``).
 """
 
 from __future__ import annotations
@@ -99,6 +101,26 @@ def s3_bucket(s3_endpoint):
     name = f"t-{uuid.uuid4().hex[:16]}"
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
     return name
+
+
+def _transport(request, tmp_path, kind: str):
+    from transports import Transport
+
+    if kind == "s3":
+        return Transport("s3", tmp_path, s3=request.getfixturevalue("s3_endpoint"),
+                         proxy=request.getfixturevalue("s3_proxy"))
+    if kind in ("hf", "hf_nodes"):
+        return Transport(kind, tmp_path, server=request.getfixturevalue("hf_server"))
+    return Transport(kind, tmp_path)
+
+
+@pytest.fixture(params=["file", "hf", "hf_nodes", "s3"])
+def transport(request, tmp_path):
+    """One hub on each transport with its failures (``tests/transports.py``): the folder, one Hugging Face
+    repository, a repository per node, S3 behind the fault proxy."""
+    t = _transport(request, tmp_path, request.param)
+    yield t
+    t.up()
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ Errors carry ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``, ``EntryNo
 the real Hub, and a missing file on ``resolve`` still answers ``X-Repo-Commit``.
 
 Test helpers: :meth:`FakeHubServer.inject` (the next K requests to a route answer a given
-status, or stall), a request log (:attr:`FakeHubServer.requests`, :meth:`FakeHubServer.count`),
+status, or stall), an outage (:attr:`FakeHubServer.down`: while true every connection is cut
+without an answer, as an unreachable Hub would), a request log (:attr:`FakeHubServer.requests`, :meth:`FakeHubServer.count`),
 direct access to the repositories (:meth:`FakeHubServer.commit_files`, :meth:`FakeHubServer.files`,
 :meth:`FakeHubServer.commits`), and an optional required token (401 otherwise).
 
@@ -78,6 +79,7 @@ class _Fault:
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
     apply: bool = False
+    then_down: bool = False
 
 
 class _Repo:
@@ -143,6 +145,8 @@ class FakeHubServer:
         self.repos: dict[str, _Repo] = {}
         self.requests: list[Request] = []
         self._faults: list[_Fault] = []
+        #: an outage: every request is answered by cutting the connection
+        self.down = False
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -182,13 +186,15 @@ class FakeHubServer:
     # ------------------------------------------------------------------ test helpers
 
     def inject(self, route: str, status: int = 503, count: int = 1, *, method: str | None = None,
-               headers: dict[str, str] | None = None, delay: float = 0.0, apply: bool = False) -> None:
+               headers: dict[str, str] | None = None, delay: float = 0.0, apply: bool = False,
+               then_down: bool = False) -> None:
         """The next ``count`` requests to ``route`` (optionally only ``method``) answer ``status``
         (after sleeping ``delay`` seconds; ``status=0`` only stalls, then serves normally).
         ``apply=True``: the request is carried out first and only its answer is lost (a commit
-        that landed although the client saw a 503)."""
+        that landed although the client saw a 503). ``then_down``: an outage starts right after
+        it (:attr:`down`)."""
         with self._lock:
-            self._faults.append(_Fault(route, status, count, method, dict(headers or {}), delay, apply))
+            self._faults.append(_Fault(route, status, count, method, dict(headers or {}), delay, apply, then_down))
 
     def clear_faults(self) -> None:
         with self._lock:
@@ -308,6 +314,14 @@ class _Handler(BaseHTTPRequestHandler):
         route, repo_id, handler = self._route(method, segs)
         self._pending = Request(method, route, split.path, 500, repo_id)
         body = self._body() if method == "POST" else b""
+        if self.hub.down:  # unreachable: no answer at all
+            self._pending = None
+            self.close_connection = True
+            try:
+                self.connection.shutdown(2)
+            except OSError:
+                pass
+            return
         try:
             fault = self.hub._take_fault(route, method)
             if fault is not None:
@@ -321,6 +335,8 @@ class _Handler(BaseHTTPRequestHandler):
                         pass
                     finally:
                         self._swallow = False
+                        if fault.then_down:
+                            self.hub.down = True
                     raise _HTTPError(fault.status, f"injected {fault.status} (request applied)", headers=fault.headers)
                 if fault.status:
                     raise _HTTPError(fault.status, f"injected {fault.status}", headers=fault.headers)

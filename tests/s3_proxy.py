@@ -7,6 +7,8 @@
   then lose the answer (``apply=True``: the write happened, the client sees an error);
 * strip ``If-None-Match`` / ``If-Match`` from what it forwards (``strip_conditionals``): a store
   that ignores conditional writes;
+* cut every connection without an answer while :attr:`S3Proxy.down` is true (an outage: the
+  store unreachable);
 * log every request (:attr:`S3Proxy.requests`, :meth:`S3Proxy.count`).
 
 Writes (PUT, POST, DELETE) are forwarded one at a time. moto evaluates ``If-None-Match`` /
@@ -59,6 +61,7 @@ class _Fault:
     delay: float = 0.0
     drop: bool = False
     truncate: bool = False
+    then_down: bool = False
 
     def hits(self, req: Request) -> bool:
         if self.method is not None and req.method != self.method:
@@ -74,6 +77,8 @@ class S3Proxy:
         self.upstream = (parts.hostname, parts.port)
         self.strip_conditionals = strip_conditionals
         self.requests: list[Request] = []
+        #: an outage: every request is answered by cutting the connection
+        self.down = False
         self._faults: list[_Fault] = []
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -116,12 +121,13 @@ class S3Proxy:
 
     def inject(self, status: int = 503, count: int = 1, *, method: str | None = None,
                match: str | Callable[[Request], bool] | None = None, code: str | None = None, apply: bool = False,
-               delay: float = 0.0, drop: bool = False, truncate: bool = False) -> None:
+               delay: float = 0.0, drop: bool = False, truncate: bool = False, then_down: bool = False) -> None:
         """The next ``count`` requests matching ``method`` and ``match`` (a substring of
-        ``/bucket/key?query`` or a predicate) get ``status`` with S3 error ``code``."""
+        ``/bucket/key?query`` or a predicate) get ``status`` with S3 error ``code``; ``then_down``:
+        an outage starts right after (:attr:`down`)."""
         with self._lock:
             self._faults.append(_Fault(status, count, method, match, code or _CODES.get(status, "InternalError"),
-                                       apply, delay, drop, truncate))
+                                       apply, delay, drop, truncate, then_down))
 
     def clear_faults(self) -> None:
         with self._lock:
@@ -203,6 +209,13 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._body()
         url = urlsplit(self.path)
         req = Request(self.command, url.path, url.query, 0, {k.lower(): v for k, v in self.headers.items()})
+        if owner.down:  # unreachable: no answer at all
+            req.status = -1
+            owner._record(req)
+            self.close_connection = True
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(2)
+            return
         fault = owner._take(req)
         if fault is not None and fault.delay:
             time.sleep(fault.delay)
@@ -236,6 +249,8 @@ class _Handler(BaseHTTPRequestHandler):
         if fault is not None and fault.apply:  # the write happened; its answer is lost
             req.status = fault.status
             owner._record(req)
+            if fault.then_down:
+                owner.down = True
             self._error(fault)
             return
         req.status = status

@@ -118,8 +118,10 @@ def test_claim_documents_are_untrusted():
         (good.replace('"epoch": 1', '"epoch": true'), "epoch"),
         (good.replace('"expires_at": 1060.0', '"expires_at": "soon"'), "numbers"),
         (good.replace('"info": {}', '"info": []'), "info"),
-        ("{" * 10, "JSON"),
-        (" " * (MAX_CLAIM_BYTES + 1), "more than a claim may hold"),
+        ("{" * 10, "nested"),
+        ("{" * 5, "JSON"),
+        ('{"info": ' * 5000 + "1" + "}" * 5000, "nested more than 8 levels"),  # never a RecursionError
+        (" " * (MAX_CLAIM_BYTES + 1), "more than the 65536 such a document may have"),
     ]:
         with pytest.raises(ClaimError, match=why):
             NodeClaim.from_json(bad, node_id="w0")
@@ -181,13 +183,16 @@ def test_a_killed_process_on_this_host_is_taken_over_at_once(tmp_path):
 
 
 def test_a_lost_claim_stops_the_worker(tmp_path):
-    """Another process took the id over (this one's heartbeat had stopped): the next renewal notices,
-    and the worker refuses to send under an id someone else runs."""
+    """Another process took the id over (this one's heartbeat had stopped for longer than its ttl, so
+    its claim had expired): the next renewal notices, and the worker refuses to send under an id
+    someone else runs. (A live claim overwritten is claimed back: tests/test_hostile_files.py.)"""
     hub = FileHub(tmp_path / "hub")
-    keeper = ClaimKeeper(hub, "w0", ttl=60)
+    now = [time.time()]
+    keeper = ClaimKeeper(hub, "w0", ttl=60, clock=lambda: now[0])
     keeper.acquire()
     mine = hub.read_claim("w0")
-    hub.write_claim("w0", _claim(holder="other:1:x", t=time.time()), expected=mine)
+    now[0] += 61  # the heartbeat failed for 61 s (an outage): the claim expired
+    hub.write_claim("w0", _claim(holder="other:1:x", t=now[0]), expected=mine)
     assert keeper.renew() is False
     with pytest.raises(NodeIdTakenError, match="taken over .* by other:1:x"):
         keeper.check()

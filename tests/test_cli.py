@@ -29,6 +29,7 @@ from diloco_lightning.app.config import (
     validate,
     validate_master_command,
 )
+from speed import default_first
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -71,7 +72,7 @@ def _short(proc: subprocess.CompletedProcess, prog: str, status: int) -> list[st
 
 @pytest.mark.parametrize(
     "args, key",
-    [
+    default_first([
         (["diloco.inner_steps=0"], "diloco.inner_steps"),
         (["unknown_key=1"], "unknown_key"),
         (["diloco.inner_steps=eight"], "diloco.inner_steps"),
@@ -79,7 +80,7 @@ def _short(proc: subprocess.CompletedProcess, prog: str, status: int) -> list[st
         (["outer.lr=-1"], "outer.lr"),
         (["hub.url=/no/such/folder/hub"], "hub.url"),
         (["hub=hf"], "hub.url"),  # hub=hf without its URL: never a silent fallback to a folder hub
-    ],
+    ], keep=2),
 )
 def test_train_config_errors_end_in_two_lines_naming_the_key(tmp_path, args, key):
     lines = _short(_train(tmp_path, *args), "train.py", 2)
@@ -102,7 +103,7 @@ def test_a_missing_hub_folder_is_an_error_unless_asked_to_create_it(tmp_path):
 
 @pytest.mark.parametrize(
     "args, key",
-    [
+    default_first([
         (["outer.lr=-1"], "outer.lr"),
         (["outer.name=sgd"], "outer.name"),
         (["norm_ratio=0.5"], "norm_ratio"),
@@ -112,7 +113,7 @@ def test_a_missing_hub_folder_is_an_error_unless_asked_to_create_it(tmp_path):
         (["hub.url=/tmp", "hub.revision=dev"], "hub.revision"),
         (["init=/no/such/weights.safetensors"], "init"),
         (["hub.url=/proc/no/such/hub", "hub.create=true"], "hub.url"),  # cannot be created: no traceback
-    ],
+    ], keep=2),
 )
 def test_master_checks_what_train_checks(tmp_path, args, key):
     hub = tmp_path / "hub"
@@ -122,6 +123,7 @@ def test_master_checks_what_train_checks(tmp_path, args, key):
     assert lines[0].startswith(f"diloco-master: error: {key}"), lines
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_verbose_and_hydra_full_error_show_the_traceback(tmp_path):
     for proc in (_train(tmp_path, "diloco.inner_steps=0", "-v"), _train(tmp_path, "diloco.inner_steps=0", HYDRA_FULL_ERROR="1")):
         assert proc.returncode != 0
@@ -169,6 +171,7 @@ def _help_keys(text: str) -> set[str]:
     return {line.split("=", 1)[0].strip() for line in text.splitlines() if line.startswith("  ") and "=" in line.split()[0]}
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_master_help_lists_its_own_groups_and_a_line_per_key(tmp_path):
     proc = _master(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -204,6 +207,7 @@ def test_every_key_has_help_and_the_configuration_doc_is_current():
 # ----------------------------------------------------------------------------- signals
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_stop_train_py_workers_and_master_cleanly(tmp_path, sig):
     """SIGTERM to `python train.py` (what timeout, SLURM and Kubernetes send), or Ctrl-C (SIGINT to the
@@ -250,6 +254,7 @@ def test_signals_stop_train_py_workers_and_master_cleanly(tmp_path, sig):
         assert not list((run / "hub" / "nodes").glob("*/claim.json"))  # claims released on the way out
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_a_killed_worker_is_named_with_how_it_ended(tmp_path):
     """The reported `worker w6 failed (-9)` with an empty worker.log: now the line names the worker, says it
     was killed by SIGKILL (what the out-of-memory killer sends), that the others were stopped, and shows the
@@ -278,6 +283,7 @@ def test_a_killed_worker_is_named_with_how_it_ended(tmp_path):
     assert "Traceback (most recent call last)" not in err.split("Last lines of", 1)[0]
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_diloco_master_serves_an_s3_run(tmp_path, s3_endpoint, s3_bucket, s3_proxy):
     """`diloco-master hub.url=s3://bucket/run hub.endpoint_url=...` serves a run: it adopts a worker's initial
     weights, applies its deltas and exits after max_rounds. hub.endpoint is the older name of hub.endpoint_url;

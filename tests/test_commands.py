@@ -13,6 +13,7 @@ import pytest
 
 from diloco_lightning.app.config import MasterCommandConf, TrainConf
 from diloco_lightning.app.keys import check_override_keys, known_keys, master_aliases
+from speed import default_first
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_GROUPS = ("recipe", "model", "data", "optim", "diloco", "outer", "hub", "trainer", "launch")
@@ -83,6 +84,7 @@ def test_master_accepts_train_py_key_names(tmp_path):
     assert "[master] stopped at outer_step 0" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_master_says_which_name_to_use(tmp_path):
     proc = _run(tmp_path, "-m", "diloco_lightning.app.master", f"hub.url={tmp_path}", "master.pol_interval=1")
     line = _error(proc, "diloco-master")
@@ -92,7 +94,7 @@ def test_master_says_which_name_to_use(tmp_path):
 # ----------------------------------------------------------------------------- nothing left behind
 
 
-@pytest.mark.parametrize("args", [["outer.lr=-1"], ["recipe=llama7b_tau8"]])
+@pytest.mark.parametrize("args", default_first([["outer.lr=-1"], ["recipe=llama7b_tau8"]]))
 def test_a_refused_command_leaves_no_run_folder(tmp_path, args):
     """A value refused by validation, a recipe refused by the resource check: no run folder (Hydra
     had made one with its own files before the job ran)."""
@@ -101,6 +103,7 @@ def test_a_refused_command_leaves_no_run_folder(tmp_path, args):
     assert not (tmp_path / "runs").exists(), sorted(str(p) for p in (tmp_path / "runs").rglob("*"))
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_a_refused_command_keeps_an_existing_run(tmp_path):
     run = tmp_path / "runs" / "outer.lr=-1"
     (run / "nodes").mkdir(parents=True)
@@ -130,6 +133,7 @@ def test_a_second_worker_with_a_running_node_id_is_refused_at_once(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_a_refused_master_never_removes_its_working_folder(tmp_path):
     """diloco-master's output dir is the working folder: a refusal there removes nothing, even
     when the folder is empty."""

@@ -756,6 +756,7 @@ def test_a_mixed_run_applies_the_decoded_mean(tmp_path, aggregation):
 # ============================================================================ 6. train.py end to end
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_train_int4_end_to_end(tmp_path):
     """``python train.py recipe=tiny diloco.delta_dtype=int4``: the run trains, every delta is
     accepted, and each file on the hub is ~8x smaller than the FP32 delta of the same model."""

@@ -37,7 +37,7 @@ def test_recipe_composes_and_instantiates(recipe):
 
     cfg = validate(_compose(f"recipe={recipe}"))
     assert cfg.diloco.inner_steps == 8
-    assert cfg.outer.name == "cgad" and cfg.outer.options.alpha == 0.2 and cfg.outer.options.tau_cut == 32
+    assert cfg.outer.name == "staleness_sgd" and cfg.outer.lr == 0.5 and dict(cfg.outer.options) == {"momentum": 0.0, "power": 1.0}
     if "_tau" in recipe:
         assert cfg.diloco.delay == int(recipe.rsplit("_tau", 1)[1])
     if recipe.startswith(("llama1b", "llama7b")):

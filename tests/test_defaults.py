@@ -1,5 +1,5 @@
 """Each option has one default, written beside its owner (``WorkerOptions``, ``MasterConfig``,
-``SimOptions``): the Hydra schema takes it, the adapters' signatures show it, and no YAML file says it
+``SimOptions``, ``HubOptions``): the Hydra schema takes it, the adapters' signatures show it, and no YAML file says it
 again. A YAML file that sets an option makes a choice (``diloco=lockstep`` sets ``sync``; the folder
 hub polls faster), never a second default; a product key with a meaning of its own is named here
 with that meaning in its help."""
@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from diloco_lightning.app import config as schema
+from diloco_lightning.hub.options import HubOptions
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.sim.options import SimOptions
 from diloco_lightning.util.options import default_of
@@ -26,6 +27,8 @@ SECTIONS: dict[str, tuple[type, type, set[str]]] = {
     # null: decided by the run (the workers' lockstep quorum and delay); 1: the command owns its process
     "master": (schema.MasterConf, MasterConfig, {"min_deltas", "keep_globals", "torch_threads"}),
     "sim": (schema.SimConf, SimOptions, set()),
+    # false: the commands never create a misspelt hub (the library's open_hub does, as a folder API would)
+    "hub": (schema.HubConf, HubOptions, {"create"}),
 }
 
 

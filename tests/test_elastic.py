@@ -138,6 +138,7 @@ def _elastic_run(run: Run, tmp_path: Path) -> None:
     master.close()
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_kill_join_and_leave_on_a_folder_hub(tmp_path):
     _elastic_run(Run("file", tmp_path, None), tmp_path)
 

@@ -623,8 +623,9 @@ def frag_hubs(request, tmp_path):
 
 
 WORKER_POINTS = [
-    pytest.param("file", "worker.uploaded"),
-    pytest.param("hf", "worker.uploading"),
+    # every point is in CI's slow run (a Lightning worker's kill -9 runs by default in test_exactly_once.py)
+    pytest.param("file", "worker.uploaded", marks=pytest.mark.slow),
+    pytest.param("hf", "worker.uploading", marks=pytest.mark.slow),
     pytest.param("file", "worker.exported", marks=pytest.mark.slow),
     pytest.param("file", "worker.uploading", marks=pytest.mark.slow),
     pytest.param("hf", "worker.exported", marks=pytest.mark.slow),
@@ -643,7 +644,7 @@ def test_worker_kill9_in_fragment_traffic_loses_and_duplicates_nothing(frag_hubs
     _kill9_fragment_run(frag_hubs, tmp_path, point)
 
 
-@pytest.mark.parametrize("frag_hubs, point", [pytest.param("file", "worker.uploaded"),
+@pytest.mark.parametrize("frag_hubs, point", [pytest.param("file", "worker.uploaded", marks=pytest.mark.slow),
                                               pytest.param("file", "worker.exported", marks=pytest.mark.slow)],
                          indirect=["frag_hubs"])
 def test_worker_kill9_with_per_fragment_error_feedback(frag_hubs, tmp_path, point):

@@ -1033,12 +1033,13 @@ def test_cli_runs_rounds_prints_progress_and_writes_metrics(tmp_path, capsys, hy
     _, state = load_global(FileHub(hub_dir), man)
     assert torch.equal(state["w"], torch.full((4, 3), -2.0))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose(config_name="master", overrides=[f"hub.url={hub_dir}", "outer.name=nesterov", "max_rounds=0"])
+        cfg = compose(config_name="master", overrides=[f"hub.url={hub_dir}", "outer=cgad", "outer.name=nesterov", "max_rounds=0"])
     from diloco_lightning.app.config import outer_options
 
     assert outer_options(cfg.outer) == {"lr": float(cfg.outer.lr)}  # cgad's options dropped for another optimizer
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_cli_subprocess_drains_on_sigterm(tmp_path):
     import signal
     import subprocess

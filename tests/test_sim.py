@@ -29,6 +29,7 @@ from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.util.options import OptionError
 from diloco_lightning.sim import InnerLoop, SimMaster, SimOptions, SimWorker, Simulator
 from diloco_lightning.worker.sync import draw_delay
+from speed import default_first
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["data.max_bytes=1000000", "data.seq_len=64", "data.vocab_size=1024", "trainer.log_every_n_steps=4"]
@@ -297,6 +298,7 @@ REAL_KEYS = {"run_id", "recipe", "outer", "outer_lr", "tau", "regime", "delays",
              "train_curve", "eval_curve", "workers_summary"}
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_train_py_launch_sim_end_to_end(tmp_path, token_cache):
     proc = _train(tmp_path, token_cache, "recipe=tiny", "launch=sim", "trainer.max_steps=16", "master.aggregation=arrival",
                   "diloco.delay=1", "outer.state_dtype=bfloat16", "run_id=s", "sim.save_weights=true")
@@ -314,8 +316,8 @@ def test_train_py_launch_sim_end_to_end(tmp_path, token_cache):
     assert not (rdir / "hub").exists()
 
 
-@pytest.mark.parametrize("override,key", [("sim.speeds=[1,0]", "sim.speeds"), ("sim.leave_at=[null,4]", "sim.leave_at"),
-                                          ("diloco.fragments=3", "diloco.fragments")])
+@pytest.mark.parametrize("override,key", default_first([("sim.speeds=[1,0]", "sim.speeds"), ("sim.leave_at=[null,4]", "sim.leave_at"),
+                                                        ("diloco.fragments=3", "diloco.fragments")]))
 def test_sim_config_errors_name_the_key(tmp_path, token_cache, override, key):
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "launch=sim", override, f"run_root={tmp_path}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path, token_cache), capture_output=True, text=True, timeout=120)
@@ -374,6 +376,7 @@ def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, r
     return worst
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_matches_the_product_with_delays_0_and_2(tmp_path, token_cache):
     """Worker 0 at delay 0, worker 1 at delay 2 (lockstep), CGAD: staleness 0, 1 and 2 in 3 rounds."""
     worst = _versions_match(tmp_path, token_cache, "hetero", "diloco.delay=[0,2]")

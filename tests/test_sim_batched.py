@@ -25,6 +25,7 @@ import itertools
 import os
 
 import pytest
+from speed import default_first
 import torch
 
 from diloco_lightning.master.config import MasterConfig
@@ -89,7 +90,7 @@ def _same_run(a, b):
     return worst
 
 
-@pytest.mark.parametrize("overrides,sizes", [
+@pytest.mark.parametrize("overrides,sizes", default_first([
     # lockstep rounds, delays 0 and 1: every phase of a round computed in one batch of 3
     (["workers=3", "diloco.delay=[0,1,0]", "trainer.max_steps=24", "outer=cgad"], {"3"}),
     # async with a straggler: the fast workers' phases batched together, the straggler's joins every 4th
@@ -98,7 +99,7 @@ def _same_run(a, b):
     # DyLU: phases of different lengths share their common steps
     (["workers=3", "diloco.sync=async", "sim.quorum=2", "sim.speeds=[1,0.5,0.25]", "sim.max_time=48",
       "trainer.max_steps=48", "diloco.inner_steps=auto", "diloco.dylu_steps=8", "master.weighting=tokens"], None),
-])
+]))
 def test_batched_equals_unbatched(hydra_configs, cache, tmp_path, overrides, sizes):
     plain = _simulate(hydra_configs, tmp_path / "plain", "false", *overrides)
     batched = _simulate(hydra_configs, tmp_path / "batched", "true", *overrides)

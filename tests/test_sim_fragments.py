@@ -222,6 +222,7 @@ def test_matches_the_product_with_fragments(tmp_path, token_cache):  # noqa: F81
     assert worst <= 1e-6
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_train_py_launch_sim_with_fragments(tmp_path):
     """``python train.py recipe=tiny launch=sim diloco.fragments=4 outer=pa_cgad``: a boundary every
     H / 4 = 2 steps, one round each; lockstep delay 4 rounds (one H of latency) gives every fragment

@@ -69,6 +69,7 @@ def test_round_mode_corrects_a_gap_aware_step_with_the_round_staleness():
     torch.testing.assert_close(master.state["w"], state["w"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_gpu_study_script_reduced_cpu_mode(tmp_path, token_cache):
     """benchmarks/gpu_study.sh --cpu: the GPU study's plan, reduced, on the CPU; results flushed per run;
     without a GPU the real one refuses in one line."""

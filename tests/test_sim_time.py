@@ -191,6 +191,7 @@ FAST = ["recipe=tiny", "launch=sim", "data.tokenizer=byte", "data.max_bytes=3000
         "model.n_kv_heads=1", "model.ffn_hidden=64", "trainer.log_every_n_steps=4"]
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_train_py_time_budget_dylu_law_and_trace(tmp_path):
     """train.py launch=sim composes the clock's options (a law, a trace, a time budget) and DyLU, and
     results.json tells what happened: evaluations evenly over the budget, each worker's H per phase."""

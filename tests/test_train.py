@@ -31,6 +31,7 @@ def _train(tmp_path: Path, *args: str, timeout: float = 400) -> subprocess.Compl
     return proc
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_multirun_trains_and_summarizes(tmp_path):
     """`python train.py -m recipe=tiny outer=nesterov,cgad`: two jobs, each trains (loss goes down),
     writes results.json; the summary command gives one row per outer optimizer and a PNG."""

@@ -284,15 +284,22 @@ def test_ambiguous_failure_that_landed_is_not_sent_twice(tmp_path):
     w.close()
 
 
-def test_local_step_continues_after_the_hub_and_the_ledger(hub, pub):
+def test_a_node_the_hub_knows_restarts_without_sending_what_the_hub_has(hub, pub):
+    """Without a checkpoint, a node with history on the hub (its ledger entry, or its deltas) is
+    restarting: its training replays the phases the hub has, which are not sent again, and numbering
+    goes on after them."""
     params = make_params()
     pub.publish(snapshot(params), ledger={"w0": 7})
     with DiLoCoWorker(hub, "w0", params, **FAST) as w:
-        assert w.next_local_step == 8  # after the ledger
+        assert w.next_local_step == 8 and w.progress.delivered_until == 7  # after the ledger
+        for _ in range(7):
+            w.boundary()  # replayed: on the hub already
+        assert w.flush() and not hub.list_deltas()
         w.boundary()
         assert w.flush()
-    with DiLoCoWorker(hub, "w0", params, **FAST) as w:  # a restart without a checkpoint
-        assert w.next_local_step == 9
+    assert [r.local_step for r in hub.list_deltas()] == [8]
+    with DiLoCoWorker(hub, "w0", params, **FAST) as w:  # again, after its delta_8 reached the hub
+        assert w.next_local_step == 9 and w.progress.delivered_until == 8
 
 
 def test_lockstep_installs_exactly_r_minus_delay_from_history(hub, pub):

@@ -62,10 +62,12 @@ def main() -> None:
     class Started(L.Callback):
         def on_train_start(self, trainer, pl_module):
             print(f"started {diloco.worker.outer_step}", flush=True)
-    save = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=cfg["inner_steps"])
+    every = cfg.get("ckpt_every", cfg["inner_steps"])
+    saves = [ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=every)] if every else []
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=cfg["max_steps"], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[diloco, Started(), save],
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[diloco, Started(), *saves],
+        enable_checkpointing=bool(every),
     )
     last = ckpt_dir / "last.ckpt"
     trainer.fit(Counter(two=cfg.get("fragments") is not None), ckpt_path=str(last) if last.is_file() else None)

@@ -174,11 +174,13 @@ def outer_options(cfg: DictConfig) -> dict[str, Any]:
 def run_master_config(cfg: DictConfig):
     """The :class:`~diloco_lightning.master.MasterConfig` of a training run's master: its section and
     the ``outer`` group, with what the section leaves to the workers taken from them (the quorum:
-    every worker in lockstep, else 1; their fragments; enough kept versions for their lockstep delay)."""
+    every worker in lockstep, else 1; their fragments; enough kept versions for their lockstep delay;
+    their ``diloco.claim_ttl`` as the node timeout)."""
     lockstep = cfg.diloco.sync == "lockstep"
     max_delay = max(worker_delay(cfg, i) for i in range(cfg.workers)) if lockstep else 0
     return master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if lockstep else 1,
-                         fragments=cfg.diloco.get("fragments"), max_delay=max_delay)
+                         fragments=cfg.diloco.get("fragments"), max_delay=max_delay,
+                         node_timeout=cfg.diloco.get("claim_ttl"))
 
 
 def build_master(cfg: DictConfig, hub, *, on_round=None):

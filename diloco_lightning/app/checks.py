@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from diloco_lightning.hub.options import SCHEMES, HubOptions, scheme_of
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.util.errors import ConfigError
 from diloco_lightning.util.options import OptionError, default_of
@@ -56,49 +57,31 @@ def _number(value: Any) -> bool:
 
 
 def validate_outer(o: DictConfig, prefix: str = "outer.") -> None:
-    """The outer optimizer section (both commands)."""
-    from diloco_lightning.outer import OUTER_OPTIMIZERS
+    """The outer optimizer section (both commands): :func:`diloco_lightning.outer.options.outer_options`,
+    the one check, with the key's full name in the error; then the optimizer built once on a probe
+    (:func:`~diloco_lightning.outer.check_outer_options`), so a value it refuses (``tau_cut=-1``) is a
+    one-line error now, not a traceback when the first weights arrive."""
+    from diloco_lightning.outer import check_outer_options
 
-    _check(o.name in OUTER_OPTIMIZERS, f"{prefix}name",
-           f"unknown outer optimizer {o.name!r}; valid: {', '.join(sorted(OUTER_OPTIMIZERS))}")
-    _check(_number(o.lr) and o.lr > 0, f"{prefix}lr", f"must be a number > 0, got {o.lr}")
-    _check(isinstance(o.options, (DictConfig, dict)), f"{prefix}options", "must be a mapping")
-    from diloco_lightning.outer.precision import STATE_DTYPES
-
-    state_dtype = str(o.get("state_dtype", "float32"))
-    _check(state_dtype in STATE_DTYPES, f"{prefix}state_dtype",
-           f"must be float32 (fp32), bfloat16 (bf16) or int8, got {state_dtype!r}")
-    _check(not o.get("stochastic_rounding", False) or STATE_DTYPES[state_dtype] == STATE_DTYPES["bfloat16"],
-           f"{prefix}stochastic_rounding", f"needs {prefix}state_dtype=bfloat16 (FP32 and 8-bit buffers are not rounded "
-           "stochastically)")
+    opts = outer_options(o, prefix)
     try:
-        outer_options(o, prefix)
-    except ValueError as e:
+        check_outer_options(str(o.name), **opts)
+    except (ValueError, TypeError) as e:
         raise ConfigError(f"{prefix}options", str(e)) from None
 
 
 def outer_options(o: DictConfig, prefix: str = "outer.") -> dict[str, Any]:
-    """``{"lr": o.lr, **o.options}`` for the named optimizer; options it does not take are dropped
-    with a warning, so ``outer.name=X`` works on top of another group's options."""
-    from diloco_lightning.outer import outer_optimizer_options
+    """``{"lr": o.lr, **o.options}`` for the named optimizer (:func:`diloco_lightning.outer.options.outer_options`:
+    options it does not take are dropped with a warning, so ``outer.name=X`` works on top of another
+    group's options); a :class:`ConfigError` naming the key."""
+    from diloco_lightning.outer.options import outer_options as checked
 
-    raw = OmegaConf.to_container(o.options, resolve=True) if isinstance(o.options, DictConfig) else dict(o.options or {})
-    opts: dict[str, Any] = {str(k): v for k, v in (raw or {}).items()}  # type: ignore[union-attr]
-    opts["lr"] = float(o.lr)
-    # the buffers' precision: recorded only when not the default (a published run's options stay as they were)
-    if str(o.get("state_dtype", "float32")) not in ("float32", "fp32"):
-        opts["state_dtype"] = str(o.state_dtype)
-    if o.get("stochastic_rounding", False):
-        opts["stochastic_rounding"] = True
-    accepted = outer_optimizer_options(str(o.name))
-    dropped = sorted(k for k in opts if k not in accepted)
-    if dropped:
-        log.warning("outer optimizer %r takes no option(s) %s; ignoring %s", o.name, dropped,
-                    ", ".join(f"{prefix}options.{k}" for k in dropped))
-        opts = {k: v for k, v in opts.items() if k in accepted}
-    if isinstance(opts.get("betas"), list):
-        opts["betas"] = tuple(opts["betas"])
-    return opts
+    raw = OmegaConf.to_container(o.options, resolve=True) if isinstance(o.options, DictConfig) else o.options
+    try:
+        return checked(o.name, o.lr, {} if raw is None else raw, state_dtype=o.get("state_dtype", "float32"),
+                       stochastic_rounding=o.get("stochastic_rounding", False), where=prefix)
+    except OptionError as e:
+        raise ConfigError(f"{prefix}{e.option}", e.detail) from None
 
 
 def validate_hub(h: DictConfig, prefix: str = "hub.", *, required: bool = False) -> None:
@@ -111,32 +94,17 @@ def validate_hub(h: DictConfig, prefix: str = "hub.", *, required: bool = False)
         _check(not required, f"{prefix}url", "is required: file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix")
         return
     _check(isinstance(url, str) and url.strip() != "", f"{prefix}url", f"must be a non-empty string, got {url!r}")
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    _check(scheme in ("", "file", "hf", "s3"), f"{prefix}url",
+    _check(scheme_of(url) in SCHEMES, f"{prefix}url",
            f"unsupported scheme in {url!r}; use file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix")
-    _check(scheme == "hf" or not h.get("revision"), f"{prefix}revision", f"applies to hf:// hubs only (hub.url is {url!r})")
-    for key in ("endpoint_url", "endpoint"):
-        _check(scheme in ("hf", "s3") or not h.get(key), f"{prefix}{key}",
-               f"applies to hf:// and s3:// hubs only (hub.url is {url!r})")
-    _check(not (h.get("endpoint") and h.get("endpoint_url") and h.endpoint != h.endpoint_url), f"{prefix}endpoint_url",
-           f"and {prefix}endpoint are the same option and disagree ({h.endpoint_url!r}, {h.endpoint!r}); set one of them")
-    for key in ("region", "addressing_style"):
-        _check(scheme == "s3" or not h.get(key), f"{prefix}{key}", f"applies to s3:// hubs only (hub.url is {url!r})")
-    _check(h.get("addressing_style") in (None, "path", "virtual", "auto"), f"{prefix}addressing_style",
-           f"must be path, virtual or auto, got {h.get('addressing_style')!r}")
-    layout = h.get("layout", "shared")
-    _check(layout in ("shared", "per_node"), f"{prefix}layout", f"must be shared or per_node, got {layout!r}")
-    _check(scheme == "hf" or layout == "shared", f"{prefix}layout", f"per_node applies to hf:// hubs only (hub.url is {url!r})")
-    if scheme == "hf" and layout == "per_node":
-        from diloco_lightning.hub.hf_nodes import parse_node_repo
+    try:
+        _hub_options(h).validate(url)
+    except OptionError as e:
+        raise ConfigError(f"{prefix}{e.option}", e.detail.replace("(the url is", f"({prefix}url is")
+                          .replace("and endpoint are", f"and {prefix}endpoint are")) from None
 
-        try:
-            org, _, name = url[len("hf://"):].strip("/").partition("/")
-            parse_node_repo(h.node_repo, org, name)
-        except ValueError as e:
-            raise ConfigError(f"{prefix}node_repo", str(e)) from None
-    cph = h.get("commits_per_hour", 128.0)
-    _check(_number(cph) and (cph == 0 or cph >= 1), f"{prefix}commits_per_hour", f"must be 0 (no limit) or >= 1, got {cph}")
+
+def _hub_options(h: DictConfig) -> HubOptions:
+    return HubOptions(**_section(h, [n for n in HubOptions.names() if n in h]))
 
 
 def _section(node: DictConfig, names: list[str]) -> dict[str, Any]:
@@ -193,6 +161,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(t.accelerator in ACCELERATORS, "trainer.accelerator", f"must be one of {list(ACCELERATORS)}, got {t.accelerator!r}")
     _check(t.precision in PRECISIONS, "trainer.precision", f"must be one of {list(PRECISIONS)}, got {t.precision!r}")
     _check(t.max_steps >= 1, "trainer.max_steps", "must be >= 1")
+    _check_reaches_a_boundary(cfg)
     _check(t.max_time is None or t.max_time > 0, "trainer.max_time", f"must be > 0 seconds or null, got {t.max_time}")
     _check(t.devices >= 1, "trainer.devices", "must be >= 1")
     _check(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
@@ -211,6 +180,26 @@ def validate(cfg: DictConfig) -> DictConfig:
     if la.kind == "sim":
         validate_sim_section(cfg)
     return cfg
+
+
+def _check_reaches_a_boundary(cfg: DictConfig) -> None:
+    """``trainer.max_steps`` must reach the first boundary: a run shorter than one inner phase sends
+    no delta, trains nothing the master sees, and used to end with a NaN eval loss reported as DIVERGED."""
+    from diloco_lightning.wire.fragments import fragment_count
+
+    d = cfg.diloco
+    h = d.get("dylu_steps") if d.inner_steps == "auto" else d.inner_steps
+    if isinstance(h, bool) or not isinstance(h, int):
+        return
+    try:
+        f = fragment_count(d.get("fragments"))
+    except ValueError:
+        return  # the diloco section's own check reports it
+    first = max(1, h // max(1, f))  # with F fragments, a boundary every H / F steps
+    what = "diloco.dylu_steps" if d.inner_steps == "auto" else "diloco.inner_steps"
+    _check(cfg.trainer.max_steps >= first, "trainer.max_steps",
+           f"is {cfg.trainer.max_steps}, fewer than the {first} inner steps before a worker's first boundary ({what}"
+           f"{' / diloco.fragments' if f > 1 else ''}): no delta would ever be sent. Raise trainer.max_steps or lower {what}")
 
 
 def validate_sim_section(cfg: DictConfig) -> None:
@@ -250,30 +239,9 @@ def validate_master_command(cfg: DictConfig) -> DictConfig:
 
 
 def hub_options(h: DictConfig, url: str, *, create: bool | None = None) -> dict[str, Any]:
-    """``open_hub`` options of a hub section for ``url`` (only those that apply to its transport)."""
-    opts: dict[str, Any] = {}
-    if h.get("cache_dir"):
-        opts["cache_dir"] = h.cache_dir
-    endpoint = h.get("endpoint_url") or h.get("endpoint")  # one option, two names
-    if url.startswith("s3://"):  # a bucket is never created; a prefix needs no creating
-        if endpoint:
-            opts["endpoint_url"] = endpoint
-        for key in ("region", "addressing_style"):
-            if h.get(key):
-                opts[key] = h[key]
-        return opts
-    opts["create"] = bool(h.create) if create is None else create
-    if url.startswith("hf://"):
-        if endpoint:
-            opts["endpoint"] = endpoint
-        if h.get("revision"):
-            opts["revision"] = h.revision
-        opts["private"] = bool(h.get("private", True))
-        opts["commits_per_hour"] = float(h.get("commits_per_hour", 128.0))
-        if h.get("layout", "shared") == "per_node":
-            opts["layout"] = "per_node"
-            opts["node_repo"] = h.node_repo
-    return opts
+    """``open_hub`` options of a hub section for ``url`` (:meth:`HubOptions.open_options`: only those
+    that apply to its transport)."""
+    return _hub_options(h).open_options(url, create=create)
 
 
 def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool | None = None, prefix: str = "hub."):
@@ -296,14 +264,16 @@ def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool |
 
 
 def master_config(section: DictConfig, outer: DictConfig, *, min_deltas: int | None = None,
-                  fragments: Any = None, max_delay: int = 0) -> MasterConfig:
+                  fragments: Any = None, max_delay: int = 0, node_timeout: float | None = None) -> MasterConfig:
     """The :class:`MasterConfig` a master section and the ``outer`` group describe (``min_deltas``,
-    ``fragments``: the values when the section leaves them null; a training run's are the workers';
-    ``max_delay``: the workers' largest lockstep delay, which a null ``keep_globals`` keeps enough
-    versions for)."""
+    ``fragments``, ``node_timeout``: the values when the section leaves them null; a training run's are
+    the workers': their quorum, their fragments, their ``diloco.claim_ttl``; ``max_delay``: the workers'
+    largest lockstep delay, which a null ``keep_globals`` keeps enough versions for)."""
     values = _section(section, [n for n in MasterConfig.names() if n in section])
     if values.get("min_deltas") is None:
         values["min_deltas"] = min_deltas or 1
+    if values.get("node_timeout") is None and node_timeout is not None:
+        values["node_timeout"] = float(node_timeout)
     if values.get("keep_globals") is None:
         values["keep_globals"] = max(default_of(MasterConfig, "keep_globals"), max_delay + 2)
     if values.get("fragments") is None and fragments is not None:

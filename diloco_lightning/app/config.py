@@ -57,6 +57,7 @@ from diloco_lightning.app.checks import (
     validate_sim_section,
     worker_options,
 )
+from diloco_lightning.hub.options import HubOptions
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig
 from diloco_lightning.sim.options import SimOptions
 from diloco_lightning.util.options import default_of
@@ -99,19 +100,21 @@ def compose_section(
     defaults: dict[str, Any] | None = None,
     retype: dict[str, tuple[Any, Any, str]] | None = None,
     extra: list[tuple[str, Any, Any, str]] | None = None,
+    lead: list[tuple[str, Any, Any, str]] | None = None,
     doc: str | None = None,
 ) -> type:
     """A schema section made of a library option class's fields (their types, defaults and help),
     with the product's ``defaults`` on top, a few fields given another type (``retype``: name ->
-    (type, default, help)) and ``extra`` keys of the product's own. The option class stays the one
-    definition: adding an option there adds the key here."""
+    (type, default, help)) and ``lead`` / ``extra`` keys of the product's own (before / after the
+    option class's). The option class stays the one definition: adding an option there adds the key here."""
     hints = typing.get_type_hints(options)
     defaults = defaults or {}
     retype = retype or {}
     unknown = sorted(set(defaults) - {f.name for f in dataclasses.fields(options)})
     if unknown:
         raise TypeError(f"{name}: no option(s) {unknown} in {options.__name__}")
-    specs: list[tuple[str, Any, Any]] = []
+    specs: list[tuple[str, Any, Any]] = [(key, t, field(default=default, metadata={"help": help_}))
+                                         for key, t, default, help_ in lead or []]
     for f in dataclasses.fields(options):
         if f.name in exclude:
             continue
@@ -225,38 +228,14 @@ SimConf = compose_section(
 )
 
 
-@dataclass
-class HubConf:
-    url: Optional[str] = opt(
-        "???", "file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix (required by diloco-master, hub=hf "
-        "and hub=s3; train.py's hub=file: null is <run_dir>/hub)"
-    )
-    create: bool = opt(
-        False, "create the hub folder / hf:// repository if it does not exist (else it is an error; an S3 bucket is never created)"
-    )
-    endpoint_url: Optional[str] = opt(
-        None, "s3://: the store's endpoint URL (MinIO, R2, Ceph ...; default AWS, or $AWS_ENDPOINT_URL_S3); hf://: the "
-        "Hub's URL (default https://huggingface.co or $HF_ENDPOINT)"
-    )
-    endpoint: Optional[str] = opt(None, "the same as hub.endpoint_url (an alias: set one of them)")
-    region: Optional[str] = opt(None, "s3:// only: the bucket's region (default boto3's: $AWS_REGION, the profile ...)")
-    addressing_style: Optional[str] = opt(None, "s3:// only: path | virtual | auto (MinIO usually needs path)")
-    revision: Optional[str] = opt(None, "hf:// only: the branch (default main)")
-    private: bool = opt(True, "hf:// only: a created repository is private")
-    layout: str = opt(
-        "shared", "hf:// only: shared (one repository for the run) | per_node (hub.url is the master's repository, each "
-        "node writes to its own, named by hub.node_repo: a commit budget per node; see the README)"
-    )
-    node_repo: str = opt(
-        "{repo}-{node}", "hf:// with layout=per_node: the node repositories' names ({org} and {repo}: hub.url's parts; "
-        "{node}: the node id; a '/' names another namespace)"
-    )
-    commits_per_hour: float = opt(
-        128.0, "hf:// only: commits this process makes per repository and hour at most (128: the Hub's limit on a free "
-        "account; 0: no limit). A delta beyond it is merged into the next one, a publication waits. With "
-        "layout=shared every process commits to one repository: give each its share"
-    )
-    cache_dir: Optional[str] = opt(None, "downloads (default $DILOCO_CACHE_DIR or ~/.cache/diloco_lightning, then <hash of the url>)")
+HubConf = compose_section(
+    "HubConf", HubOptions,
+    lead=[("url", Optional[str], "???", "file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix (required by "
+           "diloco-master, hub=hf and hub=s3; train.py's hub=file: null is <run_dir>/hub)")],
+    retype={"create": (bool, False, "create the hub folder / hf:// repository if it does not exist (else it is an error, "
+                                    "so a misspelt hub is never created; an S3 bucket is never created)")},
+    doc="Where the run meets: the ``hub`` section of both commands (diloco_lightning.hub.HubOptions, and the URL).",
+)
 
 
 @dataclass
@@ -301,7 +280,7 @@ class TrainConf:
     diloco: DiLoCoConf = opt(help="", factory=DiLoCoConf)  # type: ignore[valid-type]  # made by compose_section
     outer: OuterConf = opt(help="", factory=OuterConf)
     master: MasterConf = opt(help="", factory=MasterConf)  # type: ignore[valid-type]
-    hub: HubConf = opt(help="", factory=HubConf)
+    hub: HubConf = opt(help="", factory=HubConf)  # type: ignore[valid-type]
     trainer: TrainerConf = opt(help="", factory=TrainerConf)
     launch: LaunchConf = opt(help="", factory=LaunchConf)
     sim: SimConf = opt(help="", factory=SimConf)  # type: ignore[valid-type]
@@ -312,7 +291,7 @@ class MasterCommandConf(MasterConf):  # type: ignore[valid-type,misc]
     """``diloco-master``: the :class:`MasterConf` keys at the top level, plus the hub, the outer
     optimizer and what a standalone process needs."""
 
-    hub: HubConf = opt(help="", factory=HubConf)
+    hub: HubConf = opt(help="", factory=HubConf)  # type: ignore[valid-type]
     outer: OuterConf = opt(help="", factory=OuterConf)
     node_state_dir: Optional[str] = opt(
         None, "the master's local state (default: beside a folder hub, <hub>-master; else <hub cache>/master)"

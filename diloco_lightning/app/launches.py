@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from diloco_lightning.util.jsondoc import dumps_json
+
 __all__ = ["LAUNCHES_FILE", "EXTENDING_KEYS", "Launches", "round_counts", "read_jsonl", "resume_command", "invoked_as"]
 
 #: keys that extend a run rather than make another one: a run's id leaves them out (outside a sweep)
@@ -52,7 +54,7 @@ class Launches:
     def end(self, outcome: str, **extra: Any) -> None:
         """Record this launch (``outcome``: finished, interrupted, failed)."""
         entry = {"started": self.started, "wall_seconds": self.seconds(), "outcome": outcome, **extra}
-        self.path.write_text(json.dumps(self.previous() + [entry], indent=2))
+        self.path.write_text(dumps_json(self.previous() + [entry], indent=2))
 
 
 def round_counts(rounds: Iterable[dict[str, Any]]) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from diloco_lightning.util.jsondoc import dumps_json
 from diloco_lightning.app.build import (
     RESULTS_FILE,
     Evaluator,
@@ -101,6 +102,12 @@ def _progress_line(cfg: DictConfig, rdir: Path, elapsed: float) -> tuple[str, tu
     return f"[{elapsed:6.0f}s] " + " | ".join(parts), tuple(key)
 
 
+def _loss(results: dict[str, Any]) -> float:
+    """A results.json's eval loss as a number to print (NaN when it holds none: null, or missing)."""
+    x = results.get("eval_loss")
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+
+
 def finished_results(cfg: DictConfig, rdir: Path) -> dict[str, Any] | None:
     """The results of this run if a previous invocation finished it (as many workers, at least as many steps)."""
     path = rdir / RESULTS_FILE
@@ -124,7 +131,7 @@ def finished_message(cfg: DictConfig, rdir: Path, done: dict[str, Any]) -> str:
     except (ValueError, ImportError):
         overrides = []
     more = resume_command(overrides, invoked_as(), **{"trainer.max_steps": 2 * int(cfg.trainer.max_steps)})
-    return (f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {done.get('eval_loss', math.nan):.3f} "
+    return (f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {_loss(done):.3f} "
             f"after {done.get('outer_steps')} outer steps, {done.get('max_steps')} steps per worker). Nothing to do. To "
             f"train it further (it resumes), raise trainer.max_steps:\n    {more}\nTo start again, use another "
             f"run_id=... or delete {rdir}.")
@@ -139,8 +146,8 @@ def _describe_exit(code: int) -> str:
 
 
 def run_all(cfg: DictConfig) -> dict[str, Any]:
+    """The whole run (see the module docstring): its results, or Interrupted / RunError."""
     rdir = run_dir(cfg)
-    label = recipe_name()
     done = finished_results(cfg, rdir)
     if done is not None:
         print(finished_message(cfg, rdir, done), flush=True)
@@ -150,10 +157,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     log_to_file(rdir / "train.log")
     launches = Launches(rdir)
     started = time.perf_counter()
-    named = f" (recipe {label})" if label and f"recipe={label}" not in str(cfg.run_id) else ""
-    print(f"run {cfg.run_id}{named}: {cfg.workers} workers, model {cfg.model.preset}, "
-          f"outer {cfg.outer.name} (lr {cfg.outer.lr}), H={cfg.diloco.inner_steps}, sync {cfg.diloco.sync}, "
-          f"tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps; hub {hub_label(cfg)}", flush=True)
+    print(_opening_line(cfg), flush=True)
     dm = build_datamodule(cfg)
     dm.prepare_data()  # tokenizer + token cache built once here, not raced by the workers
     config_path = rdir / "config.yaml"
@@ -168,72 +172,103 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     master = build_master(cfg, hub, on_round=on_round)
     master.start()
 
-    devices = _device_list(cfg)
+    devices = _device_list(cfg.launch, cfg.trainer)
     threads = cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // cfg.workers)
     procs: list[subprocess.Popen] = []
-    logs = []
+    logs: list[tuple[Any, Path]] = []
     evaluator = Evaluator(cfg, dm)
-    points = eval_points(cfg)
     eval_curve: list[list[float]] = []
     interrupted: int | None = None
     failed: tuple[int, Any] | None = None
     try:
         with terminate_as_exception():
             for i in range(cfg.workers):
-                env = dict(os.environ)
-                env["OMP_NUM_THREADS"] = str(threads)
-                # the package is importable in workers even when train.py runs from a checkout without install
-                pkg_root = str(Path(__file__).resolve().parents[1])
-                env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-                if devices:
-                    env["CUDA_VISIBLE_DEVICES"] = devices[i % len(devices)]
-                log_path = rdir / "nodes" / node_id(i) / "worker.log"
-                log_path.parent.mkdir(parents=True, exist_ok=True)
-                fh = open(log_path, "ab")
-                logs.append((fh, log_path))
-                procs.append(subprocess.Popen(worker_command(config_path, i), env=env, stdout=fh, stderr=subprocess.STDOUT))
-            failed = _watch(cfg, rdir, procs, master, evaluator, points, eval_curve, started)
+                _start_worker(config_path, rdir, i, threads, devices[i % len(devices)] if devices else None,
+                              procs, logs)
+            failed = _watch(cfg, rdir, procs, master, evaluator, eval_points(cfg), eval_curve, started)
     except (KeyboardInterrupt, Signal) as e:
         interrupted = e.signum if isinstance(e, Signal) else int(signal.SIGINT)
     finally:
         if failed or interrupted:
-            # each worker gets SIGTERM: it uploads what is pending and exits (status 143)
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(timeout=40)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            _stop_workers(procs)
         for fh, _ in logs:
             fh.close()
         master.stop(drain=not (failed or interrupted))
     if failed or interrupted:
         launches.end("interrupted" if interrupted else "failed", max_steps=int(cfg.trainer.max_steps),
                       outer_step=master.outer_step if master.has_state else None)
-    if interrupted:
         hub.close()
-        name = signal.Signals(interrupted).name
-        raise Interrupted(
-            interrupted,
-            f"interrupted by {name}{' (Ctrl-C)' if interrupted == signal.SIGINT else ''}: stopped the master at outer_step "
-            f"{master.outer_step} and {len(procs)} worker(s); checkpoints in {rdir / 'nodes'}. The same command resumes "
-            f"the run.",
-        )
-    if failed:
-        i, code = failed
-        hub.close()
-        if i < 0:
-            raise RunError(f"run {cfg.run_id} {code}; see the worker logs in {rdir / 'nodes'}")
-        tail = "\n".join("    " + line for line in logs[i][1].read_text(errors="replace").splitlines()[-25:])
-        raise RunError(
-            f"worker {node_id(i)} {_describe_exit(code)}; the other workers were stopped. Last lines of "
-            f"{logs[i][1]}:\n{tail or '    (empty)'}"
-        )
-
+        if interrupted:
+            raise _interrupted(interrupted, master.outer_step, len(procs), rdir)
+        assert failed is not None
+        raise _failure(str(cfg.run_id), failed, [path for _, path in logs], rdir)
     return finish_run(cfg, rdir, hub, dm, evaluator, launches, rounds, eval_curve)
+
+
+def _opening_line(cfg: DictConfig) -> str:
+    """``run <id> (recipe <r>): <n> workers, model ..., outer ..., H=..., tau ...; hub ...``: the
+    whole run's settings in one line."""
+    label = recipe_name()
+    named = f" (recipe {label})" if label and f"recipe={label}" not in str(cfg.run_id) else ""
+    return (f"run {cfg.run_id}{named}: {cfg.workers} workers, model {cfg.model.preset}, "
+            f"outer {cfg.outer.name} (lr {cfg.outer.lr}), H={cfg.diloco.inner_steps}, sync {cfg.diloco.sync}, "
+            f"tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps; hub {hub_label(cfg)}")
+
+
+def _start_worker(config_path: Path, rdir: Path, index: int, threads: int, device: str | None,
+                  procs: list[subprocess.Popen], logs: list[tuple[Any, Path]]) -> None:
+    """Start worker ``index`` (``train.py role=worker`` on the saved config), its output in
+    ``nodes/<node>/worker.log``; appended to ``procs`` and ``logs`` as soon as it exists (an
+    interrupted start stops the ones already started)."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    # the package is importable in workers even when train.py runs from a checkout without install
+    pkg_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    log_path = rdir / "nodes" / node_id(index) / "worker.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(log_path, "ab")
+    logs.append((fh, log_path))
+    procs.append(subprocess.Popen(worker_command(config_path, index), env=env, stdout=fh, stderr=subprocess.STDOUT))
+
+
+def _stop_workers(procs: list[subprocess.Popen], timeout: float = 40.0) -> None:
+    """SIGTERM to each live worker: it uploads what is pending and exits (status 143); killed
+    after ``timeout`` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _interrupted(signum: int, outer_step: int | None, workers: int, rdir: Path) -> Interrupted:
+    """What a user reads after Ctrl-C or SIGTERM: what was stopped, and that the same command resumes."""
+    name = signal.Signals(signum).name
+    return Interrupted(
+        signum,
+        f"interrupted by {name}{' (Ctrl-C)' if signum == signal.SIGINT else ''}: stopped the master at outer_step "
+        f"{outer_step} and {workers} worker(s); checkpoints in {rdir / 'nodes'}. The same command resumes "
+        f"the run.",
+    )
+
+
+def _failure(run_id: str, failed: tuple[int, Any], log_paths: list[Path], rdir: Path) -> RunError:
+    """A failed run: the worker that failed (index -1: the run's timeout) and its log's last lines."""
+    i, code = failed
+    if i < 0:
+        return RunError(f"run {run_id} {code}; see the worker logs in {rdir / 'nodes'}")
+    tail = "\n".join("    " + line for line in log_paths[i].read_text(errors="replace").splitlines()[-25:])
+    return RunError(
+        f"worker {node_id(i)} {_describe_exit(code)}; the other workers were stopped. Last lines of "
+        f"{log_paths[i]}:\n{tail or '    (empty)'}"
+    )
 
 
 def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launches: Launches, rounds: list[dict],
@@ -298,7 +333,7 @@ def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launc
         "eval_curve": eval_curve,
         "workers_summary": summaries,
     }
-    (rdir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+    (rdir / RESULTS_FILE).write_text(dumps_json(results, indent=2))
     launches.end("finished", max_steps=int(cfg.trainer.max_steps), outer_step=outer_step)
     again = f" (launch {len(previous) + 1} of this run: {launch_wall:.0f} s, {launch_accepted} deltas accepted)" if previous else ""
     print(
@@ -348,10 +383,12 @@ def _mean_curve(curves: list[list[tuple[int, float]]]) -> list[list[float]]:
     return [[s, sum(v) / len(v)] for s, v in sorted(by_step.items())]
 
 
-def _device_list(cfg: DictConfig) -> list[str]:
-    if cfg.launch.devices:
-        return [str(d) for d in cfg.launch.devices]
-    if cfg.trainer.accelerator in ("gpu", "cuda", "auto"):
+def _device_list(launch: DictConfig, trainer: DictConfig) -> list[str]:
+    """The devices the workers take in turn: ``launch.devices``, else every CUDA device when
+    ``trainer.accelerator`` may use one, else none."""
+    if launch.devices:
+        return [str(d) for d in launch.devices]
+    if trainer.accelerator in ("gpu", "cuda", "auto"):
         try:
             import torch
 

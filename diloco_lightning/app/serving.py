@@ -26,14 +26,22 @@ def build(cfg):
     """The hub and the :class:`~diloco_lightning.master.MasterOuterLoop` a config describes."""
     from diloco_lightning.app.config import master_config, open_configured_hub, validate_master_command
     from diloco_lightning.master import MasterOuterLoop
-    from diloco_lightning.wire.statefile import load_weights_file
+    from diloco_lightning.master.runstate import check_state
+    from diloco_lightning.util.errors import ConfigError
+    from diloco_lightning.wire.statefile import StateFileError, load_weights_file
 
     validate_master_command(cfg)
     hub = open_configured_hub(cfg.hub)
     state_dir = Path(cfg.node_state_dir) if cfg.get("node_state_dir") else default_state_dir(hub)
     state = None
     if cfg.get("init"):
-        state, _ = load_weights_file(cfg.init)
+        try:
+            state, _ = load_weights_file(cfg.init)
+            check_state(state, str(cfg.init))
+        except (StateFileError, ValueError) as e:
+            detail = e.detail if isinstance(e, StateFileError) else str(e)
+            raise ConfigError("init", f"{cfg.init} is not a model's initial weights ({detail}): give a safetensors "
+                              "file of the model's state_dict, or leave init unset to adopt a worker's") from None
     master = MasterOuterLoop(
         hub,
         state,

@@ -15,7 +15,6 @@ files (``sim.save_weights=true`` writes the final global weights to ``global.saf
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from diloco_lightning.util.jsondoc import dumps_json
 from diloco_lightning.app.build import (
     RESULTS_FILE,
     Evaluator,
@@ -38,7 +38,7 @@ from diloco_lightning.app.build import (
 )
 from diloco_lightning.app.config import sim_options
 from diloco_lightning.app.console import log_to_file
-from diloco_lightning.app.local import _mean_curve, finished_results, print_round
+from diloco_lightning.app.local import _loss, _mean_curve, finished_results, print_round
 
 __all__ = ["build_simulator", "run_sim"]
 
@@ -164,7 +164,7 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
     label = recipe_name()
     done = finished_results(cfg, rdir)
     if done is not None:
-        print(f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {done.get('eval_loss', math.nan):.3f}). "
+        print(f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {_loss(done):.3f}). "
               f"Nothing to do: use another run_id=... or delete {rdir}.", flush=True)
         return done
     rdir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +195,7 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
 
     def on_version(rec: dict) -> None:
         with open(metrics_path, "a") as f:
-            f.write(json.dumps(rec, sort_keys=True) + "\n")
+            f.write(dumps_json(rec, sort_keys=True) + "\n")
         now = time.perf_counter()
         if total <= 64 or now - last_print[0] >= 10.0 or rec.get("outer_step") == total:
             last_print[0] = now
@@ -212,13 +212,13 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
     for w in sim.workers:
         out = rdir / "nodes" / w.node_id
         out.mkdir(parents=True, exist_ok=True)
-        (out / "progress.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in w.losses))
-        (out / "summary.json").write_text(json.dumps(_worker_summary(cfg, sim, w), indent=2))
+        (out / "progress.jsonl").write_text("".join(dumps_json({"step": s, "loss": v}) + "\n" for s, v in w.losses))
+        (out / "summary.json").write_text(dumps_json(_worker_summary(cfg, sim, w), indent=2))
     if sim_options(cfg).save_weights:
         from diloco_lightning.wire.statefile import save_weights_file
 
         save_weights_file(rdir / "global.safetensors", result.final_state, metadata={"outer_step": str(result.outer_steps)})
-    (rdir / RESULTS_FILE).write_text(json.dumps(results, indent=2))
+    (rdir / RESULTS_FILE).write_text(dumps_json(results, indent=2))
     print(f"done in {wall:.0f}s: {result.outer_steps} outer steps, {results['deltas_accepted']} deltas accepted, "
           f"{results['deltas_rejected']} rejected, {results['sim']['inner_steps_per_second']:.1f} inner steps/s | "
           f"train loss {results['final_train_loss']:.3f} | eval loss of the global model {results['eval_loss']:.3f} "

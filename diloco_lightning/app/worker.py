@@ -10,7 +10,6 @@ SIGTERM stopped it (after uploading what was pending).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from diloco_lightning.util.jsondoc import dumps_json
 from diloco_lightning.app.build import (
     build_datamodule,
     build_module,
@@ -60,7 +60,7 @@ class ProgressFile:
                         return
                     outer.last = now
                     with open(outer.path, "a") as f:
-                        f.write(json.dumps({"step": step, "loss": float(loss), "time": now}) + "\n")
+                        f.write(dumps_json({"step": step, "loss": float(loss), "time": now}) + "\n")
 
         return ProgressCallback()
 
@@ -155,7 +155,7 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
         "bytes_sent": summary["bytes_sent"] - start.bytes_sent,
         "deltas_sent": summary["deltas_sent"] - start.deltas_sent,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(dumps_json(summary, indent=2))
     return summary
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Union
 
 from diloco_lightning.util.errors import DiLoCoError
-from diloco_lightning.util.fileio import cache_root, sweep_temporaries
+from diloco_lightning.util.fileio import cache_root, sweep_stale_files, sweep_temporaries
 from diloco_lightning.wire.manifest import Lease, Manifest
 from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.names import (
@@ -397,11 +397,19 @@ class Hub(abc.ABC):
         except OSError:
             pass
 
+    def sweep_cache(self, max_age: float) -> list[str]:
+        """This handle's download cache: temporaries of interrupted downloads whose owner process is
+        gone (or older than ``max_age`` seconds), and complete copies unchanged for ``max_age`` (every
+        download is released once read, so what stays was left by a killed process). What a worker
+        runs at start: its cache keeps what it needs and no more. Returns what was removed."""
+        return sweep_temporaries(self.cache_dir, max_age, recursive=True) + sweep_stale_files(self.cache_dir, max_age)
+
     def sweep(self, max_age: float) -> list[str]:
         """Remove what dead writers left behind (temporary files of interrupted uploads and
-        downloads): files whose owner process is known to be dead, or older than ``max_age``
-        seconds; never a live writer's file. Returns what was removed (for the log)."""
-        return sweep_temporaries(self.cache_dir, max_age, recursive=True)
+        downloads, here and in the cache: :meth:`sweep_cache`): files whose owner process is known to
+        be dead, or older than ``max_age`` seconds; never a live writer's file. What the master runs
+        at start and with garbage collection. Returns what was removed (for the log)."""
+        return self.sweep_cache(max_age)
 
     def close(self) -> None:  # noqa: B027 - optional: most transports hold nothing to release
         """Release resources (HTTP sessions, thread pools)."""

@@ -172,10 +172,29 @@ class HFHub(HFRequests, Hub):
         self.commit_budget = CommitBudget(commits_per_hour, commit_burst)
         #: the hub whose crash points this one's are (a per-node hub's repositories report as it)
         self.fault_owner: Hub | None = None
+        #: the repository's creation (or existence check) still to do: before the first write when the
+        #: Hub could not be reached at open (an outage is never a reason to exit)
+        self._open_pending: tuple[str, Any] | None = None
         if create:
-            self._call("create the repository", self._api.create_repo, self.repo_id, private=private, exist_ok=True)
+            self._open_pending = ("create the repository", lambda: self._api.create_repo(
+                self.repo_id, private=private, exist_ok=True))
         elif create is not None:
-            self._call("open the repository", self._api.repo_info, self.repo_id, revision=self.revision)
+            self._open_pending = ("open the repository", lambda: self._api.repo_info(self.repo_id, revision=self.revision))
+        if self._open_pending is not None:
+            try:
+                self._ensure_open()
+            except HubUnavailableError as e:
+                log.warning("cannot reach %s to %s (%s); done before this process's first write", self.url,
+                            self._open_pending[0], e)
+
+    def _ensure_open(self) -> None:
+        """Create (or check) the repository if that could not be done at open: before any write.
+        Raises ``HubUnavailableError`` while the Hub is unreachable (the caller's wait retries)."""
+        pending = self._open_pending
+        if pending is None:
+            return
+        self._call(pending[0], pending[1])
+        self._open_pending = None
 
     @staticmethod
     def _check_repo_id(repo_id: object) -> str:
@@ -306,6 +325,7 @@ class HFHub(HFRequests, Hub):
     ) -> None:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
+        self._ensure_open()
         # the same transport-independent checks as every hub (nothing written on failure)
         files, delete = check_publication(
             manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
@@ -379,6 +399,7 @@ class HFHub(HFRequests, Hub):
         for p in paths:
             if p in (MANIFEST_PATH, LEASE_PATH):
                 raise InvalidNameError(f"refusing to delete {p!r}")
+        self._ensure_open()
         if not paths:
             return
         for attempt in range(self.max_cas_attempts):
@@ -405,6 +426,7 @@ class HFHub(HFRequests, Hub):
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
+        self._ensure_open()
         for attempt in range(self.max_cas_attempts):
             data, head = self._read_head_file(LEASE_PATH)
             current = self._parse_lease(data)
@@ -449,6 +471,7 @@ class HFHub(HFRequests, Hub):
         if claim is not None and claim.node_id != node_id:
             raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
         path = claim_path(node_id)
+        self._ensure_open()
         for attempt in range(self.max_cas_attempts):
             data, head = self._read_head_file(path)
             current = self._parse_claim(data, node_id)

@@ -90,6 +90,9 @@ class HFRequests:
     ``repo_id``, ``revision``, ``endpoint``, ``url``, ``_token``, ``_api``, ``_guard_opts``,
     ``_plain_transient`` and the retry options)."""
 
+    def _ensure_open(self) -> None:  # noqa: B027 - HFHub's: the repository created (or checked) before a write
+        """Nothing to do here; ``HFHub`` creates its repository before the first write when it could not at open."""
+
     url: str
     repo_id: str
     revision: str
@@ -365,6 +368,8 @@ class HFRequests:
         bytes are already there: an earlier attempt of ours), False if another file is there.
         ``delete``: files removed in the same commit (those still there at its parent)."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        self._ensure_open()
 
         delete = sorted({validate_hub_path(p) for p in delete} - {hub_path})
 

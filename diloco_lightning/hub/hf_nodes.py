@@ -40,6 +40,11 @@ finished worker stays (delete the node repositories with the run). The master's 
 publication deletions (``global/``) ride in its commit as before; its deletions under
 ``nodes/`` are left to the workers.
 
+**Membership** (:meth:`HFNodesHub.list_claims`): a node's claim (``nodes/<node>/claim.json``, its
+heartbeat) is in the node's repository, found by the same discovery and tree listings as its
+deltas, so the master's live nodes, a fractional quorum, the adaptive deadline and the workers'
+Dynamic Local Updates work on this layout as on one repository.
+
 **Commit budgets** (:class:`~diloco_lightning.hub.pacing.CommitBudget`): one per repository
 this handle writes to, ``commits_per_hour`` each (default 128): a worker's uploads and claim
 renewals share its repository's, the master's publications and lease renewals the master
@@ -78,6 +83,7 @@ from diloco_lightning.wire.names import (
     validate_hub_path,
     validate_node_id,
 )
+from diloco_lightning.hub.options import DEFAULT_NODE_REPO, LAYOUTS, parse_node_repo
 from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.signing import load_run_key
 
@@ -85,28 +91,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HFNodesHub", "DEFAULT_NODE_REPO", "LAYOUTS", "parse_node_repo"]
 
-DEFAULT_NODE_REPO = "{repo}-{node}"
-LAYOUTS = ("shared", "per_node")
 
 _Files = list[tuple[str, "int | None", "str | None"]]
-
-
-def parse_node_repo(pattern: str, org: str, repo: str) -> tuple[str, str, str]:
-    """``(namespace, prefix, suffix)`` of a node repository pattern: ``<ns>/<prefix>{node}<suffix>``."""
-    if not isinstance(pattern, str) or pattern.count("{node}") != 1:
-        raise ValueError(f"node_repo {pattern!r} must contain {{node}} exactly once, as in '{DEFAULT_NODE_REPO}'")
-    ns_pat, _, name_pat = pattern.rpartition("/")
-    if "{node}" in ns_pat:
-        raise ValueError(f"node_repo {pattern!r}: {{node}} must be in the repository name, not its namespace")
-    head, _, tail = name_pat.partition("{node}")
-    try:
-        ns = (ns_pat or "{org}").format(org=org, repo=repo)
-        prefix, suffix = head.format(org=org, repo=repo), tail.format(org=org, repo=repo)
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"node_repo {pattern!r}: only {{org}}, {{repo}} and {{node}} may appear ({e})") from None
-    if not prefix and not suffix:
-        raise ValueError(f"node_repo {pattern!r}: the name needs text besides {{node}} (e.g. '{DEFAULT_NODE_REPO}')")
-    return ns, prefix, suffix
 
 
 class HFNodesHub(Hub):
@@ -393,6 +379,14 @@ class HFNodesHub(Hub):
 
     def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
         self._node_hub(node_id, write=True).write_claim(node_id, claim, expected=expected)
+
+    def list_claims(self) -> dict[str, NodeClaim]:
+        """Every node's claim, from the node repositories the discovery finds (the same listing as the
+        deltas': one request per 1000 node repositories, plus a tree listing of each whose head moved),
+        a claim read again only when its blob changed. What the master's membership and the workers'
+        Dynamic Local Updates read, on this layout as on every other."""
+        entries = [(path, size, blob) for _node, path, size, blob in self._node_entries()]
+        return self._claims_from_listing(entries, lambda node: self._node_hub(node).read_claim(node))
 
     def __repr__(self) -> str:
         return f"HFNodesHub({self.url!r}, node_repo={self.node_repo!r}, endpoint={self.master.endpoint!r})"

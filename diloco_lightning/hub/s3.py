@@ -60,9 +60,16 @@ How each rule of ``diloco_lightning.hub.base`` is kept:
   are reused from the cache (a delta's only if its size matches the listing); the mutable ones
   (manifest, lease, ``init.safetensors``) are fetched every time.
 
-What a crash can leave behind besides orphans: incomplete multipart uploads (invisible; set an
-``AbortIncompleteMultipartUpload`` lifecycle rule on the bucket), a ``global/.probe-*`` object
-(not a valid global name: listings skip it), ``.tmp`` files in the cache.
+What a crash can leave behind besides orphans: incomplete multipart uploads (invisible, but
+stored), a ``global/.probe-dl-<host>-<pid>-*`` object of the conditional-write probe (not a valid
+global name: listings skip it), ``.tmp`` files in the cache. :meth:`S3Hub.sweep` (the master's,
+at start and with garbage collection) removes them: a probe's once its process of this host is
+gone (or it is ``max_age`` old), any other incomplete upload once initiated ``max_age`` ago; an
+``AbortIncompleteMultipartUpload`` lifecycle rule on the bucket is still the belt to these braces.
+
+A store that cannot be reached when the hub is opened (an outage) does not stop the process: the
+probe is then run before its first write, and until it passes every write raises
+``HubUnavailableError``, which every caller's wait retries and reports.
 """
 
 from __future__ import annotations
@@ -164,8 +171,26 @@ class S3Hub(Hub):
         )
         self._warned: set[str] = set()
         self._warned_lock = threading.Lock()
+        #: the conditional-write probe still to pass before this handle's first write (None: passed or not asked)
+        self._probe_lock = threading.Lock()
+        self._probe_pending = bool(check_conditional_writes)
         if check_conditional_writes:
-            self.store.check_conditional_writes(GLOBAL_DIR)
+            try:
+                self._ensure_probed()
+            except HubUnavailableError as e:  # the store is down: never a reason to exit; checked before any write
+                log.warning("cannot reach %s to check its conditional writes (%s); they are checked before this "
+                            "process's first write", self.url, e)
+
+    def _ensure_probed(self) -> None:
+        """Run the conditional-write probe if it has not passed yet (before any write: without the
+        store's conditional writes nothing here holds). Raises ``HubUnavailableError`` while the store
+        is unreachable (the caller's wait retries), ``HubError`` when the store lacks them."""
+        if not self._probe_pending:
+            return
+        with self._probe_lock:
+            if self._probe_pending:
+                self.store.check_conditional_writes(GLOBAL_DIR)
+                self._probe_pending = False
 
     def _fault(self, label: str) -> None:
         faults.point(label, self)  # crash points for tests (diloco_lightning.util.faults)
@@ -181,12 +206,14 @@ class S3Hub(Hub):
 
     def upload_delta(self, local_file: str | os.PathLike, node_id: str, local_step: int) -> str:
         hub_path = delta_path(node_id, local_step)
+        self._ensure_probed()
         if not self.store.put_new(local_file, hub_path, "upload delta"):
             raise DeltaExistsError(f"{hub_path} already exists on {self.url}; deltas are never rewritten")
         return hub_path
 
     def upload_init(self, local_file: str | os.PathLike, node_id: str) -> str:
         hub_path = init_path(node_id)
+        self._ensure_probed()
         if not self.store.put_new(local_file, hub_path, "offer initial weights"):
             log.info("%s already offered on %s; keeping the first one", hub_path, self.url)
         return hub_path
@@ -276,6 +303,7 @@ class S3Hub(Hub):
         )
         mirrors = check_mirrors(mirrors, files, delete)
         delete = list(dict.fromkeys(delete))
+        self._ensure_probed()
         data = manifest.to_json().encode()
         current, etag = self.store.read_small(MANIFEST_PATH)
         if current == data:
@@ -387,6 +415,7 @@ class S3Hub(Hub):
         return self._lease(data)
 
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
+        self._ensure_probed()
         data, etag = self.store.read_small(LEASE_PATH)
         current = self._lease(data)
         if current == lease:
@@ -424,6 +453,7 @@ class S3Hub(Hub):
         if claim is not None and claim.node_id != node_id:
             raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
         path = claim_path(node_id)
+        self._ensure_probed()
         data, etag = self.store.read_small(path)
         current = self._claim(data, node_id)
         if current == claim and (claim is not None or not data):
@@ -438,6 +468,16 @@ class S3Hub(Hub):
             ) from None
 
     # ------------------------------------------------------------------ common
+
+    def sweep(self, max_age: float) -> list[str]:
+        """The cache's temporaries (base ``Hub.sweep``), and on the store the probe objects and incomplete
+        multipart uploads killed processes left (:meth:`S3Store.sweep`)."""
+        removed = super().sweep(max_age)
+        try:
+            removed += self.store.sweep(GLOBAL_DIR, max_age)
+        except HubError as e:  # e.g. credentials that may not list or delete there: the cache is swept anyway
+            log.info("could not sweep %s: %s", self.url, e)
+        return removed
 
     def close(self) -> None:
         self.store.close()

@@ -37,11 +37,13 @@ import logging
 import math
 import os
 import re
+import time
 import uuid
 from pathlib import Path
 from typing import Any, List
 
-from diloco_lightning.util.fileio import atomic_path
+from diloco_lightning.util import faults
+from diloco_lightning.util.fileio import atomic_path, is_dead_or_old, owner_tag
 from diloco_lightning.hub.base import HubAuthError, HubError, HubFileTooLargeError, HubNotFoundError, HubUnavailableError
 from diloco_lightning.hub.s3_client import (  # noqa: F401 - re-exported: the store's names, importable from here
     ADDRESSING_STYLES,
@@ -63,6 +65,8 @@ _MAX_PARTS = 10_000
 _PART_CONCURRENCY = 4
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects takes
 SMALL_LIMIT = 16 * MiB  # a "small" object (manifest, lease) above this is refused, never read into memory
+#: the name the conditional-write probe's scratch object starts with (in ``global/``)
+PROBE_PREFIX = ".probe-"
 _CHUNK = 8 * MiB
 _MD5_ETAG_RE = re.compile(r"[0-9a-f]{32}")
 _MULTIPART_ETAG_RE = re.compile(r"[0-9a-f]{32}-[0-9]+")
@@ -89,8 +93,10 @@ class S3Store(S3Client):
     def check_conditional_writes(self, scratch_dir: str) -> None:
         """Raise ``HubError`` unless the store honours ``If-None-Match`` and ``If-Match`` on
         PutObject; set :attr:`conditional_multipart`. Works on a scratch object
-        ``<scratch_dir>/.probe-<random>``, removed afterwards."""
-        key = self.key(f"{scratch_dir}/.probe-{uuid.uuid4().hex}")
+        ``<scratch_dir>/.probe-dl-<host>-<pid>-<random>`` (owner-tagged: what a process killed
+        during the probe leaves, object or multipart upload, is swept: :meth:`sweep_probes`),
+        removed afterwards."""
+        key = self.key(f"{scratch_dir}/{PROBE_PREFIX}{owner_tag()}{uuid.uuid4().hex}")
 
         def refused(header: str, **cond: str) -> bool:
             """Whether a PutObject with ``cond`` was refused with 412; other refusals: unsupported."""
@@ -124,6 +130,7 @@ class S3Store(S3Client):
         upload_id = self._mpu_start(key, "probe multipart")
         try:
             part = self._mpu_part(key, upload_id, 1, b"4", "probe multipart")
+            faults.point("s3.probing")  # crash tests: a killed probe leaves its object and this upload
             self._mpu_complete(key, upload_id, [part], "probe multipart")
         except Precondition:
             return True
@@ -313,6 +320,49 @@ class S3Store(S3Client):
                     return False  # stops at the first difference: a real conflict usually differs in the header
             return not f.read(1)
 
+    # ------------------------------------------------------------------ litter of killed processes
+
+    def sweep(self, scratch_dir: str, max_age: float) -> list[str]:
+        """What killed processes left on the store: probe objects of ``scratch_dir`` and incomplete
+        multipart uploads under the prefix. A probe's (its key carries its owner) goes when its
+        process of this host is gone, or, of another host, once ``max_age`` old; any other
+        incomplete upload (a delta's or a version's, cut short by ``kill -9``: invisible, but
+        stored and billed) once initiated more than ``max_age`` ago. Returns what was removed."""
+        now = time.time()
+        removed: list[str] = []
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.key(f"{scratch_dir}/{PROBE_PREFIX}")}
+        page = self.call(f"list {scratch_dir}/{PROBE_PREFIX}*", self.client.list_objects_v2, **kw)
+        for obj in page.get("Contents") or []:
+            key = str(obj.get("Key") or "")
+            if is_dead_or_old(key.rsplit("/", 1)[-1], now - _age(obj.get("LastModified"), now), max_age, now):
+                with contextlib.suppress(HubError):
+                    self.call(f"delete {key}", self.client.delete_object, Bucket=self.bucket, Key=key)
+                    removed.append(key[len(self._root):])
+        kw = {"Bucket": self.bucket, "Prefix": self._root}
+        while True:
+            try:
+                page = self.call("list incomplete multipart uploads", self.client.list_multipart_uploads, **kw)
+            except HubError as e:  # a store without the call: nothing to sweep there
+                log.debug("%s: cannot list multipart uploads: %s", self.url, e)
+                break
+            for up in page.get("Uploads") or []:
+                key, upload_id = str(up.get("Key") or ""), up.get("UploadId")
+                name = key.rsplit("/", 1)[-1]
+                started = now - _age(up.get("Initiated"), now)
+                stale = (is_dead_or_old(name, started, max_age, now) if name.startswith(PROBE_PREFIX)
+                         else now - started > max_age)
+                if stale and upload_id:
+                    with contextlib.suppress(HubError):
+                        self.call(f"abort the upload of {key}", self.client.abort_multipart_upload, Bucket=self.bucket,
+                                  Key=key, UploadId=upload_id)
+                        removed.append(f"{key[len(self._root):]} (incomplete upload)")
+            if not page.get("IsTruncated"):
+                break
+            kw["KeyMarker"], kw["UploadIdMarker"] = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
+            if not kw["KeyMarker"]:
+                break
+        return removed
+
     # ------------------------------------------------------------------ listing, reading, deleting
 
     def list(self, folder: str, *, recursive: bool) -> list[tuple[str, int | None, str | None]]:
@@ -392,6 +442,14 @@ class S3Store(S3Client):
         if failed:
             raise HubError(f"could not delete {len(failed)} object(s) from {self.url}: {', '.join(failed[:5])}"
                            + (" ..." if len(failed) > 5 else ""))
+
+
+def _age(when: Any, now: float) -> float:
+    """Seconds since an S3 timestamp (a datetime; 0 when the store gave none)."""
+    try:
+        return max(0.0, now - float(when.timestamp()))
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        return 0.0
 
 
 def _file_md5(path: Path) -> str:

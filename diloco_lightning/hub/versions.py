@@ -165,15 +165,19 @@ class _Vanished(DiLoCoError):
         self.error = error
 
 
-def _load_verified(hub: Hub, hub_path: str, sha256: str | None, verify: bool, reader):
+def _load_verified(hub: Hub, hub_path: str, sha256: str | None, verify: bool, reader, keep: bool = False):
     """Download ``hub_path`` and read it with ``reader(local, expect_sha256)`` (one open file:
-    the digest checked is that of the bytes loaded)."""
+    the digest checked is that of the bytes loaded). The downloaded copy is released once read
+    (:meth:`Hub.release`: a remote hub's cache keeps no version it has loaded) unless ``keep``."""
     try:
         local = hub.download(hub_path)
     except HubNotFoundError as e:
         raise _Vanished(e) from None
     try:
-        return reader(local, sha256 if verify else None), local
+        out = reader(local, sha256 if verify else None), local
+        if not keep:
+            hub.release(local)
+        return out
     except FileNotFoundError:
         raise _Vanished(HubNotFoundError(f"{hub_path} vanished from {hub.url} while it was read")) from None
     except DigestMismatchError as e:
@@ -207,6 +211,7 @@ def load_global(
     verify: bool = True,
     attempts: int = 3,
     signing_key: RunKey | None = None,
+    keep_file: bool = False,
 ) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """The manifest and the global weights it names (CPU tensors that own their memory).
 
@@ -216,7 +221,8 @@ def load_global(
     and the state's fingerprint must equal the manifest's (``GlobalIntegrityError``).
     With ``signing_key`` the manifest must carry its signature (``UnauthenticatedVersionError``).
     Raises ``NothingPublishedError`` when nothing was ever published and
-    ``HubNotFoundError`` when a given manifest's weights are gone.
+    ``HubNotFoundError`` when a given manifest's weights are gone. The downloaded file is released
+    once loaded (the tensors own their memory) unless ``keep_file``.
     """
     follow = manifest is None
     for attempt in range(1, max(1, attempts) + 1):
@@ -227,7 +233,8 @@ def load_global(
         assert manifest is not None
         verify_manifest(manifest, signing_key, hub.url)
         try:
-            (state, _), local = _load_verified(hub, manifest.weights, manifest.weights_sha256, verify, load_weights_file)
+            (state, _), local = _load_verified(hub, manifest.weights, manifest.weights_sha256, verify, load_weights_file,
+                                               keep_file)
         except _Vanished as v:
             if not follow or attempt >= attempts:
                 raise v.error from None
@@ -243,7 +250,8 @@ def load_global(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def load_outer_state(hub: Hub, manifest: Manifest, *, verify: bool = True, signing_key: RunKey | None = None) -> Any | None:
+def load_outer_state(hub: Hub, manifest: Manifest, *, verify: bool = True, signing_key: RunKey | None = None,
+                     keep_file: bool = False) -> Any | None:
     """The outer optimizer's state dict published with ``manifest``, or None if it names none.
 
     With ``verify`` (and a ``outer_state_sha256`` in the manifest) the file's SHA-256 must match;
@@ -253,7 +261,8 @@ def load_outer_state(hub: Hub, manifest: Manifest, *, verify: bool = True, signi
     if manifest.outer_state is None:
         return None
     try:
-        (state, _), _local = _load_verified(hub, manifest.outer_state, manifest.outer_state_sha256, verify, load_state_file)
+        (state, _), _local = _load_verified(hub, manifest.outer_state, manifest.outer_state_sha256, verify, load_state_file,
+                                            keep_file)
     except _Vanished as v:
         raise v.error from None
     return state

@@ -62,9 +62,14 @@ Speedtronic's rounds; the exception is one that arrived after Speedtronic's last
 the upload in flight of each worker when Speedtronic's master stopped), which the hub cannot
 tell apart: it is counted as processed, never applied a second time (a lost inner phase costs
 less than one applied twice; one staler than ``max_staleness`` or gated to zero would be
-refused anyway). Per node, the ledger starts at the highest ``local_step`` of a delta with
-``base_outer_step < N`` (found by reading headers from the node's newest delta down, usually
-one or two), so a node's later deltas, and all of a node that has only new ones, are applied.
+refused anyway). Per node, the ledger starts at the highest ``local_step`` of a *valid* delta
+with ``base_outer_step < N`` (found by reading from the node's newest delta down, usually one
+or two; a file that is not a valid delta of this model moves no ledger, as in every round), so a
+node's later deltas, and all of a node that has only new ones, are applied. An adopted
+``outer_step`` must leave room to run (at most ``names.MAX_ADOPTED_STEP``), else the version is
+refused with that reason. The mirror this package's own master writes (``algorithm:
+diloco_lightning``) is never adopted as Speedtronic's by a master with a state of its own: a
+deleted manifest makes it publish its own version again, optimizer state and ledger included.
 Deltas at or below the ledger are deleted with the adoption's publication (Speedtronic never
 deleted any).
 
@@ -99,6 +104,7 @@ from diloco_lightning.wire.delta import (
     max_header_bytes,
     model_fingerprint,
     parse_header as parse_own_header,
+    read_delta,
     read_delta_header,
 )
 from diloco_lightning.hub.base import Hub, HubError, HubFileTooLargeError, HubNotFoundError
@@ -107,6 +113,7 @@ from diloco_lightning.master.config import MasterConfigError
 from diloco_lightning.master.runstate import check_state
 from diloco_lightning.wire.names import (
     LATEST_WEIGHTS_PATH,
+    MAX_ADOPTED_STEP,
     MAX_STEP,
     STEP_COUNT_PATH,
     InvalidNameError,
@@ -114,6 +121,7 @@ from diloco_lightning.wire.names import (
     validate_global_data_path,
     validate_node_id,
 )
+from diloco_lightning.util.jsondoc import load_json
 from diloco_lightning.util.options import OptionError
 from diloco_lightning.wire.statefile import StateFileError, load_weights_file
 from diloco_lightning.wire.layout import LayoutError
@@ -206,13 +214,19 @@ def parse_header(path: str | Path, md: Mapping[str, str] | None) -> DeltaHeader:
 # ----------------------------------------------------------------------------- step_count.json
 
 
+#: the ``algorithm`` of the ``step_count.json`` this package's master writes (its own mirror)
+OWN_ALGORITHM = "diloco_lightning"
+
+
 @dataclass(frozen=True)
 class SpeedtronicVersion:
-    """What ``global/step_count.json`` says: the version and the file holding its weights."""
+    """What ``global/step_count.json`` says: the version and the file holding its weights;
+    ``ours``: it is the mirror a master of this package wrote (``algorithm: diloco_lightning``)."""
 
     outer_step: int
     model_file: str
     updated_at: str = ""
+    ours: bool = False
 
 
 def parse_step_count(data: bytes, source: str) -> SpeedtronicVersion:
@@ -224,18 +238,19 @@ def parse_step_count(data: bytes, source: str) -> SpeedtronicVersion:
             "the master on another hub"
         )
 
-    if len(data) > STEP_COUNT_MAX_BYTES:
-        raise bad(f"{len(data)} bytes (at most {STEP_COUNT_MAX_BYTES})")
     try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise bad(f"not JSON ({type(e).__name__})") from None
+        doc = load_json(data, max_bytes=STEP_COUNT_MAX_BYTES, max_depth=8, what="the document")
+    except ValueError as e:
+        raise bad(str(e).removeprefix("the document: ")) from None
     if not isinstance(doc, dict):
         raise bad(f"a JSON {type(doc).__name__}, expected an object")
     step = doc.get("outer_step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
         shown = _show(json.dumps(step)[:200]) if not isinstance(step, int) or isinstance(step, bool) else f"{step:.3g}"
         raise bad(f"'outer_step' is {shown}, expected an integer from 0 to {MAX_STEP}")
+    if step > MAX_ADOPTED_STEP:
+        raise bad(f"'outer_step' is {step}, which leaves fewer than {MAX_STEP - MAX_ADOPTED_STEP} versions to run before "
+                  f"the largest one ({MAX_STEP}); no run gets there")
     model_file = doc.get("model_file", LATEST_WEIGHTS_PATH)
     if not isinstance(model_file, str):
         raise bad("'model_file' is not a string")
@@ -247,7 +262,7 @@ def parse_step_count(data: bytes, source: str) -> SpeedtronicVersion:
         raise bad("'model_file' names step_count.json itself")
     updated = doc.get("updated_at")
     updated_at = updated[:64] if isinstance(updated, str) else ""
-    return SpeedtronicVersion(step, model_file, updated_at)
+    return SpeedtronicVersion(step, model_file, updated_at, ours=doc.get("algorithm") == OWN_ALGORITHM)
 
 
 def step_count_document(manifest: Manifest) -> bytes:
@@ -260,7 +275,7 @@ def step_count_document(manifest: Manifest) -> bytes:
         "outer_step": manifest.outer_step,
         "updated_at": when.isoformat(),
         "model_file": manifest.weights,
-        "algorithm": "diloco_lightning",
+        "algorithm": OWN_ALGORITHM,
         "optimizer": str((manifest.optimizer or {}).get("name", "")),
     }
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
@@ -310,12 +325,20 @@ class SpeedtronicCompat:
         version = self.read_version()
         if version is None:
             return False
-        if run.state is not None and run.record is not None and run.outer_step > version.outer_step:
+        if run.state is not None and run.record is not None and (version.ours or run.outer_step >= version.outer_step):
+            # our own mirror (the manifest that went with it is gone), or a version no newer than ours: never
+            # adopted as Speedtronic's, which would reset the optimizer and rebuild the ledger from headers
             log.warning(
-                "%s/%s says outer_step %d, older than this master's own %d (from %s); publishing ours over it",
-                self.hub.url, STEP_COUNT_PATH, version.outer_step, run.outer_step, run.node_state_dir,
+                "%s/%s says outer_step %d (%s); this master has its own outer_step %d (from %s): publishing ours",
+                self.hub.url, STEP_COUNT_PATH, version.outer_step,
+                "this package's own mirror, its manifest is gone" if version.ours else "not newer than this master's",
+                run.outer_step, run.node_state_dir,
             )
             return False
+        if version.ours:
+            log.warning("%s/%s is the mirror of a master of this package whose manifest is gone, and this master has no "
+                        "state of its own: adopting it as a Speedtronic version (fresh optimizer; deltas made from older "
+                        "versions count as processed)", self.hub.url, STEP_COUNT_PATH)
         state = self._load_weights(run, version)
         fingerprint = model_fingerprint(state)
         ledger, new, old = self._ledger(version.outer_step, state, fingerprint, validator)
@@ -369,8 +392,11 @@ class SpeedtronicCompat:
 
     def _ledger(self, outer_step: int, state: Mapping[str, torch.Tensor], fingerprint: str,
                 validator: "DeltaValidator") -> tuple[dict[str, int], int, int]:
-        """``(ledger, new, processed)``: per node, the highest ``local_step`` of a delta made from a
-        version before ``outer_step`` (module docstring), read from the newest delta down."""
+        """``(ledger, new, processed)``: per node, the highest ``local_step`` of a *valid* delta made from
+        a version before ``outer_step`` (module docstring), read from the newest delta down. Only a delta
+        that passes the reader's every check (layout, header, its path, this model's keys, shapes and
+        dtypes, finite values) moves a ledger, as in every round: a garbage file named as a node's
+        ``delta_<10**17>`` cannot hide that node's later work."""
         max_bytes, max_header = validator.size_limits(state, fingerprint)
         by_node: dict[str, list[Any]] = {}
         for ref in self.hub.list_deltas():
@@ -380,7 +406,7 @@ class SpeedtronicCompat:
         for node in sorted(by_node):
             refs = sorted(by_node[node], key=lambda r: r.local_step, reverse=True)
             for i, ref in enumerate(refs):
-                base, path = self._base_of(ref, max_bytes, max_header)
+                base, path = self._base_of(ref, max_bytes, max_header, state, fingerprint, validator)
                 if base is not None and base < outer_step:
                     if path is not None:
                         self.hub.release(path)
@@ -394,9 +420,11 @@ class SpeedtronicCompat:
                     new += 1  # kept: the round reads it next (a remote hub's cached copy is reused)
         return ledger, new, old
 
-    def _base_of(self, ref: Any, max_bytes: int, max_header: int) -> tuple[int | None, Path | None]:
-        """``(base_outer_step, local copy)`` of a delta, the step None when its header is not one
-        to trust (unreadable, malformed, or naming another delta than its path)."""
+    def _base_of(self, ref: Any, max_bytes: int, max_header: int, state: Mapping[str, torch.Tensor], fingerprint: str,
+                 validator: "DeltaValidator") -> tuple[int | None, Path | None]:
+        """``(base_outer_step, local copy)`` of a delta, the step None when it is not a valid delta of
+        this model (unreadable, malformed, naming another delta than its path, other keys or shapes,
+        non-finite values: it is judged like any other when its turn comes, and moves no ledger)."""
         try:
             path = self.hub.download(ref.path, max_bytes=max_bytes)
         except HubError as e:
@@ -404,9 +432,12 @@ class SpeedtronicCompat:
             return None, None
         try:
             header = read_delta_header(path, max_header=max_header, header_parser=parse_header)
-        except DeltaFileError:
-            return None, path
-        if header.node_id != ref.node_id or header.local_step != ref.local_step:
+            if header.node_id != ref.node_id or header.local_step != ref.local_step:
+                return None, path
+            read_delta(path, reference=state, hub_path=ref.path, expected_fingerprint=fingerprint,
+                       max_file_bytes=max_bytes, header_parser=parse_header, copy=not validator.private_downloads)
+        except DeltaFileError as e:
+            log.info("adoption: %s is not a valid delta (%s); it moves no ledger", ref.path, e)
             return None, path
         return header.base_outer_step, path
 

@@ -61,7 +61,8 @@ class MasterConfig:
         None, "seconds after a round's first delta before applying below the quorum, or auto (from recent arrivals)"
     )
     node_timeout: float | None = option(
-        None, "seconds without a heartbeat or delta before a node leaves the quorum (null: its claim's ttl)"
+        None, "seconds without a heartbeat or delta before a node leaves the quorum (null: its claim's ttl, at most the "
+        "transport's default claim ttl: 60 on a folder hub, 900 on hf:// and s3://; a training run: diloco.claim_ttl)"
     )
     max_staleness: int | None = option(None, "reject deltas staler than this (null: only the optimizer's gate decides)")
     max_delta_norm: float | None = option(None, "reject a delta whose L2 norm exceeds this")
@@ -155,7 +156,19 @@ class MasterConfig:
                 raise OptionError(
                     "compat", f"needs weighting='equal': Speedtronic's deltas carry no num_tokens (weighting is {self.weighting!r})"
                 )
+        self._check_optimizer()
         return self
+
+    def _check_optimizer(self) -> None:
+        """The outer optimizer's options, checked by building it once on a 2-value probe state: a bad
+        option (``tau_cut=-1``, an unknown name) is refused here, naming the option, rather than when
+        the first global state arrives (a traceback in the middle of a run)."""
+        from diloco_lightning.outer import check_outer_options
+
+        try:
+            check_outer_options(self.outer_optimizer, **self.optimizer_options())
+        except (ValueError, TypeError) as e:
+            raise OptionError("outer_options", str(e), f"outer_options: {e}") from None
 
     def optimizer_options(self) -> dict[str, Any]:
         """``outer_lr`` (and ``outer_momentum`` for the Nesterov family), overridden by ``outer_options``."""

@@ -29,12 +29,17 @@ import uuid
 from typing import Callable
 
 from diloco_lightning.hub.base import Hub, LeaseConflictError
+from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.wire.manifest import Lease
 from diloco_lightning.wire.signing import RunKey
 
-__all__ = ["LeaseKeeper", "default_holder"]
+__all__ = ["StandbyError", "LeaseKeeper", "default_holder"]
 
 log = logging.getLogger(__name__)
+
+
+class StandbyError(DiLoCoError, RuntimeError):
+    """This master is on standby (another holds the lease): it has no version of its own to give."""
 
 
 def default_holder() -> str:

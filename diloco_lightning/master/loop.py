@@ -7,7 +7,9 @@
   *ledger*); listing asks the hub only for deltas above it, so a processed delta is never
   downloaded again. New ones are downloaded by a bounded thread pool, a few ahead of the
   consumer, into the hub's per-path cache.
-* **Streaming aggregation.** Deltas are read one at a time (memory-mapped), checked, and
+* **Streaming aggregation.** Deltas are read one at a time (memory-mapped when the file is this
+  process's own download, read into owned memory when another writer can change it: a folder
+  hub's file, truncated under a map, would kill the master with SIGBUS), checked, and
   folded into a single FP32 sum, so a round holds the global state, a working copy of it,
   the optimizer state, the sum and one delta, whatever the number of deltas.
 * **Lock scope.** ``snapshot()`` takes a lock that only ever covers in-memory work (a
@@ -72,7 +74,6 @@ References: DiLoCo (Douillard et al. 2023, arXiv 2311.08105); CGAD (Shah & Sun 2
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -83,23 +84,22 @@ from typing import Any
 
 import torch
 
-from diloco_lightning.hub.versions import UnauthenticatedVersionError, verify_manifest
 from diloco_lightning.hub import open_hub
-from diloco_lightning.hub.base import Hub, PublishConflictError
-from diloco_lightning.wire.manifest import GlobalVersion, ManifestError
+from diloco_lightning.hub.base import Hub
 from diloco_lightning.master import localstate
+from diloco_lightning.master.adoption import Adoption
 from diloco_lightning.master.health import RunHealth
 from diloco_lightning.master.compat import make_compat
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig, MasterConfigError
 from diloco_lightning.master.intake import Intake
-from diloco_lightning.master.lease import LeaseKeeper, default_holder
+from diloco_lightning.master.lease import LeaseKeeper, StandbyError, default_holder
 from diloco_lightning.master.membership import Membership
 from diloco_lightning.master.metrics import MetricsSink, RoundMetrics
-from diloco_lightning.master.publication import LeaseLost, Publisher
+from diloco_lightning.master.publication import Publisher
 from diloco_lightning.master.rounds import Rounds
 from diloco_lightning.master.runstate import RunState, check_state, cpu_clone
 from diloco_lightning.master.validation import DeltaValidator
-from diloco_lightning.wire.names import MANIFEST_PATH, parse_delta_path
+from diloco_lightning.wire.names import parse_delta_path
 from diloco_lightning.wire.signing import RunKey, load_run_key
 
 __all__ = ["MasterOuterLoop", "MasterConfig", "MasterConfigError", "ProcessedDeltas", "AGGREGATIONS", "WEIGHTINGS"]
@@ -231,18 +231,21 @@ class MasterOuterLoop:
                                         header_parser=self.compat.parse_header if self.compat is not None else None)
         self.publisher = Publisher(self.hub, self.config, self.node_state_dir, key, self.holder, self._lease, owner=self,
                                    compat=self.compat)
-        self.membership = Membership(self.hub, node_timeout=self.config.node_timeout, poll_interval=self.config.poll_interval)
-        self.rounds = Rounds(self)
+        self.membership = Membership(self.hub, node_timeout=self.config.node_timeout, poll_interval=self.config.poll_interval,
+                                     signing_key=key)
         #: identical deltas from two nodes, a diverging run: one line each, naming the knob
         self.health = RunHealth(lr=self.config.optimizer_options().get("lr"), min_deltas=self.config.min_deltas,
                                 optimizer=self.config.outer_optimizer)
+        self.rounds = Rounds(self.config, self.hub, self.run, self.intake, self.validator, self.publisher,
+                             self.membership, on_published=self._notify, health=self.health, owner=self)
+        self.adoption = Adoption(self.hub, self.run, self.intake, self.validator, self.publisher, signing_key=key,
+                                 compat=self.compat, discard=self.rounds.discard, on_published=self._notify)
 
         self._round_lock = threading.RLock()  # one round at a time
         self._thread_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
         self._last_metrics: RoundMetrics | None = None
-        self._waiting_logged = False
 
         if state is not None:
             self.run.install(cpu_clone(check_state(state, "state")), outer_step=0)
@@ -311,8 +314,17 @@ class MasterOuterLoop:
         """``(outer_step, cloned full state)`` of the last published version.
 
         Never waits for network I/O: rounds compute on a second buffer and only swap it in
-        under the lock.
+        under the lock. A standby master (another holds the lease) that never held a version
+        raises :class:`~diloco_lightning.master.lease.StandbyError` saying so and who holds the lease.
         """
+        other = self._lease.other if self._lease is not None else None
+        if self.run.state is None and other is not None:
+            raise StandbyError(
+                f"this master is on standby: {other.holder} holds the master lease on {self.hub.url} (epoch "
+                f"{other.epoch}, for {max(0.0, other.expires_at - time.time()):.0f} s more unless renewed); it has no "
+                "version of its own until it takes over. The published version: "
+                "diloco_lightning.hub.versions.load_global(hub)"
+            )
         return self.run.snapshot()
 
     def sync_once(self, *, force: bool = False) -> bool:
@@ -390,7 +402,7 @@ class MasterOuterLoop:
         """
         with self._round_lock:
             self.run.load_state_dict(state_dict)
-            self._discard()
+            self.rounds.discard()
             self.validator.load_state_dict(state_dict)
 
     # ================================================================== background thread
@@ -408,9 +420,9 @@ class MasterOuterLoop:
         if self._lease is not None:
             if not self._lease.acquire(min_epoch=self._published_epoch):
                 m.standby = True
-                self._discard()
+                self.rounds.discard()
                 return
-        if not self._reconcile(m):
+        if not self.adoption.reconcile(m):
             return
         if self.config.aggregation == "round":
             self.rounds.round(m, force)
@@ -426,96 +438,6 @@ class MasterOuterLoop:
         epoch = (hm.master or {}).get("epoch", 0) if hm is not None else 0
         return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0 else 0
 
-    # ------------------------------------------------------------------ reconcile / adopt
-
-    def _reconcile(self, m: RoundMetrics) -> bool:
-        """Bring the in-memory state in line with the hub. False when there is nothing to work on yet."""
-        run = self.run
-        try:
-            hm = self.hub.read_manifest()
-            if hm is not None:
-                verify_manifest(hm, self._key, self.hub.url)
-        except ManifestError as e:
-            return self._replace_forged(f"{self.hub.url}/{MANIFEST_PATH} is not a valid manifest ({e})", m)
-        except UnauthenticatedVersionError as e:
-            return self._replace_forged(str(e), m)
-        if hm is None:
-            run.hub_manifest = None
-            if self.compat is not None and self.compat.adopt(run, self.validator):  # a hub Speedtronic's master served
-                self._discard()
-                self.validator.load_state_dict(None)
-                self.publisher.collect_soon()
-                m.adopted = run.outer_step
-            elif run.state is None and not self._bootstrap():
-                return False
-            # Nothing on the hub: publish our current version (outer step 0, or a restart on a wiped hub).
-            if self._republish(m, history=[]):
-                m.published += 1
-            return run.hub_manifest is not None
-        if run.state is not None and run.manifest is not None and hm.outer_step == run.outer_step and hm.weights == run.manifest.weights:
-            run.hub_manifest = hm
-            return True
-        if run.state is None or hm.outer_step >= run.outer_step:
-            self._discard()
-            payload = run.adopt(hm)
-            self.validator.load_state_dict(payload)
-            self.publisher.collect_soon()
-            m.adopted = hm.outer_step
-            return True
-        if run.hub_manifest is None or run.hub_manifest.weights != hm.weights:
-            log.warning("the local state (outer_step %d) is newer than the hub's (%d); publishing over it",
-                        run.outer_step, hm.outer_step)
-        run.hub_manifest = hm
-        return True
-
-    def _bootstrap(self) -> bool:
-        if self.run.bootstrap_from_init():
-            return True
-        if not self._waiting_logged:
-            log.info("nothing published on %s and no worker's init.safetensors yet; waiting", self.hub.url)
-            self._waiting_logged = True
-        return False
-
-    def _replace_forged(self, reason: str, m: RoundMetrics) -> bool:
-        """The hub's manifest is not one a master of this run published (malformed, or not signed
-        with the run key): never adopt it; publish our last authentic version over it, by
-        compare-and-swap on its exact bytes. False when there is nothing of ours to publish."""
-        run = self.run
-        if run.state is None:
-            log.error("%s; this master has no version of its own to restore, waiting", reason)
-            return False
-        log.error("%s; publishing this master's outer_step %d over it", reason, run.outer_step)
-        raw = self.hub.read_manifest_bytes()
-        run.hub_manifest = None
-        published = self._republish(
-            m, history=list(run.manifest.history) if run.manifest is not None else [],
-            expected_digest=None if raw is None else hashlib.sha256(raw).hexdigest(),
-        )
-        if published:
-            m.published += 1
-        return published
-
-    def _republish(self, m: RoundMetrics, history: list[GlobalVersion], expected_digest: str | None = None) -> bool:
-        """Publish the current state as is (outer step 0, a hub wiped or forged): no step taken."""
-        run = self.run
-        assert run.state is not None
-        try:
-            manifest, record = self.publisher.publish(
-                run, run.state, run.outer_step, run.ledger, self.intake.pending, self.validator.state_dict(),
-                history=history, expected_digest=expected_digest,
-            )
-        except PublishConflictError as e:
-            log.info("%s; reading the hub's version", e)
-            m.conflict = True
-            return False
-        except LeaseLost:
-            m.standby = True
-            return False
-        run.committed(run.state, run.outer_step, run.ledger, manifest, record)
-        self.intake.published(run.ledger)
-        self._notify()
-        return True
-
     def _notify(self) -> None:
         cb = self.on_global_update
         if cb is None:
@@ -525,8 +447,3 @@ class MasterOuterLoop:
             cb(state)
         except Exception:  # noqa: BLE001
             log.exception("on_global_update failed")
-
-    def _discard(self) -> None:
-        """Forget everything processed but not published (it will be processed again)."""
-        self.rounds.forget_open()
-        self.intake.pending = []

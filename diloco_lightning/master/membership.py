@@ -11,9 +11,12 @@ be ``min(now - renewed_at, 2 * timeout)`` old, so a master that starts late does
 claim of a long-dead worker as live.
 
 **Live**: heard from within the node's timeout. The timeout is ``node_timeout`` when set, else
-the claim's own ``ttl`` (``expires_at - renewed_at`` as the worker wrote it, bounded to [1 s,
-1 day]): 60 s on a folder hub, 900 s on ``hf://`` and ``s3://`` by default, that is two missed
-heartbeats. A released claim (a worker that finished or stopped cleanly) leaves at once. A
+the claim's own ``ttl`` (``expires_at - renewed_at`` as the worker wrote it) bounded by the
+master's own ``max_timeout`` (by default the transport's claim ttl: 60 s on a folder hub, 900 s
+on ``hf://`` and ``s3://``, that is two missed heartbeats), and at least 1 s. A claim can make
+its node's timeout shorter, never longer than the master's configuration allows: a forged claim
+with a ttl of a day cannot keep a round waiting for a day (the deadline's cap, ``max_wait=auto``,
+is the longest live timeout). A released claim (a worker that finished or stopped cleanly) leaves at once. A
 node that left is simply no longer counted in the quorum: its late deltas are still read,
 checked and gated by their staleness like any other, and it rejoins with its next heartbeat.
 A new node joins with its first claim; it starts from the newest global version (the worker
@@ -26,7 +29,9 @@ does not know (a newcomer counts from its first delta at the latest). A transpor
 claims gives an empty membership (a fraction quorum is then 1).
 
 The values a heartbeat reports are untrusted: each is checked against a bound and dropped
-(logged once per node and problem) if out of bounds or of the wrong type. The number of live
+(logged once per node and problem) if out of bounds or of the wrong type. In a signed run a
+claim that is not signed with the run key is ignored (logged once per node), like a malformed
+one; an unreadable claim never hides the others (the hub leaves it out with a reason). The number of live
 nodes is bounded by the hub's listing; a writer who can forge claims can make the quorum wait
 for nodes that do not exist, up to the deadline (``max_wait``) or their timeout.
 """
@@ -39,7 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from diloco_lightning.wire.claims import NodeClaim, NodeReport
+from diloco_lightning.wire.claims import NodeClaim, NodeReport, default_claim_ttl
 from diloco_lightning.util.waiting import format_duration
 
 __all__ = ["Membership", "NodeState", "claim_ttl", "MIN_TIMEOUT", "MAX_TIMEOUT", "MAX_REFRESH"]
@@ -80,7 +85,10 @@ class Membership:
     Args:
         hub: the hub (``list_claims``); None for a membership fed by hand (tests, the simulator).
         node_timeout: seconds without a heartbeat or delta before a node is not live (None: each
-            claim's ttl).
+            claim's ttl, at most ``max_timeout``).
+        max_timeout: the longest timeout a claim's ttl may give (None: the transport's default claim
+            ttl, ``wire.claims.default_claim_ttl``; a day without a hub).
+        signing_key: the run key (a signed run): claims not signed with it are ignored.
         poll_interval: the master's poll interval (the shortest pause between two reads).
         clock: the master's clock (monotonic seconds).
         wall: the wall clock (unix seconds; only to age a claim seen for the first time).
@@ -94,9 +102,15 @@ class Membership:
         poll_interval: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        max_timeout: float | None = None,
+        signing_key: Any = None,
     ) -> None:
         self.hub = hub
         self.node_timeout = node_timeout
+        if max_timeout is None:
+            max_timeout = default_claim_ttl(hub) if hub is not None else MAX_TIMEOUT
+        self.max_timeout = min(MAX_TIMEOUT, max(MIN_TIMEOUT, float(max_timeout)))
+        self.signing_key = signing_key
         self.poll_interval = float(poll_interval)
         self.clock = clock
         self.wall = wall
@@ -108,7 +122,7 @@ class Membership:
     # ------------------------------------------------------------------ reading the hub
 
     def timeout(self, node: NodeState) -> float:
-        return float(self.node_timeout) if self.node_timeout is not None else node.ttl
+        return float(self.node_timeout) if self.node_timeout is not None else min(node.ttl, self.max_timeout)
 
     def refresh_interval(self) -> float:
         timeouts = [self.timeout(n) for n in self.nodes.values() if n.claimed]
@@ -135,8 +149,22 @@ class Membership:
             log.warning("could not read the node claims on %s (%s: %s); keeping the last view", getattr(self.hub, "url", "?"),
                         type(e).__name__, e)
             return False
+        if self.signing_key is not None:
+            claims = self._authentic(claims)
         self.observe(claims, now)
         return True
+
+    def _authentic(self, claims: Mapping[str, NodeClaim]) -> dict[str, NodeClaim]:
+        """The claims signed with the run key; the others are ignored, logged once per node."""
+        out = {}
+        for node_id, claim in claims.items():
+            if claim.verify(self.signing_key):
+                out[node_id] = claim
+            elif f"{node_id}:unsigned" not in self._warned and len(self._warned) < 10_000:
+                self._warned.add(f"{node_id}:unsigned")
+                log.warning("ignoring the claim of node %s (%s): it is not signed with the run key", node_id,
+                            claim.holder[:80])
+        return out
 
     def observe(self, claims: Mapping[str, NodeClaim], now: float | None = None) -> None:
         """Take in the claims on the hub (all of them: a node absent here released its claim)."""

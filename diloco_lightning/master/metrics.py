@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -10,6 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+from diloco_lightning.util.jsondoc import dumps_json
 
 __all__ = ["RoundMetrics", "MetricsSink", "format_progress"]
 
@@ -125,7 +125,7 @@ class MetricsSink:
         d = metrics.to_dict()
         if self.path is not None:
             try:
-                line = json.dumps(d, sort_keys=True, allow_nan=False)
+                line = dumps_json(d, sort_keys=True)
                 with self._lock, open(self.path, "a", encoding="utf-8") as f:
                     f.write(line + "\n")
             except Exception as e:  # noqa: BLE001

@@ -31,14 +31,14 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from diloco_lightning.util import faults
 from diloco_lightning.encoding.feedback import decode_delta
 from diloco_lightning.wire.delta import is_synced
-from diloco_lightning.hub.base import DeltaRef, PublishConflictError
+from diloco_lightning.hub.base import DeltaRef, Hub, PublishConflictError
 from diloco_lightning.master.aggregation import (
     FragmentSums,
     NonFiniteAggregate,
@@ -50,21 +50,16 @@ from diloco_lightning.master.aggregation import (
     merge_marks,
     round_step,
 )
+from diloco_lightning.master.config import MasterConfig
+from diloco_lightning.master.gating import FragmentView, delta_gates, legacy_pa
+from diloco_lightning.master.health import RunHealth
+from diloco_lightning.master.intake import Intake
+from diloco_lightning.master.membership import Membership
 from diloco_lightning.master.metrics import RoundMetrics
-from diloco_lightning.master.publication import LeaseLost
+from diloco_lightning.master.publication import LeaseLost, Publisher
+from diloco_lightning.master.runstate import RunState
 from diloco_lightning.master.quorum import AUTO, ArrivalDeadline, is_fraction, quorum_count, quorum_size
-from diloco_lightning.master.validation import (
-    Accepted,
-    DeltaRejected,
-    FragmentView,
-    delta_gates,
-    legacy_pa,
-    max_abs,
-    state_norm,
-)
-
-if TYPE_CHECKING:  # pragma: no cover
-    from diloco_lightning.master.loop import MasterOuterLoop
+from diloco_lightning.master.validation import Accepted, DeltaRejected, DeltaValidator, max_abs, state_norm
 
 __all__ = ["Rounds"]
 
@@ -72,11 +67,24 @@ log = logging.getLogger(__name__)
 
 
 class Rounds:
-    """The round procedures of one master (its parts: ``master.run``, ``intake``, ``validator``,
-    ``publisher``); ``open`` is the round being gathered, kept across polls until its quorum."""
+    """The round procedures of one master, given its parts (each owns its state); ``open`` is the
+    round being gathered, kept across polls until its quorum, and :meth:`discard` forgets it.
 
-    def __init__(self, master: "MasterOuterLoop") -> None:
-        self.master = master
+    Args:
+        config, hub, run, intake, validator, publisher, membership: the master's parts.
+        on_published: called after each publication (the master's ``on_global_update``).
+        owner: receives the crash points (``listed``, ``downloaded``, ``stepped``, ``swapped``: util/faults.py).
+    """
+
+    def __init__(self, config: MasterConfig, hub: Hub, run: RunState, intake: Intake, validator: DeltaValidator,
+                 publisher: Publisher, membership: Membership, *, on_published: Callable[[], None],
+                 health: RunHealth | None = None, owner: Any = None) -> None:
+        self.config, self.hub, self.run = config, hub, run
+        self.intake, self.validator, self.publisher, self.membership = intake, validator, publisher, membership
+        #: what no single delta shows (identical deltas, divergence): told each publication
+        self.health = health if health is not None else RunHealth()
+        self.on_published = on_published
+        self._owner = owner
         self.open: OpenRound | None = None
         self.arrival_wait_since: float | None = None
         #: the arrival offsets behind ``max_wait="auto"``
@@ -85,8 +93,15 @@ class Rounds:
 
     # ------------------------------------------------------------------ quorum and deadline
 
+    def discard(self) -> None:
+        """Forget everything processed but not published (it will be processed again): the open
+        round, dropped unapplied (a conflict, an adopted version: nothing is learned from it), and
+        the deltas refused since the last publication."""
+        self.forget_open()
+        self.intake.pending = []
+
     def forget_open(self) -> None:
-        """The open round is dropped unapplied (a conflict, an adopted version): nothing is learned from it."""
+        """The open round is dropped unapplied: nothing is learned from it."""
         self.open = None
         self.arrival_wait_since = None
         self.deadline.closed(())
@@ -94,7 +109,7 @@ class Rounds:
     def _heard(self, node: str, now: float) -> None:
         """An accepted delta: a sign of life of ``node``, and an arrival offset. A node the membership
         does not know makes it read the claims at once (once per node: one without a claim stays unknown)."""
-        ms = self.master.membership
+        ms = self.membership
         if not ms.heard(node, now) and self._first_time(node):
             if ms.refresh(force=True):
                 ms.heard(node, now)
@@ -112,17 +127,17 @@ class Rounds:
 
     def _wait_limit(self) -> float | None:
         """Seconds after a round's first delta before it is applied below the quorum (None: no limit)."""
-        mw = self.master.config.max_wait
+        mw = self.config.max_wait
         if mw != AUTO:
             return mw
-        poll = float(self.master.config.poll_interval)
-        return self.deadline.deadline(cap=self.master.membership.cap(), floor=poll, resolution=poll)
+        poll = float(self.config.poll_interval)
+        return self.deadline.deadline(cap=self.membership.cap(), floor=poll, resolution=poll)
 
     def _quorum(self, nodes: list[str], waited: float, force: bool, m: RoundMetrics) -> tuple[bool, list[str]]:
         """Whether a round holding deltas of ``nodes`` (one entry per delta) that waited ``waited``
         seconds is applied now; also returns the live nodes."""
-        cfg = self.master.config
-        live = self.master.membership.live()
+        cfg = self.config
+        live = self.membership.live()
         need = quorum_size(cfg.min_deltas, len(live))
         have = quorum_count(cfg.min_deltas, nodes)
         limit = self._wait_limit()
@@ -138,37 +153,37 @@ class Rounds:
         return True, live
 
     def _marks(self) -> dict[str, int]:
-        return merge_marks(self.master.run.ledger, self.open.marks if self.open else {})
+        return merge_marks(self.run.ledger, self.open.marks if self.open else {})
 
     def _limits(self) -> tuple[int, int]:
-        assert self.master.run.state is not None and self.master.run.fingerprint is not None
-        return self.master.validator.size_limits(self.master.run.state, self.master.run.fingerprint)
+        assert self.run.state is not None and self.run.fingerprint is not None
+        return self.validator.size_limits(self.run.state, self.run.fingerprint)
 
     def _legacy_pa(self) -> bool:
         """PA-CGAD given fragments of its own in a run without fragments: the older round rule."""
-        run = self.master.run
-        return legacy_pa(self.master.config.outer_optimizer, run.plan, run.opt)
+        run = self.run
+        return legacy_pa(self.config.outer_optimizer, run.plan, run.opt)
 
     def _gates(self) -> tuple[Callable[[int], float], FragmentView | None]:
         """The gate of a delta by staleness, and (a run with fragments) the view that checks and gates
         a fragment's delta: PA-CGAD's gate is ``gate(max(tau, age_f))`` of the delta's fragment."""
-        run = self.master.run
-        return delta_gates(run.opt, self.master.config.outer_optimizer, run.plan,
+        run = self.run
+        return delta_gates(run.opt, self.config.outer_optimizer, run.plan,
                            {n: c for n, (c, _) in run.fragment_steps.items()})
 
     def _check(self, ref: DeltaRef, path: Path, outer_step: int):
-        run = self.master.run
+        run = self.run
         # rounds run only once the run has a global state (given, adopted or installed at start)
         assert run.state is not None and run.fingerprint is not None
         gate, view = self._gates()
-        return self.master.validator.check(ref, path, state=run.state, fingerprint=run.fingerprint, outer_step=outer_step,
+        return self.validator.check(ref, path, state=run.state, fingerprint=run.fingerprint, outer_step=outer_step,
                                            gate=gate, fragments=view)
 
     # ------------------------------------------------------------------ round mode
 
     def round(self, m: RoundMetrics, force: bool) -> None:
-        run = self.master.run
-        self.master.membership.refresh()
+        run = self.run
+        self.membership.refresh()
         if self.open is None or self.open.outer_step != run.outer_step:
             if self.open is not None:
                 self.forget_open()
@@ -178,16 +193,16 @@ class Rounds:
             self.open = OpenRound(run.outer_step, acc)
         rnd = self.open
         max_bytes, _ = self._limits()
-        refs = self.master.intake.list_new(self._marks(), max_bytes, m)
-        faults.point("listed", self.master)
+        refs = self.intake.list_new(self._marks(), max_bytes, m)
+        faults.point("listed", self._owner)
         blocked: set[str] = set()
         legacy = self._legacy_pa()
-        for ref, path in self.master.intake.fetch(refs, blocked, max_bytes, m):
+        for ref, path in self.intake.fetch(refs, blocked, max_bytes, m):
             try:
                 try:
                     delta, acc = self._check(ref, path, rnd.outer_step)
                 except DeltaRejected as e:
-                    self.master.intake.refuse(ref, e.reason, e.detail, m)
+                    self.intake.refuse(ref, e.reason, e.detail, m)
                     continue
                 try:
                     coef = 1.0 if legacy else acc.gate  # the older PA-CGAD rule gates each fragment itself
@@ -206,8 +221,8 @@ class Rounds:
                     rnd.first_at = now
                 self._heard(ref.node_id, now)
             finally:
-                self.master.intake.release(path)
-        faults.point("downloaded", self.master)
+                self.intake.release(path)
+        faults.point("downloaded", self._owner)
         m.pending = len(rnd.accepted)
         if not rnd.accepted:
             return
@@ -226,13 +241,13 @@ class Rounds:
         """Whether the hub's commit budget (or a 429's Retry-After) asks the publication to wait
         (``Hub.commit_wait``): then the round is not applied yet and gathers more deltas."""
         try:
-            wait = max(0.0, float(self.master.hub.commit_wait(None)))
+            wait = max(0.0, float(self.hub.commit_wait(None)))
         except Exception as e:  # noqa: BLE001 - pacing is advice
-            log.debug("no commit budget from %s: %s", self.master.hub.url, e)
+            log.debug("no commit budget from %s: %s", self.hub.url, e)
             return False
         if wait > 0:
             m.waiting, m.paced = True, wait
-            log.debug("publication paced: the commit budget of %s allows it in %.1fs", self.master.hub.url, wait)
+            log.debug("publication paced: the commit budget of %s allows it in %.1fs", self.hub.url, wait)
         return wait > 0
 
     def _commit_round(self, rnd: OpenRound, m: RoundMetrics, legacy: bool) -> None:
@@ -249,12 +264,12 @@ class Rounds:
         # optimizer state is copied for publication (the round's peak stays one buffer lower)
         box = [mean]
         del mean
-        stepper = round_step(self.master.run.opt, self.master.config.outer_optimizer, legacy=legacy, tau_max=tau_max)
+        stepper = round_step(self.run.opt, self.config.outer_optimizer, legacy=legacy, tau_max=tau_max)
 
         def step(buf):
             return stepper(buf, box.pop())
-        new_ledger = merge_marks(self.master.run.ledger, rnd.marks)
-        processed = self.master.intake.pending + [a.ref.path for a in accepted]
+        new_ledger = merge_marks(self.run.ledger, rnd.marks)
+        processed = self.intake.pending + [a.ref.path for a in accepted]
         if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted, updated):
             for a in accepted:
                 m.apply(a.ident, a.staleness)
@@ -263,18 +278,18 @@ class Rounds:
         log.error("refusing the %d delta(s) of this round (%s): %s; nothing is published",
                   len(accepted), ", ".join(a.ident for a in accepted[:8]), detail)
         for a in accepted:
-            self.master.intake.refuse(a.ref, "non_finite_update", detail, m)
+            self.intake.refuse(a.ref, "non_finite_update", detail, m)
 
     # ------------------------------------------------------------------ arrival mode
 
     def arrival(self, m: RoundMetrics, force: bool) -> None:
-        run = self.master.run
-        self.master.membership.refresh()
+        run = self.run
+        self.membership.refresh()
         if not force and self._paced(m):  # each delta is a publication: none before the budget allows
             return
         max_bytes, _ = self._limits()
-        refs = self.master.intake.list_new(self._marks(), max_bytes, m)
-        faults.point("listed", self.master)
+        refs = self.intake.list_new(self._marks(), max_bytes, m)
+        faults.point("listed", self._owner)
         if not refs:
             self.arrival_wait_since = None
             return
@@ -289,30 +304,30 @@ class Rounds:
             return
         self.arrival_wait_since = None
         self.deadline.closed(live, now)
-        refs = cap_round_robin(refs, self.master.config.arrival_batch)
+        refs = cap_round_robin(refs, self.config.arrival_batch)
         blocked: set[str] = set()
         fetched: list[tuple[DeltaRef, Path, int]] = []
         try:
-            for ref, path in self.master.intake.fetch(refs, blocked, max_bytes, m):
+            for ref, path in self.intake.fetch(refs, blocked, max_bytes, m):
                 # rounds run only once the run has a global state (given, adopted or installed at start)
                 assert run.state is not None and run.fingerprint is not None
-                fetched.append((ref, path, self.master.validator.header_base(path, run.state, run.fingerprint)))
-            faults.point("downloaded", self.master)
+                fetched.append((ref, path, self.validator.header_base(path, run.state, run.fingerprint)))
+            faults.point("downloaded", self._owner)
             for ref, path, _ in arrival_order(fetched):
                 if ref.node_id in blocked:
                     continue
                 try:
                     delta, acc = self._check(ref, path, run.outer_step)
                 except DeltaRejected as e:
-                    self.master.intake.refuse(ref, e.reason, e.detail, m)
+                    self.intake.refuse(ref, e.reason, e.detail, m)
                     continue
                 # an encoded delta is decoded (FP32) for its own outer step: one delta at a time
                 tensors = delta.tensors if delta.encoded is None else decode_delta(delta.encoded)
                 del delta
                 new_ledger = merge_marks(run.ledger, {ref.node_id: ref.local_step})
-                processed = self.master.intake.pending + [ref.path]
+                processed = self.intake.pending + [ref.path]
                 def step(buf, t=tensors, tau=acc.staleness, opt=run.opt, f=acc.fragment,
-                         name=self.master.config.outer_optimizer):
+                         name=self.config.outer_optimizer):
                     return arrival_step(opt, name, buf, t, tau, f)
 
                 ok = self._apply_and_publish(step, new_ledger, processed, [acc.norm], m, [acc],
@@ -320,17 +335,17 @@ class Rounds:
                 del tensors, step
                 if not ok:
                     break
-                self.master.membership.heard(ref.node_id)
+                self.membership.heard(ref.node_id)
                 m.apply(acc.ident, acc.staleness)
-                self.master.intake.release(path)
+                self.intake.release(path)
         finally:
             for _, path, _ in fetched:
-                self.master.intake.release(path)
+                self.intake.release(path)
 
     def _heard_listed(self, node: str, now: float) -> None:
         """Arrival mode: a node's delta is listed (the arrival offset; life is counted once accepted)."""
-        if not self.master.membership.knows(node) and self._first_time(node):
-            self.master.membership.refresh(force=True)
+        if not self.membership.knows(node) and self._first_time(node):
+            self.membership.refresh(force=True)
         self.deadline.arrived(node, now)
 
     # ------------------------------------------------------------------ apply + publish
@@ -346,7 +361,7 @@ class Rounds:
         updated: list[str] | None = None,
     ) -> bool:
         """One outer step on a copy of the state, then publication; rollback of everything on failure."""
-        run = self.master.run
+        run = self.run
         new_step = run.outer_step + 1
         buf = run.spare_buffer()
         backup = None if run.committed_outer_file is not None else run.opt.state_dict()
@@ -354,14 +369,14 @@ class Rounds:
         def roll_back() -> None:
             run.give_back(buf)
             run.restore_optimizer(backup)
-            self.master._discard()
+            self.discard()
 
         try:
             applied = step(run.opt_state(buf))  # by piece when the fragments split a tensor (runstate.py)
             if applied is False:  # fully gated (e.g. PA-CGAD fragments all too old): nothing changed
                 run.give_back(buf)
                 for a in accepted:
-                    self.master.intake.refuse(a.ref, "too_stale", "the optimizer gated the whole step to 0", m)
+                    self.intake.refuse(a.ref, "too_stale", "the optimizer gated the whole step to 0", m)
                 return False
             # one pass: the new state is finite (its L2 norm is) and the norm bounds the next deltas
             norm, numel = state_norm(buf)
@@ -371,11 +386,10 @@ class Rounds:
                 run.restore_optimizer(backup)
                 self._refuse_round(accepted, f"the outer step made key {bad!r} of the state non-finite", m)
                 return False
-            faults.point("stepped", self.master)
-            window = self.master.validator.norms.norms + [float(n) for n in norms if math.isfinite(n)]
-            payload = {"norms": window[-self.master.config.norm_window :], "aggregation": self.master.config.aggregation,
-                       "weighting": self.master.config.weighting}
-            manifest, record = self.master.publisher.publish(run, buf, new_step, new_ledger, processed, payload,
+            faults.point("stepped", self._owner)
+            payload = {**self.validator.state_with(norms), "aggregation": self.config.aggregation,
+                       "weighting": self.config.weighting}
+            manifest, record = self.publisher.publish(run, buf, new_step, new_ledger, processed, payload,
                                                              updated_fragments=updated or ())
         except PublishConflictError as e:
             log.warning("%s; discarding this round and re-reading the hub", e)
@@ -392,16 +406,16 @@ class Rounds:
         update = _distance(buf, run.state) if run.state is not None else math.nan
         base = run.outer_step
         run.committed(buf, new_step, new_ledger, manifest, record)
-        self.master.health.note_deltas((a.ref.node_id, (base - a.staleness, a.fragment), a.norm) for a in accepted)
-        self.master.health.note_version(new_step, update, norm)
-        self.master.health.note_losses(new_step, {n: st.report.train_loss for n, st in self.master.membership.nodes.items()
-                                                  if st.report.train_loss is not None})
-        self.master.validator.load_state_dict(payload)
-        self.master.validator.note_global(buf, new_step, norm, numel)
-        self.master.intake.published(new_ledger)
-        faults.point("swapped", self.master)
+        self.health.note_deltas((a.ref.node_id, (base - a.staleness, a.fragment), a.norm) for a in accepted)
+        self.health.note_version(new_step, update, norm)
+        self.health.note_losses(new_step, {n: st.report.train_loss for n, st in self.membership.nodes.items()
+                                           if st.report.train_loss is not None})
+        self.validator.accept(norms)
+        self.validator.note_global(buf, new_step, norm, numel)
+        self.intake.published(new_ledger)
+        faults.point("swapped", self._owner)
         m.published += 1
-        self.master._notify()
+        self.on_published()
         return True
 
 

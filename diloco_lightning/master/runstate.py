@@ -49,15 +49,29 @@ STATE_DICT_FORMAT = "diloco-master/1"
 
 
 def check_state(state: Any, what: str) -> Mapping[str, torch.Tensor]:
-    """``state`` if it is a non-empty ``str -> Tensor`` mapping with a floating tensor, else ``ValueError``."""
+    """``state`` if it is a non-empty ``str -> Tensor`` mapping with a floating tensor and no NaN or
+    infinite value, else ``ValueError`` naming the problem (a run started from NaN weights would
+    refuse every delta, every round)."""
     if not isinstance(state, Mapping) or not state:
         raise ValueError(f"{what} must be a non-empty mapping of str to Tensor")
     for k, v in state.items():
         if not isinstance(k, str) or not isinstance(v, torch.Tensor):
-            raise ValueError(f"{what} must map str to Tensor; entry {k!r} is {type(v).__name__}")
+            raise ValueError(f"{what} must map str to Tensor; entry {str(k)[:80]!r} is {type(v).__name__}")
     if not any(is_synced(v) for v in state.values()):
         raise ValueError(f"{what} has no floating point tensor to train")
+    for k, v in state.items():
+        if not is_synced(v):
+            continue
+        if v.dtype not in _GLOBAL_DTYPES:
+            raise ValueError(f"{what}: {k[:80]!r} is {str(v.dtype).removeprefix('torch.')}; the outer optimizer updates "
+                             f"{', '.join(str(d).removeprefix('torch.') for d in _GLOBAL_DTYPES)} weights")
+        if v.numel() and not bool(torch.isfinite(v).all()):
+            raise ValueError(f"{what}: {k[:80]!r} holds NaN or infinite values")
     return state
+
+
+#: the floating (and complex) dtypes a global state's synced tensors may have
+_GLOBAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64, torch.complex128)
 
 
 def cpu_clone(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -75,6 +89,8 @@ class RunState:
         self.signing_key = signing_key
         self.opt_options = config.optimizer_options()
         self.lock = threading.Lock()
+        #: nodes whose offered initial weights were refused (an offer is never replaced: read once)
+        self._refused_inits: set[str] = set()
         self.state: dict[str, torch.Tensor] | None = None
         self.opt: Any = None
         self.fingerprint: str | None = None
@@ -203,8 +219,8 @@ class RunState:
         with self.lock:
             if self.state is None:
                 raise RuntimeError(
-                    "the master has no global state yet (no initial state given, nothing published on the hub, "
-                    "no worker's init.safetensors adopted); call sync_once() first"
+                    "the master has no global state yet (no initial state was given, and no round has adopted the "
+                    "hub's published version or a worker's init.safetensors); call sync_once() first"
                 )
             return self.outer_step, {k: v.clone() for k, v in self.state.items()}
 
@@ -323,8 +339,9 @@ class RunState:
                 log.warning("local copy of outer_step %d unusable (%s)", hm.outer_step, e)
         if local_only:
             raise ValueError(f"the local copy of outer_step {hm.outer_step} does not match its record")
-        _, state = load_global(self.hub, hm, signing_key=self.signing_key)
-        outer = load_outer_state(self.hub, hm, signing_key=self.signing_key)
+        # the downloads are kept until they are copied into the local state (_persist_adopted releases them)
+        _, state = load_global(self.hub, hm, signing_key=self.signing_key, keep_file=True)
+        outer = load_outer_state(self.hub, hm, signing_key=self.signing_key, keep_file=True)
         src_w = self.hub.download(hm.weights)
         src_o = self.hub.download(hm.outer_state) if hm.outer_state else None
         return state, outer, src_w, src_o
@@ -387,6 +404,8 @@ class RunState:
         """Adopt the first worker's offered ``init.safetensors`` (sorted by node id) as outer step
         0; in a signed run only a signed offer. False while there is none."""
         for node in self.hub.list_inits():
+            if node in self._refused_inits:  # an offer is never replaced (first writer wins): judged once
+                continue
             path = self.hub.download(init_path(node))
             try:
                 if self.signing_key is not None:
@@ -396,7 +415,10 @@ class RunState:
                 state, _ = load_weights_file(path)
                 state = dict(check_state(state, f"nodes/{node}/init.safetensors"))
             except (ValueError, OSError, LayoutError, StateFileError) as e:
-                log.error("ignoring nodes/%s/init.safetensors on %s: %s", node, self.hub.url, e)
+                log.error("ignoring nodes/%s/init.safetensors on %s: %s; waiting for another worker's offer", node,
+                          self.hub.url, e)
+                if len(self._refused_inits) < 100_000:
+                    self._refused_inits.add(node)
                 continue
             finally:
                 self.hub.release(path)

@@ -14,6 +14,7 @@ most ``retry_max_delay``, jittered to 50-100 % (a fleet of masters never retries
 from __future__ import annotations
 
 import logging
+import math
 import random
 import signal
 import threading
@@ -80,6 +81,11 @@ def serve(
     each eventful round's metrics. ``finish``: end with ``master.stop()``, with a final round
     when a signal stopped it and ``drain_on_exit``.
     """
+    if max_rounds is not None and (isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0):
+        raise ValueError(f"max_rounds must be an integer >= 0 or None, got {max_rounds!r}")
+    if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
+                                    or not math.isfinite(max_seconds) or max_seconds <= 0):
+        raise ValueError(f"max_seconds must be a number of seconds > 0 or None, got {max_seconds!r}")
     stop = stop if stop is not None else threading.Event()
     speak = say or (lambda line: log.info("%s", line))
     report = ServeReport()
@@ -88,82 +94,122 @@ def serve(
         report.signals.append(signum)
         stop.set()
 
-    previous: dict[int, Any] = {}
-    if handle_signals and threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, on_signal)
-    where = _where(master)
-    waiting: tuple[str, Patience] | None = None
+    previous = _install_handlers(on_signal) if handle_signals else {}
+    lines = _Lines(speak, _where(master))
     failures = 0
-    deadline = time.monotonic() + float(max_seconds) if max_seconds else None
-    standby_shown = False
+    deadline = time.monotonic() + float(max_seconds) if max_seconds is not None else None
     try:
         while not stop.is_set():
-            delay = float(master.config.poll_interval)
-            try:
-                master.sync_once()
-                failures = 0
-            except Exception as e:  # noqa: BLE001 - reported, retried with backoff
-                failures += 1
-                delay = backoff_delay(failures, delay, master.config.retry_max_delay)
-                # a hub that asked for a pause (429 Retry-After, a spent commit budget) gets it
-                delay = max(delay, float(getattr(e, "retry_after", None) or 0.0))
-                if say is None:  # the library's thread: the log is the only place it shows, traceback included
-                    log.error("master round failed (%d in a row); retrying in %.1fs", failures, delay, exc_info=True)
-                else:
-                    log.debug("master round failed", exc_info=True)
-                    speak(f"[master] round failed ({type(e).__name__}: {e}); retrying in {delay:.1f}s ({failures} in a row)")
+            failures, delay = _attempt(master, failures, speak if say is not None else None)
             m = master.last_metrics or {}
-            if m.get("standby"):
-                if not standby_shown:
-                    speak("[master] standing by: another master holds the lease")
-                    standby_shown = True
-            else:
-                standby_shown = False
-            eventful = m and (m.get("published") or m.get("rejected") or m.get("adopted") is not None or m.get("conflict"))
-            if eventful:
+            lines.standby(bool(m.get("standby")))
+            if _eventful(m):
                 if say is not None:
                     speak(f"[master] {format_progress(m)}")
                 if on_round is not None:
                     on_round(m)
                 if m.get("accepted"):
                     report.rounds += 1 if m.get("aggregation") == "round" else int(m.get("published", 0))
-                waiting = None
+                lines.waiting(None)
             elif not m.get("standby") and failures == 0:
-                if not master.has_state:
-                    what = "a worker's initial weights (nodes/<node_id>/init.safetensors) or a published version"
-                elif m.get("paced"):
-                    what = f"the commit budget of the hub ({m.get('pending', 0)} delta(s) pending)"
-                elif m.get("waiting"):
-                    q = m.get("quorum") or master.config.min_deltas
-                    unit = "nodes" if isinstance(master.config.min_deltas, float) else "deltas"
-                    what = f"the quorum of {q} {unit} ({m.get('pending', 0)} pending, {m.get('live_nodes', 0)} live)"
-                else:
-                    what = f"deltas from the workers (outer_step {master.outer_step} is published)"
-                if waiting is None or waiting[0] != what:
-                    waiting = (what, Patience(what, where, say=lambda line: speak(f"[master] {line}")))
-                    if not master.has_state:  # the start of a run: say it at once, not only after 10 s
-                        speak(f"[master] waiting for {what} on {where}")
-                waiting[1].tick()
-            if max_rounds is not None and report.rounds >= int(max_rounds):
-                report.reached = True
-                break
-            if deadline is not None and time.monotonic() >= deadline:
+                lines.waiting(_waiting_for(master, m), at_once=not master.has_state)
+            if (max_rounds is not None and report.rounds >= int(max_rounds)) or \
+                    (deadline is not None and time.monotonic() >= deadline):
                 report.reached = True
                 break
             stop.wait(delay)
     finally:
         if finish:
-            if report.signals and drain_on_exit:
-                speak("[master] stopping: final round ...")
-            try:
-                master.stop(drain=bool(report.signals and drain_on_exit))
-            except Exception as e:  # noqa: BLE001
-                report.drained = False
-                speak(f"[master] the final round failed: {type(e).__name__}: {e}")
-            m = master.last_metrics or {}
-            if report.signals and m.get("published"):
-                speak(f"[master] {format_progress(m)}")
+            _finish(master, report, speak, drain=bool(report.signals and drain_on_exit))
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     return report
+
+
+def _install_handlers(handler: Callable) -> dict[int, Any]:
+    """SIGINT and SIGTERM to ``handler`` (from the main thread only: Python allows no other); the
+    handlers they replace, to be put back."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _attempt(master: Any, failures: int, speak: Callable[[str], Any] | None) -> tuple[int, float]:
+    """One round; the failures in a row after it and the pause before the next one. A failure is
+    logged with its traceback when nobody hears ``speak`` (the library's thread), else said in a line."""
+    delay = float(master.config.poll_interval)
+    try:
+        master.sync_once()
+        return 0, delay
+    except Exception as e:  # noqa: BLE001 - reported, retried with backoff
+        failures += 1
+        delay = backoff_delay(failures, delay, master.config.retry_max_delay)
+        # a hub that asked for a pause (429 Retry-After, a spent commit budget) gets it
+        delay = max(delay, float(getattr(e, "retry_after", None) or 0.0))
+        if speak is None:
+            log.error("master round failed (%d in a row); retrying in %.1fs", failures, delay, exc_info=True)
+        else:
+            log.debug("master round failed", exc_info=True)
+            speak(f"[master] round failed ({type(e).__name__}: {e}); retrying in {delay:.1f}s ({failures} in a row)")
+        return failures, delay
+
+
+def _eventful(m: dict) -> bool:
+    """Whether a round's metrics are worth a line: it published, refused, adopted or conflicted."""
+    return bool(m and (m.get("published") or m.get("rejected") or m.get("adopted") is not None or m.get("conflict")))
+
+
+def _waiting_for(master: Any, m: dict) -> str:
+    """What an uneventful round waited for, in words."""
+    if not master.has_state:
+        return "a worker's initial weights (nodes/<node_id>/init.safetensors) or a published version"
+    if m.get("paced"):
+        return f"the commit budget of the hub ({m.get('pending', 0)} delta(s) pending)"
+    if m.get("waiting"):
+        q = m.get("quorum") or master.config.min_deltas
+        unit = "nodes" if isinstance(master.config.min_deltas, float) else "deltas"
+        return f"the quorum of {q} {unit} ({m.get('pending', 0)} pending, {m.get('live_nodes', 0)} live)"
+    return f"deltas from the workers (outer_step {master.outer_step} is published)"
+
+
+class _Lines:
+    """The lines said between events: standing by (once per spell), and what the master waits for
+    (through :class:`Patience`: after a while, then less and less often)."""
+
+    def __init__(self, speak: Callable[[str], Any], where: str) -> None:
+        self.speak, self.where = speak, where
+        self._standby_shown = False
+        self._waiting: tuple[str, Patience] | None = None
+
+    def standby(self, standing_by: bool) -> None:
+        if standing_by and not self._standby_shown:
+            self.speak("[master] standing by: another master holds the lease")
+        self._standby_shown = standing_by
+
+    def waiting(self, what: str | None, at_once: bool = False) -> None:
+        """Waiting for ``what`` (None: an event ended the wait). ``at_once``: the start of a run,
+        said now rather than only after 10 s."""
+        if what is None:
+            self._waiting = None
+            return
+        if self._waiting is None or self._waiting[0] != what:
+            self._waiting = (what, Patience(what, self.where, say=lambda line: self.speak(f"[master] {line}")))
+            if at_once:
+                self.speak(f"[master] waiting for {what} on {self.where}")
+        self._waiting[1].tick()
+
+
+def _finish(master: Any, report: ServeReport, speak: Callable[[str], Any], drain: bool) -> None:
+    """Stop ``master``, with a final round when ``drain`` (a signal stopped the loop)."""
+    if drain:
+        speak("[master] stopping: final round ...")
+    try:
+        master.stop(drain=drain)
+    except Exception as e:  # noqa: BLE001
+        report.drained = False
+        speak(f"[master] the final round failed: {type(e).__name__}: {e}")
+    m = master.last_metrics or {}
+    if report.signals and m.get("published"):
+        speak(f"[master] {format_progress(m)}")

@@ -41,6 +41,7 @@ from diloco_lightning.outer.nesterov import NesterovOuterOptimizer, PolyNesterov
 from diloco_lightning.outer.pacgad import PACGAD
 
 __all__ = [
+    "check_outer_options",
     "CGAD",
     "OUTER_OPTIMIZERS",
     "PACGAD",
@@ -119,3 +120,14 @@ def build_outer_optimizer(name: str, state: Mapping[str, Tensor], **options: Any
     if precision:
         opt.set_state_precision(**precision)
     return opt
+
+
+def check_outer_options(name: str, **options: Any) -> None:
+    """Raise the ``ValueError`` :func:`build_outer_optimizer` would (naming the option) for ``name``
+    with ``options``, by building it once on a 2-value probe state: configurations are checked when
+    they are given, not when the first global state arrives. ``fragments`` (a run's, matched against
+    its keys) is left to the run."""
+    import torch
+
+    options = {k: v for k, v in options.items() if k != "fragments"}
+    build_outer_optimizer(name, {"probe": torch.zeros(2)}, **options)

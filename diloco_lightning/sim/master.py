@@ -9,12 +9,12 @@ bound of the current version), then either
 * ``aggregation="round"``: the gated weighted mean of the round's accepted deltas
   (:class:`~diloco_lightning.master.aggregation.RoundSum`) and one outer step
   (:func:`~diloco_lightning.master.aggregation.round_step`: ``gated=True``; PA-CGAD's deltas each
-  gated on ``max(tau_i, age_f)`` before the mean, :func:`~diloco_lightning.master.validation.delta_gates`), or
+  gated on ``max(tau_i, age_f)`` before the mean, :func:`~diloco_lightning.master.gating.delta_gates`), or
 * ``aggregation="arrival"``: one outer step per accepted delta with its own staleness;
 
 With fragments (``config.fragments``, Streaming DiLoCo): a delta carries one fragment's keys and
 its header entries; its staleness is that fragment's outer steps since its base
-(:meth:`~diloco_lightning.master.validation.FragmentView.staleness`), its gate the fragment's
+(:meth:`~diloco_lightning.master.gating.FragmentView.staleness`), its gate the fragment's
 (PA-CGAD: ``max(tau, a_f)``), its norm scaled as the product scales it; each fragment's deltas make
 their own mean (:class:`~diloco_lightning.master.aggregation.FragmentSums`), the step updates the
 fragments that had deltas, and each version records its fragments' outer step counts
@@ -49,16 +49,8 @@ from diloco_lightning.wire.fragments import build_plan, stepped_state
 from diloco_lightning.master.aggregation import FragmentSums, NonFiniteAggregate, RoundSum, arrival_step, round_step
 from diloco_lightning.master.config import MasterConfig, with_run_fragments
 from diloco_lightning.master.metrics import RoundMetrics
-from diloco_lightning.master.validation import (
-    DeltaRejected,
-    FragmentView,
-    NormGuard,
-    check_staleness,
-    delta_gates,
-    delta_norm,
-    legacy_pa,
-    state_norm,
-)
+from diloco_lightning.master.gating import FragmentView, delta_gates, legacy_pa
+from diloco_lightning.master.validation import DeltaRejected, NormGuard, check_staleness, delta_norm, state_norm
 from diloco_lightning.outer import build_outer_optimizer
 
 __all__ = ["SimMaster"]
@@ -121,7 +113,7 @@ class SimMaster:
 
     def fragment_staleness(self, base_outer_step: int, extra: Mapping[str, str]) -> tuple[str, int]:
         """``(fragment, tau)`` of a fragment delta whose header has ``base_outer_step`` and the fragment
-        entries ``extra``, checked now (:meth:`~diloco_lightning.master.validation.FragmentView.staleness`)."""
+        entries ``extra``, checked now (:meth:`~diloco_lightning.master.gating.FragmentView.staleness`)."""
         _, view = self._gates()
         assert view is not None, "fragment_staleness needs a run with fragments"
         return view.staleness(extra, base_outer_step, self.outer_step)

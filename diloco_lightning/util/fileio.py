@@ -70,11 +70,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _dead_or_old(name: str, mtime: float, max_age: float, now: float) -> bool:
+def is_dead_or_old(name: str, mtime: float, max_age: float, now: float) -> bool:
+    """Whether the temporary ``name`` (changed last at ``mtime``) may be swept: its owner is a process of
+    this host that is gone, or (another host's, or untagged) it is older than ``max_age`` seconds."""
     m = _OWNED_RE.search(name)
     if m is not None and m.group(1) == _HOST:
         return not _pid_alive(int(m.group(2)))  # this host: the process decides, whatever the age
     return now - mtime > max_age
+
 
 
 def sweep_temporaries(folder: str | os.PathLike, max_age: float, *, recursive: bool = False) -> list[str]:
@@ -92,13 +95,34 @@ def sweep_temporaries(folder: str | os.PathLike, max_age: float, *, recursive: b
             path = os.path.join(root, name)
             try:
                 st = os.lstat(path)
-                if _dead_or_old(name, st.st_mtime, max_age, now):
+                if is_dead_or_old(name, st.st_mtime, max_age, now):
                     os.unlink(path)
                     removed.append(path)
             except FileNotFoundError:
                 continue
             except OSError as e:
                 log.debug("could not sweep %s: %s", path, e)
+    return removed
+
+
+def sweep_stale_files(folder: str | os.PathLike, max_age: float) -> list[str]:
+    """Remove the files under ``folder`` (a download cache) unchanged for ``max_age`` seconds, and the
+    folders left empty: copies a killed process downloaded and never released. Symbolic links are
+    never followed. Returns the removed paths."""
+    removed: list[str] = []
+    now = time.time()
+    for root, _dirs, files in os.walk(os.fspath(folder), topdown=False, followlinks=False):
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                if now - os.lstat(path).st_mtime > max_age:
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                continue
+        if root != os.fspath(folder):
+            with contextlib.suppress(OSError):
+                os.rmdir(root)  # only when empty
     return removed
 
 
@@ -123,7 +147,7 @@ def sweep_owned_dirs(parent: str | os.PathLike | None, prefix: str, max_age: flo
         try:
             if not e.is_dir(follow_symlinks=False):
                 continue
-            if _dead_or_old(e.name, e.stat(follow_symlinks=False).st_mtime, max_age, now):
+            if is_dead_or_old(e.name, e.stat(follow_symlinks=False).st_mtime, max_age, now):
                 shutil.rmtree(e.path, ignore_errors=True)
                 removed.append(e.path)
         except OSError:

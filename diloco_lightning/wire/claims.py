@@ -16,7 +16,8 @@ dead one's claim expires ``ttl`` seconds after its last heartbeat
   "claimed_at": 1764430000.0,
   "renewed_at": 1764430450.0,
   "expires_at": 1764431350.0,
-  "info": {}
+  "info": {},
+  "signature": "<hex HMAC-SHA256, signed runs only>"
 }
 ```
 
@@ -27,7 +28,16 @@ readers ignore keys they do not know, so the document can grow without a new for
 A claim file is untrusted input like every hub byte: at most :data:`MAX_CLAIM_BYTES`,
 strict types, and its ``node_id`` must be the path's; every value of ``info`` is checked
 against a bound (:meth:`NodeReport.from_info`) and a value out of bounds is dropped, never
-used.
+used. In a signed run the worker signs its claim with the run key (``diloco-doc-sig/1``, kind
+``claim``: :mod:`diloco_lightning.wire.signing`) and every reader ignores a claim that is not
+signed with it, as a malformed one.
+
+What a claim says about time is bounded by the reader, never believed as written
+(:meth:`NodeClaim.dead_reason`): a claim lives at most :data:`MAX_CLAIM_TTL` after its
+``renewed_at``, and one renewed more than :data:`MAX_CLOCK_SKEW` in the reader's future is not a
+heartbeat, so no expiry (``1e300``) can block a node id for ever. The master's own bounds (how
+long a silent node stays in the quorum, the longest wait of a round) come from its configuration
+(``master/membership.py``).
 """
 
 from __future__ import annotations
@@ -36,16 +46,34 @@ import json
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from diloco_lightning.util.errors import DiLoCoError
+from diloco_lightning.util.jsondoc import load_json
 from diloco_lightning.wire.names import InvalidNameError, validate_node_id
 
-__all__ = ["NodeClaim", "NodeReport", "ClaimError", "CLAIM_FORMAT", "MAX_CLAIM_BYTES", "REPORT_BOUNDS"]
+__all__ = ["NodeClaim", "NodeReport", "ClaimError", "CLAIM_FORMAT", "MAX_CLAIM_BYTES", "REPORT_BOUNDS",
+           "MAX_CLAIM_TTL", "MAX_CLOCK_SKEW", "FILE_HUB_TTL", "REMOTE_HUB_TTL", "default_claim_ttl"]
 
 CLAIM_FORMAT = "diloco-claim/1"
 MAX_CLAIM_BYTES = 64 * 1024
+#: the longest a claim lives after its last heartbeat, whatever its ``expires_at`` says
+MAX_CLAIM_TTL = 86400.0
+#: a heartbeat dated further than this in the reader's future is not one (clocks of one run agree within it)
+MAX_CLOCK_SKEW = 600.0
+#: a claim's ttl by default: 60 s on a folder hub (a renewal is a small file write), 15 min elsewhere
+#: (a renewal is a commit on ``hf://``, a request on ``s3://``)
+FILE_HUB_TTL = 60.0
+REMOTE_HUB_TTL = 900.0
+
+
+def default_claim_ttl(hub: Any) -> float:
+    """The default claim ttl on ``hub`` (a Hub or a URL): :data:`FILE_HUB_TTL` on a folder hub,
+    :data:`REMOTE_HUB_TTL` elsewhere. Also the master's default bound on how long a silent node
+    stays live."""
+    url = str(getattr(hub, "url", hub))
+    return FILE_HUB_TTL if url.startswith("file:") else REMOTE_HUB_TTL
 
 
 #: what a heartbeat may report, and the largest value believed: an inner step faster than a
@@ -76,13 +104,43 @@ class NodeClaim:
     renewed_at: float
     expires_at: float
     info: dict[str, Any] = field(default_factory=dict)
+    #: the run key's signature over every other entry (signed runs only)
+    signature: str | None = None
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.expires_at
 
-    def to_json(self) -> str:
+    def dead_reason(self, now: float | None = None) -> str | None:
+        """Why this claim no longer holds its id at ``now`` (None: it is live): expired, silent for
+        longer than :data:`MAX_CLAIM_TTL`, or renewed further than :data:`MAX_CLOCK_SKEW` in the
+        future. The bounds are the reader's: an expiry of ``1e300`` blocks an id for a day at most."""
+        now = time.time() if now is None else now
+        if now >= self.expires_at:
+            return "expired"
+        if self.renewed_at > now + MAX_CLOCK_SKEW:
+            return f"its heartbeat is dated {self.renewed_at - now:.3g} s in the future"
+        if now >= self.renewed_at + MAX_CLAIM_TTL:
+            return f"no heartbeat for more than {MAX_CLAIM_TTL:g} s (whatever its expiry says)"
+        return None
+
+    def to_doc(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["format"] = CLAIM_FORMAT
+        if doc["signature"] is None:
+            del doc["signature"]
+        return doc
+
+    def signed(self, key: Any) -> "NodeClaim":
+        """A copy carrying the run key's (a :class:`~diloco_lightning.wire.signing.RunKey`) signature."""
+        unsigned = replace(self, signature=None)
+        return replace(unsigned, signature=key.sign_document("claim", unsigned.to_doc()))
+
+    def verify(self, key: Any) -> bool:
+        """Whether the signature is the run key's over this claim."""
+        return key.verify_document("claim", self.to_doc())
+
+    def to_json(self) -> str:
+        doc = self.to_doc()
         try:
             text = json.dumps(doc, sort_keys=True, allow_nan=False) + "\n"
         except (TypeError, ValueError) as e:
@@ -94,12 +152,10 @@ class NodeClaim:
     @classmethod
     def from_json(cls, data: str | bytes, *, node_id: str, source: str = "claim") -> "NodeClaim":
         """Parse and check a claim read from ``nodes/<node_id>/claim.json``."""
-        if len(data) > MAX_CLAIM_BYTES:
-            raise ClaimError(f"{source}: {len(data)} bytes, more than a claim may hold ({MAX_CLAIM_BYTES})")
         try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ClaimError(f"{source}: not valid JSON ({e})") from None
+            doc = load_json(data, max_bytes=MAX_CLAIM_BYTES, max_depth=8, what=source)
+        except ValueError as e:
+            raise ClaimError(str(e)) from None
         if not isinstance(doc, dict) or doc.get("format") != CLAIM_FORMAT:
             raise ClaimError(f"{source}: not a {CLAIM_FORMAT} document")
         try:
@@ -120,8 +176,11 @@ class NodeClaim:
         info = doc.get("info", {})
         if not isinstance(info, dict):
             raise ClaimError(f"{source}: 'info' must be an object")
+        signature = doc.get("signature")
+        if signature is not None and not isinstance(signature, str):
+            raise ClaimError(f"{source}: 'signature' must be a string")
         claimed, renewed, expires = (float(t) for t in times)  # type: ignore[arg-type]  # checked finite numbers above
-        return cls(doc["node_id"], holder, epoch, claimed, renewed, expires, info)
+        return cls(doc["node_id"], holder, epoch, claimed, renewed, expires, info, signature)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ reading data), verifies a signature by streaming the tensor bytes in fixed-size 
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator
 
 from diloco_lightning.util.errors import DiLoCoError
+from diloco_lightning.util.jsondoc import load_json
 
 __all__ = [
     "DTYPE_SIZES",
@@ -135,9 +135,9 @@ def read_layout(
     if len(text) != n:
         raise LayoutError("file shrank while its header was read")
     try:
-        doc = json.loads(text)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise LayoutError(f"header is not JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        doc = load_json(text, max_bytes=n, max_depth=8, what="header")
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
     if not isinstance(doc, dict):
         raise LayoutError(f"header is a JSON {type(doc).__name__}, expected an object")
     md = doc.pop("__metadata__", None)

@@ -36,7 +36,9 @@ any hub writer drops under another node's name can never hide that node's work.
 the digest of its key names, how many outer steps updated it, and the version that last did.
 Every path a manifest names is checked to be a file directly under ``global/`` (and
 not ``global/manifest.json`` or ``global/lease.json``): nothing read from the hub is
-followed blindly. ``Manifest.from_json`` is the only way a manifest is read, and
+followed blindly. Both documents are parsed with bounds on size and depth
+(:func:`~diloco_lightning.util.jsondoc.load_json`): a malformed one, of any size or nesting, is a
+``ManifestError``, never another exception. ``Manifest.from_json`` is the only way a manifest is read, and
 ``Manifest.validate()`` applies the same checks to one built in code before it is
 published.
 """
@@ -52,6 +54,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from diloco_lightning.util.errors import DiLoCoError
+from diloco_lightning.util.jsondoc import load_json
 from diloco_lightning.wire.names import MAX_STEP, InvalidNameError, validate_global_data_path, validate_node_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,6 +64,9 @@ log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "diloco-manifest/1"
 LEASE_FORMAT = "diloco-lease/1"
+#: the largest manifest read (a ledger of 100,000 nodes is ~3 MB) and lease (~300 bytes)
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_LEASE_BYTES = 64 << 10
 
 
 class ManifestError(DiLoCoError, ValueError):
@@ -234,9 +240,9 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "manifest") -> "Manifest":
         try:
-            doc = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{source}: not valid JSON ({e})") from None
+            doc = load_json(text, max_bytes=MAX_MANIFEST_BYTES, what=source)
+        except ValueError as e:
+            raise ManifestError(str(e)) from None
         if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
             got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
             raise ManifestError(f"{source}: format is {got!r}, expected {MANIFEST_FORMAT!r}")
@@ -350,9 +356,9 @@ class Lease:
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "lease") -> "Lease":
         try:
-            doc = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{source}: not valid JSON ({e})") from None
+            doc = load_json(text, max_bytes=MAX_LEASE_BYTES, what=source)
+        except ValueError as e:
+            raise ManifestError(str(e)) from None
         if not isinstance(doc, dict) or doc.get("format") != LEASE_FORMAT:
             raise ManifestError(f"{source}: not a {LEASE_FORMAT} document")
         holder = doc.get("holder")

@@ -18,6 +18,10 @@ NODE_ID_RE = re.compile(r"(?!\.)[A-Za-z0-9._-]{1,64}")
 #: decimal digits. A longer number from a hub (a path, a header) is malformed, never parsed:
 #: Python refuses to convert strings of over 4300 digits, and no run takes 10**18 steps.
 MAX_STEP = 10**18 - 1
+#: the highest counter a master adopts from a hub: one above it leaves fewer than 10**9 steps to run
+#: before MAX_STEP (a real run is nowhere near; a forged one is refused with a reason, not adopted and
+#: then failing every round)
+MAX_ADOPTED_STEP = MAX_STEP - 10**9
 _STEP = r"0|[1-9][0-9]{0,17}"
 _LOCAL_STEP_RE = re.compile(_STEP)
 _DELTA_PATH_RE = re.compile(rf"nodes/((?!\.)[A-Za-z0-9._-]{{1,64}})/delta_({_STEP})\.safetensors")

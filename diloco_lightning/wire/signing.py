@@ -28,10 +28,10 @@ bytes from disk in 1 MiB chunks (the message is the same), so a file with a bogu
 signature costs no more memory than a chunk, whatever it holds.
 
 Documents the master publishes (``diloco-doc-sig/1``): the manifest
-(``global/manifest.json``) and the lease (``global/lease.json``) carry a ``signature``
-entry, the lowercase hex HMAC-SHA256 of::
+(``global/manifest.json``) and the lease (``global/lease.json``), and a worker's claim on its
+node id (``nodes/<node>/claim.json``), carry a ``signature`` entry, the lowercase hex HMAC-SHA256 of::
 
-    b"diloco-doc-sig/1\n" + kind (b"manifest" or b"lease") + b"\n"
+    b"diloco-doc-sig/1\n" + kind (b"manifest", b"lease" or b"claim") + b"\n"
     + json.dumps(document without "signature", sort_keys=True, separators=(",", ":"),
                  allow_nan=False) as UTF-8
 

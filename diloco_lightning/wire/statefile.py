@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util.fileio import atomic_write
+from diloco_lightning.util.jsondoc import load_json
 from diloco_lightning.wire.layout import LayoutError, read_layout, read_tensor
 
 STATE_FORMAT = "diloco-state/1"
@@ -149,7 +150,7 @@ def unpack_state_dict(tensors: Mapping[str, torch.Tensor], skeleton: str) -> Any
             return [dec(v) for v in obj]
         return obj
 
-    return dec(json.loads(skeleton))
+    return dec(load_json(skeleton, max_bytes=len(skeleton), max_depth=64, what="state skeleton"))
 
 
 def save_state_file(path: str | Path, sd: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> int:

@@ -3,34 +3,32 @@
 :func:`pack_unsent` / :func:`unpack_unsent` turn the uploader's undelivered :class:`Job` (a
 doubtful upload with its step, fresh content) into plain dicts of tensors and back, so a
 checkpoint (Lightning's, or any ``torch.save``) carries them; :func:`step_offset_of` reads the
-numbering offset, deriving it for checkpoints written before it was recorded.
+numbering offset (``worker/progress.py``), deriving it for checkpoints written before it was recorded.
 :func:`pack_residual` / :func:`unpack_residual` carry the error-feedback residual (what the
 encoding of the deltas sent so far dropped, owed to the next one: ``encoding/feedback.py``).
-:func:`worker_state` / :func:`anchor_state` (and their ``load_`` inverses) are what
-``DiLoCoWorker.state_dict`` / ``anchor_state`` return and restore.
+:func:`anchor_state` / :func:`load_anchor_state` are what ``DiLoCoWorker.anchor_state`` returns and
+restores (its counters are :class:`~diloco_lightning.worker.progress.Progress`'s ``state_dict``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from diloco_lightning.worker.params import anchor_copy
+from diloco_lightning.encoding.feedback import ErrorFeedback
+from diloco_lightning.worker.outbox import Outbox
+from diloco_lightning.worker.params import LocalModel, anchor_copy
+from diloco_lightning.worker.progress import STATE_VERSION, Progress, step_offset_of
 from diloco_lightning.worker.sync import WorkerError
-from diloco_lightning.worker.uploader import Job, Part
-
-if TYPE_CHECKING:  # the worker calls these; a runtime import would be a cycle
-    from diloco_lightning.worker.core import DiLoCoWorker
+from diloco_lightning.worker.jobs import Job, Part
 
 __all__ = ["STATE_VERSION", "pack_unsent", "unpack_unsent", "pack_residual", "unpack_residual", "step_offset_of",
-           "worker_state", "load_worker_state", "anchor_state", "load_anchor_state"]
+           "settle_uploads", "anchor_state", "load_anchor_state"]
 
 log = logging.getLogger(__name__)
-
-STATE_VERSION = 1
 
 
 def _pack(part: Part, **extra: Any) -> dict[str, Any]:
@@ -80,13 +78,6 @@ def unpack_unsent(unsent: Mapping[str, Any] | None, *, boundaries: int, step_off
     return job
 
 
-def step_offset_of(state: Mapping[str, Any]) -> int:
-    """The checkpoint's ``step_offset`` (derived for checkpoints written before it was recorded)."""
-    if state.get("step_offset") is not None:
-        return int(state["step_offset"])
-    return max(0, int(state.get("next_local_step", 1)) - int(state.get("boundaries", 0)) - 1)
-
-
 def pack_residual(feedback_state: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
     """The error-feedback residual of :meth:`ErrorFeedback.state_dict` for a checkpoint (None: zero)."""
     residual = feedback_state.get("residual")
@@ -115,85 +106,49 @@ def unpack_residual(residual: Mapping[str, torch.Tensor] | None,
     return {"residual": dict(residual)}
 
 
-def worker_state(w: DiLoCoWorker) -> dict[str, Any]:
-    """Worker ``w``'s small counters (no tensors): ``DiLoCoWorker.state_dict``."""
-    return {
-        "version": STATE_VERSION,
-        "node_id": w.node_id,
-        "boundaries": w.boundaries,
-        "outer_step": w.outer_step,
-        "next_local_step": w.boundaries + 1 + w._offset(),
-        "step_offset": w._offset(),
-        "totals": dict(w.totals),
-    }
+def settle_uploads(outbox: Outbox, timeout: float, node_id: str) -> None:
+    """Before a checkpoint: wait (up to ``timeout``) for an upload in flight, so the checkpoint
+    records exactly what is still undelivered (failed uploads are not retried here)."""
+    busy = not outbox.uploader.wait_idle(timeout)
+    outbox.collect()
+    if busy:
+        log.warning("node %s: an upload is still running at checkpoint time; if this process dies now, "
+                    "the phases it carries are not in the checkpoint", node_id)
 
 
-def load_worker_state(w: DiLoCoWorker, state: Mapping[str, Any]) -> None:
-    """Inverse of :func:`worker_state` (before the worker starts); another node's delivery counters are ignored."""
-    if w._started:
-        raise WorkerError("load_state_dict must be called before the worker starts")
-    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-        raise ValueError(f"not a DiLoCo worker state (version {STATE_VERSION}): {state!r:.200}")
-    same_node = state.get("node_id") == w.node_id
-    if not same_node:
-        log.warning("node %s: ignoring the delivery counters of node %s's checkpoint", w.node_id, state.get("node_id"))
-    w.boundaries = int(state["boundaries"])
-    if state.get("outer_step") is not None:
-        w.outer_step = int(state["outer_step"])
-    if same_node:
-        w.step_offset = max(w.step_offset, step_offset_of(state))
-        for k, v in (state.get("totals") or {}).items():
-            if k in w.totals:  # in place: the worker's outbox counts into the same dict
-                w.totals[k] = type(w.totals[k])(v)
-
-
-def anchor_state(w: DiLoCoWorker, timeout: float | None = None) -> dict[str, Any]:
-    """Worker ``w``'s anchor (CPU FP32) and whatever is not yet on the hub: ``DiLoCoWorker.anchor_state``."""
-    if w._anchor is None:
-        raise WorkerError("the worker has no anchor yet (call start() first)")
-    outbox = w._outbox
-    if w._started:
-        busy = not outbox.uploader.wait_idle(w.wait_timeout if timeout is None else timeout)
-        outbox.collect()
-        if busy:
-            log.warning("node %s: an upload is still running at checkpoint time; if this process dies now, "
-                        "the phases it carries are not in the checkpoint", w.node_id)
-    if w._pin:
+def anchor_state(progress: Progress, model: LocalModel, outbox: Outbox, feedback: Mapping[str, Any]) -> dict[str, Any]:
+    """The anchor (CPU FP32) and whatever is not yet on the hub (held in ``outbox``), with the
+    error-feedback residual of ``feedback`` (``ErrorFeedback.state_dict``): ``DiLoCoWorker.anchor_state``."""
+    assert progress.anchor is not None  # the worker refuses before
+    if model.pin:
         torch.cuda.synchronize()
-    unsent = pack_unsent(outbox.jobs.get(None))
-    feedback = w._uploader.feedback_state() if w._uploader is not None else w._feedback.state_dict()
-    extra: dict[str, Any] = w._frags.state()  # per fragment: its anchor's base
-    if w.plan is not None:  # and its undelivered work
+    extra: dict[str, Any] = progress.frags.state()  # per fragment: its anchor's base
+    if model.plan is not None:  # and its undelivered work
         extra["unsent_fragments"] = [pack_unsent(j) for n, j in sorted((k, j) for k, j in outbox.jobs.items()
                                                                       if k is not None)]
     return {
         **extra,
-        "version": STATE_VERSION,
-        "node_id": w.node_id,
-        "outer_step": w.outer_step,
-        "boundaries": w.boundaries,
-        "next_local_step": w.boundaries + 1 + w._offset(),
-        "step_offset": w._offset(),
-        "anchor": dict(w._anchor),
-        "unsent": unsent,
+        **progress.counters(),
+        "anchor": dict(progress.anchor),
+        "unsent": pack_unsent(outbox.jobs.get(None)),
         "residual": pack_residual(feedback),
     }
 
 
-def load_anchor_state(w: DiLoCoWorker, state: Mapping[str, Any]) -> None:
+def load_anchor_state(progress: Progress, model: LocalModel, outbox: Outbox, feedback: ErrorFeedback,
+                      state: Mapping[str, Any]) -> None:
     """Inverse of :func:`anchor_state` (before the worker starts): ``DiLoCoWorker.load_anchor_state``."""
-    if w._started:
-        raise WorkerError("load_anchor_state must be called before the worker starts")
     if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION or "anchor" not in state:
         raise ValueError("not a DiLoCo anchor state")
     anchor = state["anchor"]
+    frags, plan = progress.frags, model.plan
     # the anchor's entries: the synced keys, or with fragments their pieces (a split key's row ranges)
-    units = w._frags.units({k: w.params[k].detach() for k in w.synced}, w.synced)
-    w._frags.load(state.get("fragment_bases"))
+    units = frags.units(model.synced_state(), model.synced)
+    frags.load(state.get("fragment_bases"))
     missing = [k for k in units if k not in anchor]
     extra = [k for k in anchor if k not in units]
     if missing or extra:
-        split = w.plan is not None and (w.plan.split or any(k not in w.params for k in anchor))
+        split = plan is not None and (plan.split or any(k not in model.params for k in anchor))
         raise WorkerError(
             f"the checkpoint's DiLoCo anchor does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}"
             + ("; it was written with the model's tensors split into fragments otherwise: resume with the same "
@@ -205,20 +160,21 @@ def load_anchor_state(w: DiLoCoWorker, state: Mapping[str, Any]) -> None:
                 f"the checkpoint's DiLoCo anchor has shape {list(anchor[k].shape)} for {k!r}, "
                 f"the model has {list(t.shape)}"
             )
-    rows = w.plan.rows if w.plan is not None else {}
-    w._anchor = {k: anchor_copy(anchor[k], w._pin, own=k in rows) for k in units}
-    w.outer_step = int(state["outer_step"])
-    w.boundaries = int(state.get("boundaries", w.boundaries))
-    if state.get("node_id") != w.node_id:
+    rows = plan.rows if plan is not None else {}
+    progress.anchor = {k: anchor_copy(anchor[k], model.pin, own=k in rows) for k in units}
+    progress.outer_step = int(state["outer_step"])
+    progress.boundaries = int(state.get("boundaries", progress.boundaries))
+    node_id = progress.node_id
+    if state.get("node_id") != node_id:
         log.warning("node %s: restoring the anchor of node %s's checkpoint (its undelivered deltas stay with it)",
-                    w.node_id, state.get("node_id"))
+                    node_id, state.get("node_id"))
         return
-    w._restored = True
+    progress.restored = True
     try:  # keyed as the deltas are: by piece with fragments, each owed to its own fragment's next delta
-        w._feedback.load_state_dict(unpack_residual(state.get("residual"), units, partial=w.plan is not None))
+        feedback.load_state_dict(unpack_residual(state.get("residual"), units, partial=plan is not None))
     except ValueError as e:
         raise WorkerError(f"the checkpoint's DiLoCo error-feedback residual does not fit this model: {e}") from None
-    w.step_offset = step_offset_of(state)
-    w._outbox.hold(unpack_unsent(state.get("unsent"), boundaries=w.boundaries, step_offset=w.step_offset))
+    progress.step_offset = step_offset_of(state)
+    outbox.hold(unpack_unsent(state.get("unsent"), boundaries=progress.boundaries, step_offset=progress.step_offset))
     for packed in state.get("unsent_fragments") or []:
-        w._outbox.hold(unpack_unsent(packed, boundaries=w.boundaries, step_offset=w.step_offset))
+        outbox.hold(unpack_unsent(packed, boundaries=progress.boundaries, step_offset=progress.step_offset))

@@ -6,12 +6,26 @@ with the default ``ttl`` of 15 minutes that is 8 commits an hour, far inside the
 limit of about 128 per repository), and releases it on a clean close.
 
 A claim held by someone else stops the start with :class:`NodeIdTakenError`, unless it is
-dead: expired (no heartbeat for ``ttl`` seconds), or held by a process of this host that
-no longer exists (``host:pid`` in the holder; a worker killed with ``kill -9`` and started
-again on the same machine does not wait for the expiry). A keeper whose claim was taken
-over while it lived (its heartbeat failed for longer than ``ttl``, and another process
-claimed the id) marks itself lost; the worker then stops at its next boundary rather than
-sending deltas under an id someone else now runs.
+dead: expired (no heartbeat for ``ttl`` seconds; whatever its expiry says, at most a day after
+its last heartbeat: ``NodeClaim.dead_reason``), held by a process of this host that no longer
+exists (``host:pid`` in the holder; a worker killed with ``kill -9`` and started again on the
+same machine does not wait for the expiry), or, in a signed run, not signed with the run key
+(anyone can write a file; only a worker of the run can sign a claim). The keeper signs its own
+claims in a signed run.
+
+A heartbeat whose compare-and-swap fails looks at what is there now:
+
+* nothing, an unreadable file, one not signed with the run key, or a claim of its own holder:
+  the claim vanished or someone else wrote garbage over it; the keeper claims the id again
+  (a file deleted or overwritten by any hub writer does not stop a worker);
+* another holder's claim, and this keeper's own had expired (its heartbeat failed for longer
+  than ``ttl``: a hub outage): the id was taken over as the rules allow; the keeper marks itself
+  lost and the worker stops at its next boundary rather than sending deltas under an id someone
+  else now runs;
+* another holder's claim while this keeper's was live: no worker of the run does that (a
+  live claim is never taken over); the keeper claims the id again, with a warning, at most
+  :data:`MAX_RECLAIMS` times within ``ttl``, then stops (two processes that keep taking one id
+  from each other are a duplicate node id, whichever is right).
 
 Each heartbeat carries what the worker reports about itself (``info``: a
 :class:`~diloco_lightning.wire.claims.NodeReport`, set by the worker at each boundary; the first
@@ -34,26 +48,22 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from diloco_lightning.hub.base import ClaimConflictError, Hub
-from diloco_lightning.wire.claims import NodeClaim, NodeReport
+from diloco_lightning.wire.claims import FILE_HUB_TTL, REMOTE_HUB_TTL, NodeClaim, NodeReport, default_claim_ttl
+from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.util.waiting import format_duration
 from diloco_lightning.worker.sync import WorkerError
 
-__all__ = ["ClaimKeeper", "NodeIdTakenError", "default_claim_ttl", "worker_holder"]
+__all__ = ["ClaimKeeper", "NodeIdTakenError", "default_claim_ttl", "worker_holder", "FILE_HUB_TTL", "REMOTE_HUB_TTL",
+           "MAX_RECLAIMS"]
 
 log = logging.getLogger(__name__)
 
-FILE_HUB_TTL = 60.0
-REMOTE_HUB_TTL = 900.0
+#: how many times within one ``ttl`` a keeper claims its id back from another holder before it stops
+MAX_RECLAIMS = 3
 
 
 class NodeIdTakenError(WorkerError):
     """Another live process runs this node id on the hub (or took it over from this one)."""
-
-
-def default_claim_ttl(hub: Hub) -> float:
-    """60 s on a folder hub (a renewal is a small file write), 15 min elsewhere (a renewal is a commit on
-    ``hf://``, a request on ``s3://``)."""
-    return FILE_HUB_TTL if str(hub.url).startswith("file:") else REMOTE_HUB_TTL
 
 
 def worker_holder() -> str:
@@ -88,6 +98,8 @@ class ClaimKeeper:
         holder: this process's id in the claim (default :func:`worker_holder`).
         clock: wall clock (expiry times are unix seconds, compared across machines).
         watch_peers: read the other nodes' claims after each heartbeat (:meth:`peer_reports`).
+        signing_key: the run key (a signed run): claims are signed with it, and one that is not is
+            no claim.
     """
 
     def __init__(
@@ -99,6 +111,7 @@ class ClaimKeeper:
         holder: str | None = None,
         clock: Callable[[], float] = time.time,
         watch_peers: bool = False,
+        signing_key: RunKey | None = None,
     ) -> None:
         self.hub = hub
         self.node_id = node_id
@@ -107,6 +120,8 @@ class ClaimKeeper:
             raise ValueError(f"claim_ttl must be > 0 seconds, got {ttl!r}")
         self.holder = holder or worker_holder()
         self.clock = clock
+        self.signing_key = signing_key
+        self._reclaims: list[float] = []  # when this keeper took its id back from another holder
         self.supported = True
         self.info: dict[str, Any] = {}
         self._claim: NodeClaim | None = None
@@ -131,6 +146,18 @@ class ClaimKeeper:
             f"give this worker another node_id, or stop the other one."
         )
 
+    def _sign(self, claim: NodeClaim) -> NodeClaim:
+        return claim.signed(self.signing_key) if self.signing_key is not None else claim
+
+    def _authentic(self, claim: NodeClaim) -> bool:
+        return self.signing_key is None or claim.verify(self.signing_key)
+
+    def _dead(self, other: NodeClaim, now: float) -> str | None:
+        """Why another holder's claim ``other`` does not hold the id at ``now`` (None: it does)."""
+        if not self._authentic(other):
+            return "it is not signed with the run key"
+        return other.dead_reason(now) or ("its process is gone" if _dead_here(other.holder) else None)
+
     def check_free(self) -> None:
         """Raise :class:`NodeIdTakenError` now if another live process holds this node id: a cheap
         read, for a process to call before its slow start-up (data, model) rather than minutes in.
@@ -140,8 +167,7 @@ class ClaimKeeper:
         except NotImplementedError:
             return
         now = self.clock()
-        if current is not None and current.holder != self.holder and not current.expired(now) \
-                and not _dead_here(current.holder):
+        if current is not None and current.holder != self.holder and self._dead(current, now) is None:
             raise self._taken(current, now)
 
     def acquire(self) -> None:
@@ -156,12 +182,12 @@ class ClaimKeeper:
                             "detected", self.node_id, type(self.hub).__name__)
                 return
             if current is not None and current.holder != self.holder:
-                if not current.expired(now) and not _dead_here(current.holder):
+                why = self._dead(current, now)
+                if why is None:
                     raise self._taken(current, now)
-                log.info("node %s: taking over the claim of %s (%s)", self.node_id, current.holder,
-                         "expired" if current.expired(now) else "its process is gone")
-            epoch = 1 if current is None else current.epoch + (0 if current.holder == self.holder else 1)
-            mine = NodeClaim(self.node_id, self.holder, epoch, now, now, now + self.ttl, dict(self.info))
+                log.info("node %s: taking over the claim of %s (%s)", self.node_id, current.holder[:80], why)
+            epoch = 1 if current is None else min(current.epoch, 10**15) + (0 if current.holder == self.holder else 1)
+            mine = self._sign(NodeClaim(self.node_id, self.holder, epoch, now, now, now + self.ttl, dict(self.info)))
             try:
                 self.hub.write_claim(self.node_id, mine, expected=current)
             except ClaimConflictError:
@@ -207,7 +233,7 @@ class ClaimKeeper:
             peers = dict(self._peers)
         out: dict[str, NodeReport] = {}
         for node, claim in sorted(peers.items()):
-            if claim.expired(now):
+            if claim.dead_reason(now) is not None or not self._authentic(claim):
                 continue
             report, problems = NodeReport.from_info(claim.info)
             for p in problems:
@@ -218,31 +244,62 @@ class ClaimKeeper:
         return out
 
     def renew(self) -> bool:
-        """One heartbeat now; False when it failed (a conflict marks the claim lost)."""
+        """One heartbeat now; False when it failed (a takeover marks the claim lost; see the module
+        docstring for a claim that vanished or was overwritten)."""
         with self._lock:
             mine = self._claim
             if mine is None or self._lost:
                 return False
             now = self.clock()
-            new = dataclasses.replace(mine, renewed_at=now, expires_at=now + self.ttl, info=dict(self.info))
+            new = self._sign(dataclasses.replace(mine, renewed_at=now, expires_at=now + self.ttl, info=dict(self.info),
+                                                 signature=None))
             try:
                 self.hub.write_claim(self.node_id, new, expected=mine)
             except ClaimConflictError:
-                other = None
-                try:
-                    other = self.hub.read_claim(self.node_id)
-                except Exception:  # noqa: BLE001 - only for the message
-                    pass
-                self._lost = (f"node_id {self.node_id!r} was taken over on {self.hub.url} by "
-                              f"{other.holder if other else 'another process'} (this worker's heartbeat had stopped)")
-                log.error("node %s: %s; stopping", self.node_id, self._lost)
-                return False
+                return self._conflict(mine, now)
             except Exception as e:  # noqa: BLE001 - the hub is down: try again sooner
                 log.warning("node %s: could not renew the claim on %s (%s: %s)", self.node_id, self.hub.url,
                             type(e).__name__, e)
                 return False
             self._claim = new
             return True
+
+    def _conflict(self, mine: NodeClaim, now: float) -> bool:
+        """The heartbeat's compare-and-swap failed: claim the id again, or mark it lost (module docstring)."""
+        try:
+            other = self.hub.read_claim(self.node_id)
+        except Exception as e:  # noqa: BLE001 - cannot tell what is there: the next heartbeat looks again
+            log.warning("node %s: the claim on %s changed and cannot be read (%s: %s)", self.node_id, self.hub.url,
+                        type(e).__name__, e)
+            return False
+        if other is not None and other.holder != self.holder and self._authentic(other):
+            if now - mine.renewed_at >= self.ttl:  # ours had expired: taken over as the rules allow
+                self._lost = (f"node_id {self.node_id!r} was taken over on {self.hub.url} by {other.holder[:80]} "
+                              f"(this worker's heartbeat had stopped for {format_duration(now - mine.renewed_at)})")
+                log.error("node %s: %s; stopping", self.node_id, self._lost)
+                return False
+            self._reclaims = [t for t in self._reclaims if now - t < self.ttl] + [now]
+            if len(self._reclaims) > MAX_RECLAIMS:
+                self._lost = (f"node_id {self.node_id!r} on {self.hub.url} keeps being claimed by {other.holder[:80]} "
+                              f"while this worker's claim is live: two processes run with this node_id")
+                log.error("node %s: %s; stopping", self.node_id, self._lost)
+                return False
+            log.warning("node %s: its live claim on %s was overwritten by %s (no worker of this run takes a live "
+                        "claim); claiming it back", self.node_id, self.hub.url, other.holder[:80])
+        else:
+            log.warning("node %s: its claim on %s %s; claiming it again", self.node_id, self.hub.url,
+                        "vanished" if other is None else "was replaced by an unauthenticated or older file")
+        epoch = max(mine.epoch, min(other.epoch, 10**15) if other is not None else 0)
+        again = self._sign(dataclasses.replace(mine, epoch=epoch, renewed_at=now, expires_at=now + self.ttl,
+                                               info=dict(self.info), signature=None))
+        try:
+            self.hub.write_claim(self.node_id, again, expected=other)
+        except Exception as e:  # noqa: BLE001 - a conflict again, or the hub is down: the next heartbeat retries
+            log.warning("node %s: could not claim its id again on %s (%s: %s)", self.node_id, self.hub.url,
+                        type(e).__name__, e)
+            return False
+        self._claim = again
+        return True
 
     def _start_heartbeat(self) -> None:
         if self._thread is not None:

@@ -48,28 +48,29 @@ import torch
 
 from diloco_lightning.util import faults
 from diloco_lightning.encoding.feedback import ErrorFeedback
-from diloco_lightning.wire.delta import model_fingerprint, synced_keys
 from diloco_lightning.util.fileio import make_owned_dir, sweep_owned_dirs
-from diloco_lightning.wire.fragments import FragmentPlan, build_plan
+from diloco_lightning.wire.fragments import FragmentPlan
 from diloco_lightning.hub.versions import read_verified_manifest
 from diloco_lightning.hub import Hub, open_hub
 from diloco_lightning.wire.manifest import Manifest
 from diloco_lightning.wire.names import validate_node_id
 from diloco_lightning.wire.signing import RunKey, load_run_key
-from diloco_lightning.worker import checkpoint, modes
+from diloco_lightning.worker import checkpoint
 from diloco_lightning.worker.claim import ClaimKeeper
 from diloco_lightning.worker.fragstate import FragmentBook
+from diloco_lightning.worker.install import Installer
+from diloco_lightning.worker.modes import AsyncMode, LockstepMode
 from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, WorkerOptions, parse_delta_dtype
 from diloco_lightning.worker.pacing import Pacing
 from diloco_lightning.worker.outbox import Outbox
-from diloco_lightning.worker.params import copy_into, module_state, snapshot
+from diloco_lightning.worker.params import LocalModel, module_state, snapshot
+from diloco_lightning.worker.progress import Progress
 from diloco_lightning.worker.results import BoundaryResult, InstallResult
 from diloco_lightning.worker.waits import Waits
-from diloco_lightning.worker.restart import hub_high_step
-from diloco_lightning.worker.install import check_global
-from diloco_lightning.worker.startup import fresh_start, settle_restart
+from diloco_lightning.worker.startup import Startup
 from diloco_lightning.worker.sync import GlobalFetcher, WaitTimeoutError, WorkerError
-from diloco_lightning.worker.uploader import Part, Uploader, UploadReport
+from diloco_lightning.worker.jobs import Part, UploadReport
+from diloco_lightning.worker.uploader import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ __all__ = ["DiLoCoWorker", "BoundaryResult", "InstallResult", "UploadReport", "W
 
 #: spool folders of dead workers (of another host, or without an owner tag) are removed once this old
 SPOOL_MAX_AGE = 24 * 3600.0
+#: files in the download cache that no process of this host owns are removed once unchanged this long
+CACHE_MAX_AGE = 3600.0
 
 
 class DiLoCoWorker:
@@ -130,7 +133,7 @@ class DiLoCoWorker:
         **option_values: Any,
     ) -> None:
         self.node_id = validate_node_id(node_id)
-        self.options = _worker_options(options, option_values).validate(self.node_id, node_index)
+        self.options = WorkerOptions.given(options, option_values, who="DiLoCoWorker").validate(self.node_id, node_index)
         opts = self.options
         self.sync = opts.sync
         self.delay = opts.resolved_delay(self.node_id, node_index)
@@ -139,65 +142,32 @@ class DiLoCoWorker:
         self.delta_dtype = self.encoding.name
         self.wait_timeout = float(opts.wait_timeout)
         self.poll_interval = float(opts.poll_interval)
-        self.params: dict[str, torch.Tensor] = _check_params(params)
-        self.synced = synced_keys(self.params)
-        self.fingerprint = model_fingerprint(self.params)
-        #: the fragments (Streaming DiLoCo; ``diloco_lightning/wire/fragments.py``), None: one delta of every key
-        self.plan: FragmentPlan | None = build_plan(opts.fragments, {k: self.params[k] for k in self.synced})
-        #: per fragment: its anchor's base, tokens since its last delta, the prefetched version (worker/fragstate.py)
-        self._frags = FragmentBook(self.plan)
-        self._pin = any(t.device.type == "cuda" for t in self.params.values()) and torch.cuda.is_available()
+        self.model = LocalModel.of(params, opts.fragments)
+        self.pacing = _pacing(pacing, self.model.plan)
         self.signing_key = load_run_key(signing_key)
         self.hub = open_hub(hub, **dict(hub_options or {}))
         self._spool_parent = spool_dir
-
-        # progress (checkpointed)
-        self.boundaries = 0
-        self.outer_step: int | None = None  # outer_step of the anchor's base
-        self._anchor: dict[str, torch.Tensor] | None = None
-        self.step_offset = 0  # local_step = boundary + step_offset (delta_<r> is the r-th boundary's in a clean run)
+        #: what this worker has done (checkpointed): worker/progress.py
+        self.progress = Progress(self.node_id, FragmentBook(self.model.plan))
         #: the encoding and its residual; the uploader owns it once started (worker/uploader.py)
         self._feedback = ErrorFeedback(self.encoding, self.error_feedback, self.error_feedback_decay)
-        self._restored = False  # anchor and counters came from this node's checkpoint
-        #: the highest local_step the hub had seen of this node when it resumed from a checkpoint:
-        #: replayed boundaries up to it were delivered before the crash (never sent again)
-        self.delivered_until = -1
-        # totals (not part of the model's state, but kept across resume)
-        self.totals = {
-            "deltas_uploaded_total": 0,
-            "bytes_uploaded_total": 0,
-            "phases_delivered_total": 0,
-            "upload_failures_total": 0,
-            "uploads_paced_total": 0,  # boundaries whose delta was held back for the hub's commit budget
-            "installs_total": 0,
-            "wait_seconds_total": 0.0,
-            "boundaries_total": 0,
-            "boundary_seconds_total": 0.0,  # training-thread time spent in boundary() (waits included)
-        }
         self._uploader: Uploader | None = None  # also the outbox's (attached at start)
         self._fetcher: GlobalFetcher | None = None
+        self._mode: AsyncMode | LockstepMode | None = None  # what a boundary does after its export (at start)
         self._spool: str | None = None
         self._started = False
-        self._closed, self._newest_seen = False, -1
-        self._waits = Waits(self)
+        self._closed = False
+        self._waits = Waits(self.node_id, self.hub.url, wait_timeout=self.wait_timeout, poll_interval=self.poll_interval)
         #: exported work not yet handed to the uploader, and the hand-over (worker/outbox.py)
-        self._outbox = Outbox(self.hub, self.node_id, self.totals, self._waits, poll_interval=self.poll_interval,
-                              wait_timeout=self.wait_timeout, fragments=self.plan.count if self.plan else None)
-        if pacing is not None and not isinstance(pacing, Pacing):
-            raise ValueError(f"pacing must be a Pacing or None, got {type(pacing).__name__}")
-        self.pacing = pacing if pacing is not None else Pacing(None)
-        if self.plan is not None and self.pacing.auto:
-            raise ValueError(f"fragments={self.plan.count} cannot be combined with inner_steps='auto' (Dynamic Local "
-                             f"Updates) yet: give a fixed inner_steps, a multiple of the fragment count")
+        self._outbox = Outbox(self.hub, self.node_id, self.progress.totals, self._waits, poll_interval=self.poll_interval,
+                              wait_timeout=self.wait_timeout, fragments=self.model.plan.count if self.model.plan else None)
+        self._installer = Installer(self.hub, self.model, self.progress, signing_key=self.signing_key, waits=self._waits,
+                                    read_manifest=self._read_manifest, on_whole_install=self._prefetch_from)
+        self._startup = Startup(self._installer, spool_dir)
         self._reported = False
         self._train_loss: float | None = None  # the last phase's mean loss, in the heartbeat
-        self._claim_keeper = (
-            ClaimKeeper(self.hub, self.node_id, ttl=opts.claim_ttl,
-                        watch_peers=self.pacing.auto and self.pacing.dylu_seconds is None)
-            if claim else None
-        )
-        if self._claim_keeper is not None:
-            self._claim_keeper.set_info(self.pacing.report().to_info())
+        self._claim_keeper = (_claim_keeper(self.hub, self.node_id, opts.claim_ttl, self.pacing, self.signing_key)
+                              if claim else None)
 
     # ------------------------------------------------------------------ properties
 
@@ -205,18 +175,50 @@ class DiLoCoWorker:
     def started(self) -> bool:
         return self._started
 
-    def _offset(self) -> int:
-        return self._uploader.step_offset if self._uploader is not None else self.step_offset
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return self.model.params
+
+    @property
+    def synced(self) -> list[str]:
+        return self.model.synced
+
+    @property
+    def fingerprint(self) -> str:
+        return self.model.fingerprint
+
+    @property
+    def plan(self) -> FragmentPlan | None:
+        """The fragments (Streaming DiLoCo; ``diloco_lightning/wire/fragments.py``), None: one delta of every key."""
+        return self.model.plan
+
+    @property
+    def boundaries(self) -> int:
+        return self.progress.boundaries
+
+    @property
+    def outer_step(self) -> int | None:
+        """The outer step of the anchor's base (None before the start)."""
+        return self.progress.outer_step
+
+    @property
+    def totals(self) -> dict[str, Any]:
+        """Running totals (uploads, bytes, installs, waits), kept across a resume."""
+        return self.progress.totals
 
     @property
     def next_local_step(self) -> int:
         """The ``local_step`` of the next delta this worker sends (boundaries replayed after a
         restart, whose deltas the hub already has, send nothing)."""
-        return max(self.boundaries + 1 + self._offset(), self.delivered_until + 1)
+        return self.progress.next_local_step()
 
     def _read_manifest(self) -> Manifest | None:
         """The hub's manifest, refused (``UnauthenticatedVersionError``) if a signed run's is not signed."""
         return read_verified_manifest(self.hub, self.signing_key)
+
+    def _prefetch_from(self, outer_step: int) -> None:
+        if self._fetcher is not None:
+            self._fetcher.set_floor(outer_step)
 
     @property
     def pending_phases(self) -> int:
@@ -225,12 +227,12 @@ class DiLoCoWorker:
 
     @property
     def anchor(self) -> dict[str, torch.Tensor] | None:
-        return self._anchor
+        return self.progress.anchor
 
     @property
     def fragment_base(self) -> dict[str, tuple[int, int]]:
         """Per fragment: (base_outer_step, the fragment's outer step count) of its anchor (empty without fragments)."""
-        return self._frags.base
+        return self.progress.frags.base
 
     # ------------------------------------------------------------------ start
 
@@ -257,23 +259,32 @@ class DiLoCoWorker:
             # before anything is offered or sent: a second live worker with this node_id stops here
             self._waits.retry("claim the node id", self._claim_keeper.acquire, deadline)
         sweep_owned_dirs(self._spool_parent, "diloco-", SPOOL_MAX_AGE)
+        try:  # what an earlier life killed mid-download left in the download cache
+            swept = self.hub.sweep_cache(CACHE_MAX_AGE)
+            if swept:
+                log.info("node %s: removed %d file(s) dead processes left in %s", self.node_id, len(swept),
+                         self.hub.cache_dir)
+        except OSError as e:
+            log.debug("node %s: could not sweep %s: %s", self.node_id, self.hub.cache_dir, e)
         manifest = self._waits.retry("read the manifest", self._read_manifest, deadline)
         if manifest is not None:
-            check_global(self, manifest)
+            self._installer.check_global(manifest)
         installed = None
-        if self._restored:
-            settle_restart(self, deadline)
+        if self.progress.restored:
+            self._startup.settle_restart(deadline, self._outbox, self._feedback)
         else:
-            installed = fresh_start(self, manifest, deadline)
+            installed = self._startup.fresh(manifest, deadline, lockstep_delay=self.delay if self.sync == "lockstep" else None)
         self._spool = make_owned_dir(self._spool_parent, f"diloco-{self.node_id}-")
-        self._uploader = Uploader(
-            self.hub, self.node_id, step_offset=self.step_offset, spool_dir=self._spool, feedback=self._feedback,
-            model_fingerprint=self.fingerprint, signing_key=self.signing_key,
-            hub_high_step=lambda: hub_high_step(self.hub, self.node_id), persistent=self.sync == "lockstep",
+        plan = self.model.plan
+        uploader = self._uploader = Uploader(
+            self.hub, self.node_id, step_offset=self.progress.step_offset, spool_dir=self._spool,
+            feedback=self._feedback, model_fingerprint=self.fingerprint, signing_key=self.signing_key,
+            hub_high_step=self._startup.hub_seen_high, persistent=self.sync == "lockstep",
             retry_interval=self.poll_interval, read_manifest=self._read_manifest,
-            fragments=self.plan.count if self.plan is not None else 1,
+            fragments=plan.count if plan is not None else 1,
         )
-        self._outbox.attach(self._uploader)
+        self.progress.hand_offset_to(lambda: uploader.step_offset)
+        self._outbox.attach(uploader)
         if self.sync == "async":
             # an async start installed a version (or restored an anchor with its outer step): the floor
             assert self.outer_step is not None
@@ -281,6 +292,9 @@ class DiLoCoWorker:
                 self.hub, self.node_id, self.fingerprint, poll_interval=self.poll_interval, floor=self.outer_step,
                 signing_key=self.signing_key,
             )
+            self._mode = AsyncMode(self._installer, self._outbox, self._fetcher)
+        else:
+            self._mode = LockstepMode(self._installer, self._outbox, self._waits, self.delay)
         self._started = True
         if self._outbox.jobs:
             self._outbox.pump()
@@ -294,45 +308,30 @@ class DiLoCoWorker:
                       fragment_steps: Mapping[str, int] | None = None) -> InstallResult:
         """Copy a global state into the params in place; the anchor becomes its FP32 copy.
         ``fragment_steps``: with fragments, each fragment's outer step count at that version."""
-        t0 = time.perf_counter()
-        self._frags.rebase_all(outer_step, fragment_steps, self.hub.url)
-        try:
-            kept = copy_into(self.params, {k: v for k, v in state.items() if k in self.params},
-                             what=f"global version {outer_step}", required=self.synced)
-        except ValueError as e:
-            raise WorkerError(str(e)) from None
-        for k in kept:
-            log.warning("node %s: global version %d has no %r (an integer buffer); keeping the local one",
-                        self.node_id, outer_step, k)
-        self._anchor = self._frags.anchor_of(state, self.synced, self._pin)
-        previous, self.outer_step = self.outer_step, outer_step
-        self._newest_seen = max(self._newest_seen, outer_step, -1 if newest is None else newest)
-        self.totals["installs_total"] += 1
-        if self._fetcher is not None:
-            self._fetcher.set_floor(outer_step)
-        return InstallResult(outer_step, self._newest_seen - outer_step, previous, time.perf_counter() - t0)
+        return self._installer.install_state(outer_step, state, newest=newest, fragment_steps=fragment_steps)
 
     # ------------------------------------------------------------------ boundary
 
     def _export(self, num_tokens: int | None, fragment: str | None = None) -> Part:
         """Snapshot the local weights (CPU FP32) and move the anchor onto them (``fragment``'s only)."""
-        keys = self.synced if fragment is None else self._frags.keys(fragment)
+        model, progress = self.model, self.progress
+        frags = progress.frags
+        keys = model.synced if fragment is None else frags.keys(fragment)
         # a fragment's pieces: whole tensors or views of their rows (detached: no autograd view)
-        source = self.params if fragment is None else self._frags.units(
-            {k: self.params[k].detach() for k in self.synced}, self.synced, fragment)
-        snap, event = snapshot(source, keys, self._pin)
+        source = model.params if fragment is None else frags.units(model.synced_state(), model.synced, fragment)
+        snap, event = snapshot(source, keys, model.pin)
         if fragment is not None:
-            base, fbase = self._frags.base[fragment]
-            anchor = self._anchor or {}
+            base, fbase = frags.base[fragment]
+            anchor = progress.anchor or {}
             part = Part(base, num_tokens, 1, anchor={k: anchor[k] for k in keys}, snapshot=snap, event=event,
-                        boundary=self.boundaries + 1, fragment=fragment, base_fragment_step=fbase)
-            self._anchor = {**anchor, **snap}  # a new dict: the part's own anchor dict is never touched
+                        boundary=progress.boundaries + 1, fragment=fragment, base_fragment_step=fbase)
+            progress.anchor = {**anchor, **snap}  # a new dict: the part's own anchor dict is never touched
             return part
         # every boundary comes after start(), which installed or restored a version
-        assert self.outer_step is not None
-        part = Part(self.outer_step, num_tokens, 1, anchor=self._anchor, snapshot=snap, event=event,
-                    boundary=self.boundaries + 1)
-        self._anchor = snap
+        assert progress.outer_step is not None
+        part = Part(progress.outer_step, num_tokens, 1, anchor=progress.anchor, snapshot=snap, event=event,
+                    boundary=progress.boundaries + 1)
+        progress.anchor = snap
         return part
 
     def boundary(self, num_tokens: int | None = None, train_loss: float | None = None) -> BoundaryResult:
@@ -346,36 +345,34 @@ class DiLoCoWorker:
         if self._claim_keeper is not None:
             self._claim_keeper.check()  # another process took this node id over: never send under it
         self.start()
+        progress = self.progress
         t0 = time.perf_counter()
-        r = self.boundaries + 1
+        r = progress.boundaries + 1
         reports = self._outbox.collect()
         fragment = self.plan.fragment_at(r) if self.plan is not None else None
-        base = self.outer_step if fragment is None else self._frags.base[fragment][0]
+        base = progress.outer_step if fragment is None else progress.frags.base[fragment][0]
         assert base is not None  # start() installed or restored a version
-        part: Part | None = self._export(self._frags.tokens(fragment, num_tokens), fragment)
+        part: Part | None = self._export(progress.frags.tokens(fragment, num_tokens), fragment)
         faults.point("worker.exported")
-        self.boundaries = r
+        progress.boundaries = r
         inner_steps = self._pace(num_tokens)
-        wait = 0.0
-        if r + self._offset() <= self.delivered_until:  # reached the hub before a crash (module docstring)
+        if progress.delivered(r):  # reached the hub before a crash (module docstring)
             log.info("node %s: boundary %d was delivered before the restart (delta_%d on the hub); not sending it "
-                     "again", self.node_id, r, r + self._offset())
+                     "again", self.node_id, r, r + progress.offset())
             part = None
-        if self.sync == "async":
-            installed, wait = modes.async_boundary(self, part, fragment, reports)
-        else:
-            installed, wait, more = modes.lockstep_boundary(self, part, r, fragment)
-            reports += more
+        assert self._mode is not None  # made at start
+        installed, wait, more = self._mode.boundary(part, r, fragment, reports)
+        reports += more
         self.pacing.resume()
         seconds = time.perf_counter() - t0
         self.totals["wait_seconds_total"] += wait
         self.totals["boundaries_total"] += 1
         self.totals["boundary_seconds_total"] += seconds
-        assert self.outer_step is not None  # set at start, never unset
+        assert progress.outer_step is not None  # set at start, never unset
         return BoundaryResult(
             boundary=r,
             base_outer_step=base,
-            outer_step=self.outer_step,
+            outer_step=progress.outer_step,
             installed=installed,
             uploads=reports,
             pending_phases=self.pending_phases,
@@ -392,7 +389,8 @@ class DiLoCoWorker:
         peers = keeper.peer_reports() if keeper is not None and keeper.watch_peers else {}
         h = self.pacing.end_phase(num_tokens, [p.step_rate for p in peers.values()])
         if keeper is not None:
-            report = dataclasses.replace(self.pacing.report(self.boundaries + self._offset()), train_loss=self._train_loss)
+            report = dataclasses.replace(self.pacing.report(self.boundaries + self.progress.offset()),
+                                         train_loss=self._train_loss)
             keeper.set_info(report.to_info(), urgent=not self._reported)
             self._reported = True
         return h
@@ -432,9 +430,8 @@ class DiLoCoWorker:
                     "DiLoCo state if one was saved after they were exported)",
                     self.node_id, self.pending_phases, self.hub.url,
                 )
-            uploader = self._outbox.uploader
-            uploader.close(timeout=5.0)
-            self.step_offset = uploader.step_offset
+            self._outbox.uploader.close(timeout=5.0)
+            self.progress.take_offset_back()
             if self._fetcher is not None:
                 self._fetcher.close(timeout=5.0)
             if self._spool is not None:
@@ -451,14 +448,17 @@ class DiLoCoWorker:
     def __exit__(self, *exc) -> None:
         self.close(flush=exc[0] is None)
 
-    # ------------------------------------------------------------------ state (worker/checkpoint.py)
+    # ------------------------------------------------------------------ state (worker/progress.py, checkpoint.py)
 
     def state_dict(self) -> dict[str, Any]:
-        """Small counters (no tensors)."""
-        return checkpoint.worker_state(self)
+        """Small counters (no tensors): :meth:`Progress.state_dict`."""
+        return self.progress.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        checkpoint.load_worker_state(self, state)
+        """Restore :meth:`state_dict` (before :meth:`start`)."""
+        if self._started:
+            raise WorkerError("load_state_dict must be called before the worker starts")
+        self.progress.load_state_dict(state)
 
     def anchor_state(self, timeout: float | None = None) -> dict[str, Any]:
         """The anchor (CPU FP32) and whatever is not yet on the hub, for a checkpoint.
@@ -467,35 +467,37 @@ class DiLoCoWorker:
         the checkpoint records exactly what is still undelivered; failed uploads are not retried
         here (a hub outage never blocks checkpointing beyond one attempt).
         """
-        return checkpoint.anchor_state(self, timeout)
+        if self.progress.anchor is None:
+            raise WorkerError("the worker has no anchor yet (call start() first)")
+        if self._started:
+            checkpoint.settle_uploads(self._outbox, self.wait_timeout if timeout is None else timeout, self.node_id)
+        feedback = self._uploader.feedback_state() if self._uploader is not None else self._feedback.state_dict()
+        return checkpoint.anchor_state(self.progress, self.model, self._outbox, feedback)
 
     def load_anchor_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`anchor_state` (before :meth:`start`): the first delta after resume is
         then the true pseudo-gradient of the interrupted inner phase."""
-        checkpoint.load_anchor_state(self, state)
+        if self._started:
+            raise WorkerError("load_anchor_state must be called before the worker starts")
+        checkpoint.load_anchor_state(self.progress, self.model, self._outbox, self._feedback, state)
 
 
-def _worker_options(options: WorkerOptions | None, values: Mapping[str, Any]) -> WorkerOptions:
-    """``options``, or the :class:`WorkerOptions` the keywords ``values`` name (not both)."""
-    if options is not None and values:
-        raise TypeError("DiLoCoWorker: give either options= or option keywords, not both")
-    if options is not None:
-        if not isinstance(options, WorkerOptions):
-            raise TypeError(f"DiLoCoWorker: options must be a WorkerOptions, got {type(options).__name__}")
-        return options
-    unknown = sorted(set(values) - set(WorkerOptions.names()))
-    if unknown:
-        raise TypeError(f"DiLoCoWorker got unknown option(s) {unknown}; valid: {WorkerOptions.names()}")
-    return WorkerOptions(**values)
+def _claim_keeper(hub: Hub, node_id: str, ttl: float | None, pacing: Pacing,
+                  signing_key: RunKey | None) -> ClaimKeeper:
+    """The keeper of ``node_id``'s claim (signed with the run key in a signed run), its first report
+    the pacing's; it reads the peers' reports when Dynamic Local Updates pace by their speed."""
+    keeper = ClaimKeeper(hub, node_id, ttl=ttl, signing_key=signing_key,
+                         watch_peers=pacing.auto and pacing.dylu_seconds is None)
+    keeper.set_info(pacing.report().to_info())
+    return keeper
 
 
-def _check_params(params: Any) -> dict[str, torch.Tensor]:
-    if not isinstance(params, Mapping) or not params:
-        raise ValueError("params must be a non-empty mapping name -> tensor (e.g. module_state(model))")
-    for k, t in params.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"params[{k!r}] is a {type(t).__name__}, not a tensor")
-    out = dict(params)
-    if not synced_keys(out):
-        raise ValueError("params has no floating-point tensor to sync")
-    return out
+def _pacing(pacing: Pacing | None, plan: FragmentPlan | None) -> Pacing:
+    """The adapter's ``pacing``, or a plain one (the caller decides boundaries)."""
+    if pacing is not None and not isinstance(pacing, Pacing):
+        raise ValueError(f"pacing must be a Pacing or None, got {type(pacing).__name__}")
+    pacing = pacing if pacing is not None else Pacing(None)
+    if plan is not None and pacing.auto:
+        raise ValueError(f"fragments={plan.count} cannot be combined with inner_steps='auto' (Dynamic Local "
+                         f"Updates) yet: give a fixed inner_steps, a multiple of the fragment count")
+    return pacing

@@ -17,6 +17,7 @@ added (``e = beta * e + delta``; 1: nothing owed is forgotten).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -151,6 +152,20 @@ class WorkerOptions:
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def given(cls, options: "WorkerOptions | None", values: Mapping[str, Any], who: str) -> "WorkerOptions":
+        """``options``, or the options the keywords ``values`` name (``who`` takes either, not both)."""
+        if options is not None and values:
+            raise TypeError(f"{who}: give either options= or option keywords, not both")
+        if options is not None:
+            if not isinstance(options, cls):
+                raise TypeError(f"{who}: options must be a WorkerOptions, got {type(options).__name__}")
+            return options
+        unknown = sorted(set(values) - set(cls.names()))
+        if unknown:
+            raise TypeError(f"{who} got unknown option(s) {unknown}; valid: {cls.names()}")
+        return cls(**values)
 
     def validate(self, node_id: str = "w0", node_index: int | None = None) -> "WorkerOptions":
         """Raise :class:`~diloco_lightning.util.options.OptionError` naming the first option out of

@@ -1,7 +1,7 @@
 """A worker's exported work that is not yet on the hub: what it holds, and when it hands it over.
 
-The training thread exports a :class:`~diloco_lightning.worker.uploader.Part` at each boundary;
-the :class:`Outbox` holds it as a :class:`~diloco_lightning.worker.uploader.Job` until the
+The training thread exports a :class:`~diloco_lightning.worker.jobs.Part` at each boundary;
+the :class:`Outbox` holds it as a :class:`~diloco_lightning.worker.jobs.Job` until the
 background :class:`~diloco_lightning.worker.uploader.Uploader` is free (and the hub's commit
 budget allows an upload), takes back what failed (merged into the next delta: nothing is lost),
 counts what was delivered in the worker's totals, and blocks when it must (a flush, a whole
@@ -16,8 +16,9 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from diloco_lightning.hub import Hub
-from diloco_lightning.worker.sync import WaitTimeoutError
-from diloco_lightning.worker.uploader import Job, Part, Uploader, UploadReport, merge_jobs
+from diloco_lightning.worker.sync import WaitTimeoutError, WorkerError
+from diloco_lightning.worker.jobs import Job, Part, UploadReport, merge_jobs
+from diloco_lightning.worker.uploader import Uploader, retry_pause
 from diloco_lightning.worker.waits import Waits
 
 __all__ = ["Outbox"]
@@ -53,6 +54,9 @@ class Outbox:
         #: fragments one job per boundary (its key), never merged, sent in boundary order (see :meth:`hold`)
         self.jobs: dict[int | None, Job] = {}
         self._uploader: Uploader | None = None
+        #: failed uploads since the last delivery: the retry pause doubles with it, and only the 1st,
+        #: 2nd, 4th, 8th ... failure in a row is logged as a warning (a hub that keeps refusing is no storm)
+        self.failures_in_row = 0
 
     def attach(self, uploader: Uploader) -> None:
         self._uploader = uploader
@@ -107,26 +111,37 @@ class Outbox:
         """The uploader's reports since the last call, counted in the totals; a failed upload's
         phases are held again (merged into the next delta)."""
         reports = self._uploader.collect() if self._uploader is not None else []
+        fatal = None
         for rep in reports:
             self.totals["phases_delivered_total"] += rep.recovered_phases
             if rep.ok:
+                self.failures_in_row = 0
                 if rep.local_step is not None:
                     self.totals["deltas_uploaded_total"] += 1
                     self.totals["bytes_uploaded_total"] += rep.nbytes
                     self.totals["phases_delivered_total"] += rep.phases
+                continue
+            self.totals["upload_failures_total"] += 1
+            self.failures_in_row += 1
+            fatal = fatal or rep.fatal
+            n = self.failures_in_row
+            say = log.warning if n & (n - 1) == 0 else log.debug  # the 1st, 2nd, 4th, 8th ... in a row
+            if rep.remaining is not None:
+                say("node %s: delta upload failed (%s); %d inner phase(s) kept and merged into the next delta "
+                    "(%d failure(s) in a row, %d in all)",
+                    self.node_id, rep.error or rep.fatal, rep.remaining.phases, n, self.totals["upload_failures_total"])
+                self.hold(rep.remaining, older=True)
             else:
-                self.totals["upload_failures_total"] += 1
-                if rep.remaining is not None:
-                    log.warning(
-                        "node %s: delta upload failed (%s); %d inner phase(s) kept and merged into the next delta "
-                        "(%d failure(s) so far)",
-                        self.node_id, rep.error, rep.remaining.phases, self.totals["upload_failures_total"],
-                    )
-                    self.hold(rep.remaining, older=True)
-                else:
-                    log.warning("node %s: delta upload failed (%s); retrying it (%d failure(s) so far)",
-                                self.node_id, rep.error, self.totals["upload_failures_total"])
+                say("node %s: delta upload failed (%s); retrying it (%d failure(s) in a row, %d in all)",
+                    self.node_id, rep.error, n, self.totals["upload_failures_total"])
+        if fatal is not None:
+            raise WorkerError(fatal)
         return reports
+
+    def retry_pause(self) -> float:
+        """Seconds before the next attempt after a failure: the poll interval doubling with each failure
+        in a row (up to 30 s), and no sooner than the hub's commit budget or Retry-After allows."""
+        return max(retry_pause(self.poll_interval, self.failures_in_row), self.commit_wait())
 
     def collect_into(self, reports: list[UploadReport]) -> list[UploadReport]:
         got = self.collect()
@@ -167,9 +182,8 @@ class Outbox:
                     f"node {self.node_id}: could not upload its pending delta(s) to {self.hub.url} within "
                     f"{self.wait_timeout:g} s ({what})"
                 )
-            if failed:  # not before the hub's commit budget or Retry-After allows the next attempt
-                pause = max(self.poll_interval, self.commit_wait())
-                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            if failed:  # a doubling pause, and not before the hub's commit budget or Retry-After allows
+                time.sleep(min(self.retry_pause(), max(0.0, deadline - time.monotonic())))
             self.pump(force=True)
             self.uploader.wait_idle(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
 
@@ -190,7 +204,7 @@ class Outbox:
                     f"{self.wait_timeout:g} s"
                 )
             if failed:
-                time.sleep(min(max(self.poll_interval, self.commit_wait()), max(0.0, deadline - time.monotonic())))
+                time.sleep(min(self.retry_pause(), max(0.0, deadline - time.monotonic())))
                 patience.tick()
             self.pump(force=True)
             self.uploader.wait_idle(min(self.poll_interval, max(0.0, deadline - time.monotonic())))

@@ -11,13 +11,52 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["module_state", "copy_into", "anchor_copy", "snapshot"]
+from diloco_lightning.wire.delta import model_fingerprint, synced_keys
+from diloco_lightning.wire.fragments import FragmentPlan, build_plan
+
+__all__ = ["LocalModel", "module_state", "copy_into", "anchor_copy", "snapshot"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A worker's model as its phases see it: ``params`` (the tensors synced and installed into),
+    ``synced`` (the floating keys, the ones in deltas), ``fingerprint`` (the model's, in every
+    delta header), ``plan`` (the fragments, None: one delta of every key) and ``pin`` (CUDA
+    weights: the CPU copies are pinned, copied without blocking)."""
+
+    params: dict[str, torch.Tensor]
+    synced: list[str]
+    fingerprint: str
+    plan: FragmentPlan | None
+    pin: bool
+
+    @classmethod
+    def of(cls, params: Any, fragments: Any = None) -> "LocalModel":
+        """The model of ``params`` (``name -> tensor``), split by the ``fragments`` option;
+        ``ValueError`` for params that are not a mapping of tensors with a floating one."""
+        if not isinstance(params, Mapping) or not params:
+            raise ValueError("params must be a non-empty mapping name -> tensor (e.g. module_state(model))")
+        for k, t in params.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"params[{k!r}] is a {type(t).__name__}, not a tensor")
+        tensors = dict(params)
+        synced = synced_keys(tensors)
+        if not synced:
+            raise ValueError("params has no floating-point tensor to sync")
+        pin = any(t.device.type == "cuda" for t in tensors.values()) and torch.cuda.is_available()
+        plan = build_plan(fragments, {k: tensors[k] for k in synced})
+        return cls(tensors, synced, model_fingerprint(tensors), plan, pin)
+
+    def synced_state(self) -> dict[str, torch.Tensor]:
+        """The synced tensors, detached (no autograd views), by key."""
+        return {k: self.params[k].detach() for k in self.synced}
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

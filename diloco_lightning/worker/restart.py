@@ -21,16 +21,11 @@ from diloco_lightning.hub.base import DeltaRef, Hub
 from diloco_lightning.wire.manifest import Manifest
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.wire.layout import LayoutError, read_layout
-from diloco_lightning.worker.uploader import Job
+from diloco_lightning.worker.jobs import Job
 
-__all__ = ["hub_high_step", "hub_seen_high", "is_authentic", "drop_delivered"]
+__all__ = ["hub_seen_high", "is_authentic", "drop_delivered"]
 
 log = logging.getLogger(__name__)
-
-
-def hub_high_step(hub: Hub, node_id: str) -> int:
-    """The highest step of the node's deltas listed on the hub (-1: none), authentic or not."""
-    return max((r.local_step for r in hub.list_node_deltas(node_id)), default=-1)
 
 
 def is_authentic(hub: Hub, ref: DeltaRef, node_id: str, synced: Mapping[str, torch.Tensor],

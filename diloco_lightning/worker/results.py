@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco_lightning.worker.uploader import UploadReport
+from diloco_lightning.worker.jobs import UploadReport
 
 __all__ = ["InstallResult", "BoundaryResult"]
 

@@ -45,12 +45,16 @@ it (the same merge as after a failure), and a failed ``lockstep`` upload is retr
 than the budget or the server's ``Retry-After`` allows.
 
 A ``DeltaExistsError`` on a fresh ``local_step`` means another writer uses this node id (or
-a file was put there by someone else): the uploader raises ``step_offset`` past the hub's
-highest step, warns, and retries at once.
+a file was put there by someone else): the uploader raises ``step_offset`` past that file, or
+past the node's highest *authentic* delta or ledger entry when that is higher (``hub_high_step``:
+never past a file it has not authenticated, so two planted files cannot push the numbering to
+the largest step), warns, and retries at once. Failed attempts are retried with a doubling pause
+(``retry_pause``), never in a storm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -58,9 +62,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -70,169 +72,22 @@ from diloco_lightning.wire.delta import write_delta
 from diloco_lightning.encoding import EncodedTensor, EncodingSpec
 from diloco_lightning.hub.base import DeltaExistsError, Hub
 from diloco_lightning.wire.manifest import Manifest
+from diloco_lightning.wire.names import MAX_STEP
 from diloco_lightning.wire.signing import RunKey
+from diloco_lightning.worker.jobs import Job, Part, UploadReport, job_keys, merge_jobs, merge_parts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Part", "Job", "UploadReport", "Uploader", "merge_parts", "merge_jobs"]
+__all__ = ["Part", "Job", "UploadReport", "Uploader", "merge_parts", "merge_jobs", "retry_pause", "MAX_RETRY_PAUSE"]
 
-Tensors = dict[str, torch.Tensor]
-
-
-# ----------------------------------------------------------------------------- parts and jobs
+#: the longest pause between two attempts of a failing upload
+MAX_RETRY_PAUSE = 30.0
 
 
-@dataclass
-class Part:
-    """A pseudo-gradient covering ``phases`` inner phases: ``residual + (anchor - snapshot)``.
-
-    ``residual`` is materialized FP32 (complex64 for complex keys); ``anchor``/``snapshot`` is
-    the lazy part. Neither dict is ever modified in place once built (the worker's anchor may be
-    the very same dict), so a part can be read by the uploader while training goes on.
-    ``event``: a CUDA event that completes when ``snapshot``'s non-blocking copies are done.
-    ``boundary``: the last boundary (the worker's count) this part covers.
-    """
-
-    base_outer_step: int
-    num_tokens: int | None
-    phases: int
-    residual: Tensors | None = None
-    anchor: Tensors | None = None
-    snapshot: Tensors | None = None
-    event: Any = None  # a torch.cuda.Event (or None)
-    boundary: int = 0
-    #: the fragment this part carries (``diloco_lightning/wire/fragments.py``; None: every synced key)
-    fragment: str | None = None
-    #: the fragment's outer step count at the anchor (the master's staleness of a fragment delta)
-    base_fragment_step: int | None = None
-
-    def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-
-    def materialize(self) -> Tensors:
-        """The FP32 pseudo-gradient (fresh tensors, never aliases of the anchor or snapshot)."""
-        self.wait()
-        out: Tensors = {}
-        if self.anchor is not None:
-            assert self.snapshot is not None  # built together with the anchor
-            for k, a in self.anchor.items():
-                d = a - self.snapshot[k]
-                if self.residual is not None:
-                    d.add_(self.residual[k])
-                out[k] = d
-        elif self.residual is not None:
-            out = {k: v.clone() for k, v in self.residual.items()}
-        return out
-
-    def materialized(self) -> "Part":
-        return Part(self.base_outer_step, self.num_tokens, self.phases, residual=self.materialize(), boundary=self.boundary,
-                    fragment=self.fragment, base_fragment_step=self.base_fragment_step)
-
-
-def _sum_tokens(a: int | None, b: int | None) -> int | None:
-    return None if a is None or b is None else a + b
-
-
-def merge_parts(old: Part | None, new: Part | None) -> Part | None:
-    """One part covering both (``old`` first): the cumulative pseudo-gradient, the older base.
-
-    When ``new`` starts where ``old`` ended (``new.anchor is old.snapshot``: no install in
-    between) the lazy parts telescope and nothing is computed; otherwise ``old`` is
-    materialized into the residual.
-    """
-    if old is None:
-        return new
-    if new is None:
-        return old
-    if old.fragment != new.fragment:  # pragma: no cover - the worker holds one job per fragment
-        raise AssertionError(f"merging parts of fragments {old.fragment!r} and {new.fragment!r}")
-    base = min(old.base_outer_step, new.base_outer_step)
-    tokens = _sum_tokens(old.num_tokens, new.num_tokens)
-    phases = old.phases + new.phases
-    boundary = max(old.boundary, new.boundary)
-    frag = old.fragment
-    fbase = None if old.base_fragment_step is None or new.base_fragment_step is None else \
-        min(old.base_fragment_step, new.base_fragment_step)
-    if old.anchor is not None and new.anchor is not None and new.anchor is old.snapshot:
-        residual = _add(old.residual, new.residual)
-        return Part(base, tokens, phases, residual, old.anchor, new.snapshot, new.event, boundary, frag, fbase)
-    # ``old`` is owned by the merge (never read again), so its residual is reused, not copied
-    residual = old.materialize() if old.anchor is not None else old.residual
-    residual = _add(residual, new.residual)
-    return Part(base, tokens, phases, residual, new.anchor, new.snapshot, new.event, boundary, frag, fbase)
-
-
-def _add(a: Tensors | None, b: Tensors | None) -> Tensors | None:
-    if a is None:
-        return None if b is None else {k: v.clone() for k, v in b.items()}
-    if b is None:
-        return a
-    out = {}
-    for k, v in a.items():
-        out[k] = v + b[k]
-    return out
-
-
-@dataclass
-class Job:
-    """What the uploader works on: a doubtful earlier attempt (``local_step``, content) and/or fresh content."""
-
-    fresh: Part | None = None
-    doubt: tuple[int, Part] | None = None
-
-    @property
-    def empty(self) -> bool:
-        return self.fresh is None and self.doubt is None
-
-    @property
-    def phases(self) -> int:
-        return (self.fresh.phases if self.fresh else 0) + (self.doubt[1].phases if self.doubt else 0)
-
-
-def _job_keys(job: Job) -> set[str] | None:
-    """The keys a job's parts carry (None: unknown, so every key)."""
-    keys: set[str] = set()
-    for part in (job.fresh, job.doubt[1] if job.doubt else None):
-        if part is None:
-            continue
-        source = part.anchor if part.anchor is not None else part.residual
-        if source is None:
-            return None
-        keys.update(source)
-    return keys
-
-
-def merge_jobs(old: Job | None, new: Job | None) -> Job | None:
-    """``old`` (e.g. a failed job that came back) followed by ``new`` (never attempted)."""
-    if old is None or old.empty:
-        return new
-    if new is None or new.empty:
-        return old
-    if old.doubt is not None and new.doubt is not None:  # pragma: no cover - one job in flight at a time
-        raise AssertionError("two doubtful deltas at once")
-    return Job(fresh=merge_parts(old.fresh, new.fresh), doubt=old.doubt or new.doubt)
-
-
-@dataclass
-class UploadReport:
-    """The outcome of one uploader run (one delta written, or one failed attempt)."""
-
-    ok: bool
-    local_step: int | None = None
-    hub_path: str | None = None
-    base_outer_step: int | None = None
-    num_tokens: int | None = None
-    phases: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-    delta_norm: float | None = None
-    error: str | None = None
-    #: a doubtful earlier attempt that turned out to have landed (its phases were delivered)
-    recovered_steps: list[int] = field(default_factory=list)
-    recovered_phases: int = 0
-    #: what must be merged into the next delta after a failure (None on success)
-    remaining: Job | None = None
+def retry_pause(base: float, failures: int, cap: float = MAX_RETRY_PAUSE) -> float:
+    """Seconds before the next attempt after ``failures`` failed ones in a row: ``base``, doubling
+    with each failure up to ``cap`` (a hub that keeps refusing is asked less and less often)."""
+    return min(max(base, cap), base * 2.0 ** min(max(0, failures - 1), 30))
 
 
 # ----------------------------------------------------------------------------- the thread
@@ -290,6 +145,7 @@ class Uploader:
         self._active_phases = 0
         self._closed = False
         self._results: list[UploadReport] = []
+        self._failures_in_row = 0
         self._thread = threading.Thread(target=self._run, name=f"diloco-upload-{node_id}", daemon=True)
         self._thread.start()
 
@@ -406,18 +262,19 @@ class Uploader:
             except BaseException as e:  # never let the thread die with a job: hand it back
                 log.exception("delta uploader crashed on node %s", self.node_id)
                 with self._feedback_lock:  # possibly half updated: the job is resent without it
-                    self.feedback.forget(_job_keys(job))
+                    self.feedback.forget(job_keys(job))
                 report = UploadReport(ok=False, error=f"{type(e).__name__}: {e}", remaining=job)
             retry = False
+            self._failures_in_row = 0 if report.ok else self._failures_in_row + 1
             with self._cond:
-                if self.persistent and not report.ok and report.remaining is not None:
+                if self.persistent and not report.ok and report.remaining is not None and report.fatal is None:
                     self._queue.appendleft((report.remaining, None))  # its gate was open: retry as is
                     report.remaining = None
                     retry = True
                 self._results.append(report)
                 self._active = False
                 self._cond.notify_all()
-            if retry and not self._sleep(max(self.retry_interval, self._commit_wait())):
+            if retry and not self._sleep(max(retry_pause(self.retry_interval, self._failures_in_row), self._commit_wait())):
                 return
 
     def _commit_wait(self) -> float:
@@ -428,44 +285,66 @@ class Uploader:
             return 0.0
 
     def _landed(self, local_step: int) -> bool | None:
-        """Whether ``nodes/<node>/delta_<local_step>`` is on the hub; None when the hub cannot say."""
+        """Whether ``nodes/<node>/delta_<local_step>`` reached the hub: it is listed there, or the
+        manifest's ledger (read *after* the listing, so a delta the master applied and deleted
+        in between is not missed) is at or above it; None when the hub cannot say.
+
+        The ledger is what makes this safe across an outage: a delta whose answer was lost may be
+        applied and deleted by the master before the worker can ask again; the listing alone would
+        then say "never landed" and its phases would be merged into the next delta and applied twice.
+        Only accepted deltas move the ledger, and nothing later of this node is sent while this
+        question is open, so a ledger at or above ``local_step`` means this very delta was applied."""
         try:
             refs = self.hub.list_node_deltas(self.node_id, local_step - 1)
+            if any(r.node_id == self.node_id and r.local_step == local_step for r in refs):
+                return True
+            manifest = self._read_manifest()
         except Exception as e:
-            log.debug("cannot list deltas on %s: %s", self.hub.url, e)
+            log.debug("cannot tell whether delta_%d landed on %s: %s", local_step, self.hub.url, e)
             return None
-        return any(r.node_id == self.node_id and r.local_step == local_step for r in refs)
+        return manifest is not None and manifest.ledger.get(self.node_id, -1) >= local_step
 
     def _process(self, job: Job) -> UploadReport:
+        """One job: settle its doubt (did an earlier attempt land?), then encode and send what is
+        left; the report says what was delivered, including a doubt that landed after all."""
         t0 = time.perf_counter()
-        recovered: list[int] = []
-        recovered_phases = 0
-        fresh = job.fresh
-        if job.doubt is not None:
-            step, part = job.doubt
-            landed = self._landed(step)
-            if landed is None:
-                return UploadReport(
-                    ok=False,
-                    error=f"hub {self.hub.url} unreachable (cannot tell whether delta_{step} landed)",
-                    seconds=time.perf_counter() - t0,
-                    remaining=job,
-                )
-            if landed:
-                log.info("node %s: delta_%d did land after all; not sending it again", self.node_id, step)
-                recovered.append(step)
-                recovered_phases += part.phases
-                with self._feedback_lock:  # what its encoding dropped is owed to the next delta
-                    self.feedback.absorb(part.residual if part.anchor is None and part.residual is not None
-                                         else part.materialize())
-            else:
-                fresh = merge_parts(part, fresh)
-        if fresh is None:
+        settled = self._settle(job)
+        if settled is None:
+            assert job.doubt is not None
             return UploadReport(
-                ok=True, recovered_steps=recovered,
-                        recovered_phases=recovered_phases, seconds=time.perf_counter() - t0
+                ok=False,
+                error=f"hub {self.hub.url} unreachable (cannot tell whether delta_{job.doubt[0]} landed)",
+                seconds=time.perf_counter() - t0,
+                remaining=job,
             )
+        fresh, recovered = settled
+        report = UploadReport(ok=True) if fresh is None else self._send(fresh, *self._encode(fresh))
+        if recovered is not None:
+            report.recovered_steps, report.recovered_phases = [recovered[0]], recovered[1]
+        report.seconds = time.perf_counter() - t0
+        return report
 
+    def _settle(self, job: Job) -> tuple[Part | None, tuple[int, int] | None] | None:
+        """What is left to send of ``job`` once its doubt is settled, and the doubt's ``(local_step,
+        phases)`` when it did land; None when the hub cannot say (nothing is attempted then)."""
+        if job.doubt is None:
+            return job.fresh, None
+        step, part = job.doubt
+        landed = self._landed(step)
+        if landed is None:
+            return None
+        if not landed:
+            return merge_parts(part, job.fresh), None
+        log.info("node %s: delta_%d did land after all; not sending it again", self.node_id, step)
+        with self._feedback_lock:  # what its encoding dropped is owed to the next delta
+            self.feedback.absorb(part.residual if part.anchor is None and part.residual is not None
+                                 else part.materialize())
+        return job.fresh, (step, part.phases)
+
+    def _encode(self, fresh: Part) -> tuple[Mapping[str, torch.Tensor | EncodedTensor], Part, float, bool]:
+        """``fresh``'s pseudo-gradient as sent (the residual added, encoded), the part that comes
+        back if it is not delivered (holding that residual), its L2 norm, and whether it was
+        encoded (a non-finite one is sent in plain FP32, for the master to refuse)."""
         delta = fresh.materialize()
         sq = 0.0
         for d in delta.values():
@@ -483,32 +362,55 @@ class Uploader:
             tensors = delta
         content = Part(fresh.base_outer_step, fresh.num_tokens, fresh.phases, residual=delta, boundary=fresh.boundary,
                        fragment=fresh.fragment, base_fragment_step=fresh.base_fragment_step)
+        return tensors, content, norm, encoded
+
+    def _forget_residual(self, content: Part, encoded: bool) -> None:
+        """An undelivered delta comes back holding the residual of its keys (``content``): it is
+        owed no more."""
+        if encoded:
+            with self._feedback_lock:
+                self.feedback.forget(content.residual)
+
+    def _send(self, fresh: Part, tensors: Mapping[str, torch.Tensor | EncodedTensor], content: Part, norm: float,
+              encoded: bool) -> UploadReport:
+        """Write and upload ``tensors`` as ``delta_<boundary + step_offset>``: a collision raises
+        the offset and tries again (three times); a failed upload asks the hub whether it landed."""
         extra = {"phases": str(fresh.phases)}
         if fresh.fragment is not None:  # docs/spec.md, "Fragments"
             extra.update(fragment=fresh.fragment, fragments=str(self.fragments),
                          base_fragment_step=str(fresh.base_fragment_step))
+        sent = UploadReport(ok=False, base_outer_step=fresh.base_outer_step, num_tokens=fresh.num_tokens,
+                            phases=fresh.phases, delta_norm=norm)  # what every report of this delta says
         for _attempt in range(3):
             step = fresh.boundary + self.step_offset
             local = self.spool_dir / f"delta_{step}.safetensors"
             nbytes = 0
             try:
-                nbytes = write_delta(
-                    local,
-                    tensors,
-                    node_id=self.node_id,
-                    local_step=step,
-                    base_outer_step=fresh.base_outer_step,
-                    num_tokens=fresh.num_tokens,
-                    model_fingerprint=self.model_fingerprint,
-                    signing_key=self.signing_key,
-                    extra_metadata=extra,
-                )
+                nbytes = write_delta(local, tensors, node_id=self.node_id, local_step=step,
+                                     base_outer_step=fresh.base_outer_step, num_tokens=fresh.num_tokens,
+                                     model_fingerprint=self.model_fingerprint, signing_key=self.signing_key,
+                                     extra_metadata=extra)
                 faults.point("worker.uploading")
                 hub_path = self.hub.upload_delta(local, self.node_id, step)
                 faults.point("worker.uploaded")
             except DeltaExistsError:
-                high = self._hub_high_step() if self._hub_high_step is not None else step
-                self.step_offset += max(step, high) + 1 - step
+                # past the file in the way, or past this node's highest *authentic* delta (or its ledger)
+                # if that is higher: a file anyone put there never moves the numbering further
+                try:
+                    high = self._hub_high_step() if self._hub_high_step is not None else step
+                except Exception as e:  # noqa: BLE001 - the hub cannot say: step past the file in the way only
+                    log.debug("cannot read this node's highest step on %s: %s", self.hub.url, e)
+                    high = step
+                target = max(step, high) + 1
+                if target > MAX_STEP:
+                    self._forget_residual(content, encoded)
+                    return dataclasses.replace(
+                        sent, remaining=Job(fresh=content),
+                        fatal=(f"node {self.node_id}: cannot number its next delta: this node's deltas on {self.hub.url} "
+                               f"already reach local_step {max(step, high)}, the largest a delta may have; give this "
+                               f"worker another node_id"),
+                    )
+                self.step_offset += target - step
                 log.warning(
                     "node %s: delta_%d already exists on %s (another process with this node_id, or a file someone "
                     "else put there?); sending as delta_%d instead",
@@ -518,51 +420,21 @@ class Uploader:
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 landed = self._landed(step)
-                if landed:
-                    log.info("node %s: upload of delta_%d reported %s but the file landed", self.node_id, step, error)
-                    hub_path = None
-                else:
+                if not landed:
+                    self._forget_residual(content, encoded)
                     remaining = Job(fresh=content) if landed is False else Job(doubt=(step, content))
-                    if encoded:
-                        with self._feedback_lock:  # the residual went into ``content``: it is owed no more
-                            self.feedback.forget(delta)
-                    return UploadReport(
-                        ok=False,
-                        local_step=step,
-                        base_outer_step=fresh.base_outer_step,
-                        num_tokens=fresh.num_tokens,
-                        phases=fresh.phases,
-                        seconds=time.perf_counter() - t0,
-                        delta_norm=norm,
-                        error=error,
-                        recovered_steps=recovered,
-                        recovered_phases=recovered_phases,
-                        remaining=remaining,
-                    )
+                    return dataclasses.replace(sent, local_step=step, error=error, remaining=remaining)
+                log.info("node %s: upload of delta_%d reported %s but the file landed", self.node_id, step, error)
+                hub_path = None
             finally:
                 try:
                     local.unlink()
                 except FileNotFoundError:
                     pass
-            return UploadReport(
-                ok=True,
-                local_step=step,
-                hub_path=hub_path,
-                base_outer_step=fresh.base_outer_step,
-                num_tokens=fresh.num_tokens,
-                phases=fresh.phases,
-                nbytes=nbytes,
-                seconds=time.perf_counter() - t0,
-                delta_norm=norm,
-                recovered_steps=recovered,
-                recovered_phases=recovered_phases,
-            )
-        if encoded:
-            with self._feedback_lock:
-                self.feedback.forget(delta)
+            return dataclasses.replace(sent, ok=True, local_step=step, hub_path=hub_path, nbytes=nbytes)
+        self._forget_residual(content, encoded)
         return UploadReport(
             ok=False,
             error=f"delta_{fresh.boundary + self.step_offset} kept colliding with existing deltas on {self.hub.url}",
-            seconds=time.perf_counter() - t0,
             remaining=Job(fresh=content),
         )

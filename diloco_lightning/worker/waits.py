@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from diloco_lightning.util.waiting import Patience
 from diloco_lightning.worker.sync import WaitTimeoutError, WorkerError, WorkerStopped
@@ -19,14 +19,16 @@ T = TypeVar("T")
 
 
 class Waits:
-    """The waits of one worker (``worker`` gives ``node_id``, ``hub``, ``wait_timeout``, ``poll_interval``)."""
+    """The waits of worker ``node_id`` on the hub at ``url``: each at most ``wait_timeout`` seconds,
+    retried every ``poll_interval``."""
 
-    def __init__(self, worker: Any) -> None:
-        self._worker = worker
+    def __init__(self, node_id: str, url: str, *, wait_timeout: float, poll_interval: float) -> None:
+        self.node_id, self.url = node_id, url
+        self.wait_timeout, self.poll_interval = wait_timeout, poll_interval
         self._stop = threading.Event()
 
     def deadline(self, timeout: float | None = None) -> float:
-        return time.monotonic() + (self._worker.wait_timeout if timeout is None else timeout)
+        return time.monotonic() + (self.wait_timeout if timeout is None else timeout)
 
     def stop(self) -> None:
         self._stop.set()
@@ -34,16 +36,14 @@ class Waits:
     def pause(self, seconds: float, waiting_for: str) -> None:
         """Sleep ``seconds`` unless stopped (then ``WorkerStopped`` naming what was awaited)."""
         if self._stop.wait(seconds):
-            w = self._worker
-            raise WorkerStopped(f"node {w.node_id}: stopped while waiting for {waiting_for} on {w.hub.url}")
+            raise WorkerStopped(f"node {self.node_id}: stopped while waiting for {waiting_for} on {self.url}")
 
     def patience(self, what: str) -> Patience:
-        w = self._worker
-        return Patience(what, w.hub.url, limit=w.wait_timeout, say=lambda line: log.info("node %s: %s", w.node_id, line))
+        node = self.node_id
+        return Patience(what, self.url, limit=self.wait_timeout, say=lambda line: log.info("node %s: %s", node, line))
 
     def retry(self, what: str, fn: Callable[[], T], deadline: float) -> T:
         """``fn()``, retried every ``poll_interval`` on hub errors until ``deadline`` (``WaitTimeoutError``)."""
-        w = self._worker
         first = True
         patience = self.patience(f"the hub to answer ({what})")
         while True:
@@ -54,12 +54,12 @@ class Waits:
             except Exception as e:
                 if time.monotonic() >= deadline:
                     raise WaitTimeoutError(
-                        f"node {w.node_id}: could not {what} on {w.hub.url} within {w.wait_timeout:g} s "
+                        f"node {self.node_id}: could not {what} on {self.url} within {self.wait_timeout:g} s "
                         f"(last error: {type(e).__name__}: {e})"
                     ) from e
                 if first:
-                    log.warning("node %s: cannot %s on %s (%s: %s); retrying", w.node_id, what, w.hub.url,
+                    log.warning("node %s: cannot %s on %s (%s: %s); retrying", self.node_id, what, self.url,
                                 type(e).__name__, e)
                     first = False
                 patience.tick(f"; last error: {type(e).__name__}: {e}")
-                self.pause(w.poll_interval, f"the hub to answer ({what})")
+                self.pause(self.poll_interval, f"the hub to answer ({what})")

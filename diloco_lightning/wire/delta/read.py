@@ -145,8 +145,9 @@ def read_delta(
     they are read into memory the process owns: a reader's memory is at most the honest size of
     a delta, and a file rewritten or truncated meanwhile cannot change what was checked (nor
     crash the reader). ``copy=False`` maps the file instead (no copy, the speed of the page
-    cache): right for a file no one else can write (a remote hub's download in this process's
-    cache) or whose bytes need no authentication.
+    cache): only for a file no other process can write (a remote hub's download in this process's
+    cache): a mapped file truncated by its writer kills the reader with SIGBUS, and one rewritten
+    in place changes what was checked.
 
     Args:
         path: the local file.
@@ -163,7 +164,8 @@ def read_delta(
         check_finite: reject NaN/inf values (``NonFiniteError``).
         clone: kept for compatibility (see ``copy``).
         max_file_bytes: refuse larger files (default: :func:`max_delta_bytes` of ``reference``).
-        copy: read the tensors into owned memory (True) or map the file (False); see above.
+        copy: read the tensors into owned memory (True) or map the file (False: never for a file
+            another process can write; see above).
         header_parser: parses and checks the header (default :func:`parse_header`); the dtypes
             its :class:`DeltaHeader` allows (``dtypes``) replace float32/bfloat16/float16.
     """

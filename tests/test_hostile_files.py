@@ -1,0 +1,405 @@
+"""No file a hub writer can put there crashes, stalls or misleads a process, on every transport.
+
+* a delta truncated by its writer while the master reads it (class 2: a memory map of a file
+  another writer can change dies with SIGBUS);
+* JSON documents of any size and depth (manifest, lease, claim, ``step_count.json``, a
+  safetensors header): each parse failure is the documented rejection;
+* claims: signed in a signed run; the master's bounds from its own configuration; absurd
+  expiries; a vanished or overwritten claim is taken again;
+* numbering: a worker takes no decision from a file it has not authenticated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from diloco_lightning.hub.local import FileHub
+from diloco_lightning.master import MasterOuterLoop
+from diloco_lightning.util.jsondoc import JSONDocumentError, load_json
+from diloco_lightning.wire.claims import NodeClaim
+from diloco_lightning.wire.delta import write_delta
+from diloco_lightning.wire.names import MAX_STEP
+from diloco_lightning.wire.signing import RunKey
+from diloco_lightning.worker import DiLoCoWorker
+from diloco_lightning.worker.claim import ClaimKeeper, NodeIdTakenError
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+# ============================================================================ a truncated delta (SIGBUS)
+
+_TRUNCATE = textwrap.dedent('''
+    import os, sys, tempfile
+    from pathlib import Path
+    import torch
+    import diloco_lightning.wire.delta.read as reader
+    from diloco_lightning.hub.local import FileHub
+    from diloco_lightning.master import MasterOuterLoop
+    from diloco_lightning.wire.delta import write_delta
+
+    root = Path(sys.argv[1])
+    hub = FileHub(root / "hub")
+    state = {"w": torch.zeros(1 << 18)}  # 1 MiB of FP32
+    m = MasterOuterLoop(hub, state, node_state_dir=root / "m", outer_lr=1.0, outer_momentum=0.0,
+                        norm_global_ratio=None)
+    assert m.sync_once()
+    write_delta(root / "d.safetensors", {"w": torch.ones(1 << 18)}, node_id="evil", local_step=1, base_outer_step=0)
+    hub.upload_delta(root / "d.safetensors", "evil", 1)
+    target = root / "hub" / "nodes" / "evil" / "delta_1.safetensors"
+
+    # the writer truncates its own delta at the worst moment for the reader: right after the master
+    # mapped it (or, reading it into its own memory, right before the tensor bytes are read)
+    def truncate():
+        os.truncate(target, 100)
+
+    real_map, real_read = reader.map_tensors, reader.read_tensor
+    def map_then_truncate(f, layout):
+        out = real_map(f, layout)
+        truncate()
+        return out
+    first = [True]
+    def truncate_then_read(f, info):
+        if first[0]:
+            first[0] = False
+            truncate()
+        return real_read(f, info)
+    reader.map_tensors, reader.read_tensor = map_then_truncate, truncate_then_read
+    m.sync_once()
+    print("survived", m.last_metrics["rejected_by_reason"], m.outer_step, flush=True)
+''')
+
+
+def test_a_delta_truncated_under_the_master_is_a_rejection_not_a_crash(tmp_path):
+    """The folder hub reads deltas in place, so their writer can truncate one while the master reads it.
+    Mapped, the master died of SIGBUS (4 of 4 tries with 64 MiB deltas); read into the master's own
+    memory, the short read is the ``unreadable`` rejection and the master goes on."""
+    r = subprocess.run([sys.executable, "-c", _TRUNCATE, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, f"the master died ({r.returncode}): {r.stderr[-2000:]}"
+    assert "survived {'unreadable': 1} 0" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+# ============================================================================ JSON of any size and depth
+
+#: 60 KB of nested brackets: what made every round raise RecursionError
+NESTED = b"[" * 30_000 + b"]" * 30_000
+
+
+def nested_object(key: str, size: int = 60_000) -> bytes:
+    """About ``size`` bytes of ``{"key": {"key": ... 1}}``."""
+    depth = size // (len(key) + 7)
+    return (f'{{"{key}": ' * depth + "1" + "}" * depth).encode()
+
+
+def small_master(hub, tmp: Path, name: str = "m", **kw) -> MasterOuterLoop:
+    opts = dict(outer_lr=1.0, outer_momentum=0.0, lease_ttl=30.0, poll_interval=0.02, norm_global_ratio=None)
+    opts.update(kw)
+    return MasterOuterLoop(hub, {"w": torch.zeros(4)}, node_state_dir=tmp / name, **opts)
+
+
+@pytest.mark.parametrize("doc", [NESTED, b"[1e999]", b'{"a": NaN}', b"\xff\xfe", b"{" * 100],
+                         ids=["nested", "huge_float", "nan", "not_utf8", "unclosed"])
+def test_load_json_refuses_what_json_loads_would_crash_on_or_accept(doc):
+    with pytest.raises(JSONDocumentError):
+        load_json(doc, max_bytes=1 << 20)
+    with pytest.raises(JSONDocumentError, match="more than the 10"):
+        load_json(b"[1, 2, 3, 4, 5]", max_bytes=10)
+    assert load_json(b'{"s": "[[[[[[[[[[", "x": [[1]]}', max_bytes=100, max_depth=3) == {"s": "[" * 10, "x": [[1]]}
+
+
+def test_a_nested_manifest_is_replaced_in_a_signed_run(transport, tmp_path):
+    key = RunKey("the-run-key")
+    m = small_master(transport.open("m"), tmp_path, signing_key=key)
+    assert m.sync_once()
+    transport.put("global/manifest.json", nested_object("format"))
+    assert m.sync_once() is True  # replaced by its last authentic version, not a RecursionError
+    man = m.hub.read_manifest()
+    assert man.outer_step == 0 and man.verify(key)
+    transport.put("global/manifest.json", NESTED)
+    assert m.sync_once() is True and m.hub.read_manifest().verify(key)
+    m.close()
+
+
+def test_a_nested_lease_counts_as_expired(transport, tmp_path):
+    key = RunKey("the-run-key")
+    transport.put("global/lease.json", NESTED)
+    m = small_master(transport.open("m"), tmp_path, signing_key=key)
+    assert m.sync_once() and m.is_leader
+    assert m.hub.read_lease().holder == m.holder and m.hub.read_lease().verify(key)
+    m.close()
+
+
+def _claim(node: str, holder: str, ttl: float = 60.0) -> NodeClaim:
+    now = time.time()
+    return NodeClaim(node, holder, 1, now, now, now + ttl, {})
+
+
+def test_a_nested_claim_is_ignored_and_never_hides_the_others(transport, tmp_path, caplog):
+    """One nested ``claim.json`` made ``list_claims`` raise on every transport: the master saw no live
+    node (quorum 1) and the victim could not start. Now it is ignored with a reason, the other claims
+    are read, and the victim takes its id back."""
+    hub = transport.open("m")
+    for node in ("a", "b"):
+        hub.write_claim(node, _claim(node, f"elsewhere:1:{node}"), expected=None)
+    transport.put("nodes/victim/claim.json", nested_object("info"))
+    with caplog.at_level(logging.WARNING):
+        claims = transport.open("reader").list_claims()
+    assert sorted(claims) == ["a", "b"]
+    assert any("victim" in r.getMessage() and "nested" in r.getMessage() for r in caplog.records)
+    m = small_master(hub, tmp_path, min_deltas=1.0)
+    assert m.sync_once()
+    assert m.membership.live() == ["a", "b"]
+    params = {"w": torch.nn.Parameter(torch.zeros(4))}
+    w = DiLoCoWorker(transport.open("victim"), "victim", params, poll_interval=0.01, wait_timeout=20)
+    w.start()  # claims its id over the unreadable file
+    assert transport.open("reader2").read_claim("victim").holder == w._claim_keeper.holder
+    w.close()
+    m.close()
+
+
+def test_a_nested_step_count_is_refused_with_a_reason(transport, tmp_path):
+    from diloco_lightning.master.compat import SpeedtronicAdoptionError
+
+    transport.put("global/step_count.json", nested_object("outer_step"))
+    m = small_master(transport.open("m"), tmp_path, compat="speedtronic")
+    with pytest.raises(SpeedtronicAdoptionError, match="not a Speedtronic step_count.json.*nested"):
+        m.sync_once()  # the serve loop reports this one line and tries again later
+    m.close()
+
+
+# ============================================================================ claims: signed, bounded, taken back
+
+def _forged(node: str, *, renewed: float | None = None, expires: float | None = None, holder: str = "mallory:1:x"):
+    now = time.time()
+    renewed = now if renewed is None else renewed
+    return NodeClaim(node, holder, 7, renewed, renewed, renewed + 86400 if expires is None else expires,
+                     {"step_rate": 1.0})
+
+
+def test_claims_are_signed_in_a_signed_run_and_forged_ones_are_no_claim(transport, tmp_path):
+    """A signed run's worker signs its claim; the master's membership ignores a forged (unsigned) one,
+    and a forged claim on a worker's id does not stop the worker from starting."""
+    key = RunKey("the-run-key")
+    m = small_master(transport.open("m"), tmp_path, signing_key=key, min_deltas=1.0)
+    assert m.sync_once()
+    transport.open("forger").write_claim("ghost", _forged("ghost"), expected=None)
+    transport.open("forger2").write_claim("w0", _forged("w0"), expected=None)
+    w = DiLoCoWorker(transport.open("w0"), "w0", {"w": torch.nn.Parameter(torch.zeros(4))}, signing_key=key,
+                     poll_interval=0.01, wait_timeout=20)
+    w.start()  # the forged claim on w0 is no claim: taken over
+    claim = transport.open("reader").read_claim("w0")
+    assert claim.holder == w._claim_keeper.holder and claim.signature is not None and claim.verify(key)
+    m.membership.refresh(force=True)
+    assert m.membership.live() == ["w0"]  # the ghost is not a node of this run
+    w.close()
+    m.close()
+
+
+def test_a_ghost_claim_holds_a_round_no_longer_than_the_masters_own_bound(tmp_path):
+    """One forged claim with a ttl of a day used to hold every round for 86,400 s (max_wait=auto is
+    capped by the live nodes' timeouts, which came from the claims): the bound is the master's own
+    (its node_timeout, or the transport's claim ttl), whatever the claim says."""
+    root = tmp_path / "hub"
+    hub = FileHub(root)
+    m = small_master(FileHub(root), tmp_path, min_deltas=1.0, max_wait="auto")
+    assert m.sync_once()
+    hub.write_claim("ghost", _forged("ghost"), expected=None)
+    hub.write_claim("w0", NodeClaim("w0", "h:1:w0", 1, time.time(), time.time(), time.time() + 60, {}), expected=None)
+    write_delta(tmp_path / "d.safetensors", {"w": torch.ones(4)}, node_id="w0", local_step=1, base_outer_step=0)
+    hub.upload_delta(tmp_path / "d.safetensors", "w0", 1)
+    m.membership.refresh(force=True)
+    m.sync_once()
+    got = m.last_metrics
+    assert got["waiting"] and got["live_nodes"] == 2 and got["deadline"] == 60.0  # not 86400
+    m2 = small_master(FileHub(root), tmp_path, name="m2", min_deltas=1.0, max_wait="auto", node_timeout=0.3, lease=False)
+    m2.sync_once()
+    time.sleep(0.35)
+    assert m2.sync_once() and m2.last_metrics["applied"] == ["w0/1"]  # the deadline passed: applied below quorum
+    m.close()
+    m2.close()
+
+
+@pytest.mark.parametrize("forged", ["expires_1e300", "renewed_in_the_future"])
+def test_an_absurd_expiry_blocks_a_node_id_for_a_day_at_most(tmp_path, forged):
+    hub = FileHub(tmp_path / "hub")
+    now = time.time()
+    claim = (_forged("w0", renewed=now - 86401, expires=1e300) if forged == "expires_1e300"
+             else _forged("w0", renewed=now + 1e9, expires=1e300))
+    hub.write_claim("w0", claim, expected=None)
+    keeper = ClaimKeeper(hub, "w0", ttl=60)
+    keeper.acquire()  # the id is not blocked
+    assert hub.read_claim("w0").holder == keeper.holder
+    keeper.release()
+    hub.write_claim("w0", _forged("w0", expires=1e300), expected=None)  # a fresh heartbeat: live, for now
+    with pytest.raises(NodeIdTakenError):
+        ClaimKeeper(hub, "w0", ttl=60).acquire()
+
+
+def test_a_worker_whose_claim_vanished_or_was_overwritten_claims_it_again(transport, tmp_path):
+    """Any writer could stop a running worker by deleting or overwriting its claim (the heartbeat's
+    compare-and-swap failed and the worker stopped at its next boundary). A claim that vanished, or a
+    live one overwritten, is claimed again; only a takeover after this worker's own claim expired stops it."""
+    m = small_master(transport.open("m"), tmp_path)
+    assert m.sync_once()
+    params = {"w": torch.nn.Parameter(torch.zeros(4))}
+    w = DiLoCoWorker(transport.open("w0"), "w0", params, poll_interval=0.01, wait_timeout=20, claim_ttl=600)
+    w.start()
+    keeper = w._claim_keeper
+    reader = transport.open("reader")
+    transport.delete("nodes/w0/claim.json")
+    assert keeper.renew() and reader.read_claim("w0").holder == keeper.holder  # vanished: claimed again
+    other = transport.open("other")
+    other.write_claim("w0", _forged("w0"), expected=reader.read_claim("w0"))
+    assert keeper.renew() and reader.read_claim("w0").holder == keeper.holder  # overwritten while live: taken back
+    transport.put("nodes/w0/claim.json", b"not a claim")
+    assert keeper.renew() and reader.read_claim("w0").holder == keeper.holder  # garbage: claimed again
+    with torch.no_grad():
+        params["w"].add_(1.0)
+    w.boundary()  # still running
+    assert w.flush()
+    w.close()
+    m.close()
+
+
+# ============================================================================ numbering from authenticated files only
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_planted_files_never_push_a_workers_numbering(transport, tmp_path, signed, caplog):
+    """Two 1-byte files, ``delta_<the victim's next step>`` and ``delta_999999999999999999``, made every
+    later upload of the victim fail (it renumbered past the highest step listed, authentic or not, to
+    10**18, which no delta may have: ~100 retries a second, each logged; 2 of 5 phases applied in a
+    signed run). Now it steps past the file in the way only, and all 5 phases are applied."""
+    key = RunKey("the-run-key") if signed else None
+    m = small_master(transport.open("m"), tmp_path, signing_key=key, aggregation="arrival")
+    assert m.sync_once()
+    params = {"w": torch.nn.Parameter(torch.zeros(4))}
+    w = DiLoCoWorker(transport.open("w0"), "w0", params, signing_key=key, poll_interval=0.01, wait_timeout=30)
+    w.start()
+    assert w.next_local_step == 1
+    transport.put("nodes/w0/delta_1.safetensors", b"x")
+    transport.put("nodes/w0/delta_999999999999999999.safetensors", b"x")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            with torch.no_grad():
+                params["w"].add_(1.0)
+            w.boundary()
+            assert w.flush(timeout=30)
+    w.close()
+    failures = [r for r in caplog.records if "upload failed" in r.getMessage()]
+    assert len(failures) <= 2, [r.getMessage() for r in failures]
+    for _ in range(20):
+        m.sync_once(force=True)
+    assert float(m.snapshot()[1]["w"][0]) == 5.0  # every phase applied once, each +1
+    assert m.ledger["w0"] == 6  # delta_1 was in the way: the phases went out as delta_2 ... delta_6
+
+
+# ============================================================================ the compat master trusts nothing it adopts
+
+
+@pytest.fixture(params=["file", "hf", "s3"])
+def compat_transport(request, tmp_path):
+    """The transports a Speedtronic run lives on (its workers write to one repository or prefix)."""
+    from conftest import _transport
+
+    t = _transport(request, tmp_path, request.param)
+    yield t
+    t.up()
+
+
+def _speedtronic_delta(tmp: Path, node: str, step: int, base: int, tensors: dict) -> bytes:
+    p = tmp / f"st-{node}-{step}-{time.monotonic_ns()}.safetensors"
+    save_file(tensors, str(p), metadata={"node_id": node, "local_step": str(step), "base_outer_step": str(base)})
+    return p.read_bytes()
+
+
+def _speedtronic_hub(t, tmp: Path, outer_step: int, state: dict) -> None:
+    p = tmp / "latest.safetensors"
+    save_file(state, str(p))
+    t.put("global/latest.safetensors", p.read_bytes())
+    t.put("global/step_count.json", json.dumps({"outer_step": outer_step, "model_file": "global/latest.safetensors",
+                                                "updated_at": "2026-01-01T00:00:00"}).encode())
+
+
+def test_compat_adoption_moves_a_ledger_only_on_valid_deltas(compat_transport, tmp_path):
+    """One garbage file named as the victim's ``delta_10**17`` (a Speedtronic header made from an old
+    version, but not a delta of this model) set the victim's ledger at adoption, and 0 of its 3 later
+    deltas were applied. Only a valid delta moves a ledger, in adoption as in every round."""
+    t = compat_transport
+    state = {"w": torch.zeros(4)}
+    _speedtronic_hub(t, tmp_path, 3, state)
+    for step in (5, 6, 7):  # made from the adopted version 3: to apply
+        t.put(f"nodes/victim/delta_{step}.safetensors", _speedtronic_delta(tmp_path, "victim", step, 3, {"w": -torch.ones(4)}))
+    t.put("nodes/victim/delta_100000000000000000.safetensors",
+          _speedtronic_delta(tmp_path, "victim", 10**17, 1, {"w": torch.zeros(9)}))  # the wrong shape
+    m = small_master(t.open("m"), tmp_path, compat="speedtronic", aggregation="arrival")
+    for _ in range(10):
+        m.sync_once(force=True)
+    assert m.ledger.get("victim") == 7, m.ledger
+    assert torch.equal(m.snapshot()[1]["w"], torch.full((4,), 3.0))  # the 3 deltas, once each
+    m.close()
+
+
+def test_compat_refuses_a_version_that_leaves_no_room_to_run(compat_transport, tmp_path):
+    from diloco_lightning.master.compat import SpeedtronicAdoptionError
+
+    _speedtronic_hub(compat_transport, tmp_path, MAX_STEP, {"w": torch.zeros(4)})
+    m = small_master(compat_transport.open("m"), tmp_path, compat="speedtronic")
+    with pytest.raises(SpeedtronicAdoptionError, match="leaves fewer than"):
+        m.sync_once()  # refused with the reason, instead of adopted and then failing every round
+    assert compat_transport.open("r").read_manifest() is None
+    m.close()
+
+
+def test_no_master_adopts_a_manifest_that_leaves_no_room_to_run(transport, tmp_path):
+    m = small_master(transport.open("m"), tmp_path)
+    assert m.sync_once()
+    raw = json.loads(transport.open("r").read_manifest_bytes())
+    raw["outer_step"] = MAX_STEP
+    transport.put("global/manifest.json", json.dumps(raw).encode())
+    assert m.sync_once() and transport.open("r2").read_manifest().outer_step == 0  # replaced, not adopted
+    m.close()
+
+
+@pytest.mark.parametrize("compat", [None, "speedtronic"], ids=["plain", "compat"])
+def test_a_deleted_manifest_never_makes_a_master_adopt_its_own_publication(compat_transport, tmp_path, compat):
+    """A deleted manifest made the compat master re-adopt its own ``step_count.json`` as Speedtronic's:
+    the optimizer state reset and a pending delta was dropped (outer step 4, w 9.95, where the plain
+    master reaches 5 and 16.83). Both now republish their own version and go on identically."""
+    t = compat_transport
+    m = small_master(t.open("m"), tmp_path, compat=compat, aggregation="arrival", outer_momentum=0.9)
+    assert m.sync_once()
+    hub = m.hub
+    for step in range(1, 5):
+        p = tmp_path / f"d{step}.safetensors"
+        write_delta(p, {"w": -torch.ones(4)}, node_id="a", local_step=step, base_outer_step=step - 1)
+        hub.upload_delta(p, "a", step)
+        assert m.sync_once()
+    assert m.outer_step == 4
+    p = tmp_path / "d5.safetensors"
+    write_delta(p, {"w": -torch.ones(4)}, node_id="a", local_step=5, base_outer_step=4)
+    hub.upload_delta(p, "a", 5)  # pending when the manifest goes
+    t.delete("global/manifest.json")
+    for _ in range(5):
+        m.sync_once()
+    assert m.outer_step == 5 and m.ledger == {"a": 5}
+    w = float(m.snapshot()[1]["w"][0])
+    # Nesterov (lr 1, momentum 0.9) fed g = -1 five times, its momentum never reset
+    buf, expect = 0.0, 0.0
+    for _ in range(5):
+        buf = 0.9 * buf - 1.0
+        expect -= -1.0 + 0.9 * buf
+    assert w == pytest.approx(expect, rel=1e-6), (w, expect)
+    m.close()
