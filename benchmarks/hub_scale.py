@@ -4,9 +4,9 @@
     python benchmarks/hub_scale.py --workers 64 --transports hf_nodes s3 --rounds 3 --period 3
     python benchmarks/hub_scale.py --json runs/perf/hub_scale.json --markdown   # + the table of docs/performance.md
 
-Transports: ``file`` (a folder), ``hf`` (the loopback Hub, tests/hf_server.py: one repository),
+Transports: ``file`` (a folder), ``hf`` (the loopback Hub, tests/support/hf_server.py: one repository),
 ``hf_nodes`` (the same, ``layout=per_node``: the master's repository plus one per node) and ``s3``
-(moto's S3 server behind tests/s3_proxy.py). Each server runs in a process of its own and counts
+(moto's S3 server behind tests/support/s3_proxy.py). Each server runs in a process of its own and counts
 the requests it answers; the simulated workers run in another (16 threads, a hub handle each);
 the master (``MasterOuterLoop``: round aggregation, quorum 1, poll 0.05 s, the default 4 parallel
 downloads, no commit budget: the loopback servers have no rate limit) in this one. A delta is tiny
@@ -75,7 +75,7 @@ def _server_main(kind: str, conn: Any) -> None:
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     if kind == "hf":
-        from hf_server import FakeHubServer
+        from support.hf_server import FakeHubServer
 
         srv = FakeHubServer(page_size=1000).start()
         endpoint = srv.endpoint
@@ -88,7 +88,7 @@ def _server_main(kind: str, conn: Any) -> None:
     else:
         import boto3
         from moto.server import ThreadedMotoServer
-        from s3_proxy import S3Proxy
+        from support.s3_proxy import S3Proxy
 
         moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         moto.start()
@@ -343,8 +343,8 @@ def render_markdown(results: list[dict], command: str, when: str, load: tuple[fl
     """The section of docs/performance.md (also used by benchmarks/run_all.py)."""
     L = ["## Hub scale: 64 and 256 workers on every transport", ""]
     L.append(f"Command: `{command}` ({when}; load average {load[0]:.2f} before, {load[1]:.2f} after). "
-             "Loopback servers, each in a process of its own (the Hub: `tests/hf_server.py`; S3: moto behind "
-             "`tests/s3_proxy.py`), the simulated workers in another (16 threads), the real master "
+             "Loopback servers, each in a process of its own (the Hub: `tests/support/hf_server.py`; S3: moto behind "
+             "`tests/support/s3_proxy.py`), the simulated workers in another (16 threads), the real master "
              "(`MasterOuterLoop`, round aggregation, quorum 1, 4 parallel downloads) in a third; tiny deltas (64 "
              "FP32 values). `hf`: one repository; `hf_nodes`: `layout=per_node`. Requests are counted by the "
              "servers; times are loopback times on this shared 2-core machine, emulator CPU included: multiply "

@@ -5,11 +5,11 @@
   tokens off (set once for the session, subprocesses inherit it).
 * ``hydra_configs``: the schema and recipes registered in Hydra's ConfigStore (what
   ``train.py`` does at start), for tests that compose a configuration in-process.
-* ``hf_server``: the loopback fake Hugging Face Hub (``tests/hf_server.py``).
+* ``hf_server``: the loopback fake Hugging Face Hub (``tests/support/hf_server.py``).
 * ``s3_endpoint``: a real S3 server on loopback (moto); ``s3_proxy``: the fault-injecting proxy in
-  front of it (tests/s3_proxy.py); ``s3_bucket``: a fresh bucket there.
+  front of it (tests/support/s3_proxy.py); ``s3_bucket``: a fresh bucket there.
 * ``transport``: one hub on each transport (file, hf, hf per node, s3) with its failures
-  (``tests/transports.py``).
+  (``tests/support/transports.py``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def hydra_configs():
 
 @pytest.fixture
 def hf_server():
-    """A fresh loopback fake Hugging Face Hub (``tests/hf_server.py``)."""
-    from hf_server import FakeHubServer
+    """A fresh loopback fake Hugging Face Hub (``tests/support/hf_server.py``)."""
+    from support.hf_server import FakeHubServer
 
     with FakeHubServer() as server:
         yield server
@@ -83,9 +83,9 @@ def s3_endpoint():
 
 @pytest.fixture(scope="session")
 def s3_proxy(s3_endpoint):
-    """The loopback proxy of tests/s3_proxy.py in front of ``s3_endpoint``: it serialises writes, which gives
+    """The loopback proxy of tests/support/s3_proxy.py in front of ``s3_endpoint``: it serialises writes, which gives
     moto's conditional writes S3's atomicity (races between writers need it), and can inject faults."""
-    from s3_proxy import S3Proxy
+    from support.s3_proxy import S3Proxy
 
     with S3Proxy(s3_endpoint) as proxy:
         yield proxy
@@ -104,7 +104,7 @@ def s3_bucket(s3_endpoint):
 
 
 def _transport(request, tmp_path, kind: str):
-    from transports import Transport
+    from support.transports import Transport
 
     if kind == "s3":
         return Transport("s3", tmp_path, s3=request.getfixturevalue("s3_endpoint"),
@@ -116,7 +116,7 @@ def _transport(request, tmp_path, kind: str):
 
 @pytest.fixture(params=["file", "hf", "hf_nodes", "s3"])
 def transport(request, tmp_path):
-    """One hub on each transport with its failures (``tests/transports.py``): the folder, one Hugging Face
+    """One hub on each transport with its failures (``tests/support/transports.py``): the folder, one Hugging Face
     repository, a repository per node, S3 behind the fault proxy."""
     t = _transport(request, tmp_path, request.param)
     yield t
@@ -125,9 +125,9 @@ def transport(request, tmp_path):
 
 @pytest.fixture
 def slurm_cluster(tmp_path_factory):
-    """A one-node SLURM cluster (``tests/slurm_cluster.py``: munged, slurmctld, slurmd from Debian's
+    """A one-node SLURM cluster (``tests/support/slurm_cluster.py``: munged, slurmctld, slurmd from Debian's
     packages), skipped with the reason where the packages are missing or this is not root."""
-    from slurm_cluster import SlurmCluster, missing
+    from support.slurm_cluster import SlurmCluster, missing
 
     lacking = missing()
     if lacking:

@@ -385,7 +385,7 @@ def test_ddp_two_gloo_processes(tmp_path):
     """strategy='ddp', 2 CPU processes: one upload per boundary, identical weights on both ranks."""
     root = tmp_path / "hub"
     FileHub(root)
-    script = Path(__file__).with_name("ddp_callback_script.py")
+    script = Path(__file__).parent / "support" / "ddp_callback_script.py"
     with running_master(root, tmp_path / "master"):
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.run(

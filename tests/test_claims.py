@@ -19,7 +19,7 @@ import torch
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from hf_server import FakeHubServer
+from support.hf_server import FakeHubServer
 
 from diloco_lightning.wire.delta import write_delta
 from diloco_lightning.hub import ClaimConflictError, open_hub

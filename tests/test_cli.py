@@ -30,6 +30,7 @@ from diloco_lightning.app.config import (
     validate_master_command,
 )
 from speed import default_first
+from support.env import repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -41,21 +42,14 @@ def _without_waits(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.strip() and not line.startswith(("[master] waiting", "[master] still waiting"))]
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DILOCO_CACHE_DIR=str(tmp_path / "cache"), DILOCO_CACHE=str(tmp_path / "hc"))
-    env.pop("HYDRA_FULL_ERROR", None)
-    env.update(extra)
-    return env
-
-
 def _train(tmp_path: Path, *args: str, timeout: float = 120, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"run_root={tmp_path / 'runs'}"],
-                          cwd=tmp_path, env=_env(tmp_path, **env), capture_output=True, text=True, timeout=timeout)
+                          cwd=tmp_path, env=repo_env(tmp_path, **env), capture_output=True, text=True, timeout=timeout)
 
 
 def _master(tmp_path: Path, *args: str, timeout: float = 120, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "diloco_lightning.app.master", *args],
-                          cwd=tmp_path, env=_env(tmp_path, **env), capture_output=True, text=True, timeout=timeout)
+                          cwd=tmp_path, env=repo_env(tmp_path, **env), capture_output=True, text=True, timeout=timeout)
 
 
 def _short(proc: subprocess.CompletedProcess, prog: str, status: int) -> list[str]:
@@ -218,7 +212,7 @@ def test_signals_stop_train_py_workers_and_master_cleanly(tmp_path, sig):
            "data.seq_len=32", "data.vocab_size=512", "launch.eval_points=0", f"run_root={tmp_path / 'runs'}"]
     # SIGINT at its default, as in a terminal: a shell without job control starts background commands with
     # SIGINT ignored, and a process that inherits that never sees Ctrl-C (Python then installs no handler)
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=repo_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
@@ -263,7 +257,7 @@ def test_a_killed_worker_is_named_with_how_it_ended(tmp_path):
 
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "trainer.max_steps=800", "data.max_bytes=300000",
            "data.seq_len=32", "data.vocab_size=512", "launch.eval_points=0", f"run_root={tmp_path / 'runs'}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=repo_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
@@ -293,12 +287,12 @@ def test_diloco_master_serves_an_s3_run(tmp_path, s3_endpoint, s3_bucket, s3_pro
 
     from diloco_lightning.hub import open_hub
     from diloco_lightning.worker import DiLoCoWorker
-    from s3_proxy import S3Proxy
+    from support.s3_proxy import S3Proxy
 
     url = f"s3://{s3_bucket}/run"
     cmd = [sys.executable, "-m", "diloco_lightning.app.master", f"hub.url={url}", f"hub.endpoint_url={s3_endpoint}",
            "max_rounds=2", "poll_interval=0.1", f"hub.cache_dir={tmp_path / 'c'}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=repo_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         hub = open_hub(url, endpoint_url=s3_endpoint, cache_dir=tmp_path / "w", check_conditional_writes=False)
         params = {"w": torch.nn.Parameter(torch.zeros(4, 3))}

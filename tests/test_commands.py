@@ -4,7 +4,6 @@ leaving no run folder, and what the whole-run job prints on its console. Real su
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,19 +13,14 @@ import pytest
 from diloco_lightning.app.config import MasterCommandConf, TrainConf
 from diloco_lightning.app.keys import check_override_keys, known_keys, master_aliases
 from speed import default_first
+from support.env import repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_GROUPS = ("recipe", "model", "data", "optim", "diloco", "outer", "hub", "trainer", "launch")
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DILOCO_CACHE_DIR=str(tmp_path / "cache"), DILOCO_CACHE=str(tmp_path / "hc"))
-    env.pop("HYDRA_FULL_ERROR", None)
-    return env
-
-
 def _run(tmp_path: Path, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
+    return subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=repo_env(tmp_path), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -140,5 +134,5 @@ def test_a_refused_master_never_removes_its_working_folder(tmp_path):
     cwd = tmp_path / "empty"
     cwd.mkdir()
     proc = subprocess.run([sys.executable, "-m", "diloco_lightning.app.master", f"hub.url={cwd / 'hubb'}"], cwd=cwd,
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+                          env=repo_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and cwd.is_dir()

@@ -4,7 +4,7 @@ and S3 (moto on loopback). The master's quorum is every live node (``min_deltas=
 adaptive deadline: the run goes on, the quorum follows the live workers, and every delivered step
 is applied exactly once.
 
-The workers are ``tests/worker_crash_script.py``: a Lightning ``Trainer`` whose one parameter
+The workers are ``tests/support/worker_crash_script.py``: a Lightning ``Trainer`` whose one parameter
 vector grows by exactly 1 per optimizer step, so with ``arrival`` aggregation and an outer
 SGD of lr 1 the global ends at ``10 + H * sum(ledger)``, bit for bit, whatever the staleness:
 a delta applied twice or lost (below the ledger) would show.
@@ -70,7 +70,7 @@ class Run:
         out = open(self.tmp / f"{node}.out", "w")  # files, not pipes: a chatty worker never blocks on a full pipe
         err = open(self.tmp / f"{node}.err", "w")
         with out, err:
-            return subprocess.Popen([sys.executable, str(TESTS / "worker_crash_script.py"), json.dumps(cfg)],
+            return subprocess.Popen([sys.executable, str(TESTS / "support" / "worker_crash_script.py"), json.dumps(cfg)],
                                     stdout=out, stderr=err, text=True, env=env)
 
     def log(self, node: str, stream: str = "err") -> str:

@@ -1,7 +1,7 @@
 """Exactly-once through outages and restarts, on every transport (file, hf, hf per node, s3).
 
 The progress of a worker is countable here: its model is one vector ``p`` and every inner step
-adds exactly 1 to each element (the counter model of ``tests/worker_crash_script.py``), and the
+adds exactly 1 to each element (the counter model of ``tests/support/worker_crash_script.py``), and the
 master applies deltas one by one with outer SGD lr 1, momentum 0 (arrival mode), so the global
 ``p`` is ``10 +`` the number of inner steps applied, bit for bit: a phase applied twice or lost
 shows at once.
@@ -122,7 +122,7 @@ def _run_worker(cfg: dict, faults: str | None, timeout: float = 240) -> subproce
     env.pop("DILOCO_FAULTS", None)
     if faults:
         env["DILOCO_FAULTS"] = faults
-    return subprocess.run([sys.executable, str(TESTS / "worker_crash_script.py"), json.dumps(cfg)],
+    return subprocess.run([sys.executable, str(TESTS / "support" / "worker_crash_script.py"), json.dumps(cfg)],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 

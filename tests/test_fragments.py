@@ -616,7 +616,7 @@ def frag_hubs(request, tmp_path):
     if request.param == "file":
         yield Hubs("file", tmp_path)
     else:
-        from hf_server import FakeHubServer
+        from support.hf_server import FakeHubServer
 
         with FakeHubServer() as server:
             yield Hubs("hf", tmp_path, server)
@@ -688,7 +688,7 @@ def _kill9_fragment_run(frag_hubs, tmp_path, point, encoding=None):
 
 
 def _frag_deltas():
-    from master_crash_script import initial_state
+    from support.master_crash_script import initial_state
 
     st = initial_state(0)
     plan = build_plan(2, st)
@@ -702,7 +702,7 @@ def _frag_deltas():
 
 
 def _put_frag_deltas(hub, tmp: Path) -> None:
-    from master_crash_script import initial_state
+    from support.master_crash_script import initial_state
 
     from diloco_lightning.wire.delta import model_fingerprint
 
@@ -733,7 +733,7 @@ def test_master_kill9_in_fragment_traffic_applies_every_fragment_delta_once(frag
     """A master (2 fragments, Nesterov lr 0.7 momentum 0.9) is killed for real in the middle of six
     fragment deltas; a restarted master must end bit for bit where an uninterrupted one does, with
     the same per-fragment counters."""
-    from master_crash_script import initial_state
+    from support.master_crash_script import initial_state
     from test_master_crash import MASTER, _finish, _run_script
 
     from diloco_lightning.master import MasterOuterLoop

@@ -36,7 +36,7 @@ from diloco_lightning.wire.signing import RunKey  # noqa: E402
 from diloco_lightning.worker import DiLoCoWorker  # noqa: E402
 from diloco_lightning.worker.sync import WaitTimeoutError  # noqa: E402
 
-from hf_server import FakeHubServer  # noqa: E402
+from support.hf_server import FakeHubServer  # noqa: E402
 
 REPO = "org/hardening"
 TOKEN = "hf_hardeningTESTtoken0123456789"
@@ -460,7 +460,7 @@ def _run_worker(cfg: dict, faults: str | None, timeout: float = 180) -> subproce
     env.pop("DILOCO_FAULTS", None)
     if faults:
         env["DILOCO_FAULTS"] = faults
-    return subprocess.run([sys.executable, str(TESTS / "worker_crash_script.py"), json.dumps(cfg)],
+    return subprocess.run([sys.executable, str(TESTS / "support" / "worker_crash_script.py"), json.dumps(cfg)],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -614,7 +614,7 @@ def test_kill_9_litter_is_swept_but_live_files_are_kept(tmp_path):
     try:
         cfg = dict(hub=str(hub_root), ckpt_dir=str(tmp_path / "ckpt"), max_steps=20, inner_steps=2)
         code = (f"import sys, tempfile; tempfile.tempdir = {str(spool)!r}; sys.argv = ['x', {json.dumps(cfg)!r}]; "
-                f"sys.path.insert(0, {str(TESTS)!r}); import runpy; runpy.run_path({str(TESTS / 'worker_crash_script.py')!r}, run_name='__main__')")
+                f"sys.path.insert(0, {str(TESTS)!r}); import runpy; runpy.run_path({str(TESTS / 'support' / 'worker_crash_script.py')!r}, run_name='__main__')")
         env = dict(os.environ, PYTHONPATH=str(ROOT), DILOCO_FAULTS="hub.placing:3")  # init, delta_1, then mid-delta_2
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
         assert r.returncode == -9, r.stderr[-2000:]

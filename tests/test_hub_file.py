@@ -14,9 +14,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -24,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import diloco_lightning
 from diloco_lightning.util import faults  # noqa: E402
 from diloco_lightning.wire.delta import model_fingerprint, read_delta, write_delta
 from diloco_lightning.util.fileio import sha256_file
@@ -41,8 +37,7 @@ from diloco_lightning.hub import (
 from diloco_lightning.hub.local import FileHub
 from diloco_lightning.wire.manifest import GlobalVersion, Lease, ManifestError
 from diloco_lightning.wire.names import InvalidNameError
-
-REPO_ROOT = str(Path(diloco_lightning.__file__).resolve().parent.parent)
+from support.racers import run_racers  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -94,12 +89,6 @@ def _snapshot(root: Path) -> dict[str, str]:
     return out
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 _PRELUDE = """
 import json, os, sys, time
 from diloco_lightning.hub.local import FileHub
@@ -145,30 +134,6 @@ except PublishConflictError as e:
 assert "torch" not in sys.modules and "lightning" not in sys.modules
 print(result, flush=True)
 """
-
-
-def _run_racers(script: str, arg_list: list[dict], go: Path, timeout: float = 30.0) -> list[tuple[int, str]]:
-    """Start one process per args, wait until all are ready, release them at once; (rc, last line) each."""
-    procs = [
-        subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), json.dumps({**a, "go": str(go)})],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO_ROOT)
-        for a in arg_list
-    ]
-    try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "READY", p.stderr.read()
-        go.touch()
-        out = []
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            lines = stdout.strip().splitlines()
-            out.append((p.returncode, lines[-1] if lines else stderr.strip()[-2000:]))
-        return out
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
 
 def _publish_v0(hub: FileHub, tmp_path: Path):
@@ -329,7 +294,7 @@ def test_delta_upload_race_threads(hub, tmp_path):
 def test_delta_upload_race_processes(hub, tmp_path):
     for round_ in range(3):
         srcs = [_delta_file(tmp_path / f"p{round_}_{i}.safetensors", "a", round_, 10 * round_ + i)[0] for i in range(2)]
-        out = _run_racers(_UPLOAD, [dict(root=str(hub.root), src=str(s), node="a", step=round_) for s in srcs],
+        out = run_racers(_UPLOAD, [dict(root=str(hub.root), src=str(s), node="a", step=round_) for s in srcs],
                           tmp_path / f"go_upload_{round_}")
         assert all(rc == 0 for rc, _ in out), out
         results = [line for _, line in out]
@@ -351,16 +316,6 @@ def test_same_step_on_two_nodes(hub, tmp_path):
     assert _same_state(da.tensors, a_t) and _same_state(db.tensors, b_t)
     assert not _same_state(da.tensors, db.tensors)
     assert (da.header.num_tokens, db.header.num_tokens) == (1, 2)
-
-
-def test_upload_init_first_writer_wins(hub, tmp_path):
-    one, two = tmp_path / "1", tmp_path / "2"
-    one.write_bytes(b"first")
-    two.write_bytes(b"second")
-    assert hub.upload_init(one, "w0") == "nodes/w0/init.safetensors"
-    hub.upload_init(two, "w0")
-    assert hub.download("nodes/w0/init.safetensors").read_bytes() == b"first"
-    assert hub.list_inits() == ["w0"] and hub.list_deltas() == []
 
 
 # ----------------------------------------------------------------------------- bad inputs
@@ -582,7 +537,7 @@ def test_publish_cas_race_processes(hub, tmp_path):
         mpath = tmp_path / f"manifest_{i}.json"
         mpath.write_text(s.manifest(ledger={"winner": i}).to_json())
         args.append(dict(root=str(hub.root), manifest=str(mpath), files={k: str(v) for k, v in s.files.items()}, expected=0))
-    out = _run_racers(_PUBLISH, args, tmp_path / "go_publish")
+    out = run_racers(_PUBLISH, args, tmp_path / "go_publish")
     assert all(rc == 0 for rc, _ in out), out
     results = [line for _, line in out]
     assert all("expected current outer_step 0, hub has 1" in r for r in results if r != "WIN"), results
@@ -711,7 +666,7 @@ def test_crash_at_every_point_kill9(tmp_path):
         mpath.write_text(m1.to_json())
         args = dict(root=str(hub.root), manifest=str(mpath), files={k: str(v) for k, v in s1.files.items()},
                     expected=0, delete=list(s0.files), kill_at=i)
-        [(rc, line)] = _run_racers(_PUBLISH, [args], tmp_path / f"go_kill{i}")
+        [(rc, line)] = run_racers(_PUBLISH, [args], tmp_path / f"go_kill{i}")
         assert rc == -signal.SIGKILL, (label, rc, line)
         after_swap = i >= labels.index("manifest")
         _assert_recovers(hub.root, tmp_path, after_swap, s0, s1)

@@ -1,5 +1,5 @@
 """The hf:// transport against a real HTTP server on 127.0.0.1 that speaks the part of the
-Hub's HTTP API ``huggingface_hub.HfApi`` uses (tests/hf_server.py)."""
+Hub's HTTP API ``huggingface_hub.HfApi`` uses (tests/support/hf_server.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from hf_server import FakeHubServer
+from support.hf_server import FakeHubServer
 
 from diloco_lightning.util import faults  # noqa: E402
 from diloco_lightning.wire.delta import read_delta, write_delta
@@ -25,7 +25,6 @@ from diloco_lightning.hub import (
     HubAuthError,
     HubError,
     HubNotFoundError,
-    LeaseConflictError,
     PublishConflictError,
     open_hub,
 )
@@ -191,35 +190,6 @@ def test_delta_never_overwritten(server, hub, make_hub, tmp_path):
     assert len(server.commits(REPO)) == n
 
 
-def test_concurrent_uploads_of_one_delta_one_wins(server, make_hub, tmp_path):
-    hubs = [make_hub() for _ in range(4)]
-    paths = [_delta(tmp_path, "a", 1, seed=i) for i in range(4)]
-    results: list = [None] * 4
-    barrier = threading.Barrier(4)
-
-    def run(i):
-        barrier.wait()
-        try:
-            results[i] = hubs[i].upload_delta(paths[i], "a", 1)
-        except DeltaExistsError as e:
-            results[i] = e
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    winners = [i for i, r in enumerate(results) if isinstance(r, str)]
-    assert len(winners) == 1 and all(isinstance(r, DeltaExistsError) for i, r in enumerate(results) if i != winners[0])
-    assert server.files(REPO)["nodes/a/delta_1.safetensors"] == paths[winners[0]].read_bytes()
-
-
-def test_init_first_writer_wins(server, hub, tmp_path):
-    a, b = _blob(tmp_path, "i1", seed=1), _blob(tmp_path, "i2", seed=2)
-    assert hub.upload_init(a, "n0") == "nodes/n0/init.safetensors"
-    assert hub.upload_init(b, "n0") == "nodes/n0/init.safetensors"
-    assert server.files(REPO)["nodes/n0/init.safetensors"] == a.read_bytes()
-    assert hub.download("nodes/n0/init.safetensors").read_bytes() == a.read_bytes()
-
-
 # ----------------------------------------------------------------------------- publishing
 
 
@@ -361,38 +331,6 @@ def test_a_crash_anywhere_in_a_publication_leaves_a_readable_hub(server, make_hu
 
 
 # ----------------------------------------------------------------------------- lease
-
-
-def test_lease_cas(make_hub):
-    a, b = make_hub(), make_hub()
-    la, lb = Lease("host:1:a", 1, 2000.0, 1000.0), Lease("host:2:b", 2, 3000.0, 1000.0)
-    a.write_lease(la, expected=None)
-    with pytest.raises(LeaseConflictError):
-        b.write_lease(lb, expected=None)
-    assert b.read_lease() == la
-    b.write_lease(lb, expected=la)
-    with pytest.raises(LeaseConflictError):
-        a.write_lease(Lease("host:1:a", 1, 4000.0, 2000.0), expected=la)
-    b.write_lease(None, expected=lb)
-    assert a.read_lease() is None
-    # a race for a free lease: exactly one winner
-    hubs = [make_hub() for _ in range(4)]
-    leases = [Lease(f"h:{i}", 3, 5000.0 + i, 1.0) for i in range(4)]
-    out: list = [None] * 4
-    barrier = threading.Barrier(4)
-
-    def run(i):
-        barrier.wait()
-        try:
-            hubs[i].write_lease(leases[i], expected=None)
-            out[i] = True
-        except LeaseConflictError:
-            out[i] = False
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    assert out.count(True) == 1 and a.read_lease() == leases[out.index(True)]
 
 
 # ----------------------------------------------------------------------------- retries and errors

@@ -1,4 +1,4 @@
-"""The Hugging Face Hub at scale, against the loopback Hub (tests/hf_server.py, several repositories):
+"""The Hugging Face Hub at scale, against the loopback Hub (tests/support/hf_server.py, several repositories):
 the per-node layout end to end (a real master and real workers), the commit budget pacing uploads and
 publications, and a 429's ``Retry-After`` (seconds and HTTP date) honoured by workers and the master."""
 
@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from hf_server import FakeHubServer  # noqa: E402
+from support.hf_server import FakeHubServer  # noqa: E402
 
 from diloco_lightning.wire.delta import write_delta  # noqa: E402
 from diloco_lightning.hub.versions import stage_global  # noqa: E402

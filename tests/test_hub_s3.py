@@ -1,5 +1,5 @@
 """The s3:// transport against a real S3 server on 127.0.0.1 (moto's ``ThreadedMotoServer``),
-reached through a fault-injecting loopback proxy (tests/s3_proxy.py) that also logs requests.
+reached through a fault-injecting loopback proxy (tests/support/s3_proxy.py) that also logs requests.
 
 Races use real threads and real processes; crashes are simulated by raising from
 ``S3Hub.fault`` and by ``kill -9`` of a subprocess at each point of a publication. Each test
@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import json
 import logging
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 import threading
 import time
 import uuid
@@ -29,9 +26,8 @@ import torch
 boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
 
-from s3_proxy import S3Proxy  # noqa: E402
+from support.s3_proxy import S3Proxy  # noqa: E402
 
-import diloco_lightning  # noqa: E402
 from diloco_lightning.util import faults  # noqa: E402
 from diloco_lightning.wire.delta import read_delta, write_delta  # noqa: E402
 from diloco_lightning.util.fileio import sha256_file  # noqa: E402
@@ -49,8 +45,8 @@ from diloco_lightning.hub import (  # noqa: E402
 from diloco_lightning.hub.s3 import HubUnavailableError, S3Hub, parse_s3_url  # noqa: E402
 from diloco_lightning.wire.manifest import GlobalVersion, Lease, ManifestError  # noqa: E402
 from diloco_lightning.wire.names import InvalidNameError  # noqa: E402
+from support.racers import run_racers  # noqa: E402
 
-REPO_ROOT = str(Path(diloco_lightning.__file__).resolve().parent.parent)
 ACCESS_KEY = "AKIDLOOPBACKTEST0001"
 SECRET_KEY = "loopbackSECRETvalue0123456789abcdef"
 MiB = 1 << 20
@@ -200,12 +196,6 @@ def _publish_v0(hub: S3Hub, tmp_path: Path):
     return s0, m0
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 _PRELUDE = """
 import json, os, sys, time
 from diloco_lightning.hub.s3 import S3Hub
@@ -252,30 +242,6 @@ except PublishConflictError as e:
     result = "CONFLICT " + str(e)
 print(result, flush=True)
 """
-
-
-def _run_racers(script: str, arg_list: list[dict], go: Path, timeout: float = 60.0) -> list[tuple[int, str]]:
-    """One process per args; all wait until ready, then are released at once. (rc, last line) each."""
-    procs = [
-        subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), json.dumps({**a, "go": str(go)})],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO_ROOT)
-        for a in arg_list
-    ]
-    try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "READY", p.stderr.read()
-        go.touch()
-        out = []
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            lines = stdout.strip().splitlines()
-            out.append((p.returncode, lines[-1] if lines else stderr.strip()[-2000:]))
-        return out
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
 
 def _proc_args(store: Store, proxy: S3Proxy, tmp_path: Path, prefix: str = PREFIX, **kw) -> dict:
@@ -429,7 +395,7 @@ def test_delta_upload_race_threads(store, make_hub, tmp_path):
 def test_delta_upload_race_processes(store, proxy, tmp_path):
     for step in range(2):
         srcs = [_delta(tmp_path, "a", step, seed=10 * step + i) for i in range(2)]
-        out = _run_racers(_UPLOAD, [_proc_args(store, proxy, tmp_path, src=str(s), node="a", step=step) for s in srcs],
+        out = run_racers(_UPLOAD, [_proc_args(store, proxy, tmp_path, src=str(s), node="a", step=step) for s in srcs],
                           tmp_path / f"go_upload_{step}")
         assert all(rc == 0 for rc, _ in out), out
         results = [line for _, line in out]
@@ -487,15 +453,6 @@ def test_store_without_conditional_multipart_uses_single_puts(store, moto_endpoi
         with pytest.raises(DeltaExistsError):
             hub.upload_delta(_blob(tmp_path, "big2", 6 * MiB, seed=3), "a", 1)
     assert store.get("nodes/a/delta_1.safetensors") == big.read_bytes()
-
-
-def test_init_first_writer_wins(store, hub, tmp_path):
-    a, b = _blob(tmp_path, "i1", seed=1), _blob(tmp_path, "i2", seed=2)
-    assert hub.upload_init(a, "n0") == "nodes/n0/init.safetensors"
-    assert hub.upload_init(b, "n0") == "nodes/n0/init.safetensors"
-    assert store.get("nodes/n0/init.safetensors") == a.read_bytes()
-    assert hub.download("nodes/n0/init.safetensors").read_bytes() == a.read_bytes()
-    assert hub.list_inits() == ["n0"] and hub.list_deltas() == []
 
 
 # ----------------------------------------------------------------------------- cache
@@ -655,7 +612,7 @@ def test_publish_cas_race_processes(store, proxy, hub, tmp_path):
         mpath.write_text(s.manifest(ledger={"winner": i}).to_json())
         args.append(_proc_args(store, proxy, tmp_path, manifest=str(mpath), files={k: str(v) for k, v in s.files.items()},
                                expected=0))
-    out = _run_racers(_PUBLISH, args, tmp_path / "go_publish")
+    out = run_racers(_PUBLISH, args, tmp_path / "go_publish")
     assert all(rc == 0 for rc, _ in out), out
     results = [line for _, line in out]
     assert all("expected current outer_step 0, hub has 1" in r for r in results if r != "WIN"), results
@@ -768,7 +725,7 @@ def test_crash_at_every_point_kill9(hub, store, proxy, make_hub, tmp_path):
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # the scenarios are independent: set them up side by side
         scenarios = list(pool.map(prepare, range(len(labels))))
-        out = _run_racers(_PUBLISH, [a for a, _, _ in scenarios], tmp_path / "go_kill")
+        out = run_racers(_PUBLISH, [a for a, _, _ in scenarios], tmp_path / "go_kill")
         for i, (rc, line) in enumerate(out):
             assert rc == -signal.SIGKILL, (labels[i], rc, line)
         list(pool.map(lambda i: _assert_recovers(make_hub, tmp_path, i >= labels.index("manifest"), scenarios[i][1],

@@ -33,7 +33,7 @@ from diloco_lightning.util.fileio import sha256_file  # noqa: E402
 from diloco_lightning.wire.signing import RunKey  # noqa: E402
 from diloco_lightning.wire.statefile import load_state_file, load_weights_file, save_state_file, save_weights_file  # noqa: E402
 
-from hf_server import FakeHubServer  # noqa: E402
+from support.hf_server import FakeHubServer  # noqa: E402
 
 REPO = "org/master-run"
 TOKEN = "hf_masterTESTtoken0123456789"

@@ -1,4 +1,4 @@
-"""Exactly-once under kill -9: a master subprocess (tests/master_crash_script.py) is killed for
+"""Exactly-once under kill -9: a master subprocess (tests/support/master_crash_script.py) is killed for
 real (SIGKILL) at each step of a round, a fresh master restarts on the same hub (same local
 state folder, or another machine's master taking over the lease), and the final global
 state must equal, bit for bit, that of an uninterrupted master over the same deltas
@@ -27,9 +27,9 @@ from diloco_lightning.wire.delta import model_fingerprint, write_delta  # noqa: 
 from diloco_lightning.hub.local import FileHub  # noqa: E402
 from diloco_lightning.master import MasterOuterLoop  # noqa: E402
 
-from master_crash_script import initial_state  # noqa: E402
+from support.master_crash_script import initial_state  # noqa: E402
 
-SCRIPT = Path(__file__).with_name("master_crash_script.py")
+SCRIPT = Path(__file__).parent / "support" / "master_crash_script.py"
 MASTER = dict(outer_lr=0.7, outer_momentum=0.9, lease_ttl=0.5, norm_ratio=4.0, poll_interval=0.02)
 DELTAS = [("a", 0), ("a", 1), ("b", 0), ("c", 0), ("c", 1), ("b", 1)]
 TOKEN = "hf_crashTESTtoken0123456789"
@@ -153,7 +153,7 @@ def test_kill9_then_another_master_takes_over(tmp_path, tmp_path_factory, crash,
 
 @pytest.mark.parametrize("crash, occurrence", default_first([("files", 3), ("committed", 3), ("published", 3)], keep={1}))
 def test_kill9_on_the_hugging_face_hub(tmp_path, tmp_path_factory, crash, occurrence):
-    from hf_server import FakeHubServer
+    from support.hf_server import FakeHubServer
 
     from diloco_lightning.hub.hf import HFHub
 
@@ -197,7 +197,7 @@ def test_kill9_on_s3(tmp_path, tmp_path_factory, s3_endpoint, s3_bucket, crash, 
 def test_kill9_on_the_per_node_layout(tmp_path, tmp_path_factory, crash, occurrence):
     """The same on hf:// with a repository per node: the workers' deltas in their own repositories, the
     master's publication in its own."""
-    from hf_server import FakeHubServer
+    from support.hf_server import FakeHubServer
 
     from diloco_lightning.hub import open_hub as open_url
 

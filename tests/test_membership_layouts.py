@@ -1,7 +1,7 @@
 """Membership, a fractional quorum, the adaptive deadline and Dynamic Local Updates on every layout.
 
 The rules themselves are tested exactly in ``tests/test_membership.py`` (on a folder hub); here the
-same master and workers run on each transport (``tests/transports.py``: the folder, one Hugging Face
+same master and workers run on each transport (``tests/support/transports.py``: the folder, one Hugging Face
 repository, a repository per node, S3), because each finds the claims its own way. On the per-node
 layout the master once saw no claims at all: ``min_deltas=1.0`` became 1 (a round of 1 of 3
 deltas) and DyLU lost its peers' speeds.

@@ -30,6 +30,7 @@ from diloco_lightning.util.options import OptionError
 from diloco_lightning.sim import InnerLoop, SimMaster, SimOptions, SimWorker, Simulator
 from diloco_lightning.worker.sync import draw_delay
 from speed import default_first
+from support.env import repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["data.max_bytes=1000000", "data.seq_len=64", "data.vocab_size=1024", "trainer.log_every_n_steps=4"]
@@ -275,17 +276,9 @@ def token_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("sim-token-cache")
 
 
-def _env(tmp_path: Path, cache: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["DILOCO_CACHE_DIR"] = str(cache)
-    env["DILOCO_CACHE"] = str(tmp_path / "hubcache")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
-
-
 def _train(tmp_path: Path, cache: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "train.py"), *args, f"run_root={tmp_path / 'runs'}", *FAST]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path, cache), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=repo_env(tmp_path, cache=cache), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
@@ -320,7 +313,7 @@ def test_train_py_launch_sim_end_to_end(tmp_path, token_cache):
                                                         ("diloco.fragments=3", "diloco.fragments")]))
 def test_sim_config_errors_name_the_key(tmp_path, token_cache, override, key):
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "launch=sim", override, f"run_root={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path, token_cache), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=repo_env(tmp_path, cache=token_cache), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and key in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2
 
 

@@ -12,7 +12,8 @@ import torch
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.sim import SimMaster, SimOptions, Simulator
 
-from test_sim import N, ROOT, _env, _quad_workers
+from support.env import repo_env
+from test_sim import N, ROOT, _quad_workers
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_gpu_study_script_reduced_cpu_mode(tmp_path, token_cache):
     without a GPU the real one refuses in one line."""
     out = tmp_path / "gpu"
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_study.sh"), "--cpu", str(out)], cwd=tmp_path,
-                          env=_env(tmp_path, token_cache), capture_output=True, text=True, timeout=600)
+                          env=repo_env(tmp_path, cache=token_cache), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [json.loads(p.read_text()) for p in sorted(out.glob("runs/*/results.json"))]
     assert len(results) == 4  # adam_decay, cgad x naive bf16, naive 8-bit; seed 0
@@ -87,6 +88,6 @@ def test_gpu_study_script_reduced_cpu_mode(tmp_path, token_cache):
     log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     assert len(log) == 4 and not any(x.get("error") for x in log)
     gpu = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_study.sh"), str(tmp_path / "g")], cwd=tmp_path,
-                         env={**_env(tmp_path, token_cache), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+                         env={**repo_env(tmp_path, cache=token_cache), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
                          timeout=600)
     assert gpu.returncode == 2 and "no CUDA device" in gpu.stderr

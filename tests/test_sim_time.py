@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.util.options import OptionError
 from diloco_lightning.sim import InnerLoop, SimMaster, SimOptions, SimWorker, Simulator
 from diloco_lightning.worker.pacing import dylu_inner_steps
+from support.env import repo_env
 
 register_configs()
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,14 +178,6 @@ def test_bad_clock_values_are_refused_naming_the_option(opts, option):
     assert e.value.option == option and len(str(e.value).splitlines()) == 1
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["DILOCO_CACHE_DIR"] = str(tmp_path / "cache")
-    env["DILOCO_CACHE"] = str(tmp_path / "hubcache")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
-
-
 FAST = ["recipe=tiny", "launch=sim", "data.tokenizer=byte", "data.max_bytes=300000", "data.seq_len=32",
         "data.batch_size=4", "data.val_batches=2", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
         "model.n_kv_heads=1", "model.ffn_hidden=64", "trainer.log_every_n_steps=4"]
@@ -199,7 +191,7 @@ def test_train_py_time_budget_dylu_law_and_trace(tmp_path):
            "sim.speed_law={law: uniform, low: 1, high: 1, seed: 0}", "sim.traces=[null,[[16,0.5]]]",
            "diloco.sync=async", "master.aggregation=arrival", "diloco.inner_steps=auto", "diloco.dylu_steps=4",
            "trainer.max_steps=100", "launch.eval_points=3", f"run_root={tmp_path / 'runs'}", "run_id=t"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=repo_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "runs" / "t" / "results.json").read_text())
     sim = res["sim"]

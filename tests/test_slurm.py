@@ -15,17 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.env import repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["data.max_bytes=1000000", "data.seq_len=64", "data.vocab_size=1024", "trainer.log_every_n_steps=4"]
 SMALL_JOBS = ["launch.submitit.gpus_per_node=0", "launch.submitit.cpus_per_task=1", "launch.submitit.mem_gb=2"]
-
-
-def _env(tmp_path: Path, base: dict | None = None) -> dict[str, str]:
-    env = dict(base or os.environ, DILOCO_CACHE_DIR=str(tmp_path / "cache"), DILOCO_CACHE=str(tmp_path / "hubcache"),
-               PYTHONPATH=str(ROOT))
-    env.pop("HYDRA_FULL_ERROR", None)
-    return env
 
 
 @pytest.mark.slow
@@ -35,7 +29,7 @@ def test_a_run_on_slurm_writes_results_and_resumes_a_cancelled_worker(tmp_path, 
     ends with results.json and the summary."""
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "launch=submitit", *SMALL_JOBS, "trainer.max_steps=48",
            f"run_root={tmp_path / 'runs'}", *FAST]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path, slurm_cluster.env), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=repo_env(tmp_path, base=slurm_cluster.env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
@@ -82,7 +76,7 @@ def test_submitit_missing_is_one_line(tmp_path):
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "submitit.py").write_text("raise ImportError('no submitit here')\n")
-    env = _env(tmp_path)
+    env = repo_env(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join([str(shim), str(ROOT)])
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "recipe=tiny", "launch=submitit",
                            f"run_root={tmp_path / 'runs'}"], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -2,7 +2,7 @@
 
 Speedtronic's real code (PyPI ``speedtronic`` 2.0.0: its ``HubClient``, its worker coordinator,
 its master) is the other side, on a folder hub and on the loopback Hub server
-(tests/speedtronic_side.py says how it reaches a folder). What is checked: its deltas are
+(tests/support/speedtronic_side.py says how it reaches a folder). What is checked: its deltas are
 applied exactly once, with the numerics of a reference; its ``global_metadata()`` and
 ``download_global()`` see our versions; a hub its own master served is adopted mid-run (its
 weights bit for bit, the documented ledger rule, a fresh optimizer said in the log); a run mixes
@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import speedtronic_side as st  # noqa: E402  (skips this module when speedtronic is not installed)
+from support import speedtronic_side as st  # noqa: E402  (skips this module when speedtronic is not installed)
 
 from diloco_lightning.wire.delta import write_delta
 from diloco_lightning.hub.hf import HFHub
@@ -421,12 +421,12 @@ def test_mirrors_on_s3(tmp_path, s3_endpoint):
 # ----------------------------------------------------------------------------- kill -9
 
 
-SCRIPT = Path(__file__).with_name("master_crash_script.py")
+SCRIPT = Path(__file__).parent / "support" / "master_crash_script.py"
 CRASH_MASTER = dict(outer_lr=0.7, outer_momentum=0.9, lease_ttl=0.5, norm_ratio=4.0, poll_interval=0.02, compat="speedtronic")
 
 
 def _crash_state() -> dict[str, torch.Tensor]:
-    from master_crash_script import initial_state as crash_initial_state
+    from support.master_crash_script import initial_state as crash_initial_state
 
     return crash_initial_state(0)
 

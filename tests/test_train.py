@@ -137,7 +137,7 @@ def test_trains_on_an_s3_bucket(tmp_path, s3_endpoint, s3_bucket):
 @pytest.mark.slow
 def test_trains_on_the_hub_with_a_repository_per_node(tmp_path):
     """`hub=hf hub.layout=per_node` against the loopback Hub: the master's repository and one per worker."""
-    from hf_server import FakeHubServer
+    from support.hf_server import FakeHubServer
 
     with FakeHubServer() as server:
         proc = _train(tmp_path, "recipe=tiny", "run_id=hfnodes", "hub=hf", "hub.url=hf://org/run", "hub.create=true",

@@ -79,13 +79,13 @@ def _read_progress_timed(path: Path) -> list[tuple[int, float, float | None]]:
     return out
 
 
-def _progress_line(cfg: DictConfig, rdir: Path, elapsed: float) -> tuple[str, tuple]:
-    """``[  42s] w0 step 30/160 loss 6.53 (0.3 s/step, ~39 s left) | w1 ...`` and a key that changes with news."""
+def _progress_line(rdir: Path, workers: int, total: int, elapsed: float) -> tuple[str, tuple]:
+    """``[  42s] w0 step 30/160 loss 6.53 (0.3 s/step, ~39 s left) | w1 ...`` (``total``: the steps
+    each worker trains) and a key that changes with news."""
     from diloco_lightning.util.waiting import format_duration
 
     parts, key = [], []
-    total = cfg.trainer.max_steps
-    for i in range(cfg.workers):
+    for i in range(workers):
         prog = _read_progress_timed(rdir / "nodes" / node_id(i) / "progress.jsonl")
         if not prog:
             parts.append(f"{node_id(i)} starting")
@@ -185,7 +185,8 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
             for i in range(cfg.workers):
                 _start_worker(config_path, rdir, i, threads, devices[i % len(devices)] if devices else None,
                               procs, logs)
-            failed = _watch(cfg, rdir, procs, master, evaluator, eval_points(cfg), eval_curve, started)
+            failed = _watch(rdir, procs, master, evaluator, eval_points(cfg), eval_curve, started,
+                            timeout=float(cfg.launch.timeout), max_steps=int(cfg.trainer.max_steps))
     except (KeyboardInterrupt, Signal) as e:
         interrupted = e.signum if isinstance(e, Signal) else int(signal.SIGINT)
     finally:
@@ -347,9 +348,11 @@ def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launc
     return results
 
 
-def _watch(cfg, rdir, procs, master, evaluator, points, eval_curve, started) -> tuple[int, Any] | None:
-    """Poll the workers until all are done (None) or one failed (``(index, exit code)``; index -1: the
-    run's timeout); print progress lines; evaluate the global model at the outer steps in ``points``."""
+def _watch(rdir: Path, procs: list[subprocess.Popen], master: Any, evaluator: Evaluator, points: list[int],
+           eval_curve: list[list[float]], started: float, *, timeout: float, max_steps: int) -> tuple[int, Any] | None:
+    """Poll the workers until all are done (None) or one failed (``(index, exit code)``; index -1:
+    ``timeout`` seconds since ``started`` passed); print progress lines; evaluate the global model
+    at the outer steps in ``points``."""
     last_print, last_key = time.perf_counter(), None
     points = list(points)
     while True:
@@ -360,14 +363,14 @@ def _watch(cfg, rdir, procs, master, evaluator, points, eval_curve, started) -> 
         if all(c == 0 for c in codes):
             return None
         now = time.perf_counter()
-        if now - started > cfg.launch.timeout:
-            return (-1, f"ran past launch.timeout={cfg.launch.timeout:g} s")
+        if now - started > timeout:
+            return (-1, f"ran past launch.timeout={timeout:g} s")
         if points and master.has_state and master.outer_step >= points[0]:
             step, state = master.snapshot()
             while points and points[0] <= step:
                 points.pop(0)
             eval_curve.append([step, evaluator.loss(state)])
-        line, key = _progress_line(cfg, rdir, now - started)
+        line, key = _progress_line(rdir, len(procs), max_steps, now - started)
         first = any(k >= 0 for k in key) and not (last_key and any(k >= 0 for k in last_key))
         if first or (key != last_key and now - last_print >= PROGRESS_EVERY) or now - last_print >= HEARTBEAT_EVERY:
             print(line, flush=True)  # the first progress at once, news every 10 s, a heartbeat every minute

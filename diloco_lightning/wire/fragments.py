@@ -38,7 +38,7 @@ a view write into the full tensor).
 
 Fragments are named ``"0"``, ``"1"``, ... ``F = 1`` (or ``None``, or a one-group list) is no
 fragmentation at all: :func:`build_plan` returns None and every file, header and manifest is
-what it was before fragments existed. Integer buffers belong to no fragment (they never
+exactly the unfragmented format (no fragment entries at all). Integer buffers belong to no fragment (they never
 travel in deltas; a worker installs them from the global at every install).
 
 Schedule: a worker with ``F`` fragments reaches a *boundary* every ``H/F`` inner steps

@@ -191,7 +191,7 @@ class Manifest:
         doc["format"] = MANIFEST_FORMAT
         if doc["signature"] is None:
             del doc["signature"]
-        if doc["fragments"] is None:  # a run without fragments: the manifest of before fragments existed
+        if doc["fragments"] is None:  # a run without fragments: no fragments entry (the unfragmented manifest)
             del doc["fragments"]
         for h in doc["history"]:
             if h.get("fragment_steps") is None:

@@ -89,7 +89,7 @@ def unpack_residual(residual: Mapping[str, torch.Tensor] | None,
     """Inverse of :func:`pack_residual`: the state :meth:`ErrorFeedback.load_state_dict` takes, after
     checking keys and shapes against the model's synced tensors (with fragments, their pieces;
     ``partial``: some may owe nothing, e.g. a fragment that never sent) (``ValueError`` naming the
-    first that does not fit). Checkpoints written before residuals existed have none (zero)."""
+    first that does not fit). A checkpoint without a residual owes nothing (zero)."""
     if residual is None:
         return {"residual": None}
     if not isinstance(residual, Mapping):

@@ -16,7 +16,7 @@ already holds the old residual, so the residual of its keys is zero until their 
 when a doubtful upload turns out to have landed, its residual is computed again from its content
 (encoding is deterministic) and kept. A pseudo-gradient with
 NaN or inf values (a diverged worker) cannot be quantized: it is sent in plain FP32 (the master
-rejects it, ``non_finite``, as before encodings existed) and the residual is left as it was.
+rejects it: ``non_finite``) and the residual is left as it was.
 
 Exactly-once delivery
 ---------------------

@@ -9,7 +9,7 @@ Encoded deltas (issue 14): a header entry ``encoding`` (``int8``, ``int4``, ``to
 ``encoding_block_size`` and, for top-k, ``encoding_topk`` / ``encoding_topk_values``) says that
 each key is stored as the parts of ``docs/encoding.md`` (``<key>`` the codes, ``<key>::scale``
 ...). The float casts are the plain format and carry no ``encoding`` entry, so their files are
-byte for byte what they were before encodings existed. The reader checks every part's dtype and
+byte for byte the plain safetensors format (any reader of it reads them). The reader checks every part's dtype and
 shape against the model's shapes from the header alone (the file is then exactly the honest size
 of that encoding), then the values (finite scales, codes in range, top-k positions), and refuses
 a malformed encoding with the reason ``encoding`` (:func:`_read_encoded`).

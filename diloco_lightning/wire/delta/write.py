@@ -3,7 +3,7 @@
 The header, its parser and the errors are in :mod:`diloco_lightning.wire.delta.header`, the
 validating reader in :mod:`diloco_lightning.wire.delta.read`; :mod:`diloco_lightning.wire.delta`
 exports the public names of the three. A float cast is written in the plain format (no
-``encoding`` entry: byte for byte what it was before encodings existed); a quantized or top-k
+``encoding`` entry: byte for byte the plain safetensors format); a quantized or top-k
 delta stores each key as the parts of ``docs/encoding.md``.
 """
 

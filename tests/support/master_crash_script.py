@@ -1,7 +1,7 @@
 """A master that kills itself (SIGKILL) at a chosen point of a round: the kill -9 half of the
 crash tests in tests/test_master_crash.py. Not a test module (no ``test_`` prefix).
 
-    python tests/master_crash_script.py '<json config>'
+    python tests/support/master_crash_script.py '<json config>'
 
 Config keys: ``hub`` ({"kind": "file", "path": ...}, {"kind": "hf" or "hf_nodes" (the per-node
 layout), "endpoint": ..., "repo": ..., "token": ..., "cache_dir": ...} or {"kind": "s3", "url": ...,
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from diloco_lightning.util import faults  # noqa: E402
 from diloco_lightning.master import MasterOuterLoop  # noqa: E402

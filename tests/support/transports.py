@@ -2,9 +2,9 @@
 Not a test module (no ``test_`` prefix).
 
 :class:`Transport` is one hub on one transport: ``"file"`` (a folder), ``"hf"`` (one repository on
-the loopback Hugging Face server of ``tests/hf_server.py``), ``"hf_nodes"`` (the same server with
+the loopback Hugging Face server of ``tests/support/hf_server.py``), ``"hf_nodes"`` (the same server with
 ``layout="per_node"``: the master's repository and one per node) or ``"s3"`` (moto behind the
-fault proxy of ``tests/s3_proxy.py``). It opens handles as separate machines would (each with its
+fault proxy of ``tests/support/s3_proxy.py``). It opens handles as separate machines would (each with its
 own cache), writes raw files as any hub writer could (:meth:`Transport.put`), and fails as a real
 store does:
 

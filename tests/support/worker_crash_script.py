@@ -1,7 +1,7 @@
 """A Lightning worker whose progress is countable, for kill -9 tests (tests/test_hardening.py).
 Not a test module (no ``test_`` prefix).
 
-    python tests/worker_crash_script.py '<json config>'
+    python tests/support/worker_crash_script.py '<json config>'
 
 The model is one parameter vector ``p`` (initialised to 10) trained with SGD(lr=1) on
 ``loss = -p.sum()``: every optimizer step adds exactly 1 to each element, so the work a
@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
