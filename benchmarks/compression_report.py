@@ -62,13 +62,28 @@ def loss_at_step(r: dict, step: float) -> float:
     return curve[-1][1]
 
 
+REFERENCES = ("float32", "float32-plain")  # uncompressed, with Nesterov momentum / SparseLoCo's plain step
+
+
+def reference_row(study, setting: str) -> str:
+    """The uncompressed row every other is compared with: of ``REFERENCES`` run, the one whose tuned
+    lr gave the lower seed-0 loss (the best a user would pick without compression)."""
+    scored = []
+    for row in REFERENCES:
+        lr = study.best_lr(row, setting) if row in study.rows else None
+        if lr is not None:
+            scored.append((study.loss(study.job(row, setting, lr, study.seeds[0])), row))
+    return min(scored)[1] if scored else "float32"
+
+
 def summarize(study) -> dict[str, dict[str, dict[str, Any]]]:
     """setting -> row -> {lr, edge, bytes, ratio, losses, equal_rounds, equal_bytes, ...}."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for s in study.settings:
         out[s] = {}
-        base_lr = study.best_lr("float32", s)
-        base = {seed: study.results(study.job("float32", s, base_lr, seed)) for seed in study.seeds} if base_lr else {}
+        ref = reference_row(study, s)
+        base_lr = study.best_lr(ref, s)
+        base = {seed: study.results(study.job(ref, s, base_lr, seed)) for seed in study.seeds} if base_lr else {}
         for row in study.rows:
             lr = study.best_lr(row, s)
             if lr is None:
@@ -86,14 +101,14 @@ def summarize(study) -> dict[str, dict[str, dict[str, Any]]]:
                 if b is None:
                     continue
                 seeds.append(seed)
-                eq_rounds.append(study.loss(study.job(row, s, lr, seed)) - study.loss(study.job("float32", s, base_lr, seed)))
+                eq_rounds.append(study.loss(study.job(row, s, lr, seed)) - study.loss(study.job(ref, s, base_lr, seed)))
                 eq_bytes.append(study.loss(study.job(row, s, lr, seed)) - loss_at_step(b, r["bytes_sent"] / bytes_per_step(b)))
             fp32_bytes = statistics.mean(r["bytes_sent"] for r in base.values() if r) if base else math.nan
             total = statistics.mean(r["bytes_sent"] for r in runs.values())
             grid = study.grid(row) if row not in study.lr_from else (lr,)
             out[s][row] = {
                 "lr": lr, "edge": lr in (grid[0], grid[-1]) and len(grid) > 1, "bytes_per_delta": per_delta,
-                "lr_from": study.lr_from.get(row),
+                "lr_from": study.lr_from.get(row), "reference": ref,
                 "ratio": fp32_bytes / total if total else math.nan, "losses": losses, "seeds": seeds,
                 "loss": _ci(losses), "equal_rounds": _ci(eq_rounds), "equal_bytes": _ci(eq_bytes),
                 "diffs": eq_rounds, "outer_steps": statistics.mean(r["outer_steps"] for r in runs.values()),
@@ -112,9 +127,11 @@ SETTING_TITLES = {"r0": "round mode, staleness 0 (100 rounds of 4 deltas)",
 def tables(summary: dict, titles: dict[str, str] | None = None) -> str:
     lines = []
     for s, rows in summary.items():
+        ref = next(iter(rows.values()))["reference"] if rows else "float32"
         lines += [f"### {s}: {(titles or {}).get(s) or SETTING_TITLES.get(s, s)}", "",
+                  f"Reference: `{ref}` (of the uncompressed rows, the one with the lower tuned seed-0 loss).", "",
                   "| encoding | bytes / delta | fewer bytes than float32 | outer lr (grid) | final eval loss | "
-                  "vs float32, equal rounds | vs float32, equal bytes | per seed (equal rounds) |",
+                  f"vs {ref}, equal rounds | vs {ref}, equal bytes | per seed (equal rounds) |",
                   "|---|---|---|---|---|---|---|---|"]
         for row, v in rows.items():
             m, lo, hi = v["loss"]
@@ -122,9 +139,10 @@ def tables(summary: dict, titles: dict[str, str] | None = None) -> str:
             lr = (f"{v['lr']:g} ({v['lr_from']}'s, not tuned)" if v["lr_from"]
                   else f"{v['lr']:g}{' (edge)' if v['edge'] else ''} ({grid})")
             loss = f"{_f(m)} ± {_f((hi - lo) / 2) if not math.isnan(lo) else '—'}"
-            same = "—" if row == "float32" else _interval(*v["equal_rounds"])
-            eqb = "—" if row == "float32" else _interval(*v["equal_bytes"])
-            per = "" if row == "float32" else ", ".join(_f(d, 3, True) for d in v["diffs"])
+            is_ref = row == v["reference"]
+            same = "— (the reference)" if is_ref else _interval(*v["equal_rounds"])
+            eqb = "—" if is_ref else _interval(*v["equal_bytes"])
+            per = "" if is_ref else ", ".join(_f(d, 3, True) for d in v["diffs"])
             lines.append(f"| {row} | {v['bytes_per_delta']:,.0f} | {v['ratio']:.1f}x | {lr} | {loss} | {same} | {eqb} | {per} |")
         lines.append("")
     return "\n".join(lines)
@@ -138,7 +156,7 @@ def goals(summary: dict) -> str:
         for factor, bound in GOALS:
             met, miss = [], []
             for row, v in rows.items():
-                if row == "float32" or not v["ratio"] >= factor:
+                if row in REFERENCES or not v["ratio"] >= factor:
                     continue
                 m, lo, hi = v["equal_rounds"]
                 (met if not math.isnan(hi) and hi <= bound else miss).append((hi if not math.isnan(hi) else m, row, v["ratio"]))
@@ -158,7 +176,7 @@ def plot(summary: dict, path: Path, titles: dict[str, str] | None = None) -> Non
     fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4.5), squeeze=False)
     for ax, (s, rows) in zip(axes[0], summary.items()):
         for row, v in rows.items():
-            if row == "float32":
+            if row == v["reference"]:
                 for seed, pts in v["curve"].items():
                     xs, ys = zip(*[(b, x) for b, x in pts if b > 0])
                     ax.plot(xs, ys, color="black", lw=0.8, alpha=0.6, label="float32 (its curve)" if seed == 0 else None)

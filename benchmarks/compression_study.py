@@ -50,9 +50,12 @@ PLAIN = ["outer=nesterov", "outer.options.momentum=0.0"]  # SparseLoCo's outer s
 #: row -> (train.py overrides, the outer lr grid)
 ROWS: dict[str, tuple[list[str], tuple[float, ...]]] = {
     "float32": (["diloco.delta_dtype=float32", *NESTEROV], (0.3, 0.7, 1.0)),
+    "float32-plain": (["diloco.delta_dtype=float32", *PLAIN], (2.0, 4.0, 8.0)),  # SparseLoCo's outer step, no compression
     "bf16": (["diloco.delta_dtype=bfloat16", *NESTEROV], (0.3, 0.7, 1.0)),
     "int8": (["diloco.delta_dtype=int8", *NESTEROV], (0.3, 0.7, 1.0)),
+    "int8-plain": (["diloco.delta_dtype=int8", *PLAIN], (0.5, 1.0, 2.0)),
     "int4": (["diloco.delta_dtype=int4", *NESTEROV], (0.3, 0.7, 1.0)),
+    "int4-plain": (["diloco.delta_dtype=int4", *PLAIN], (0.5, 1.0, 2.0)),
     "topk1%": (["diloco.delta_dtype=topk", "diloco.topk=0.01", "diloco.topk_values=int8", *NESTEROV], (0.3, 0.7, 1.0)),
 }
 for _pct in (1, 2, 3):
@@ -77,15 +80,16 @@ QUICK = {"steps": 64, "extra": ["model.d_model=32", "model.n_layers=1", "model.f
 SMALL = {"steps": 400, "extra": ["workers=2", "model.d_model=64", "model.n_layers=2", "model.ffn_hidden=172",
                                  "data.val_batches=8", "optim.warmup_steps=10"],
          "eval_points": 25, "settings": ("r0",),
-         "rows": ("float32", "ctopk2%+ef.95", "ctopk2%+ef", "ctopk2%", "topk1%", "int8", "int4", "bf16",
-                  "ctopk1%+ef.95"),
-         "grids": {"nesterov": (0.125, 0.25, 0.5), "plain": (2.0, 4.0, 8.0)},
+         "rows": ("float32", "ctopk2%+ef.95", "float32-plain", "ctopk2%+ef", "ctopk2%", "topk1%", "int8", "int4",
+                  "bf16", "ctopk1%+ef.95"),
+         "grids": {"nesterov": (0.0625, 0.125, 0.25, 0.5), "plain": (1.0, 2.0, 4.0, 8.0),
+                   "float32-plain": (0.25, 0.5, 1.0, 2.0, 4.0, 8.0), "ctopk2%+ef": (0.0625, 0.125, 0.25, 0.5, 1.0)},
          "titles": {"r0": "round mode, staleness 0 (50 rounds of 2 deltas; d_model 64, 2 layers)"}}
 
 
 def job(row: str, setting: str, lr: float, seed: int, eval_points: int = 50) -> dict[str, Any]:
     overrides = [*ROWS[row][0], *SETTINGS[setting], f"outer.lr={lr}", f"seed={seed}"]
-    if row == "float32":  # its early curve is the reference at equal bytes: evaluate it more often
+    if row.startswith("float32"):  # its early curve is the reference at equal bytes: evaluate it more often
         overrides.append(f"launch.eval_points={2 * eval_points}")
     ident = f"{setting}-{row.replace('%', 'pct').replace('+', '_')}-lr{lr:g}-s{seed}"
     return {"id": ident, "block": setting, "row": row, "setting": setting, "lr": lr, "seed": seed,
@@ -121,9 +125,9 @@ class CompressionStudy:
         return job(row, setting, lr, seed, self.eval_points)
 
     def grid(self, row: str) -> tuple[float, ...]:
-        """The row's outer lr grid (a profile's re-centred grid for its outer step, else its own)."""
+        """The row's outer lr grid (a profile's grid for the row, or for its outer step, else its own)."""
         kind = "plain" if "outer.options.momentum=0.0" in ROWS[row][0] else "nesterov"
-        return self.grids.get(kind, ROWS[row][1])
+        return self.grids.get(row) or self.grids.get(kind, ROWS[row][1])
 
     def results(self, j: dict) -> dict | None:
         try:
