@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from speed import default_first
 import torch
 from safetensors.torch import save_file
 
@@ -464,7 +465,8 @@ def _run_worker(cfg: dict, faults: str | None, timeout: float = 180) -> subproce
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("point", ["worker.exported", "worker.uploading", "worker.uploaded"])
+# the point after the upload (the replay that must not be applied twice) by default; all three in the slow run
+@pytest.mark.parametrize("point", default_first(["worker.exported", "worker.uploading", "worker.uploaded"], keep={2}))
 def test_worker_progress_is_applied_exactly_once_across_kill_9(crash_hubs, tmp_path, point):
     """kill -9 at the 3rd boundary (of 10): before the delta is sent, while it is sent, and after
     it reached the hub but before the checkpoint that follows. The resumed worker replays from the

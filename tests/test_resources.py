@@ -107,6 +107,7 @@ def test_check_resources_against_stated_machines():
     check_resources(_cfg("recipe=tiny"), Machine(4 * GB))
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_an_explicit_override_skips_the_check(tmp_path):
     """launch.check_resources=false: the run starts (and fails later for its own reasons: here a role=worker
     with no master, stopped by its short wait_timeout), proving the check did not stop it."""
