@@ -114,7 +114,9 @@ def _transport(request, tmp_path, kind: str):
     return Transport(kind, tmp_path)
 
 
-@pytest.fixture(params=["file", "hf", "hf_nodes", "s3"])
+# the default run covers the folder and one HF repository; CI's slow run adds the per-node layout and S3
+# (moto behind the proxy: seconds a case), so every test still runs on every transport in CI
+@pytest.fixture(params=["file", "hf", pytest.param("hf_nodes", marks=pytest.mark.slow), pytest.param("s3", marks=pytest.mark.slow)])
 def transport(request, tmp_path):
     """One hub on each transport with its failures (``tests/support/transports.py``): the folder, one Hugging Face
     repository, a repository per node, S3 behind the fault proxy."""

@@ -178,6 +178,7 @@ def test_master_help_lists_its_own_groups_and_a_line_per_key(tmp_path):
     assert "outer.lr=0.7" in _master(tmp_path, "--help", "outer=nesterov").stdout
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_train_help_lists_every_group_and_key(tmp_path):
     proc = _train(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr

@@ -742,7 +742,7 @@ def _doc(**over):
         (_doc(optimizer=[1]), "optimizer"),
         ("[1, 2]", "format"),
         ("{not json", "JSON"),
-        (b"\xff\xfe", "JSON"),
+        (b"\xff\xfe", "UTF-8"),  # the bounded reader (util/jsondoc.py) says what is wrong with the bytes
     ],
 )
 def test_manifest_rejections(text, needle):

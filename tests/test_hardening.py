@@ -139,7 +139,7 @@ def hubs(request, tmp_path):
     yield from _hubs(request, tmp_path)
 
 
-@pytest.fixture(params=["file", "hf", pytest.param("s3", marks=pytest.mark.slow)])
+@pytest.fixture(params=["file", pytest.param("hf", marks=pytest.mark.slow), pytest.param("s3", marks=pytest.mark.slow)])
 def crash_hubs(request, tmp_path):
     """The kill -9 matrix: on S3 (~30 s a case, subprocess workers) it runs with ``-m slow`` (CI's second line)."""
     yield from _hubs(request, tmp_path)
@@ -604,6 +604,7 @@ def test_cli_default_bound_is_on():
 # ============================================================================ 9. no litter
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_kill_9_litter_is_swept_but_live_files_are_kept(tmp_path):
     """A worker killed while it uploads leaves its spool folder and (mid-copy) a hidden temporary
     on the hub; a master killed while it stages leaves temporaries too. The next start sweeps the

@@ -710,6 +710,7 @@ def test_crash_at_every_point_raising(hub, store, make_hub, tmp_path):
         _assert_consistent(reader, after_swap, s0, s1)  # recovery is checked after a real kill, below
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_crash_at_every_point_kill9(hub, store, proxy, make_hub, tmp_path):
     """One subprocess per point of the publication, all at once (each on a prefix of its own),
     each killed with SIGKILL at its point; then each hub recovers."""

@@ -69,6 +69,7 @@ def test_multirun_trains_and_summarizes(tmp_path):
     assert (sweep / "loss_tau0.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_resume_continues_run_and_data_position(tmp_path):
     """A finished run prints the exact command that trains it further, and that command, pasted as
     printed, resumes the same run (raising trainer.max_steps does not change the run's identity):
