@@ -107,13 +107,15 @@ def _elastic_run(run: Run, tmp_path: Path) -> None:
         _until(lambda: any(r.get("live_nodes") == 1 and r.get("quorum") == 1 for r in rounds[killed_at:]), 60,
                "the quorum to drop to w0 alone")
         joined_at = master.outer_step
-        procs["w2"] = run.worker("w2", 6 * H)  # a new node joins the running run
-        _until(lambda: master.ledger.get("w2", 0) >= 2, 120, "w2's deltas")
-        assert any(r.get("live_nodes") == 2 and any(a.startswith("w2/") for a in r.get("applied", []))
-                   for r in rounds), "the quorum grew back to two live nodes with w2"
-        procs["w0"].send_signal(signal.SIGTERM)  # a clean stop: uploads what is pending, releases its claim
-        assert procs["w0"].wait(60) == 143, run.log("w0")[-3000:]
-        assert procs["w2"].wait(120) == 0, run.log("w2")[-3000:]
+        procs["w2"] = run.worker("w2", 100_000)  # a new node joins the running run; stopped with SIGTERM
+        # a round logs after its publication moved the ledger, and a round on S3 takes seconds: wait for the
+        # round itself, with w2 live beside w0 (w2 runs until stopped, so the check does not race its end)
+        _until(lambda: any(r.get("live_nodes") == 2 and r.get("quorum") == 2
+                           and sum(a.startswith("w2/") for a in r.get("applied", [])) >= 1 for r in rounds[killed_at:])
+               and master.ledger.get("w2", 0) >= 2, 180, "the quorum to grow back to w0 and w2, with w2's deltas applied")
+        for node in ("w2", "w0"):  # clean stops: each uploads what is pending and releases its claim
+            procs[node].send_signal(signal.SIGTERM)
+            assert procs[node].wait(60) == 143, run.log(node)[-3000:]
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -128,7 +130,7 @@ def _elastic_run(run: Run, tmp_path: Path) -> None:
         if not hub.list_deltas(after=master.ledger):
             break
     ledger = master.ledger
-    assert ledger["w2"] == 6 and ledger["w1"] >= 2 and ledger["w0"] >= 2
+    assert ledger["w2"] >= 2 and ledger["w1"] >= 2 and ledger["w0"] >= 2
     applied = [a for r in rounds for a in r.get("applied", [])]
     assert len(applied) == len(set(applied)), "a delta was applied twice"
     # exactly once: every step any worker delivered, and nothing else, is in the global

@@ -106,6 +106,24 @@ def test_every_kind_of_temporary_is_swept_on_every_transport(transport, tmp_path
     m.close()
 
 
+def test_the_masters_state_in_the_cache_survives_its_sweeps(transport, tmp_path):
+    """diloco-master keeps its local state in ``<cache>/master`` on a remote hub. The cache sweep removed
+    that folder while it was still empty (and would remove its files after an hour unchanged), so the
+    first publication failed on every round: a worker waited for version 0 forever."""
+    hub = transport.open("m")
+    state_dir = Path(hub.cache_dir) / "master"
+    old = state_dir / "weights_000000000_0123456789abcdef.safetensors"  # unchanged for two hours
+    old.parent.mkdir(parents=True, exist_ok=True)
+    old.write_bytes(b"x")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert hub.sweep_cache(3600.0) == [] and old.exists()
+    old.unlink()
+    m = MasterOuterLoop(hub, {"w": torch.zeros(4)}, node_state_dir=state_dir, poll_interval=0.01, gc_every=1)
+    assert m.sync_once() and m.outer_step == 0  # the sweep at start left the empty folder in place
+    assert sorted(p.name.split("_")[0] for p in state_dir.glob("*.safetensors")) == ["outer", "weights"]
+    m.close()
+
+
 def test_a_workers_cache_keeps_no_version_it_installed(transport, tmp_path):
     m = MasterOuterLoop(transport.open("m"), {"w": torch.zeros(64)}, node_state_dir=tmp_path / "m", poll_interval=0.01,
                         outer_lr=1.0, outer_momentum=0.0, aggregation="arrival", norm_global_ratio=None)

@@ -334,7 +334,8 @@ def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, r
     from diloco_lightning.worker.sync import load_version
 
     _train(tmp_path, cache, "recipe=tiny", f"run_id={run_id}", f"trainer.max_steps={8 * rounds}", "trainer.num_threads=1",
-           "launch.eval_points=0", *overrides)
+           "launch.eval_points=0", f"master.keep_globals={rounds * fragments + 1}",  # keep every version to compare
+           *overrides)
     rdir = tmp_path / "runs" / run_id
     cfg = OmegaConf.load(rdir / "config.yaml")
     cfg.launch.kind = "sim"

@@ -45,8 +45,10 @@ from diloco_lightning.util.fileio import cache_root, sweep_stale_files, sweep_te
 from diloco_lightning.wire.manifest import Lease, Manifest
 from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.names import (
+    GLOBAL_DIR,
     MANIFEST_PATH,
     MIRROR_PATHS,
+    NODES_DIR,
     RESERVED_GLOBAL_PATHS,
     DeltaId,
     InvalidNameError,
@@ -401,8 +403,17 @@ class Hub(abc.ABC):
         """This handle's download cache: temporaries of interrupted downloads whose owner process is
         gone (or older than ``max_age`` seconds), and complete copies unchanged for ``max_age`` (every
         download is released once read, so what stays was left by a killed process). What a worker
-        runs at start: its cache keeps what it needs and no more. Returns what was removed."""
-        return sweep_temporaries(self.cache_dir, max_age, recursive=True) + sweep_stale_files(self.cache_dir, max_age)
+        runs at start: its cache keeps what it needs and no more. Returns what was removed.
+
+        Only the folders a download lands in (``nodes/`` and ``global/``: every hub path is under one)
+        are swept: the cache folder also holds what is not a download, such as the master's local
+        state (``diloco-master``'s default ``<cache>/master``), which must survive its own sweep."""
+        removed: list[str] = []
+        for sub in (NODES_DIR, GLOBAL_DIR):
+            folder = Path(self.cache_dir) / sub
+            if folder.is_dir():
+                removed += sweep_temporaries(folder, max_age, recursive=True) + sweep_stale_files(folder, max_age)
+        return removed
 
     def sweep(self, max_age: float) -> list[str]:
         """Remove what dead writers left behind (temporary files of interrupted uploads and
