@@ -438,6 +438,8 @@ class Rounds:
             raise
         update = _distance(buf, run.state) if run.state is not None else math.nan
         at = applied_at if applied_at is not None else [new_step - 1] * len(accepted)
+        # per outer step: a pass of several steps is not a sign of divergence (health.py compares versions)
+        update /= max(1, new_step - run.outer_step)
         run.committed(buf, new_step, new_ledger, manifest, record)
         self.health.note_deltas((a.ref.node_id, (s - a.staleness, a.fragment), a.norm) for a, s in zip(accepted, at))
         l2, numel = norm
