@@ -110,8 +110,8 @@ def _feed(url: str, options: dict, cache: str, numel: int, nodes: int, rate: flo
 
     hub = open_hub(url, cache_dir=cache, **options)
     tmp = Path(tempfile.mkdtemp(prefix="feed-"))
-    g = torch.Generator().manual_seed(0)
-    tensors = {"w": torch.randn(numel, generator=g) * 1e-3}
+    # one delta per node, each its own (identical deltas of two nodes make the master warn of shared data)
+    per_node = [{"w": torch.randn(numel, generator=torch.Generator().manual_seed(n)) * 1e-3} for n in range(nodes)]
     steps = [0] * nodes
     hub.read_manifest()  # connected: the clock starts now
     sent, t0, i = 0, time.monotonic(), 0
@@ -127,7 +127,7 @@ def _feed(url: str, options: dict, cache: str, numel: int, nodes: int, rate: flo
             base = m.outer_step if m is not None else 0
             steps[node] += 1
             p = tmp / f"d{node}.safetensors"
-            write_delta(p, tensors, node_id=f"w{node}", local_step=steps[node], base_outer_step=base)
+            write_delta(p, per_node[node], node_id=f"w{node}", local_step=steps[node], base_outer_step=base)
             hub.upload_delta(p, f"w{node}", steps[node])
             sent += 1
         except Exception as e:  # noqa: BLE001 - a benchmark feeder: count it and go on
