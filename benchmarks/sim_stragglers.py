@@ -59,19 +59,19 @@ long the whole study took.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import math
 import os
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# one way to compose a config and run a job with the product's launch=sim code, for every study
+from study import _compose, _prepare_data, run_job  # noqa: E402 - benchmarks/study.py, beside this file
 
 H, K = 8, 4
 MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
@@ -411,47 +411,6 @@ def schedule_steps(overrides: list[str]) -> int:
                     delta_dtype=encoding, error_feedback=feedback, seed=int(cfg.seed), dylu=dylu_option(cfg))
     sim.run()
     return max(w.steps for w in sim.workers)
-
-
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from diloco_lightning.app.config import CONFIG_DIR, register_configs, validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose(config_name="train", overrides=overrides)
-    return validate(cfg)
-
-
-def _prepare_data(common: list[str]) -> None:
-    from diloco_lightning.app.build import build_datamodule
-
-    build_datamodule(_compose(common + ["run_id=prepare"])).prepare_data()
-
-
-def run_job(spec: tuple[dict, list[str], str]) -> dict[str, Any]:
-    """Run one job with the product's launch=sim code; its stdout goes to ``<run>/sim.log``."""
-    j, common, root = spec
-    from diloco_lightning.app.sim import run_sim
-
-    rdir = Path(root) / "runs" / j["id"]
-    rdir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    rec: dict[str, Any] = {"id": j["id"], "time": time.time()}
-    try:
-        cfg = _compose(common + j["overrides"] + [f"run_id={j['id']}", f"run_root={Path(root) / 'runs'}"])
-        (rdir / "job.json").write_text(json.dumps({**j, "common": common}, indent=2))
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            res = run_sim(cfg)
-        (rdir / "sim.log").write_text(buf.getvalue())
-        rec.update(eval_loss=res["eval_loss"], diverged=res["diverged"], wall=time.perf_counter() - t0)
-    except Exception as e:  # noqa: BLE001 - recorded, the study goes on
-        import traceback
-
-        rec.update(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}", wall=time.perf_counter() - t0)
-    return rec
 
 
 def main(argv: list[str] | None = None) -> int:
