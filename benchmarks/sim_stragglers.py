@@ -126,18 +126,24 @@ SCENARIO_ARMS = {
     "varying": ["sync", "sync_q3_drop", "sync_dylu", "async"],
     **{f"xdc_r{rho:g}": ["sync", "async"] for rho in SWEEP},
 }
-#: family -> (outer optimizer, its 5-point lr grid). One family for every arm, sync and async alike:
-#: ``poly_nesterov`` (Nesterov momentum 0.9 fed ``g * (1 + tau) ** -0.5``), which at staleness 0 (every
-#: lockstep round, every on-time quorum round) is exactly DiLoCo's Nesterov.
+#: family -> (outer optimizer, its 5-point lr grid), sync and async alike: ``poly_nesterov`` (Nesterov
+#: momentum 0.9 fed ``g * (1 + tau) ** -0.5``), which at staleness 0 (every lockstep round, every on-time
+#: quorum round) is exactly DiLoCo's Nesterov; ``staleness_sgd`` (momentum 0, the delta times
+#: ``lr / (1 + tau)``), which at staleness 0 is plain SGD: the staleness study's pick (docs/study.md).
 FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
     "nesterov": ("poly_nesterov", (0.1, 0.2, 0.4, 0.8, 1.6)),
+    "sgd": ("staleness_sgd", (0.125, 0.25, 0.5, 1.0, 2.0)),
 }
+#: the scenarios whose arms are tuned in both families (every arm of them, sync and async); the others
+#: in ``nesterov`` only (the second family was added later and not yet run there)
+BOTH_FAMILIES = ("straggler", "spread", "xdc")
 EXTEND = 4  # grid points added beyond an edge, at most, per side (async wanted 4x below the base grid)
 
 
 def families_of(scenario: str, arm: str) -> list[str]:
-    """The families an arm is tuned in (every arm the same ones)."""
-    return list(FAMILIES)
+    """The families an arm is tuned in (every arm of a scenario the same ones); its best (family, lr)
+    at seed 0 is the arm's."""
+    return list(FAMILIES) if scenario in BOTH_FAMILIES else ["nesterov"]
 
 
 # ----------------------------------------------------------------------------- the plan
