@@ -91,6 +91,9 @@ class Method:
 METHODS: dict[str, Method] = {
     "sgd": Method("staleness_sgd", {"momentum": 0.0}, "sgd0", 0, "staleness-scaled SGD, lr / (1 + tau), no momentum"),
     "sgd_p0": Method("staleness_sgd", {"momentum": 0.0, "power": 0.0}, "sgd0", -3, "plain SGD, a constant lr (no gate)"),
+    "sgd_p2": Method("staleness_sgd", {"momentum": 0.0, "power": 2.0}, "sgd0", 2, "staleness-scaled SGD, lr / (1 + tau)^2"),
+    "sgd_rb": Method("staleness_sgd", {"momentum": 0.0}, "sgd0", 0,
+                     "staleness-scaled SGD, each worker rebased onto its own deltas (sim.rebase)", ("sim.rebase=true",)),
     "sgd_m0.5": Method("staleness_sgd", {"momentum": 0.5}, "sgd0.5", 0, "the same, Nesterov momentum 0.5"),
     "sgd_mneg": Method("staleness_sgd", {"momentum": -0.5}, "sgd0", 0, "the same, momentum -0.5 (asynchrony begets momentum)"),
     "sgd_m0.9": Method("staleness_sgd", {"momentum": 0.9}, "sgd0.9", 0, "the same, Nesterov momentum 0.9"),
@@ -112,8 +115,8 @@ METHODS: dict[str, Method] = {
 PLAN: dict[str, list[str]] = {
     "sync": ["sgd", "sgd_m0.9"],  # sgd_m0.9 at tau = 0 is DiLoCo's Nesterov step exactly
     "async": ["sgd", "gap", "dc", "cgad", "nesterov"],
-    "arr4": ["sgd", "gap", "cgad", "nesterov"],
-    "arr8": ["sgd", "gap", "dc", "cgad", "nesterov"],
+    "arr4": ["sgd", "gap", "cgad", "nesterov", "sgd_rb"],
+    "arr8": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_rb", "sgd_p2"],
     "arr16": ["sgd", "gap", "cgad", "nesterov"],
 }
 #: --full: the rest of the grid (momentum for the SGD family, the other Adam and Nesterov variants,
