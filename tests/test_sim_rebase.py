@@ -105,6 +105,20 @@ def test_round_mode_on_threads_is_the_same_run():
     assert not torch.equal(plain.state["w"], finals[0])
 
 
+def test_async_with_instant_transfers_is_unchanged():
+    """Asynchronously each worker's own delta is in the version it starts from when transfers are
+    instant (it is applied and published before the worker's next phase begins): nothing to rebase."""
+    config = MasterConfig(outer_optimizer="staleness_sgd", outer_lr=0.8, outer_options={"momentum": 0.0},
+                          aggregation="arrival", norm_ratio=None, norm_global_ratio=None)
+    finals = []
+    for rebase in (False, True):
+        master = SimMaster({"w": torch.zeros(N)}, config)
+        Simulator(_quad_workers(3, 5, speeds=[1.0, 0.7, 0.4]), master, sync="async",
+                  options=SimOptions(rebase=rebase, speeds=[1.0, 0.7, 0.4])).run()
+        finals.append(master.state["w"])
+    assert torch.equal(finals[0], finals[1])
+
+
 def test_what_it_refuses():
     state = {"w": torch.zeros(N)}
     assert linear_lr(build_outer_optimizer("staleness_sgd", state, lr=0.5)) == 0.5
