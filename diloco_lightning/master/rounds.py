@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from diloco_lightning.master.aggregation import (
     arrival_order,
     arrival_step,
     cap_round_robin,
+    delta_scales,
     merge_marks,
     round_step,
 )
@@ -270,7 +271,11 @@ class Rounds:
             return stepper(buf, box.pop())
         new_ledger = merge_marks(self.run.ledger, rnd.marks)
         processed = self.intake.pending + [a.ref.path for a in accepted]
-        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted, updated):
+        # what each node's delta entered the state with (a fragment's delta or PA-CGAD's rule: not said)
+        scales = None if legacy or updated else delta_scales(
+            self.run.opt.linear_rate(), [(a.ref.node_id, a.weight, a.gate) for a in accepted])
+        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted, updated,
+                                   scales=scales):
             for a in accepted:
                 m.apply(a.ident, a.staleness)
 
@@ -330,8 +335,10 @@ class Rounds:
                          name=self.config.outer_optimizer):
                     return arrival_step(opt, name, buf, t, tau, f)
 
+                scales = None if acc.fragment is not None else delta_scales(
+                    run.opt.linear_rate(), [(ref.node_id, 1.0, run.opt.gate(acc.staleness))])
                 ok = self._apply_and_publish(step, new_ledger, processed, [acc.norm], m, [acc],
-                                             [acc.fragment] if acc.fragment is not None else [])
+                                             [acc.fragment] if acc.fragment is not None else [], scales=scales)
                 del tensors, step
                 if not ok:
                     break
@@ -359,8 +366,11 @@ class Rounds:
         m: RoundMetrics,
         accepted: list[Accepted],
         updated: list[str] | None = None,
+        *,
+        scales: Mapping[str, float] | None = None,
     ) -> bool:
-        """One outer step on a copy of the state, then publication; rollback of everything on failure."""
+        """One outer step on a copy of the state, then publication; rollback of everything on failure.
+        ``scales``: per node, the factor its delta got (published as ``master.delta_scales``)."""
         run = self.run
         new_step = run.outer_step + 1
         buf = run.spare_buffer()
@@ -390,7 +400,7 @@ class Rounds:
             payload = {**self.validator.state_with(norms), "aggregation": self.config.aggregation,
                        "weighting": self.config.weighting}
             manifest, record = self.publisher.publish(run, buf, new_step, new_ledger, processed, payload,
-                                                             updated_fragments=updated or ())
+                                                             updated_fragments=updated or (), delta_scales=scales)
         except PublishConflictError as e:
             log.warning("%s; discarding this round and re-reading the hub", e)
             m.conflict = True
