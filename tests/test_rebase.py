@@ -164,12 +164,12 @@ def test_an_async_worker_installs_the_version_minus_its_pending_deltas_and_ancho
     w.close()
 
 
-def test_lockstep_and_rebase_off_install_the_version_itself(tmp_path):
+def test_with_rebase_off_the_version_itself_is_installed(tmp_path):
     hub = FileHub(tmp_path / "hub", cache_dir=tmp_path / "cache")
     params = _params()
     v0 = {k: v.detach().clone() for k, v in params.items()}
     _publish(hub, tmp_path, 0, v0, {}, {})
-    w = DiLoCoWorker(hub, "w0", params, **FAST)  # the default: no rebase
+    w = DiLoCoWorker(hub, "w0", params, rebase=False, **FAST)
     w.start()
     with torch.no_grad():
         params["layer.bias"].add_(1.0)

@@ -143,7 +143,7 @@ class WorkerOptions:
         "pattern groups (whole tensors; null or 1: the whole model at once)"
     )
     rebase: bool = option(
-        False, "sync=async: start each phase from the installed version minus this worker's own deltas it does not "
+        True, "sync=async: start each phase from the installed version minus this worker's own deltas it does not "
         "contain yet, each times the factor the master applies it with (the manifest's delta_scales; else 1/nodes), "
         "so the worker never relearns its last phase (lockstep and fragments: not used)"
     )
