@@ -59,19 +59,19 @@ long the whole study took.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import math
 import os
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# one way to compose a config and run a job with the product's launch=sim code, for every study
+from study import _compose, _prepare_data, run_job  # noqa: E402 - benchmarks/study.py, beside this file
 
 H, K = 8, 4
 MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
@@ -126,18 +126,24 @@ SCENARIO_ARMS = {
     "varying": ["sync", "sync_q3_drop", "sync_dylu", "async"],
     **{f"xdc_r{rho:g}": ["sync", "async"] for rho in SWEEP},
 }
-#: family -> (outer optimizer, its 5-point lr grid). One family for every arm, sync and async alike:
-#: ``poly_nesterov`` (Nesterov momentum 0.9 fed ``g * (1 + tau) ** -0.5``), which at staleness 0 (every
-#: lockstep round, every on-time quorum round) is exactly DiLoCo's Nesterov.
+#: family -> (outer optimizer, its 5-point lr grid), sync and async alike: ``poly_nesterov`` (Nesterov
+#: momentum 0.9 fed ``g * (1 + tau) ** -0.5``), which at staleness 0 (every lockstep round, every on-time
+#: quorum round) is exactly DiLoCo's Nesterov; ``staleness_sgd`` (momentum 0, the delta times
+#: ``lr / (1 + tau)``), which at staleness 0 is plain SGD: the staleness study's pick (docs/study.md).
 FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
     "nesterov": ("poly_nesterov", (0.1, 0.2, 0.4, 0.8, 1.6)),
+    "sgd": ("staleness_sgd", (0.125, 0.25, 0.5, 1.0, 2.0)),
 }
+#: the scenarios whose arms are tuned in both families (every arm of them, sync and async); the others
+#: in ``nesterov`` only (the second family was added later and not yet run there)
+BOTH_FAMILIES = ("straggler", "spread", "xdc")
 EXTEND = 4  # grid points added beyond an edge, at most, per side (async wanted 4x below the base grid)
 
 
 def families_of(scenario: str, arm: str) -> list[str]:
-    """The families an arm is tuned in (every arm the same ones)."""
-    return list(FAMILIES)
+    """The families an arm is tuned in (every arm of a scenario the same ones); its best (family, lr)
+    at seed 0 is the arm's."""
+    return list(FAMILIES) if scenario in BOTH_FAMILIES else ["nesterov"]
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -411,47 +417,6 @@ def schedule_steps(overrides: list[str]) -> int:
                     delta_dtype=encoding, error_feedback=feedback, seed=int(cfg.seed), dylu=dylu_option(cfg))
     sim.run()
     return max(w.steps for w in sim.workers)
-
-
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from diloco_lightning.app.config import CONFIG_DIR, register_configs, validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose(config_name="train", overrides=overrides)
-    return validate(cfg)
-
-
-def _prepare_data(common: list[str]) -> None:
-    from diloco_lightning.app.build import build_datamodule
-
-    build_datamodule(_compose(common + ["run_id=prepare"])).prepare_data()
-
-
-def run_job(spec: tuple[dict, list[str], str]) -> dict[str, Any]:
-    """Run one job with the product's launch=sim code; its stdout goes to ``<run>/sim.log``."""
-    j, common, root = spec
-    from diloco_lightning.app.sim import run_sim
-
-    rdir = Path(root) / "runs" / j["id"]
-    rdir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    rec: dict[str, Any] = {"id": j["id"], "time": time.time()}
-    try:
-        cfg = _compose(common + j["overrides"] + [f"run_id={j['id']}", f"run_root={Path(root) / 'runs'}"])
-        (rdir / "job.json").write_text(json.dumps({**j, "common": common}, indent=2))
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            res = run_sim(cfg)
-        (rdir / "sim.log").write_text(buf.getvalue())
-        rec.update(eval_loss=res["eval_loss"], diverged=res["diverged"], wall=time.perf_counter() - t0)
-    except Exception as e:  # noqa: BLE001 - recorded, the study goes on
-        import traceback
-
-        rec.update(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}", wall=time.perf_counter() - t0)
-    return rec
 
 
 def main(argv: list[str] | None = None) -> int:

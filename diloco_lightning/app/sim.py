@@ -283,6 +283,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             "eval_curve_time": [[t, loss] for t, (_, loss) in zip(result.eval_times, result.eval_curve)],
             "lost_phases": result.lost_phases,
             "stopped_early": result.stopped_early,
+            "rebase": sim_options(cfg).rebase,
             "max_time": sim_options(cfg).max_time,
             # tokens of the deltas delivered to the master by each eval_curve point: [tokens, eval loss]
             "eval_curve_tokens": [[n, loss] for n, (_, loss) in zip(result.eval_tokens, result.eval_curve)],

@@ -83,6 +83,7 @@ from diloco_lightning.sim.churn import Churn
 from diloco_lightning.sim.inner import SimWorker, check_fragments
 from diloco_lightning.sim.master import SimMaster
 from diloco_lightning.sim.options import SimOptions, phase_end
+from diloco_lightning.sim.rebase import OwnDeltas
 from diloco_lightning.sim.result import SimResult, as_received
 from diloco_lightning.sim.runners import PhaseRunner, choose_runner
 from diloco_lightning.sim.transfers import _DEADLINE, Transfers
@@ -166,6 +167,8 @@ class Simulator(Transfers):
             self.dylu = {"max_steps": int(dylu["max_steps"]), "min_steps": dylu.get("min_steps"),
                          "seconds": dylu.get("seconds")}
         check_fragments(self.workers, self.master.plan, self.dylu is not None)
+        #: sim.rebase: each worker's own deltas, to start its phases from (sim/rebase.py)
+        self.rebase = OwnDeltas.build(master.opt, n, master.plan is not None) if self.options.rebase else None
         self.max_time = self.options.max_time
         if self.max_time is None and any(w.max_steps is None for w in self.workers):
             raise ValueError("a worker without max_steps needs a time budget (options.max_time), or the run never ends")
@@ -300,7 +303,13 @@ class Simulator(Transfers):
     def _give(self, k: int, r: int) -> None:
         """Hand phase ``r`` of worker ``k`` (its version known) to the runner."""
         base = self._base_of(k, r)
-        self.runner.begin(k, r, (base, self.master.versions[base], self._phase_args(k, base), self._phase[(k, r)][1]))
+        self.runner.begin(k, r, (base, self._start(k, base), self._phase_args(k, base), self._phase[(k, r)][1]))
+
+    def _start(self, k: int, base: int) -> Mapping[str, Tensor]:
+        """What worker ``k``'s phase from version ``base`` starts from: that version, or with
+        ``sim.rebase`` that version minus the worker's own deltas it does not contain yet."""
+        state = self.master.versions[base]
+        return state if self.rebase is None else self.rebase.start(k, base, state, min(self.master.versions))
 
     def next_inner_steps(self, k: int) -> int:
         """Inner steps of worker ``k``'s next phase: its ``phase_steps`` (H, or H / F with

@@ -94,6 +94,10 @@ class SimMaster:
         self.records: list[dict[str, Any]] = []  # one per published version
         self._acc: RoundSum | FragmentSums | None = None
         self._accepted: list[tuple[str, int, float]] = []  # (ident, staleness, norm) of the open round
+        self._coefs: dict[str, tuple[float, float]] = {}  # ident -> (gate, weight) in the open round
+        #: what the last outer step multiplied each delta it applied by, before the lr (the gate times
+        #: the delta's share of the round's weight; {} when the step applied nothing): sim.rebase's scales
+        self.applied_factors: dict[str, float] = {}
         self._processed = 0  # deltas of the open round, accepted or not
         self._m = self._new_metrics()
         self.null_rounds = 0
@@ -166,13 +170,15 @@ class SimMaster:
         else:
             self._acc.add(tensors, weight, coef)
         self._accepted.append((ident, tau, norm))
+        self._coefs[ident] = (coef, weight)
         return True
 
     def close_round(self, now: float = 0.0) -> dict[str, Any]:
         """Apply the open round's mean (one outer step) and publish the next version; a round with
         nothing to apply publishes the unchanged state (a null round). Returns the version's record."""
-        accepted, acc = self._accepted, self._acc
-        self._accepted, self._acc, self._processed = [], None, 0
+        accepted, acc, coefs = self._accepted, self._acc, self._coefs
+        self._accepted, self._acc, self._processed, self._coefs = [], None, 0, {}
+        self.applied_factors = {}
         applied = False
         if accepted and acc is not None:
             updated = acc.fragments if isinstance(acc, FragmentSums) else []
@@ -184,6 +190,9 @@ class SimMaster:
                 step = round_step(self.opt, self.config.outer_optimizer, legacy=self.legacy,
                                   tau_max=max(t for _, t, _ in accepted))
                 applied = self._step(lambda: step(stepped_state(self.plan, self.state), mean), accepted, updated)
+        if applied:
+            total = sum(w for _, w in coefs.values())
+            self.applied_factors = {i: g * w / total for i, (g, w) in coefs.items()}
         if not applied:
             self.null_rounds += 1
         return self._publish(now, applied)
@@ -194,8 +203,9 @@ class SimMaster:
                now: float = 0.0, fragment: str | None = None) -> dict[str, Any] | None:
         """Arrival mode: one outer step for this delta (of ``fragment``, with fragments) and a new
         version (its record), or None if refused."""
+        self.applied_factors = {}
         try:
-            _, _, norm = self._check(tensors, tau, num_tokens, fragment)
+            gate, _, norm = self._check(tensors, tau, num_tokens, fragment)
         except DeltaRejected as e:
             self._m.reject(e.reason)
             return None
@@ -203,6 +213,7 @@ class SimMaster:
                                                          stepped_state(self.plan, self.state), tensors, tau, fragment),
                           [(ident, tau, norm)], [fragment] if fragment is not None else []):
             return None
+        self.applied_factors = {ident: gate}
         return self._publish(now, True)
 
     # ------------------------------------------------------------------ apply and publish

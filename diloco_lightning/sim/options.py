@@ -151,6 +151,11 @@ class SimOptions:
                                 "its phase is given up when a newer version is published (drop)")
     deadline: float | None = option(None, "aggregation=round: a round also closes this long after the previous "
                                           "version was published, with the deltas it has (at least one)")
+    rebase: bool = option(
+        False, "each worker starts a phase from its base version minus its own deltas that version does not contain "
+        "yet, each times the scale the master's step gave it, and anchors the phase there (sim/rebase.py; needs a "
+        "momentum-free SGD outer step and no fragments; the product's worker does not do this)"
+    )
 
     @classmethod
     def names(cls) -> list[str]:
@@ -173,6 +178,8 @@ class SimOptions:
         check_number(self, "parallel", low=1, integer=True, optional=True)
         if self.batched is not None and not isinstance(self.batched, bool):
             raise OptionError("batched", f"must be true, false or null, got {self.batched!r}")
+        if not isinstance(self.rebase, bool):
+            raise OptionError("rebase", f"must be true or false, got {self.rebase!r}")
         if not isinstance(self.save_weights, bool):
             raise OptionError("save_weights", f"must be True or False, got {self.save_weights!r}")
         check_number(self, "speed_jitter", low=0.0)

@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # the simulator's state this half reads (engine.py sets it)
     from diloco_lightning.sim.inner import SimWorker
     from diloco_lightning.sim.master import SimMaster
     from diloco_lightning.sim.options import SimOptions
+    from diloco_lightning.sim.rebase import OwnDeltas
     from diloco_lightning.sim.runners import PhaseRunner
 
 __all__ = ["Item", "Transfers"]
@@ -148,7 +149,7 @@ class Transfers:
         for r in item.phases:
             if self._base_known_at_delivery:
                 b = self._base_of(k, r)
-                d = self.runner.now(k, self.master.versions[b], self._phase_args(k, b), self._phase[(k, r)][1])
+                d = self.runner.now(k, self._start(k, b), self._phase_args(k, b), self._phase[(k, r)][1])
             else:
                 b, d = self.runner.result(k, r)
             self._phase.pop((k, r), None)
@@ -168,19 +169,30 @@ class Transfers:
             tau = s - base
         ident = f"{w.node_id}/{item.phases[-1]}"
         self._tokens_in += tokens
+        if self.rebase is not None:
+            self.rebase.sent(k, ident, received)
         if self.options.late == "drop" and self.options.barrier and tau > 0:
             self.master.refuse("late")  # a round it was not part of closed without it
+            self._refused(ident)
         elif self.arrival:
             rec = self.master.arrive(ident, received, tau, num_tokens=tokens or None, now=t, fragment=fragment)
             if rec is not None:
                 self._count(tau)
                 self._publish(rec)
+            else:
+                self._refused(ident)
         else:
             if self.master.add(ident, received, tau, num_tokens=tokens or None, fragment=fragment):
                 self._count(tau)
+            else:
+                self._refused(ident)
             if self.master.open_deltas >= self.quorum or (self._overdue and self.master.open_deltas):
                 self._publish(self.master.close_round(t))
         self._prune()
+
+    def _refused(self, ident: str) -> None:
+        if self.rebase is not None:
+            self.rebase.refused(ident)
 
     def _deadline(self, v: int, t: float) -> None:
         """The round after version ``v`` reached its deadline: close it with what it has (or with its first delta)."""
@@ -194,6 +206,8 @@ class Transfers:
     def _publish(self, rec: dict[str, Any]) -> None:
         """The master has taken an outer step: version ``outer_step`` is published after ``master_time``."""
         v = self.master.outer_step
+        if self.rebase is not None:
+            self.rebase.published(v, self.master.applied_factors)
         at = max(self.now, self._master_free) + self.options.master_time
         self._master_free = at
         rec["time"] = at
@@ -373,12 +387,16 @@ class Transfers:
     _worker_delay: list[int]
     _heap: list[tuple[float, int, int, int, Any]]
     stopped_early: bool
+    rebase: OwnDeltas | None
 
     @property
     def _base_known_at_delivery(self) -> bool:  # pragma: no cover - engine.py
         raise NotImplementedError
 
     def _base_of(self, k: int, r: int) -> int:  # pragma: no cover - engine.py
+        raise NotImplementedError
+
+    def _start(self, k: int, base: int) -> Mapping[str, Tensor]:  # pragma: no cover - engine.py
         raise NotImplementedError
 
     def _phase_args(self, k: int, base: int) -> dict[str, Any]:  # pragma: no cover - engine.py

@@ -1,0 +1,148 @@
+"""Rebasing a simulated worker onto its own deltas (``sim.rebase``).
+
+Why: under an imposed delay of at least one of its own arrivals (``tau >= K`` arrivals with K
+workers, or ``tau >= 1`` round in lockstep rounds) a worker's phase starts from a version made
+before its own previous deltas were applied, so it learns again what it has just sent while the
+master applies both. The rebase removes that part of the staleness, the part the worker can know.
+
+The rule: worker k's phase from version ``b`` starts from
+
+    start = version_b - sum_j scale_j * delta_j
+
+over k's own deltas ``j`` that version ``b`` does not contain (applied by a later version, or not
+applied yet): each delta as the master received it, ``scale_j`` what the master's step multiplied
+it by (``lr * gate(tau_j) * w_j / sum(w)``: the step must be momentum-free SGD,
+:func:`linear_lr`), a delta not applied yet taking the worker's last applied scale (0 before its
+first). So the start is what the global will be once the worker's own deltas are in, the others'
+left as they are. A refused delta never counts. The phase's anchor is that start, so its delta
+(``start - local``) never counts the subtracted ones twice.
+
+When a start is computed decides what the worker knows. Lockstep in arrival mode computes a phase
+when its delta arrives (:mod:`~diloco_lightning.sim.runners`), after every earlier delta of its
+worker was applied or refused, so every scale is known. Elsewhere the start is computed when the
+phase begins: a delta still travelling then is not known yet and is not subtracted, and one
+refused after it was subtracted stays subtracted. Asynchronously with instant transfers a worker's
+own delta is always in the version it starts from, so the rebase changes nothing there.
+
+The product's worker does not rebase in the simulator's sense (it would need the master to publish
+each delta's scale); this is the simulator's, to measure what the rule is worth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from diloco_lightning.outer import NesterovOuterOptimizer, PolyNesterov, StalenessSGD
+from diloco_lightning.util.options import OptionError
+
+__all__ = ["OwnDeltas", "linear_lr"]
+
+
+def linear_lr(opt: Any) -> float | None:
+    """The ``lr`` of an outer optimizer whose step is ``state -= lr * gate(tau) * g`` with nothing
+    carried from one step to the next (the SGD family without momentum), else None."""
+    if isinstance(opt, (NesterovOuterOptimizer, PolyNesterov, StalenessSGD)) and opt.momentum == 0.0:
+        return float(opt.lr)
+    return None
+
+
+@dataclass
+class _Own:
+    ident: str
+    tensors: Mapping[str, Tensor]  # as the master received them
+    version: int | None = None  # the version whose step applied it (None: not applied yet)
+    scale: float | None = None  # what that step multiplied it by
+
+
+class OwnDeltas:
+    """Each worker's deltas that some version it may still start from does not contain.
+
+    Args:
+        workers: the number of workers.
+        lr: the outer step's learning rate (:func:`linear_lr`).
+    """
+
+    def __init__(self, workers: int, lr: float) -> None:
+        self.lr = float(lr)
+        self._own: list[list[_Own]] = [[] for _ in range(workers)]
+        self._last: list[float] = [0.0] * workers  # each worker's last applied scale
+        self._open: dict[str, tuple[int, _Own]] = {}  # reached the master, neither applied nor refused
+
+    @classmethod
+    def build(cls, opt: Any, workers: int, fragments: bool) -> OwnDeltas:
+        """The rebase of a run whose master steps with ``opt``; an OptionError naming ``rebase`` when
+        its step is not momentum-free SGD or the run has fragments."""
+        lr = linear_lr(opt)
+        if lr is None:
+            raise OptionError("rebase", f"needs a momentum-free SGD outer step (staleness_sgd, nesterov or "
+                              f"poly_nesterov with momentum 0); this run's is {opt.name} {dict(opt.options)}")
+        if fragments:
+            raise OptionError("rebase", "is not composed with fragments (each fragment would need its own scales)")
+        return cls(workers, lr)
+
+    def sent(self, worker: int, ident: str, tensors: Mapping[str, Tensor]) -> None:
+        """Worker ``worker``'s delta ``ident`` reached the master, which will apply or refuse it."""
+        own = _Own(ident, tensors)
+        self._own[worker].append(own)
+        self._open[ident] = (worker, own)
+
+    def refused(self, ident: str) -> None:
+        """Delta ``ident`` was refused: it never reaches the global, so no start counts it."""
+        found = self._open.pop(ident, None)
+        if found is not None:
+            self._own[found[0]].remove(found[1])
+
+    def published(self, version: int, factors: Mapping[str, float]) -> None:
+        """``version`` is published: the deltas in ``factors`` were applied by its step, each
+        multiplied by ``lr * factors[ident]``; every other delta that reached the master before was
+        in the refused round (or refused already)."""
+        for ident in list(self._open):
+            worker, own = self._open.pop(ident)
+            if ident in factors:
+                own.version, own.scale = version, self.lr * float(factors[ident])
+                self._last[worker] = own.scale
+            else:
+                self._own[worker].remove(own)
+
+    def start(self, worker: int, base: int, state: Mapping[str, Tensor], floor: int) -> Mapping[str, Tensor]:
+        """The start of ``worker``'s phase from version ``base`` (``state``): ``state`` itself when
+        it contains every own delta, else a copy with the missing ones subtracted. ``floor``: the
+        oldest version any phase may still start from (a delta applied by it is in every later
+        base, and is forgotten)."""
+        own = self._own[worker]
+        own[:] = [o for o in own if o.version is None or o.version > floor]
+        missing = [o for o in own if o.version is None or o.version > base]
+        if not missing:
+            return state
+        out = {k: v.clone() for k, v in state.items()}
+        for o in missing:
+            scale = o.scale if o.scale is not None else self._last[worker]
+            if scale == 0.0:
+                continue
+            for k, d in o.tensors.items():
+                t = out[k]
+                t.sub_(d.to(t.dtype), alpha=scale)
+        return out
+
+    def held(self, worker: int) -> int:
+        """How many deltas of ``worker`` are kept (each a model-sized copy)."""
+        return len(self._own[worker])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr": self.lr, "last": list(self._last),
+                "own": [[{"ident": o.ident, "version": o.version, "scale": o.scale,
+                          "tensors": {k: t.clone() for k, t in o.tensors.items()}} for o in own] for own in self._own]}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        if len(sd["own"]) != len(self._own):
+            raise ValueError(f"state_dict: {len(sd['own'])} workers, this run has {len(self._own)}")
+        self.lr = float(sd["lr"])
+        self._last = [float(x) for x in sd["last"]]
+        self._own = [[_Own(o["ident"], {k: torch.as_tensor(t).clone() for k, t in o["tensors"].items()},
+                           o["version"], o["scale"]) for o in own] for own in sd["own"]]
+        self._open = {o.ident: (w, o) for w, own in enumerate(self._own) for o in own if o.version is None}
