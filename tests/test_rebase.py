@@ -235,3 +235,35 @@ def test_rebase_is_an_option_checked_like_the_others(tmp_path):
     with pytest.raises(OptionError, match="rebase"):
         WorkerOptions(rebase="yes").validate()
     assert WorkerOptions(rebase=True, sync="lockstep").validate().rebase  # accepted; a lockstep worker never rebases
+
+
+@pytest.mark.parametrize("aggregation, publish", [("round", "each"), ("arrival", "each"), ("arrival", "pass")])
+def test_the_master_publishes_each_nodes_scale_in_every_aggregation(tmp_path, aggregation, publish):
+    """Round: ``lr * w_i / sum(w)``; arrival (a publication each, or one per pass): ``lr * gate(tau)``.
+    A master with momentum publishes none."""
+    from diloco_lightning.master import MasterOuterLoop
+    from diloco_lightning.wire.delta import model_fingerprint, write_delta
+
+    state = {"w": torch.zeros(2), "n": torch.tensor(1)}
+    hub = FileHub(tmp_path / "hub", cache_dir=tmp_path / "cache")
+    master = MasterOuterLoop(hub, state, node_state_dir=tmp_path / "m", outer_optimizer="staleness_sgd",
+                             outer_lr=0.5, outer_momentum=0.0, aggregation=aggregation, arrival_publish=publish,
+                             min_deltas=2, norm_ratio=None, norm_global_ratio=None, poll_interval=0.02)
+    assert master.sync_once()  # version 0
+    for i, node in enumerate(("w0", "w1")):
+        p = tmp_path / f"d{i}.safetensors"
+        write_delta(p, {"w": torch.ones(2)}, node_id=node, local_step=1, base_outer_step=0,
+                    model_fingerprint=model_fingerprint(state))
+        hub.upload_delta(p, node, 1)
+    master.sync_once(force=True)
+    while master.sync_once(force=True):
+        pass
+    scales = hub.read_manifest().master["delta_scales"]
+    gate = master.optimizer.gate
+    if aggregation == "round":
+        assert scales == {"w0": 0.25, "w1": 0.25}  # one step of the mean: 0.5 * gate(0) * 1/2
+    else:  # one step each, in arrival order: the second one is a version staler
+        assert sorted(scales.values()) == sorted([0.5 * gate(0), 0.5 * gate(1)])
+    momentum = MasterOuterLoop(FileHub(tmp_path / "hub2"), state, node_state_dir=tmp_path / "m2", outer_lr=0.7,
+                               outer_momentum=0.9, norm_ratio=None, poll_interval=0.02)
+    assert momentum.sync_once() and "delta_scales" not in FileHub(tmp_path / "hub2").read_manifest().master

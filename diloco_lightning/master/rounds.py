@@ -395,7 +395,7 @@ class Rounds:
             self.roll_back(buf, backup)
             raise
         return self.publish_stepped(buf, backup, run.outer_step + 1, new_ledger, processed, norms, m, accepted,
-                                    updated, norm=norm)
+                                    updated, norm=norm, scales=scales)
 
     def take_buffer(self) -> tuple[dict[str, torch.Tensor], Any]:
         """The spare buffer a step is taken on, and what rolls the optimizer back (None: its committed file)."""
@@ -424,10 +424,11 @@ class Rounds:
     def publish_stepped(self, buf: dict[str, torch.Tensor], backup: Any, new_step: int, new_ledger: dict[str, int],
                         processed: list[str], norms: list[float], m: RoundMetrics, accepted: list[Accepted],
                         updated: list[str] | None = None, *, norm: tuple[float, int],
-                        applied_at: list[int] | None = None) -> bool:
+                        applied_at: list[int] | None = None, scales: Mapping[str, float] | None = None) -> bool:
         """Publish the stepped ``buf`` as version ``new_step`` and swap it in (``norm``: its norm and size;
         ``applied_at``: the outer step each of ``accepted`` was applied at, default the one before
-        ``new_step``); a conflict, a lost lease or any error rolls everything back."""
+        ``new_step``; ``scales``: the factor each node's delta got, ``master.delta_scales``); a conflict, a
+        lost lease or any error rolls everything back."""
         run = self.run
         try:
             payload = {**self.validator.state_with(norms), "aggregation": self.config.aggregation,
