@@ -94,8 +94,11 @@ def apply_pass(rounds: Any, order: list[tuple[DeltaRef, Path]], blocked: set[str
                  start + len(done))
     new_ledger = merge_marks(run.ledger, *({r.node_id: r.local_step} for _, r, _ in done))
     processed = intake.pending + [r.path for _, r, _ in done]
+    rate = run.opt.linear_rate()  # each delta its own step: its factor is rate * gate(tau), a node's last one kept
+    scales = None if rate is None else {a.ref.node_id: rate * run.opt.gate(a.staleness) for a in accepted}
     ok = rounds.publish_stepped(buf, backup, start + len(done), new_ledger, processed, [a.norm for a in accepted], m,
-                                accepted, [], norm=norm, applied_at=[start + i for i in range(len(done))])
+                                accepted, [], norm=norm, applied_at=[start + i for i in range(len(done))],
+                                scales=scales)
     if ok:
         for acc, ref, path in done:
             rounds.membership.heard(ref.node_id)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from diloco_lightning.master.aggregation import (
     arrival_order,
     arrival_step,
     cap_round_robin,
+    delta_scales,
     merge_marks,
     round_step,
 )
@@ -273,7 +274,11 @@ class Rounds:
             return stepper(buf, box.pop())
         new_ledger = merge_marks(self.run.ledger, rnd.marks)
         processed = self.intake.pending + [a.ref.path for a in accepted]
-        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted, updated):
+        # what each node's delta entered the state with (a fragment's delta or PA-CGAD's rule: not said)
+        scales = None if legacy or updated else delta_scales(
+            self.run.opt.linear_rate(), [(a.ref.node_id, a.weight, a.gate) for a in accepted])
+        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted, updated,
+                                   scales=scales):
             for a in accepted:
                 m.apply(a.ident, a.staleness)
 
@@ -337,8 +342,10 @@ class Rounds:
                          name=self.config.outer_optimizer):
                     return arrival_step(opt, name, buf, t, tau, f)
 
+                scales = None if acc.fragment is not None else delta_scales(
+                    run.opt.linear_rate(), [(ref.node_id, 1.0, run.opt.gate(acc.staleness))])
                 ok = self._apply_and_publish(step, new_ledger, processed, [acc.norm], m, [acc],
-                                             [acc.fragment] if acc.fragment is not None else [])
+                                             [acc.fragment] if acc.fragment is not None else [], scales=scales)
                 del tensors, step
                 if not ok:
                     break
@@ -366,8 +373,11 @@ class Rounds:
         m: RoundMetrics,
         accepted: list[Accepted],
         updated: list[str] | None = None,
+        *,
+        scales: Mapping[str, float] | None = None,
     ) -> bool:
-        """One outer step on a copy of the state, then publication; rollback of everything on failure."""
+        """One outer step on a copy of the state, then publication; rollback of everything on failure.
+        ``scales``: per node, the factor its delta got (published as ``master.delta_scales``)."""
         run = self.run
         buf, backup = self.take_buffer()
         try:
@@ -385,7 +395,7 @@ class Rounds:
             self.roll_back(buf, backup)
             raise
         return self.publish_stepped(buf, backup, run.outer_step + 1, new_ledger, processed, norms, m, accepted,
-                                    updated, norm=norm)
+                                    updated, norm=norm, scales=scales)
 
     def take_buffer(self) -> tuple[dict[str, torch.Tensor], Any]:
         """The spare buffer a step is taken on, and what rolls the optimizer back (None: its committed file)."""
@@ -414,16 +424,17 @@ class Rounds:
     def publish_stepped(self, buf: dict[str, torch.Tensor], backup: Any, new_step: int, new_ledger: dict[str, int],
                         processed: list[str], norms: list[float], m: RoundMetrics, accepted: list[Accepted],
                         updated: list[str] | None = None, *, norm: tuple[float, int],
-                        applied_at: list[int] | None = None) -> bool:
+                        applied_at: list[int] | None = None, scales: Mapping[str, float] | None = None) -> bool:
         """Publish the stepped ``buf`` as version ``new_step`` and swap it in (``norm``: its norm and size;
         ``applied_at``: the outer step each of ``accepted`` was applied at, default the one before
-        ``new_step``); a conflict, a lost lease or any error rolls everything back."""
+        ``new_step``; ``scales``: the factor each node's delta got, ``master.delta_scales``); a conflict, a
+        lost lease or any error rolls everything back."""
         run = self.run
         try:
             payload = {**self.validator.state_with(norms), "aggregation": self.config.aggregation,
                        "weighting": self.config.weighting}
             manifest, record = self.publisher.publish(run, buf, new_step, new_ledger, processed, payload,
-                                                             updated_fragments=updated or ())
+                                                             updated_fragments=updated or (), delta_scales=scales)
         except PublishConflictError as e:
             log.warning("%s; discarding this round and re-reading the hub", e)
             m.conflict = True
