@@ -110,14 +110,16 @@ METHODS: dict[str, Method] = {
     "cgad": Method("cgad", {"state_layout": "naive"}, "adam", -1, "CGAD (the paper's, unchanged; m and v as FP32 buffers)"),
 }
 #: the cells (setting -> methods): the synchronous reference, then the audit's baseline (sgd), the
-#: master-side corrections (gap, dc), CGAD and DiLoCo's Nesterov (the old default) at each delay. At
+#: master-side corrections (gap, dc), CGAD and DiLoCo's Nesterov (the old default) at each delay, the
+#: worker-side rebase (sgd_rb: sim.rebase; not at async, where it changes nothing with instant
+#: transfers) and at 8 arrivals two cheap variants of the baseline (power 2, momentum -0.5). At
 #: a fixed delay a constant gate is a constant lr factor after the first tau arrivals, so nesterov is
 #: sgd_m0.9 there up to that warm-up, and adam_decay is cgad.
 PLAN: dict[str, list[str]] = {
     "sync": ["sgd", "sgd_m0.9"],  # sgd_m0.9 at tau = 0 is DiLoCo's Nesterov step exactly
     "async": ["sgd", "gap", "dc", "cgad", "nesterov"],
     "arr4": ["sgd", "gap", "cgad", "nesterov", "sgd_rb"],
-    "arr8": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_rb", "sgd_p2"],
+    "arr8": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_rb", "sgd_p2", "sgd_mneg"],
     "arr16": ["sgd", "gap", "cgad", "nesterov", "sgd_rb"],
     "rnd2": ["sgd", "sgd_rb"],  # 2 rounds of 4 (the unit the recipes' tau counts): about 8 arrivals
 }
@@ -127,7 +129,7 @@ FULL_EXTRA: dict[str, list[str]] = {
     "sync": ["sgd_m0.5", "adam"],
     "async": ["sgd_m0.5", "sgd_m0.9", "poly", "dn", "adam", "adam_decay", "gap_h"],
     "arr4": ["sgd_m0.5", "sgd_m0.9", "dc", "dn", "adam"],
-    "arr8": ["sgd_p0", "sgd_m0.5", "sgd_m0.9", "sgd_mneg", "gap_h", "dn", "adam"],
+    "arr8": ["sgd_p0", "sgd_m0.5", "sgd_m0.9", "gap_h", "dn", "adam"],
     "arr16": ["sgd_m0.5", "sgd_m0.9", "dc", "dn", "adam"],
     "heavy": ["sgd", "sgd_m0.9", "gap", "nesterov", "poly", "dn", "adam", "adam_decay", "cgad"],
     "rnd2": ["sgd_m0.9", "gap", "adam", "cgad"],
