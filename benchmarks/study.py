@@ -121,6 +121,7 @@ PLAN: dict[str, list[str]] = {
     "arr4": ["sgd", "gap", "cgad", "nesterov", "sgd_rb"],
     "arr8": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_rb", "sgd_p2", "sgd_mneg"],
     "arr16": ["sgd", "gap", "cgad", "nesterov", "sgd_rb"],
+    "heavy": ["sgd", "sgd_rb"],
     "rnd2": ["sgd", "sgd_rb"],  # 2 rounds of 4 (the unit the recipes' tau counts): about 8 arrivals
 }
 #: --full: the rest of the grid (momentum for the SGD family, the other Adam and Nesterov variants,
@@ -131,7 +132,7 @@ FULL_EXTRA: dict[str, list[str]] = {
     "arr4": ["sgd_m0.5", "sgd_m0.9", "dc", "dn", "adam"],
     "arr8": ["sgd_p0", "sgd_m0.5", "sgd_m0.9", "gap_h", "dn", "adam"],
     "arr16": ["sgd_m0.5", "sgd_m0.9", "dc", "dn", "adam"],
-    "heavy": ["sgd", "sgd_m0.9", "gap", "nesterov", "poly", "dn", "adam", "adam_decay", "cgad"],
+    "heavy": ["sgd_m0.9", "gap", "nesterov", "poly", "dn", "adam", "adam_decay", "cgad"],
     "rnd2": ["sgd_m0.9", "gap", "adam", "cgad"],
     "rnd4": ["sgd", "sgd_rb", "gap", "adam", "cgad"],
 }
