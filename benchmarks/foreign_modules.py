@@ -55,7 +55,11 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
     "nesterov_0.7_q2": (["outer=nesterov", "outer.lr=0.7", "min_deltas=2"], {}),
     # outer SGD without momentum (FedAvg at lr 1): the audit's robust baseline
     "sgd_1.0_q1": (["outer=nesterov", "outer.lr=1.0", "outer.options.momentum=0.0", "min_deltas=1"], {}),
-    "sgd_1.0_q2": (["outer=nesterov", "outer.lr=1.0", "outer.options.momentum=0.0", "min_deltas=2"], {}),
+    "sgd_1.0_q2": (["outer=nesterov", "outer.lr=1.0", "outer.options.momentum=0.0", "min_deltas=2"],
+                   {"rebase": False}),
+    # the same async workers rebasing onto their own deltas (worker/rebase.py)
+    "rebase_sgd_1.0_q2": (["outer=nesterov", "outer.lr=1.0", "outer.options.momentum=0.0", "min_deltas=2"],
+                          {"rebase": True}),
     # outer lr above 1 with the whole quorum: the mean of K deltas is shorter than one worker's move
     "sgd_1.5_q2": (["outer=nesterov", "outer.lr=1.5", "outer.options.momentum=0.0", "min_deltas=2"], {}),
     "sgd_2.0_q2": (["outer=nesterov", "outer.lr=2.0", "outer.options.momentum=0.0", "min_deltas=2"], {}),

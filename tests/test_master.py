@@ -239,10 +239,11 @@ def test_staleness_gates_and_weights_cgad(fhubs, tmp_path):
     assert m.last_metrics["staleness_histogram"] == {"0": 1, "1": 1}
 
 
-def test_arrival_mode_one_step_per_delta_in_order(hubs, tmp_path):
+@pytest.mark.parametrize("publish", ["pass", "each"])
+def test_arrival_mode_one_step_per_delta_in_order(hubs, tmp_path, publish):
     hub = hubs.open()
     w = Workers(hubs.open(), tmp_path)
-    m = make_master(hub, tmp_path, aggregation="arrival")
+    m = make_master(hub, tmp_path, aggregation="arrival", arrival_publish=publish)
     m.sync_once()
     w.put("b", 0, base=0, value=1)
     w.put("b", 1, base=0, value=2)
@@ -253,8 +254,56 @@ def test_arrival_mode_one_step_per_delta_in_order(hubs, tmp_path):
     # oldest anchor first, ties by node, one node's deltas in upload order; staleness grows per step
     assert m.last_metrics["applied"] == ["a/0", "b/0", "b/1"]
     assert m.last_metrics["staleness_histogram"] == {"0": 1, "1": 1, "2": 1}
-    assert m.last_metrics["published"] == 3
-    assert hub.read_manifest().ledger == {"a": 0, "b": 1}
+    manifest = hub.read_manifest()
+    assert manifest.ledger == {"a": 0, "b": 1} and manifest.outer_step == 3
+    # "pass": the three outer steps are published as one version (1 and 2 never exist); "each": one per delta
+    assert m.last_metrics["published"] == (1 if publish == "pass" else 3)
+    assert [v.outer_step for v in manifest.history] == ([0] if publish == "pass" else [2, 1, 0])
+    assert hub.list_deltas() == []  # every applied delta deleted by the publication that carried it
+
+
+def _flat(sd, prefix=""):
+    """A state dict's leaves as comparable lists (tensors as their values)."""
+    if isinstance(sd, dict):
+        return {k: v for key, val in sd.items() for k, v in _flat(val, f"{prefix}{key}/").items()}
+    if isinstance(sd, (list, tuple)):
+        return {k: v for i, val in enumerate(sd) for k, v in _flat(val, f"{prefix}{i}/").items()}
+    return {prefix: sd.flatten().tolist() if isinstance(sd, torch.Tensor) else sd}
+
+
+def test_a_pass_of_several_deltas_gets_the_staleness_and_steps_of_a_publication_each(fhubs, tmp_path):
+    """A master behind its arrivals applies the deltas one pass finds as consecutive optimizer and outer
+    steps, each delta's staleness counted at its own application: CGAD's gates and Adam moments are
+    bit for bit those of the master that publishes every delta, with one publication instead of four;
+    the next pass counts from the published version (outer step 4)."""
+    opts = dict(lr=0.1, alpha=0.2, tau_cut=32)
+    masters, workers = {}, {}
+    for publish in ("pass", "each"):
+        d = tmp_path / publish
+        hub = FileHub(d / "hub", cache_dir=d / "cache")
+        masters[publish] = make_master(hub, d, outer_optimizer="cgad", outer_options=opts, aggregation="arrival",
+                                       arrival_publish=publish)
+        masters[publish].sync_once()
+        workers[publish] = Workers(FileHub(d / "hub", cache_dir=d / "wcache"), d)
+    for publish, w in workers.items():
+        w.put("a", 0, base=0, value=1)
+        w.put("b", 0, base=0, value=2)
+        w.put("c", 0, base=0, value=-1)
+        w.put("a", 1, base=0, value=3)
+    for m in masters.values():
+        assert m.sync_once() and m.outer_step == 4
+        assert m.last_metrics["staleness_histogram"] == {"0": 1, "1": 1, "2": 1, "3": 1}
+    assert masters["pass"].last_metrics["published"] == 1 and masters["each"].last_metrics["published"] == 4
+    for k, v in masters["each"].snapshot()[1].items():
+        assert torch.equal(masters["pass"].snapshot()[1][k], v), k
+    assert _flat(masters["pass"].run.opt.state_dict()) == _flat(masters["each"].run.opt.state_dict())
+    w = workers["pass"]
+    w.put("b", 1, base=4, value=1)  # from the version the pass published
+    w.put("c", 1, base=0, value=0.5)  # the older anchor: applied first, at outer step 4 (staleness 4)
+    assert masters["pass"].sync_once() and masters["pass"].outer_step == 6
+    assert masters["pass"].last_metrics["applied"] == ["c/1", "b/1"]
+    assert masters["pass"].last_metrics["staleness_histogram"] == {"4": 1, "1": 1}  # b/1 applied at outer step 5
+    assert masters["pass"].hub.read_manifest().ledger == {"a": 1, "b": 1, "c": 1}
 
 
 def test_pa_cgad_round_mode_gates_on_round_max_staleness(fhubs, tmp_path):

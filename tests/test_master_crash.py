@@ -7,6 +7,7 @@ state must equal, bit for bit, that of an uninterrupted master over the same del
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -62,12 +63,18 @@ def _finish(master: MasterOuterLoop, deadline_s: float = 30.0) -> None:
 
 _REFS: dict[str, tuple[int, dict]] = {}
 
+#: the master's modes: arrival with one publication per delta (the per-delta crash matrices below), arrival
+#: with the deltas one pass finds published as one version (the default; all six deltas wait, so one pass
+#: applies them: what a master that falls behind does), rounds
+MODES = {"arrival": {"aggregation": "arrival", "arrival_publish": "each"}, "arrival_pass": {"aggregation": "arrival"},
+         "round": {"aggregation": "round"}}
+
 
 def _reference(tmp_factory, aggregation: str) -> tuple[int, dict[str, torch.Tensor]]:
     if aggregation not in _REFS:
         tmp = tmp_factory.mktemp(f"ref_{aggregation}")
         hub = FileHub(tmp / "hub", cache_dir=tmp / "cache")
-        m = MasterOuterLoop(hub, initial_state(0), node_state_dir=tmp / "m", aggregation=aggregation, **MASTER)
+        m = MasterOuterLoop(hub, initial_state(0), node_state_dir=tmp / "m", **MODES[aggregation], **MASTER)
         m.sync_once()
         _put_all(hub, tmp / "w")
         _finish(m)
@@ -88,11 +95,11 @@ def _crash_and_restart(tmp: Path, hub_spec: dict, open_hub, crash: str, occurren
     _put_all(hub, tmp / "w")
     cfg = {
         "hub": hub_spec, "state_dir": str(tmp / "m"), "seed": 0, "crash": crash, "occurrence": occurrence,
-        "master": dict(MASTER, aggregation=aggregation),
+        "master": dict(MASTER, **MODES[aggregation]),
     }
     proc = _run_script(cfg)
     assert proc.returncode == -signal.SIGKILL, (crash, proc.returncode, proc.stdout, proc.stderr[-3000:])
-    m = MasterOuterLoop(open_hub(), initial_state(0), node_state_dir=tmp / restart_dir, aggregation=aggregation, **MASTER)
+    m = MasterOuterLoop(open_hub(), initial_state(0), node_state_dir=tmp / restart_dir, **MODES[aggregation], **MASTER)
     _finish(m)
     return m
 
@@ -123,6 +130,70 @@ def test_kill9_at_every_step_arrival_mode(tmp_path, tmp_path_factory, crash, occ
     m = _crash_and_restart(tmp_path, spec, lambda: FileHub(tmp_path / "hub", cache_dir=tmp_path / "cache2"),
                            crash, occurrence, "arrival")
     _assert_same(m, ref, f"{crash}#{occurrence}")
+
+
+#: the master killed in a pass of six deltas: after one and after four of its optimizer steps, and at each
+#: step of its one publication (file: the first two in the default run; hf and s3: slow)
+PASS_POINTS = {
+    "file": [("stepped", 4), ("manifest", 1), ("stepped", 1), ("staged", 1), ("files", 1), ("deleted", 1),
+             ("published", 1), ("saved", 1), ("swapped", 1)],
+    "hf": [("stepped", 4), ("committed", 1), ("published", 1)],
+    "s3": [("stepped", 4), ("files", 1), ("delete:*", 1)],
+}
+PASS_CASES = [pytest.param(t, c, o, marks=[] if t == "file" and i < 2 else [pytest.mark.slow], id=f"{t}-{c}#{o}")
+              for t, points in PASS_POINTS.items() for i, (c, o) in enumerate(points)]
+
+
+@pytest.mark.parametrize("transport, crash, occurrence", PASS_CASES)
+def test_kill9_in_a_pass_of_several_deltas(request, tmp_path, tmp_path_factory, transport, crash, occurrence):
+    """The six deltas one pass finds are six optimizer and outer steps published as one version: killed
+    after some of the steps, or at any step of the publication, the restarted master ends bit for bit
+    where the uninterrupted one does, which is where the master publishing every delta ends (the same
+    steps, the same outer step 6), with every delta in the ledger once."""
+    ref = _reference(tmp_path_factory, "arrival_pass")
+    each = _reference(tmp_path_factory, "arrival")
+    assert ref[0] == each[0] == len(DELTAS)
+    for k, v in each[1].items():
+        assert torch.equal(ref[1][k], v), k
+    with _transport(request, tmp_path, transport) as (spec, open_hub):
+        m = _crash_and_restart(tmp_path, spec, open_hub, crash, occurrence, "arrival_pass")
+        _assert_same(m, ref, f"{transport} pass {crash}#{occurrence}")
+        assert [v.outer_step for v in m.hub.read_manifest().history] == [0]  # one version for the pass
+
+
+@contextlib.contextmanager
+def _transport(request, tmp: Path, kind: str):
+    """A hub of ``kind`` for the crash script (its spec) and for the restarted master (a fresh handle each)."""
+    n = [0]
+    if kind == "file":
+        yield ({"kind": "file", "path": str(tmp / "hub"), "cache_dir": str(tmp / "cache")},
+               lambda: FileHub(tmp / "hub", cache_dir=tmp / "cache2"))
+    elif kind == "hf":
+        from support.hf_server import FakeHubServer
+
+        from diloco_lightning.hub.hf import HFHub
+
+        with FakeHubServer() as server:
+            def open_hf():
+                n[0] += 1
+                return HFHub("org/crash", endpoint=server.endpoint, token=TOKEN, cache_dir=tmp / f"c{n[0]}",
+                             max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05, timeout=10, commits_per_hour=0)
+
+            yield ({"kind": "hf", "endpoint": server.endpoint, "repo": "org/crash", "token": TOKEN,
+                    "cache_dir": str(tmp / "script_cache")}, open_hf)
+    else:
+        from diloco_lightning.hub import open_hub as open_url
+
+        endpoint, bucket = request.getfixturevalue("s3_endpoint"), request.getfixturevalue("s3_bucket")
+        url = f"s3://{bucket}/run"
+
+        def open_s3():
+            n[0] += 1
+            return open_url(url, endpoint_url=endpoint, addressing_style="path", cache_dir=tmp / f"c{n[0]}",
+                            max_retries=2, retry_base_delay=0.01, retry_max_delay=0.05,
+                            check_conditional_writes=n[0] == 1)
+
+        yield {"kind": "s3", "url": url, "endpoint": endpoint, "cache_dir": str(tmp / "script_cache")}, open_s3
 
 
 ROUND_POINTS = [("downloaded", 1), ("stepped", 1), ("files", 2), ("manifest", 2), ("deleted", 2), ("published", 1), ("saved", 1)]

@@ -77,7 +77,7 @@ class DiLoCo:
         model: the prepared model (it is unwrapped to find the tensors).
         hub, node_id, inner_steps, dylu_steps, dylu_min_steps, dylu_seconds, throttle, sync, delay,
             node_index, delta_dtype, topk, topk_values, topk_chunk, error_feedback, error_feedback_decay, fragments,
-            hub_options, create, signing_key,
+            rebase, hub_options, create, signing_key,
             wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
         optimizer: the optimizer(s) whose state ``reset_inner_optimizer`` clears after an install.
         reset_inner_optimizer: clear the inner optimizer state after each install (default False).
@@ -113,6 +113,7 @@ class DiLoCo:
         error_feedback_decay: float = DEFAULTS.error_feedback_decay,
         fragments: int | list | None = DEFAULTS.fragments,
         optimizer: Any = None,
+        rebase: bool = DEFAULTS.rebase,
         reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
         create: bool = False,
@@ -130,7 +131,8 @@ class DiLoCo:
             dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
             topk_values=topk_values, topk_chunk=topk_chunk, error_feedback=error_feedback,
             error_feedback_decay=error_feedback_decay, fragments=fragments,
-            reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout, poll_interval=poll_interval,
+            rebase=rebase, reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout,
+            poll_interval=poll_interval,
             claim_ttl=claim_ttl,
         )
         check_connection(hub, hub_options, signing_key)

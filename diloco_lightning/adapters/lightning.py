@@ -149,6 +149,10 @@ class DiLoCo(Callback):
             ``diloco_lightning/wire/fragments.py``), or a list of parameter-name pattern groups. A
             boundary then comes every ``inner_steps / F`` steps and sends one fragment's delta,
             about ``1/F`` of the bytes. None or 1 (default): the whole model.
+        rebase: with ``sync="async"``, start each phase from the installed version minus this
+            worker's own deltas it does not contain yet, each times the factor the master applies
+            it with (``diloco_lightning/worker/rebase.py``), so the worker never relearns its last
+            phase. Lockstep workers and fragments do not use it.
         reset_inner_optimizer: clear the inner optimizers' state after each install (default
             False: keep it, as DiLoCo does).
         hub_options: options for ``open_hub`` (``token=``, ``endpoint=``, ``cache_dir=`` ...).
@@ -194,6 +198,7 @@ class DiLoCo(Callback):
         error_feedback: bool | None = DEFAULTS.error_feedback,
         error_feedback_decay: float = DEFAULTS.error_feedback_decay,
         fragments: int | list | None = DEFAULTS.fragments,
+        rebase: bool = DEFAULTS.rebase,
         reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
         create: bool = False,
@@ -213,7 +218,8 @@ class DiLoCo(Callback):
             dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
             topk_values=topk_values, topk_chunk=topk_chunk, error_feedback=error_feedback,
             error_feedback_decay=error_feedback_decay, fragments=fragments,
-            reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout, poll_interval=poll_interval,
+            rebase=rebase, reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout,
+            poll_interval=poll_interval,
             claim_ttl=claim_ttl,
         )
         if not (token_counter is None or token_counter is False or callable(token_counter)):

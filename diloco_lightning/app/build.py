@@ -7,6 +7,7 @@ timestamps, and nothing relies on Hydra changing the working directory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -175,12 +176,14 @@ def run_master_config(cfg: DictConfig):
     """The :class:`~diloco_lightning.master.MasterConfig` of a training run's master: its section and
     the ``outer`` group, with what the section leaves to the workers taken from them (the quorum:
     every worker in lockstep, else 1; their fragments; enough kept versions for their lockstep delay;
-    their ``diloco.claim_ttl`` as the node timeout)."""
+    their ``diloco.claim_ttl`` as the node timeout). A lockstep worker installs a given version, so
+    its master publishes every one (``arrival_publish="each"``: no outer step is skipped)."""
     lockstep = cfg.diloco.sync == "lockstep"
     max_delay = max(worker_delay(cfg, i) for i in range(cfg.workers)) if lockstep else 0
-    return master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if lockstep else 1,
-                         fragments=cfg.diloco.get("fragments"), max_delay=max_delay,
-                         node_timeout=cfg.diloco.get("claim_ttl"))
+    config = master_config(cfg.master, cfg.outer, min_deltas=cfg.workers if lockstep else 1,
+                           fragments=cfg.diloco.get("fragments"), max_delay=max_delay,
+                           node_timeout=cfg.diloco.get("claim_ttl"))
+    return dataclasses.replace(config, arrival_publish="each") if lockstep else config
 
 
 def build_master(cfg: DictConfig, hub, *, on_round=None):

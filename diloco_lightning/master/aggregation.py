@@ -42,6 +42,7 @@ __all__ = [
     "arrival_order",
     "arrival_step",
     "cap_round_robin",
+    "delta_scales",
     "mean_of",
     "merge_marks",
     "round_step",
@@ -197,6 +198,18 @@ def round_step(opt: Any, outer_optimizer: str, *, legacy: bool,
         return lambda state, mean: opt.step_pregated(state, mean)
     tau = tau_max if getattr(opt, "STEP_USES_STALENESS", False) else 0
     return lambda state, mean: opt.step(state, mean, staleness=tau, gated=True)
+
+
+def delta_scales(rate: float | None, deltas: list[tuple[str, float, float]]) -> dict[str, float] | None:
+    """Per node, the factor its delta entered the state with, for a step ``state -= rate * mean``
+    of the round's weighted mean of gated deltas (``deltas``: ``(node, weight, gate)``):
+    ``scale_i = rate * gate_i * w_i / sum(w)`` (one delta in arrival mode: ``rate * gate``). None
+    when the step is not such a multiple (``rate`` None: momentum, Adam). A node with two deltas in
+    one round keeps the last one's. What the manifest's ``master.delta_scales`` publishes."""
+    if rate is None or not deltas:
+        return None
+    total = sum(w for _, w, _ in deltas)
+    return {node: float(rate * gate * w / total) for node, w, gate in deltas}
 
 
 def arrival_step(opt: Any, outer_optimizer: str, state: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor],

@@ -16,11 +16,13 @@ from diloco_lightning.util.errors import ConfigError
 from diloco_lightning.util.options import OptionError, check_choice, check_number, option
 from diloco_lightning.wire.fragments import FragmentError, FragmentPlan, check_fragments_option, fragment_count
 
-__all__ = ["AGGREGATIONS", "COMPAT_MODES", "WEIGHTINGS", "MasterConfig", "MasterConfigError", "OptionError",
+__all__ = ["AGGREGATIONS", "ARRIVAL_PUBLISH", "COMPAT_MODES", "WEIGHTINGS", "MasterConfig", "MasterConfigError", "OptionError",
            "with_run_fragments"]
 
 #: ``round``: one outer step per round over every accepted delta; ``arrival``: one per delta
 AGGREGATIONS = ("round", "arrival")
+#: arrival mode's publications when one pass finds several deltas (master/arrival.py)
+ARRIVAL_PUBLISH = ("pass", "each")
 #: ``equal``: every delta weighs 1; ``tokens``: a delta weighs its header's ``num_tokens``
 WEIGHTINGS = ("equal", "tokens")
 #: ``speedtronic``: also speak Speedtronic 2.0's hub layout (diloco_lightning.master.compat)
@@ -76,6 +78,10 @@ class MasterConfig:
     prefetch: int = option(4, "deltas downloaded ahead of the one being read")
     max_download_attempts: int = option(3, "a delta failing to download this many times is rejected")
     arrival_batch: int = option(64, "arrival mode: at most this many deltas per round")
+    arrival_publish: str = option(
+        "pass", "arrival mode, several deltas found in one pass (a master behind its arrivals): pass = each its own "
+        "optimizer step and outer step, one version published at the end of the pass (published outer steps may "
+        "skip numbers); each = one published version per delta (what a worker that installs a given version needs)")
     keep_globals: int = option(4, "older global versions kept on the hub (lockstep with delay d needs d + 2)")
     lease: bool = option(True, "one master at a time: a second one stands by")
     lease_ttl: float | None = option(
@@ -110,6 +116,7 @@ class MasterConfig:
                               "give them in outer_options too")
         check_choice(self, "aggregation", AGGREGATIONS)
         check_choice(self, "weighting", WEIGHTINGS)
+        check_choice(self, "arrival_publish", ARRIVAL_PUBLISH)
         if not isinstance(self.lease, bool):
             raise OptionError("lease", f"must be True or False, got {self.lease!r}")
         check_number(self, "outer_lr", low=0.0, strict=True)

@@ -22,6 +22,7 @@ removed. The round that asked for the publication rolls its in-memory work back.
 from __future__ import annotations
 
 import contextlib
+import math
 import logging
 import time
 from collections.abc import Mapping
@@ -34,7 +35,7 @@ from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util import faults
 from diloco_lightning.util.fileio import sweep_temporaries
 from diloco_lightning.hub.base import Hub
-from diloco_lightning.wire.manifest import GlobalVersion, Manifest
+from diloco_lightning.wire.manifest import MAX_DELTA_SCALE, GlobalVersion, Manifest
 from diloco_lightning.master import localstate
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.master.lease import LeaseKeeper
@@ -105,9 +106,12 @@ class Publisher:
         history: list[GlobalVersion] | None = None,
         expected_digest: str | None = None,
         updated_fragments: Any = (),
+        delta_scales: Mapping[str, float] | None = None,
     ) -> tuple[Manifest, localstate.LocalRecord]:
         """Publish ``buf`` (with the optimizer's current state) as ``new_step``; see the module
-        docstring. Nothing changes in ``run``: the caller swaps the version in."""
+        docstring. Nothing changes in ``run``: the caller swaps the version in. ``delta_scales``:
+        the factor each node's delta of this step got, merged into the previous manifest's
+        ``master.delta_scales`` (nodes of the ledger only); None: the entry is left out."""
         if self.lease is not None and not self.lease.ensure_fresh():
             raise LeaseLost()
         # the live buffers, not copies: they are written out before the optimizer steps again
@@ -126,11 +130,16 @@ class Publisher:
                                                fragment_steps=steps)] + list(prev.history)
                 history = history[: self.config.keep_globals]
             epoch = self.lease.epoch if self.lease is not None else None
+            master: dict[str, Any] = {"holder": self.holder, "epoch": epoch} if epoch is not None else {"holder": self.holder}
+            if delta_scales is not None:
+                known = dict((prev.master.get("delta_scales") or {}) if prev is not None else {})
+                known.update({n: v for n, v in delta_scales.items() if math.isfinite(v) and 0.0 <= v <= MAX_DELTA_SCALE})
+                master["delta_scales"] = {n: known[n] for n in sorted(known) if n in ledger}
             manifest = staged.manifest(
                 ledger=dict(ledger),
                 optimizer={"name": run.opt.name, "options": dict(run.opt.options)},
                 history=history,
-                master={"holder": self.holder, "epoch": epoch} if epoch is not None else {"holder": self.holder},
+                master=master,
                 published_at=time.time(),
                 fragments=run.fragment_doc(new_step, updated_fragments),
             )

@@ -11,8 +11,10 @@
   (:class:`~diloco_lightning.master.aggregation.FragmentSums`), with the fragment's staleness (its
   outer steps since the delta's base) and gate; the step updates the fragments that had deltas,
   and the manifest counts one more outer step for each of them.
-* ``arrival``: every accepted delta is its own outer step and its own published version, with
-  its own staleness, taken in :func:`~diloco_lightning.master.aggregation.arrival_order`.
+* ``arrival``: every accepted delta is its own outer step, with its own staleness, taken in
+  :func:`~diloco_lightning.master.aggregation.arrival_order`, and its own published version while
+  the master keeps up; a pass that finds several (the master is behind) publishes them as one
+  version (:mod:`~diloco_lightning.master.arrival`; ``arrival_publish="each"``: one each always).
 
 Every step is taken on a second buffer and published before it is swapped in; anything that
 fails rolls the optimizer back and forgets what was processed but not published (it will be
@@ -29,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +49,11 @@ from diloco_lightning.master.aggregation import (
     arrival_order,
     arrival_step,
     cap_round_robin,
+    delta_scales,
     merge_marks,
     round_step,
 )
+from diloco_lightning.master.arrival import apply_pass
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.master.gating import FragmentView, delta_gates, legacy_pa
 from diloco_lightning.master.health import RunHealth
@@ -270,7 +274,11 @@ class Rounds:
             return stepper(buf, box.pop())
         new_ledger = merge_marks(self.run.ledger, rnd.marks)
         processed = self.intake.pending + [a.ref.path for a in accepted]
-        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted, updated):
+        # what each node's delta entered the state with (a fragment's delta or PA-CGAD's rule: not said)
+        scales = None if legacy or updated else delta_scales(
+            self.run.opt.linear_rate(), [(a.ref.node_id, a.weight, a.gate) for a in accepted])
+        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted, updated,
+                                   scales=scales):
             for a in accepted:
                 m.apply(a.ident, a.staleness)
 
@@ -313,7 +321,11 @@ class Rounds:
                 assert run.state is not None and run.fingerprint is not None
                 fetched.append((ref, path, self.validator.header_base(path, run.state, run.fingerprint)))
             faults.point("downloaded", self._owner)
-            for ref, path, _ in arrival_order(fetched):
+            order = [(ref, path) for ref, path, _ in arrival_order(fetched) if ref.node_id not in blocked]
+            if self.config.arrival_publish == "pass" and run.plan is None and len(order) > 1:
+                apply_pass(self, order, blocked, m)  # behind: one optimizer step each, one publication
+                return
+            for ref, path in order:
                 if ref.node_id in blocked:
                     continue
                 try:
@@ -330,8 +342,10 @@ class Rounds:
                          name=self.config.outer_optimizer):
                     return arrival_step(opt, name, buf, t, tau, f)
 
+                scales = None if acc.fragment is not None else delta_scales(
+                    run.opt.linear_rate(), [(ref.node_id, 1.0, run.opt.gate(acc.staleness))])
                 ok = self._apply_and_publish(step, new_ledger, processed, [acc.norm], m, [acc],
-                                             [acc.fragment] if acc.fragment is not None else [])
+                                             [acc.fragment] if acc.fragment is not None else [], scales=scales)
                 del tensors, step
                 if not ok:
                     break
@@ -359,18 +373,13 @@ class Rounds:
         m: RoundMetrics,
         accepted: list[Accepted],
         updated: list[str] | None = None,
+        *,
+        scales: Mapping[str, float] | None = None,
     ) -> bool:
-        """One outer step on a copy of the state, then publication; rollback of everything on failure."""
+        """One outer step on a copy of the state, then publication; rollback of everything on failure.
+        ``scales``: per node, the factor its delta got (published as ``master.delta_scales``)."""
         run = self.run
-        new_step = run.outer_step + 1
-        buf = run.spare_buffer()
-        backup = None if run.committed_outer_file is not None else run.opt.state_dict()
-
-        def roll_back() -> None:
-            run.give_back(buf)
-            run.restore_optimizer(backup)
-            self.discard()
-
+        buf, backup = self.take_buffer()
         try:
             applied = step(run.opt_state(buf))  # by piece when the fragments split a tensor (runstate.py)
             if applied is False:  # fully gated (e.g. PA-CGAD fragments all too old): nothing changed
@@ -378,40 +387,78 @@ class Rounds:
                 for a in accepted:
                     self.intake.refuse(a.ref, "too_stale", "the optimizer gated the whole step to 0", m)
                 return False
-            # one pass: the new state is finite (its L2 norm is) and the norm bounds the next deltas
-            norm, numel = state_norm(buf)
-            if not math.isfinite(norm):
-                bad = next((k for k, t in buf.items() if is_synced(t) and not math.isfinite(max_abs(t))), "?")
-                run.give_back(buf)
-                run.restore_optimizer(backup)
-                self._refuse_round(accepted, f"the outer step made key {bad!r} of the state non-finite", m)
+            norm = self.finite_or_refuse(buf, backup, accepted, m)
+            if norm is None:
                 return False
             faults.point("stepped", self._owner)
+        except BaseException:
+            self.roll_back(buf, backup)
+            raise
+        return self.publish_stepped(buf, backup, run.outer_step + 1, new_ledger, processed, norms, m, accepted,
+                                    updated, norm=norm, scales=scales)
+
+    def take_buffer(self) -> tuple[dict[str, torch.Tensor], Any]:
+        """The spare buffer a step is taken on, and what rolls the optimizer back (None: its committed file)."""
+        run = self.run
+        return run.spare_buffer(), None if run.committed_outer_file is not None else run.opt.state_dict()
+
+    def roll_back(self, buf: dict[str, torch.Tensor], backup: Any) -> None:
+        """Undo steps taken on ``buf`` and forget what was processed but not published."""
+        self.run.give_back(buf)
+        self.run.restore_optimizer(backup)
+        self.discard()
+
+    def finite_or_refuse(self, buf: dict[str, torch.Tensor], backup: Any, accepted: list[Accepted],
+                         m: RoundMetrics) -> tuple[float, int] | None:
+        """The stepped state's L2 norm and size (one pass: finite, and the bound of the next deltas); a
+        non-finite state gives the buffer back, restores the optimizer and refuses ``accepted`` (None)."""
+        norm, numel = state_norm(buf)
+        if math.isfinite(norm):
+            return norm, numel
+        bad = next((k for k, t in buf.items() if is_synced(t) and not math.isfinite(max_abs(t))), "?")
+        self.run.give_back(buf)
+        self.run.restore_optimizer(backup)
+        self._refuse_round(accepted, f"the outer step made key {bad!r} of the state non-finite", m)
+        return None
+
+    def publish_stepped(self, buf: dict[str, torch.Tensor], backup: Any, new_step: int, new_ledger: dict[str, int],
+                        processed: list[str], norms: list[float], m: RoundMetrics, accepted: list[Accepted],
+                        updated: list[str] | None = None, *, norm: tuple[float, int],
+                        applied_at: list[int] | None = None, scales: Mapping[str, float] | None = None) -> bool:
+        """Publish the stepped ``buf`` as version ``new_step`` and swap it in (``norm``: its norm and size;
+        ``applied_at``: the outer step each of ``accepted`` was applied at, default the one before
+        ``new_step``; ``scales``: the factor each node's delta got, ``master.delta_scales``); a conflict, a
+        lost lease or any error rolls everything back."""
+        run = self.run
+        try:
             payload = {**self.validator.state_with(norms), "aggregation": self.config.aggregation,
                        "weighting": self.config.weighting}
             manifest, record = self.publisher.publish(run, buf, new_step, new_ledger, processed, payload,
-                                                             updated_fragments=updated or ())
+                                                             updated_fragments=updated or (), delta_scales=scales)
         except PublishConflictError as e:
             log.warning("%s; discarding this round and re-reading the hub", e)
             m.conflict = True
-            roll_back()
+            self.roll_back(buf, backup)
             return False
         except LeaseLost:
             m.standby = True
-            roll_back()
+            self.roll_back(buf, backup)
             return False
         except BaseException:
-            roll_back()
+            self.roll_back(buf, backup)
             raise
         update = _distance(buf, run.state) if run.state is not None else math.nan
-        base = run.outer_step
+        at = applied_at if applied_at is not None else [new_step - 1] * len(accepted)
+        # per outer step: a pass of several steps is not a sign of divergence (health.py compares versions)
+        update /= max(1, new_step - run.outer_step)
         run.committed(buf, new_step, new_ledger, manifest, record)
-        self.health.note_deltas((a.ref.node_id, (base - a.staleness, a.fragment), a.norm) for a in accepted)
-        self.health.note_version(new_step, update, norm)
+        self.health.note_deltas((a.ref.node_id, (s - a.staleness, a.fragment), a.norm) for a, s in zip(accepted, at))
+        l2, numel = norm
+        self.health.note_version(new_step, update, l2)
         self.health.note_losses(new_step, {n: st.report.train_loss for n, st in self.membership.nodes.items()
                                            if st.report.train_loss is not None})
         self.validator.accept(norms)
-        self.validator.note_global(buf, new_step, norm, numel)
+        self.validator.note_global(buf, new_step, l2, numel)
         self.intake.published(new_ledger)
         faults.point("swapped", self._owner)
         m.published += 1

@@ -173,6 +173,12 @@ class OuterOptimizer(WorkArea):
         check_staleness(staleness)
         return 1.0
 
+    def linear_rate(self) -> float | None:
+        """``r`` when a step is exactly ``state -= r * gate * g`` (a momentum-free SGD: nothing of an
+        earlier step carries over), else None (momentum, Adam: a delta's effect spreads over later
+        steps). The master publishes what each node's delta got from it (``master.delta_scales``)."""
+        return None
+
     def step(
         self,
         state: dict[str, Tensor],

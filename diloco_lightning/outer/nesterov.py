@@ -77,6 +77,9 @@ class _NesterovBase(OuterOptimizer):
         self.lr = lr
         self.momentum = momentum
 
+    def linear_rate(self) -> float | None:
+        return self.lr if self.momentum == 0.0 else None
+
     def _apply(self, items: list[Item], tau: float, gated: bool, fragment: str | None) -> bool:
         gate = self.gate(tau)
         if gate == 0.0:

@@ -15,7 +15,7 @@ The manifest is the single source of truth for what the master has published:
   "ledger": {"worker-0": 37, "worker-1": 35},
   "history": [{"outer_step": 11, "weights": "...", "outer_state": "...",
                "weights_sha256": "<hex or null>", "outer_state_sha256": "<hex or null>"}],
-  "master": {"holder": "host:pid:uuid", "epoch": 3},
+  "master": {"holder": "host:pid:uuid", "epoch": 3, "delta_scales": {"worker-0": 0.5, "worker-1": 0.5}},
   "published_at": 1764430000.0,
   "fragments": [{"name": "0", "keys_sha256": "<hex>", "outer_step": 6, "updated_at": 11}, ...],
   "signature": "<hex HMAC-SHA256, signed runs only>"
@@ -32,6 +32,12 @@ holding the run key refuse an unsigned or badly signed manifest (:meth:`Manifest
 delta that passed every check (its signature too, in a signed run) moves it, so a file
 any hub writer drops under another node's name can never hide that node's work.
 ``history`` lists the older versions still kept on the hub (``keep_globals``).
+``master.delta_scales`` (optional; a master whose outer step is a fixed multiple of each delta, a
+momentum-free SGD such as fedavg or staleness_sgd, writes it): per node, the factor its last applied
+delta entered the global with (``state -= scale * delta``: ``lr * gate(tau) * w / sum(w)`` for a round
+of weighted deltas). An async worker that rebases onto its own deltas (``WorkerOptions.rebase``)
+reads it; it sits inside ``master`` so that a reader that does not know it keeps it as it was signed.
+Each value is checked: a finite number from 0 to :data:`MAX_DELTA_SCALE`.
 ``fragments`` (only in a run with fragments, :mod:`diloco_lightning.wire.fragments`): per fragment,
 the digest of its key names, how many outer steps updated it, and the version that last did.
 Every path a manifest names is checked to be a file directly under ``global/`` (and
@@ -67,6 +73,8 @@ LEASE_FORMAT = "diloco-lease/1"
 #: the largest manifest read (a ledger of 100,000 nodes is ~3 MB) and lease (~300 bytes)
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_LEASE_BYTES = 64 << 10
+#: the largest ``master.delta_scales`` value accepted (lr * gate * share: an outer lr above it is not a DiLoCo run)
+MAX_DELTA_SCALE = 100.0
 
 
 class ManifestError(DiLoCoError, ValueError):
@@ -133,6 +141,24 @@ def _fragments(doc: dict, source: str) -> list[dict[str, Any]] | None:
         if isinstance(outer, int) and high > outer:
             raise ManifestError(f"{source}: fragment {f['name']} is ahead of outer_step {outer}")
     return out
+
+
+def _delta_scales(master: dict, source: str) -> None:
+    """Check ``master.delta_scales`` (module docstring) in place: an object of node id -> a finite
+    number in ``[0, MAX_DELTA_SCALE]``; absent is fine."""
+    raw = master.get("delta_scales")
+    if raw is None:
+        return
+    where = f"{source}: master.delta_scales"
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where} must be an object of node id -> number")
+    for node, v in raw.items():
+        try:
+            validate_node_id(node)
+        except InvalidNameError as e:
+            raise ManifestError(f"{where}: {e}") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0.0 <= v <= MAX_DELTA_SCALE:
+            raise ManifestError(f"{where}: {node!r} must be a finite number from 0 to {MAX_DELTA_SCALE:g}, got {v!r}")
 
 
 def parse_fragments(raw: Any, outer_step: int, source: str) -> list[dict[str, Any]] | None:
@@ -215,6 +241,12 @@ class Manifest:
                 return f
         return None
 
+    def delta_scale(self, node_id: str) -> float | None:
+        """The factor node ``node_id``'s last applied delta entered the global with
+        (``master.delta_scales``, checked when parsed), None when the master does not say."""
+        v = (self.master.get("delta_scales") or {}).get(node_id)
+        return None if v is None else float(v)
+
     def signed(self, key: "RunKey") -> "Manifest":
         """A copy carrying the run key's signature over every other entry."""
         unsigned = replace(self, signature=None)
@@ -277,6 +309,7 @@ class Manifest:
         master = doc.get("master") or {}
         if not isinstance(optimizer, dict) or not isinstance(master, dict):
             raise ManifestError(f"{source}: 'optimizer' and 'master' must be objects")
+        _delta_scales(master, source)
         published_at = doc.get("published_at", 0.0)
         if not isinstance(published_at, (int, float)) or not math.isfinite(published_at):
             raise ManifestError(f"{source}: 'published_at' must be a number")

@@ -65,6 +65,7 @@ from diloco_lightning.worker.pacing import Pacing
 from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.params import LocalModel, module_state, snapshot
 from diloco_lightning.worker.progress import Progress
+from diloco_lightning.worker.rebase import OwnDeltas
 from diloco_lightning.worker.results import BoundaryResult, InstallResult
 from diloco_lightning.worker.waits import Waits
 from diloco_lightning.worker.startup import Startup
@@ -292,7 +293,8 @@ class DiLoCoWorker:
                 self.hub, self.node_id, self.fingerprint, poll_interval=self.poll_interval, floor=self.outer_step,
                 signing_key=self.signing_key,
             )
-            self._mode = AsyncMode(self._installer, self._outbox, self._fetcher)
+            self._mode = AsyncMode(self._installer, self._outbox, self._fetcher,  # rebase: worker/rebase.py
+                                   OwnDeltas(self.node_id) if self.options.rebase and plan is None else None)
         else:
             self._mode = LockstepMode(self._installer, self._outbox, self._waits, self.delay)
         self._started = True

@@ -2,8 +2,9 @@
 
 ``async`` (:class:`AsyncMode`): hand the delta to the outbox, and install the newest global version
 the background fetcher prefetched, if any (with fragments: only the boundary's fragment, from the
-newest version, when that version updated it). Never waits, except for the fragments' backpressure
-(``worker/outbox.py``).
+newest version, when that version updated it); with ``rebase``, minus this worker's own deltas that
+version does not contain yet (``worker/rebase.py``). Never waits, except for the fragments'
+backpressure (``worker/outbox.py``).
 
 ``lockstep`` (:class:`LockstepMode`): queue delta r (uploaded once version r-1 exists), then wait
 for version ``r - delay`` and install exactly it: every delta's staleness is exactly ``delay`` (the
@@ -21,6 +22,7 @@ import time
 
 from diloco_lightning.worker.install import Installer
 from diloco_lightning.worker.outbox import Outbox
+from diloco_lightning.worker.rebase import OwnDeltas
 from diloco_lightning.worker.results import InstallResult
 from diloco_lightning.worker.sync import GlobalFetcher, WaitTimeoutError
 from diloco_lightning.worker.jobs import Job, Part, UploadReport
@@ -32,15 +34,20 @@ log = logging.getLogger(__name__)
 
 
 class AsyncMode:
-    """Boundaries of an ``async`` worker: ``fetcher`` prefetches the newest version in the background."""
+    """Boundaries of an ``async`` worker: ``fetcher`` prefetches the newest version in the background;
+    ``own``: the worker's deltas it rebases onto (None: no rebase)."""
 
-    def __init__(self, installer: Installer, outbox: Outbox, fetcher: GlobalFetcher) -> None:
-        self.installer, self.outbox, self.fetcher = installer, outbox, fetcher
+    def __init__(self, installer: Installer, outbox: Outbox, fetcher: GlobalFetcher,
+                 own: OwnDeltas | None = None) -> None:
+        self.installer, self.outbox, self.fetcher, self.own = installer, outbox, fetcher, own
 
     def boundary(self, part: Part | None, r: int, fragment: str | None,
                  reports: list[UploadReport]) -> tuple[InstallResult | None, float, list[UploadReport]]:
         """Hold ``part``, pump the outbox, install what was prefetched."""
         progress, fetcher = self.installer.progress, self.fetcher
+        if part is not None and self.own is not None and fragment is None:
+            assert part.anchor is not None and part.snapshot is not None  # a fresh part: anchor - snapshot
+            self.own.sent(r + progress.offset(), part.anchor, part.snapshot, part.wait)
         if part is not None:
             self.outbox.hold(Job(fresh=part))
         self.outbox.pump()
@@ -58,7 +65,8 @@ class AsyncMode:
                 installed = self.installer.install_fragment(fragment, picked[0].outer_step, picked[0], picked[1])
         elif got is not None:
             m, state, newest = got
-            installed = self.installer.install_state(m.outer_step, state, newest=newest)
+            start = state if self.own is None else self.own.start(m, state)
+            installed = self.installer.install_state(m.outer_step, start, newest=newest)
         else:
             progress.saw(fetcher.newest_seen)
         fetcher.trigger()

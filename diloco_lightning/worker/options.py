@@ -142,6 +142,11 @@ class WorkerOptions:
         "head split by rows among them; one fragment every inner_steps/F steps), or a list of parameter-name "
         "pattern groups (whole tensors; null or 1: the whole model at once)"
     )
+    rebase: bool = option(
+        True, "sync=async: start each phase from the installed version minus this worker's own deltas it does not "
+        "contain yet, each times the factor the master applies it with (the manifest's delta_scales; else 1/nodes), "
+        "so the worker never relearns its last phase (lockstep and fragments: not used)"
+    )
     reset_inner_optimizer: bool = option(False, "clear the inner optimizer state after each install")
     wait_timeout: float = option(1200.0, "seconds a worker waits for the master (bootstrap, lockstep) before giving up")
     poll_interval: float = option(1.0, "seconds between a worker's reads of the hub while waiting")
@@ -196,6 +201,8 @@ class WorkerOptions:
         resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback, self.topk_chunk)
         check_decay(self.error_feedback_decay)
         self._check_fragments()
+        if not isinstance(self.rebase, bool):
+            raise OptionError("rebase", f"must be True or False, got {self.rebase!r}")
         if not isinstance(self.reset_inner_optimizer, bool):
             raise OptionError("reset_inner_optimizer", f"must be True or False, got {self.reset_inner_optimizer!r}")
         check_number(self, "wait_timeout", low=0.0, strict=True)

@@ -9,6 +9,8 @@
   that ignores conditional writes;
 * cut every connection without an answer while :attr:`S3Proxy.down` is true (an outage: the
   store unreachable);
+* fail a random share of the requests (:meth:`S3Proxy.random_faults`: seeded; a 503, a stall, a
+  dropped connection, or a write whose answer is lost);
 * log every request (:attr:`S3Proxy.requests`, :meth:`S3Proxy.count`).
 
 Writes (PUT, POST, DELETE) are forwarded one at a time. moto evaluates ``If-None-Match`` /
@@ -26,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 __all__ = ["S3Proxy", "Request"]
@@ -80,6 +82,7 @@ class S3Proxy:
         #: an outage: every request is answered by cutting the connection
         self.down = False
         self._faults: list[_Fault] = []
+        self._random: tuple[float, Any, float] | None = None
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -132,6 +135,32 @@ class S3Proxy:
     def clear_faults(self) -> None:
         with self._lock:
             self._faults.clear()
+
+    def random_faults(self, rate: float, seed: int = 0, stall: float = 3.0) -> None:
+        """From now on each request fails with probability ``rate`` (0: never), the kind drawn with a
+        ``random.Random(seed)``: a 503 SlowDown, a stall of ``stall`` seconds (then served), a connection
+        cut without an answer, or (writes) the write applied and its answer lost (benchmarks/chaos.py)."""
+        import random
+
+        with self._lock:
+            self._random = (float(rate), random.Random(seed), float(stall)) if rate > 0 else None
+
+    def _draw(self, req: Request) -> _Fault | None:
+        with self._lock:
+            if self._random is None:
+                return None
+            rate, rng, stall = self._random
+            if rng.random() >= rate:
+                return None
+            kinds = ("503", "stall", "drop", "lost") if req.method in ("PUT", "POST", "DELETE") else ("503", "stall", "drop")
+            kind = rng.choice(kinds)
+        if kind == "503":
+            return _Fault(503, 1, None, None, "SlowDown")
+        if kind == "stall":
+            return _Fault(0, 1, None, None, "", delay=stall)
+        if kind == "drop":
+            return _Fault(503, 1, None, None, "", drop=True)
+        return _Fault(503, 1, None, None, "SlowDown", apply=True)
 
     def reset_log(self) -> None:
         with self._lock:
@@ -216,7 +245,7 @@ class _Handler(BaseHTTPRequestHandler):
             with contextlib.suppress(OSError):
                 self.connection.shutdown(2)
             return
-        fault = owner._take(req)
+        fault = owner._take(req) or owner._draw(req)
         if fault is not None and fault.delay:
             time.sleep(fault.delay)
         if fault is not None and fault.drop:
@@ -226,6 +255,8 @@ class _Handler(BaseHTTPRequestHandler):
             with contextlib.suppress(OSError):
                 self.connection.shutdown(2)
             return
+        if fault is not None and fault.status == 0:  # a stall only: then served as usual
+            fault = None
         if fault is not None and not fault.apply and not fault.truncate:
             req.status = fault.status
             owner._record(req)

@@ -13,7 +13,8 @@ Kill points come from ``DILOCO_FAULTS`` (``diloco_lightning.util.faults``).
 Config: ``hub`` (a URL), ``hub_options``, ``ckpt_dir``, ``max_steps``, ``inner_steps``,
 ``signing_key`` (optional); for the elasticity tests (tests/test_elastic.py) also ``node_id``
 (default w0), ``throttle`` (seconds slept per step) and ``claim_ttl``; for the fragment tests
-(tests/test_fragments.py) ``fragments`` (then the model has a second vector ``q``, the same rule). Prints ``started <outer_step>``
+(tests/test_fragments.py) ``fragments`` (then the model has a second vector ``q``, the same rule); for
+benchmarks/chaos.py ``step_log`` (a file each executed step appends ``<monotonic time> <global step>`` to). Prints ``started <outer_step>``
 once the worker has installed its starting version, and ``done <steps>`` at the end.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
@@ -62,11 +64,18 @@ def main() -> None:
     class Started(L.Callback):
         def on_train_start(self, trainer, pl_module):
             print(f"started {diloco.worker.outer_step}", flush=True)
+    class StepLog(L.Callback):
+        def __init__(self, path: str) -> None:
+            self.file = open(path, "a", buffering=1)  # noqa: SIM115 - one line per step, flushed
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.file.write(f"{time.monotonic():.4f} {trainer.global_step}\n")
+    logs = [StepLog(cfg["step_log"])] if cfg.get("step_log") else []
     every = cfg.get("ckpt_every", cfg["inner_steps"])
     saves = [ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=every)] if every else []
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=cfg["max_steps"], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[diloco, Started(), *saves],
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[diloco, Started(), *saves, *logs],
         enable_checkpointing=bool(every),
     )
     last = ckpt_dir / "last.ckpt"

@@ -1,0 +1,39 @@
+"""The chaos benchmark's short run (benchmarks/chaos.py): a real master and two real Lightning workers
+under a seeded monkey that kill -9s one of them every 10-20 s for a minute and restarts it (on S3 also
+with 2 % of the store's requests failed and outages); nothing may be lost or applied twice.
+About two minutes a run: CI's slow run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = {
+    "file": [],
+    "s3": ["--fault-rate", "0.02", "--outage-every", "30", "--outage-seconds", "8"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", list(CASES))
+def test_a_short_chaos_run_loses_nothing_and_duplicates_nothing(tmp_path, transport):
+    out = tmp_path / "chaos.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--transport", transport, "--workers", "2",
+           "--seconds", "60", "--steps", "240", "--inner-steps", "4", "--throttle", "0.2", "--kill-every", "10,20",
+           "--seed", "1", "--drain-timeout", "300", "--out", str(out), *CASES[transport]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.exists(), proc.stderr[-3000:]
+    res = json.loads(out.read_text())[-1]
+    assert not res.get("timed_out"), res
+    assert sum(res["kills"].values()) >= 3, res  # the monkey did kill
+    assert res["lost"] == 0 and res["duplicated"] == 0 and res["all_elements_equal"], res
+    assert res["applied_steps"] == 2 * 240 and sorted(res["ledger"]) == ["w0", "w1"], res
+    print(proc.stdout.strip())  # the run's figures (pytest -s shows them)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
