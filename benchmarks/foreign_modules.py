@@ -52,7 +52,9 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
     # the same with each node on its own data (the callback's default)
     "cgad_0.003_q1": (["outer=cgad", "outer.lr=0.003", "min_deltas=1"], {}),
     "nesterov_0.7_q1": (["outer=nesterov", "outer.lr=0.7", "min_deltas=1"], {}),
-    "nesterov_0.7_q2": (["outer=nesterov", "outer.lr=0.7", "min_deltas=2"], {}),
+    "nesterov_0.7_q2": (["outer=nesterov", "outer.lr=0.7", "min_deltas=2"], {"rebase": False}),
+    # the same rebasing with the fallback scale (a master with momentum publishes no delta_scales)
+    "rebase_nesterov_0.7_q2": (["outer=nesterov", "outer.lr=0.7", "min_deltas=2"], {"rebase": True}),
     # outer SGD without momentum (FedAvg at lr 1): the audit's robust baseline
     "sgd_1.0_q1": (["outer=nesterov", "outer.lr=1.0", "outer.options.momentum=0.0", "min_deltas=1"], {}),
     "sgd_1.0_q2": (["outer=nesterov", "outer.lr=1.0", "outer.options.momentum=0.0", "min_deltas=2"],

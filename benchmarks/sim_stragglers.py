@@ -136,7 +136,7 @@ FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
 }
 #: the scenarios whose arms are tuned in both families (every arm of them, sync and async); the others
 #: in ``nesterov`` only (the second family was added later and not yet run there)
-BOTH_FAMILIES = ("straggler", "spread", "xdc")
+BOTH_FAMILIES = ("straggler",)
 EXTEND = 4  # grid points added beyond an edge, at most, per side (async wanted 4x below the base grid)
 
 

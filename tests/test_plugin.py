@@ -245,8 +245,9 @@ def test_the_lightning_cli_yaml_example_runs(tmp_path):
         master.stop()
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, DiLoCo)]
     assert cb.node_id == "w1" and cb.options.inner_steps == 2
-    assert cb.metrics["deltas_uploaded_total"] >= 2 and master.outer_step >= 2  # async: one may merge into the next
-    assert (root / "nodes" / "w1").is_dir()
+    # async: a delta may merge into the next, and a round may take two of the node's deltas at once
+    assert cb.metrics["deltas_uploaded_total"] >= 2 and master.outer_step >= 1
+    assert (root / "nodes" / "w1").is_dir() and FileHub(root).list_deltas() == []  # the drain applied every one
 
 
 def test_workers_losses_reach_the_heartbeat_and_a_rise_is_said(tmp_path, caplog):
