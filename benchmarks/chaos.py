@@ -11,7 +11,8 @@ boundary and resuming from ``last.ckpt``; the master (this script with ``--role 
 delta with outer SGD lr 1 in arrival mode, so the global ``p`` is ``10 + the inner steps applied``, bit
 for bit. Every worker has ``--steps`` inner steps to do. While the monkey runs (``--seconds``), every
 ``--kill-every`` seconds (drawn uniformly in the range, seeded) it SIGKILLs a random live process (the
-master or a worker) and restarts it ``--restart-delay`` seconds later with the same node id, state
+master or a worker; with ``--settle``, one that has served or trained that long, the kill waiting for one)
+and restarts it ``--restart-delay`` seconds later with the same node id, state
 folder and checkpoints. On S3 (moto behind ``tests/support/s3_proxy.py``) ``--fault-rate`` of the
 requests fail (503, a stall, a dropped connection, a write whose answer is lost); on S3 and HF
 ``--outage-every`` makes the store unreachable for ``--outage-seconds`` (drawn up to that), every
@@ -174,6 +175,15 @@ def _steps(path: Path) -> list[tuple[float, int]]:
     return out
 
 
+def _trained_for(p: Proc, is_master: bool, logs: Path, now: float) -> float:
+    """Seconds the current life of ``p`` has run (the master) or trained (a worker: since its first step,
+    -1 before it; CLOCK_MONOTONIC is one clock for every process of the machine)."""
+    if is_master:
+        return now - p.lives[-1]["start"]
+    steps = _steps(logs / f"{p.name}.{len(p.lives) - 1}.steps")
+    return now - steps[0][0] if steps else -1.0
+
+
 # ----------------------------------------------------------------------------- one run
 
 
@@ -239,7 +249,7 @@ def run(args) -> dict[str, Any]:
                 down_until = now + length
                 next_outage = now + length + rng.expovariate(1 / args.outage_every)
             if chaos and now >= next_kill:
-                live = [p for p in procs if p.alive()]
+                live = [p for p in procs if p.alive() and _trained_for(p, p is master, logs, now) >= args.settle]
                 if live:
                     victim = rng.choice(live)
                     kind = "master" if victim is master else "worker"
@@ -251,7 +261,9 @@ def run(args) -> dict[str, Any]:
                     kills[kind] += 1
                     outage_kills += down_until is not None
                     restart_at[victim.name] = now + args.restart_delay
-                next_kill = now + rng.uniform(lo, hi)
+                    next_kill = now + rng.uniform(lo, hi)
+                else:  # no life old enough yet: the kill waits for one
+                    next_kill = now + 0.5
             if not chaos and down_until is None and all(w.done for w in workers):
                 break
             if now >= deadline:
@@ -343,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--throttle", type=float, default=0.2, help="seconds each inner step sleeps (a step's compute)")
     ap.add_argument("--kill-every", default="10,30", help="seconds between kills: a uniform draw in lo,hi")
     ap.add_argument("--restart-delay", type=float, default=1.0)
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="a life is killed only once it has served (the master) or trained (a worker: since its first "
+                    "step) this many seconds (0: any life, start-ups included; a Lightning worker's start-up takes "
+                    "20 s and more on a loaded 2-core machine, so short intervals kill mostly start-ups)")
     ap.add_argument("--fault-rate", type=float, default=0.0, help="s3: share of requests failed at random")
     ap.add_argument("--outage-every", type=float, default=0.0, help="s3, hf: mean seconds between outages (0: none)")
     ap.add_argument("--outage-seconds", type=float, default=15.0, help="the longest outage (drawn in [1/3, 1] of it)")

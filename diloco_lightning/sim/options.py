@@ -154,7 +154,7 @@ class SimOptions:
     rebase: bool = option(
         False, "each worker starts a phase from its base version minus its own deltas that version does not contain "
         "yet, each times the scale the master's step gave it, and anchors the phase there (sim/rebase.py; needs a "
-        "momentum-free SGD outer step and no fragments; the product's worker does not do this)"
+        "momentum-free SGD outer step and no fragments; the product's async worker: diloco.rebase)"
     )
 
     @classmethod

@@ -12,9 +12,10 @@ The rule: worker k's phase from version ``b`` starts from
 over k's own deltas ``j`` that version ``b`` does not contain (applied by a later version, or not
 applied yet): each delta as the master received it, ``scale_j`` what the master's step multiplied
 it by (``lr * gate(tau_j) * w_j / sum(w)``: the step must be momentum-free SGD,
-:func:`linear_lr`), a delta not applied yet taking the worker's last applied scale (0 before its
-first). So the start is what the global will be once the worker's own deltas are in, the others'
-left as they are. A refused delta never counts. The phase's anchor is that start, so its delta
+:meth:`~diloco_lightning.outer.base.OuterOptimizer.linear_rate`), a delta not applied yet
+taking the worker's last applied scale (0 before its first). So the start is what the global
+will be once the worker's own deltas are in, the others' left as they are. A refused delta never
+counts. The phase's anchor is that start, so its delta
 (``start - local``) never counts the subtracted ones twice.
 
 When a start is computed decides what the worker knows. Lockstep in arrival mode computes a phase
@@ -24,8 +25,8 @@ phase begins: a delta still travelling then is not known yet and is not subtract
 refused after it was subtracted stays subtracted. Asynchronously with instant transfers a worker's
 own delta is always in the version it starts from, so the rebase changes nothing there.
 
-The product's worker does not rebase in the simulator's sense (it would need the master to publish
-each delta's scale); this is the simulator's, to measure what the rule is worth.
+The product's async worker has the same rule (``worker/rebase.py``, the scales from the manifest's
+``master.delta_scales``); this one lets the study measure it under imposed delays.
 """
 
 from __future__ import annotations
@@ -37,18 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diloco_lightning.outer import NesterovOuterOptimizer, PolyNesterov, StalenessSGD
 from diloco_lightning.util.options import OptionError
 
-__all__ = ["OwnDeltas", "linear_lr"]
-
-
-def linear_lr(opt: Any) -> float | None:
-    """The ``lr`` of an outer optimizer whose step is ``state -= lr * gate(tau) * g`` with nothing
-    carried from one step to the next (the SGD family without momentum), else None."""
-    if isinstance(opt, (NesterovOuterOptimizer, PolyNesterov, StalenessSGD)) and opt.momentum == 0.0:
-        return float(opt.lr)
-    return None
+__all__ = ["OwnDeltas"]
 
 
 @dataclass
@@ -64,7 +56,7 @@ class OwnDeltas:
 
     Args:
         workers: the number of workers.
-        lr: the outer step's learning rate (:func:`linear_lr`).
+        lr: the outer step's rate (``OuterOptimizer.linear_rate``).
     """
 
     def __init__(self, workers: int, lr: float) -> None:
@@ -77,7 +69,7 @@ class OwnDeltas:
     def build(cls, opt: Any, workers: int, fragments: bool) -> OwnDeltas:
         """The rebase of a run whose master steps with ``opt``; an OptionError naming ``rebase`` when
         its step is not momentum-free SGD or the run has fragments."""
-        lr = linear_lr(opt)
+        lr = opt.linear_rate()
         if lr is None:
             raise OptionError("rebase", f"needs a momentum-free SGD outer step (staleness_sgd, nesterov or "
                               f"poly_nesterov with momentum 0); this run's is {opt.name} {dict(opt.options)}")
