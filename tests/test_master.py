@@ -749,7 +749,9 @@ def test_second_master_stands_by_then_takes_over_bit_exact(all_hubs, tmp_path):
     batches = [[("a", 0, 1), ("b", 0, 2)], [("a", 1, 3)], [("b", 1, 4), ("c", 0, 5)], [("a", 2, 6)]]
     ref = _reference(tmp_path, batches)
     w = Workers(hubs.open(), tmp_path)
-    ttl = 1.5 if hubs.kind == "file" else 3.0  # long enough that m1's lease cannot lapse between its rounds
+    # long enough that a lease cannot lapse between a master's rounds, nor m2's before m1's last check
+    # (on a loaded machine an S3 round takes seconds)
+    ttl = 1.5 if hubs.kind == "file" else 8.0
     m1 = _momentum_master(hubs.open(), tmp_path, "m1", lease_ttl=ttl, holder="one")
     m2 = _momentum_master(hubs.open(), tmp_path, "m2", lease_ttl=ttl, holder="two")
     assert m1.sync_once()
