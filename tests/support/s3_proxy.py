@@ -233,27 +233,27 @@ class _Handler(BaseHTTPRequestHandler):
                 f"<Message>injected by the test proxy</Message><RequestId>proxy</RequestId></Error>").encode()
         self._reply(fault.status, {"Content-Type": "application/xml"}, body if self.command != "HEAD" else b"")
 
+    def _hang_up(self, req: Request) -> None:
+        """No answer at all (the store unreachable, or a dropped connection): recorded as status -1."""
+        req.status = -1
+        self.owner._record(req)
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(2)
+
     def _proxy(self) -> None:
         owner = self.owner
         body = self._body()
         url = urlsplit(self.path)
         req = Request(self.command, url.path, url.query, 0, {k.lower(): v for k, v in self.headers.items()})
         if owner.down:  # unreachable: no answer at all
-            req.status = -1
-            owner._record(req)
-            self.close_connection = True
-            with contextlib.suppress(OSError):
-                self.connection.shutdown(2)
+            self._hang_up(req)
             return
         fault = owner._take(req) or owner._draw(req)
         if fault is not None and fault.delay:
             time.sleep(fault.delay)
         if fault is not None and fault.drop:
-            req.status = -1
-            owner._record(req)
-            self.close_connection = True
-            with contextlib.suppress(OSError):
-                self.connection.shutdown(2)
+            self._hang_up(req)
             return
         if fault is not None and fault.status == 0:  # a stall only: then served as usual
             fault = None
