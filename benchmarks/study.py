@@ -67,6 +67,7 @@ SETTINGS: dict[str, list[str]] = {
     "sync": ["master.aggregation=round", "diloco.delay=0"],  # synchronous DiLoCo: the fair reference
     "async": ["master.aggregation=arrival", "diloco.sync=async", "diloco.delay=0"],  # 4 equal workers: tau = 3
     "arr4": ["master.aggregation=arrival", "diloco.delay=4"],
+    "arr6": ["master.aggregation=arrival", "diloco.delay=6"],  # the rebase's control (MISSING_SETTINGS)
     "arr8": ["master.aggregation=arrival", "diloco.delay=8"],
     "arr16": ["master.aggregation=arrival", "diloco.delay=16"],
     "heavy": ["master.aggregation=arrival", *HEAVY],
@@ -122,6 +123,7 @@ PLAN: dict[str, list[str]] = {
     "arr8": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_rb", "sgd_p2", "sgd_mneg"],
     "arr16": ["sgd", "gap", "cgad", "nesterov", "sgd_rb"],
     "heavy": ["sgd", "sgd_rb"],
+    "arr6": ["sgd"],  # 6 deltas missing from a base, as at 8 arrivals after the rebase (MISSING_SETTINGS)
     "rnd2": ["sgd", "sgd_rb"],  # 2 rounds of 4 (the unit the recipes' tau counts): about 8 arrivals
 }
 #: --full: the rest of the grid (momentum for the SGD family, the other Adam and Nesterov variants,
@@ -142,6 +144,11 @@ CLOSE_SEEDS = (3, 4)
 #: tau counts): their best cell and the baseline (sgd) get seeds 3 and 4 even when they are not within
 #: 2 standard errors, for the goal's R and paired CI
 GOAL_SETTINGS = ("arr8", "rnd2")
+#: the rebase's control: at 8 arrivals a rebased phase still lacks the other workers' 6 deltas; plain
+#: sgd at 6 arrivals lacks 6 deltas too (own and others'). Seeds 3 and 4 for it, so that it pairs
+#: with arr8's sgd_rb over five seeds: if the two match, what the rebase leaves is just the count of
+#: deltas missing, whoever made them
+MISSING_SETTINGS = ("arr6",)
 TRANSFER_SEEDS = {"async": SEEDS, "arr8": SEEDS, "heavy": SEEDS}  # elsewhere seed 0 only
 POINTS, MAX_EXTEND = 5, 4
 #: the precision runs (issue 24, section 4): heavy-tailed delays past tau_cut, 1000+ outer steps
@@ -320,6 +327,11 @@ class Study:
                     for m in (a, b):
                         k = self.best_k(s, m)
                         out += [job(s, m, k, seed, block="close") for seed in CLOSE_SEEDS]  # type: ignore[arg-type]
+        for s in MISSING_SETTINGS:
+            for m in self.plan.get(s, []):
+                k = self.best_k(s, m)
+                if k is not None:
+                    out += [job(s, m, k, seed, block="close") for seed in CLOSE_SEEDS]
         if out and any(s in self.plan for s in GOAL_SETTINGS) and "sync" in self.plan:
             # the synchronous reference's seeds 3 and 4 too, so that R is per seed over all five
             refs = {m: self.tuned_losses("sync", m, SEEDS) for m in self.plan["sync"]}
