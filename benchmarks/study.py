@@ -1,14 +1,17 @@
 """The staleness study (docs/study.md) on the simulator: every run is ``train.py launch=sim`` composed in-process.
 
-    python benchmarks/study.py                 # everything into study/ (resumable), then docs/study_results.md
+    python benchmarks/study.py                 # every table of docs/study_results.md into study_small/ (resumable)
     python benchmarks/study.py --jobs 2        # two runs at a time (one core each)
     python benchmarks/study.py --plan          # every run planned so far as a train.py command line, done or not
-    python benchmarks/study.py --report        # study/ -> docs/study_results.md, no runs
+    python benchmarks/study.py --report        # study_small/ -> docs/study_results.md, no runs
+    python benchmarks/study.py --large         # the same plan at the setting below (3-10 min a run here) in study/
     python benchmarks/study.py --quick         # a few-minute smoke version into study_quick/
     python benchmarks/study.py --full          # every method at every setting (about twice the runs)
     python benchmarks/study.py --only arr8     # the cells of one setting (pilots); --methods sgd,cgad likewise
 
-Setting (every run): a Llama of d_model 96, 3 layers (4 heads, 2 KV heads, SwiGLU 256, tied embeddings:
+The reduced setting the tables were made with (:data:`SMALL`, the default; ``--small`` says it
+explicitly) is a Llama of d_model 64, 2 layers (0.1 M parameters), H = 4, 96 inner steps per worker,
+the rest as below. ``--large``: a Llama of d_model 96, 3 layers (4 heads, 2 KV heads, SwiGLU 256, tied embeddings:
 0.33 M parameters) on UTF-8 bytes (vocabulary 257) of the first 2 MB of the Python standard library's
 sources, sequences of 64, batch 8, 4 workers, H = 8, 200 inner AdamW steps each (lr 4e-3, 20 warm-up
 steps, cosine to 10 %): 100 deltas, so 100 outer steps when every delta is its own outer step
@@ -167,9 +170,9 @@ QUICK = {"common_extra": ["trainer.max_steps=32", "model.d_model=32", "model.n_l
          "plan": {"sync": ["sgd"], "arr8": ["sgd", "cgad"]}, "points": 3, "seeds": (0, 1)}
 
 
-#: the reduced setting the study ran on this shared 2-core machine (--small): 0.1 M parameters, H = 4,
+#: the reduced setting the study ran on this shared 2-core machine (the default; --large for the other): 0.1 M parameters, H = 4,
 #: 96 inner steps per worker (96 deltas: 96 outer steps in arrival mode, 24 rounds of 4 in round mode);
-#: under a minute a run here, against 3-10 min for the full setting
+#: under a minute a run here, against 3-10 min for --large
 SMALL = {"common_extra": ["trainer.max_steps=96", "diloco.inner_steps=4", "model.d_model=64", "model.n_layers=2",
                           "model.ffn_hidden=172", "data.val_batches=8", "optim.warmup_steps=10",
                           "launch.eval_points=2"]}
@@ -200,8 +203,9 @@ class Cell:
 class Study:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        q = QUICK if args.quick else SMALL if args.small else {}
-        default = "study_quick" if args.quick else "study_small" if args.small else "study"
+        large = bool(getattr(args, "large", False)) and not args.quick
+        q = QUICK if args.quick else {} if large else SMALL
+        default = "study_quick" if args.quick else "study" if large else "study_small"
         self.root = Path(args.root or (ROOT / default)).resolve()
         plan = q.get("plan", PLAN)
         if args.full and not args.quick:
@@ -345,7 +349,7 @@ class Study:
     def long_jobs(self) -> list[dict]:
         """The precision runs: Adam-Decay and CGAD with each outer-state layout and beta2, heavy tail."""
         asked = bool(self.args.only) and "long" in self.args.only.split(",")
-        if self.args.quick or (self.args.only and not asked) or (self.args.small and not asked):
+        if self.args.quick or (self.args.only and not asked) or (self.args.methods and not asked):
             return []
         out = []
         for m in LONG["methods"]:
@@ -497,13 +501,14 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__)
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
     ap.add_argument("--quick", action="store_true", help="a smoke version (2 cells, 32 steps) in study_quick/")
-    ap.add_argument("--small", action="store_true", help="the reduced setting (SMALL, docs/study.md's tables) in study_small/")
+    ap.add_argument("--small", action="store_true", help="the reduced setting (SMALL, docs/study.md's tables; the default)")
+    ap.add_argument("--large", action="store_true", help="the 0.33 M-parameter setting (3-10 min a run here) in study/")
     ap.add_argument("--full", action="store_true", help="the whole grid (every method at every setting; ~2x the runs)")
     ap.add_argument("--plan", action="store_true", help="list the runs planned so far (done or not); run nothing")
     ap.add_argument("--report", action="store_true", help="write the tables from what is done; run nothing")
     ap.add_argument("--only", help="comma-separated settings to run (and 'long' for the precision runs)")
     ap.add_argument("--methods", help="comma-separated methods to run")
-    ap.add_argument("--root", help="study folder (default study/, or study_quick/ with --quick)")
+    ap.add_argument("--root", help="study folder (default study_small/; study/ with --large, study_quick/ with --quick)")
     ap.add_argument("--out", help="report file (default docs/study_results.md)")
     ap.add_argument("--retry-failed", action="store_true")
     args = ap.parse_args(argv)

@@ -330,7 +330,7 @@ def write_report(study, out: Path) -> None:
     ref_method, ref = rep.reference()
     tuned, ranking = rep.tuned_table(ref)
     mean, h = mean_ci(list(ref.values()))
-    flags = " --small" if study.args.small else " --quick" if study.args.quick else ""
+    flags = " --quick" if study.args.quick else " --large" if getattr(study.args, "large", False) else ""
     n_runs = len(list((study.root / "runs").glob("*/results.json"))) if (study.root / "runs").is_dir() else 0
     text = [
         "# Staleness study: the tables",
