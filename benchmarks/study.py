@@ -8,6 +8,7 @@
     python benchmarks/study.py --quick         # a few-minute smoke version into study_quick/
     python benchmarks/study.py --full          # every method at every setting (about twice the runs)
     python benchmarks/study.py --only arr8     # the cells of one setting (pilots); --methods sgd,cgad likewise
+    python benchmarks/study.py --verify 4      # 4 done runs again, compared bit for bit, and the study's run time
 
 The reduced setting the tables were made with (:data:`SMALL`, the default; ``--small`` says it
 explicitly) is a Llama of d_model 64, 2 layers (0.1 M parameters), H = 4, 96 inner steps per worker,
@@ -408,6 +409,37 @@ class Study:
             print(f"   {rec['id']}: eval {rec['eval_loss']:.3f}{' DIVERGED' if rec['diverged'] else ''} "
                   f"({rec['wall']:.0f} s)", flush=True)
 
+    def verify(self, n: int) -> int:
+        """Run ``n`` done runs again (a seeded draw) in a scratch folder with this checkout's code and
+        compare what the tables read, bit for bit; and say how long the stored runs took."""
+        import random
+        import tempfile
+
+        done = sorted((j for j in self.all_jobs() + self.long_jobs() if self.results(j) is not None),
+                      key=lambda j: j["id"])
+        walls = [float(self.results(j).get("wall_seconds", 0.0)) for j in done]  # type: ignore[union-attr]
+        print(f"{len(done)} runs done; their run time: {sum(walls) / 60:.0f} min on one core "
+              f"(median {statistics.median(walls) if walls else 0:.0f} s a run)")
+        keys = ("eval_loss", "final_train_loss", "eval_curve", "train_curve", "diverged")
+        bad = 0
+        with tempfile.TemporaryDirectory(prefix="study-verify-") as tmp:
+            for j in random.Random(0).sample(done, min(n, len(done))):
+                stored = self.results(j) or {}
+                saved = json.loads((self.root / "runs" / j["id"] / "job.json").read_text())
+                if saved.get("common", self.common) != self.common or saved["overrides"] != j["overrides"]:
+                    print(f"   {j['id']}: was run with other settings than this plan's")
+                    bad += 1
+                    continue
+                rec = run_job((j, self.common, tmp))
+                new = json.loads((Path(tmp) / "runs" / j["id"] / "results.json").read_text()) if not rec.get("error") else {}
+                same = [k for k in keys if stored.get(k) == new.get(k)]
+                ok = len(same) == len(keys)
+                bad += not ok
+                print(f"   {j['id']}: eval {stored.get('eval_loss')!r} -> {new.get('eval_loss')!r} "
+                      f"({'identical' if ok else 'DIFFERENT: ' + ', '.join(k for k in keys if k not in same)}; "
+                      f"{rec['wall']:.0f} s)", flush=True)
+        return 1 if bad else 0
+
     def run(self) -> int:
         t0 = time.time()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -511,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", help="study folder (default study_small/; study/ with --large, study_quick/ with --quick)")
     ap.add_argument("--out", help="report file (default docs/study_results.md)")
     ap.add_argument("--retry-failed", action="store_true")
+    ap.add_argument("--verify", type=int, metavar="N", help="run N done runs again and compare them bit for bit; run nothing else")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     study = Study(args)
@@ -518,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         return study.plan_text()
     if args.report:
         return study.report()
+    if args.verify:
+        return study.verify(args.verify)
     return study.run()
 
 
