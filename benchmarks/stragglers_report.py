@@ -156,7 +156,7 @@ def grid_lines(study: Any, scenario: str) -> list[str]:
 
 
 def write_report(study: Any, doc: Path, plot: Path) -> None:
-    from sim_stragglers import MAIN, SCENARIOS, SWEEP
+    from sim_stragglers import MAIN, SCENARIOS, SEEDS, SWEEP, varying_compute
 
     parts = ["# Stragglers, links, preemptions: the tables (generated)", "",
              "Written by `python benchmarks/sim_stragglers.py --report` from the runs in "
@@ -168,7 +168,11 @@ def write_report(study: Any, doc: Path, plot: Path) -> None:
         if not lines:
             continue
         summaries.append(summary)
-        parts += [f"## {sc}: {describe(sc)}", "", *lines, "", "Tuning (seed 0):", "", *grid_lines(study, sc), ""]
+        parts += [f"## {sc}: {describe(sc)}", "", *lines, ""]
+        if "varying" in SCENARIOS[sc]:
+            parts += ["Total speed of the 4 workers over the budget, per seed (the straggler scenario's: 3.25): "
+                      + ", ".join(f"seed {s} {varying_compute(s, sc):.2f}" for s in SEEDS) + ".", ""]
+        parts += ["Tuning (seed 0):", "", *grid_lines(study, sc), ""]
     sweep = []
     for rho in sorted({*SWEEP, SCENARIOS["xdc"]["rho"]}):
         sc = "xdc" if rho == SCENARIOS["xdc"]["rho"] else f"xdc_r{rho:g}"
