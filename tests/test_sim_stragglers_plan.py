@@ -94,3 +94,20 @@ def test_the_new_cells_tune_on_one_five_point_grid_each(harness, tmp_path):
         ("xdc1", a, "sgd") for a in harness.SCENARIO_ARMS["xdc1"]}
     assert len(todo) == 5 * len(cells) and not settled
     assert "sync_drop" not in harness.SCENARIO_ARMS["varying"]  # no worker is slow on average: it would be `sync`
+
+
+def test_seeds_run_at_the_tuned_lr_and_more_seeds_on_request(harness, tmp_path):
+    def args(**kw):
+        return argparse.Namespace(**{"out": str(tmp_path), "scenarios": ["varying"], "arms": ["sync"],
+                                     "retry_failed": False, **kw})
+
+    st = harness.Study(args())
+    for lr, loss in zip(harness.FAMILIES["sgd"][1], (3.7, 3.1, 2.9, 2.8, 3.0)):  # 1.0 wins, inside the grid
+        d = tmp_path / "runs" / harness.job("varying", "sync", "sgd", lr, 0)["id"]
+        d.mkdir(parents=True)
+        (d / "results.json").write_text(json.dumps({"eval_loss": loss}))
+    assert st.best("varying", "sync") == ("sgd", 1.0)
+    assert [(j["lr"], j["seed"]) for j in st.seed_jobs(sweep=False)] == [(1.0, 1), (1.0, 2)]
+    five = harness.Study(args(seeds=5))
+    assert [j["seed"] for j in five.seed_jobs(sweep=False)] == [1, 2, 3, 4]
+    assert {j["id"] for j in five.seed_jobs(sweep=False)} >= {j["id"] for j in st.seed_jobs(sweep=False)}
