@@ -58,7 +58,7 @@ if TYPE_CHECKING:  # the simulator's state this half reads (engine.py sets it)
     from diloco_lightning.sim.inner import SimWorker
     from diloco_lightning.sim.master import SimMaster
     from diloco_lightning.sim.options import SimOptions
-    from diloco_lightning.sim.rebase import OwnDeltas
+    from diloco_lightning.sim.rebase import SimOwnDeltas
     from diloco_lightning.sim.runners import PhaseRunner
 
 __all__ = ["Item", "Transfers"]
@@ -402,7 +402,7 @@ class Transfers:
     _worker_delay: list[int]
     _heap: list[tuple[float, int, int, int, Any]]
     stopped_early: bool
-    rebase: OwnDeltas | None
+    rebase: SimOwnDeltas | None
 
     @property
     def _base_known_at_delivery(self) -> bool:  # pragma: no cover - engine.py
