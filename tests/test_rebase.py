@@ -20,7 +20,7 @@ from diloco_lightning.wire.delta import read_delta
 from diloco_lightning.wire.manifest import Manifest, ManifestError
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.worker import DiLoCoWorker
-from diloco_lightning.worker.rebase import OwnDeltas, fallback_scale
+from diloco_lightning.worker.rebase import WorkerOwnDeltas, fallback_scale
 
 FAST = dict(poll_interval=0.01, wait_timeout=10.0)
 SHA = "0" * 64
@@ -34,7 +34,7 @@ def manifest(ledger: dict[str, int], scales: dict[str, float] | None = None, ste
 
 
 def test_the_start_subtracts_the_deltas_the_version_lacks_times_the_published_scale():
-    own = OwnDeltas("w0")
+    own = WorkerOwnDeltas("w0")
     own.sent(3, {"a": torch.full((2,), 4.0), "b": torch.full((1,), 8.0)})  # applied by the version: dropped
     own.sent(4, {"a": torch.full((2,), 2.0), "b": torch.full((1,), -1.0)})  # not applied yet: subtracted
     state = {"a": torch.ones(2), "b": torch.ones(1, dtype=torch.bfloat16), "n": torch.tensor(7)}
@@ -50,7 +50,7 @@ def test_the_start_subtracts_the_deltas_the_version_lacks_times_the_published_sc
 
 
 def test_without_a_published_scale_the_fallback_is_one_over_the_nodes():
-    own = OwnDeltas("w0")
+    own = WorkerOwnDeltas("w0")
     own.sent(1, {"a": torch.full((1,), 3.0)})
     m = manifest({"w1": 5, "w2": 2})  # an older master: no delta_scales; w0 not in the ledger yet
     assert m.delta_scale("w0") is None and fallback_scale(m, "w0") == pytest.approx(1 / 3)
@@ -59,7 +59,7 @@ def test_without_a_published_scale_the_fallback_is_one_over_the_nodes():
 
 
 def test_a_refused_delta_counts_until_a_later_one_of_the_node_is_accepted_and_the_keep_is_bounded():
-    own = OwnDeltas("w0", limit=2)
+    own = WorkerOwnDeltas("w0", limit=2)
     own.sent(5, {"a": torch.ones(1)})  # refused by the master: the ledger never reaches 5 through it
     own.sent(6, {"a": torch.ones(1)})
     own.start(manifest({"w0": 4}, {"w0": 1.0}), {"a": torch.zeros(1)})
@@ -70,7 +70,7 @@ def test_a_refused_delta_counts_until_a_later_one_of_the_node_is_accepted_and_th
         own.sent(s, {"a": torch.ones(1)})
     assert own.pending == [8, 9] and own.forgotten == 1
     with pytest.raises(ValueError, match="limit"):
-        OwnDeltas("w0", limit=0)
+        WorkerOwnDeltas("w0", limit=0)
 
 
 @pytest.mark.parametrize("bad, words", [

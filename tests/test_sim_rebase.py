@@ -6,7 +6,9 @@ that version does not contain yet (``diloco_lightning/sim/rebase.py``).
   round the master refused;
 * a whole arrival-mode run against the rule computed by hand on the quadratic model;
 * round mode: the same run on threads, and a different one without the rebase;
-* what it refuses: a step that is not momentum-free SGD, fragments.
+* what it refuses: a step that is not momentum-free SGD, fragments;
+* the start is the product worker's subtraction (``worker/rebase.py: rebase_start``), and the old
+  name ``OwnDeltas`` still imports.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.sim import SimMaster, SimOptions, Simulator
-from diloco_lightning.sim.rebase import OwnDeltas
+from diloco_lightning.sim.rebase import SimOwnDeltas
 from diloco_lightning.outer import build_outer_optimizer
 from diloco_lightning.util.options import OptionError
 
@@ -28,7 +30,7 @@ def _t(*xs: float) -> dict[str, torch.Tensor]:
 
 
 def test_starts_by_hand():
-    own = OwnDeltas(2, lr=2.0)
+    own = SimOwnDeltas(2, lr=2.0)
     v0, v1, v2 = _t(8.0, 8.0), _t(4.0, 4.0), _t(2.0, 2.0)
     a, b, c, e = _t(1.0, 0.0), _t(0.0, 16.0), _t(0.0, 1.0), _t(64.0, 64.0)
     assert own.start(0, 0, v0, floor=0) is v0  # nothing sent yet: the version itself, not a copy
@@ -50,7 +52,7 @@ def test_starts_by_hand():
     own.published(3, {})  # the round holding w0/4 was refused (a null round): w0/4 never counts
     assert own.start(0, 2, v2, floor=2) is v2 and own.held(0) == 0
     assert torch.equal(own.start(1, 0, v0, floor=0)["w"], torch.tensor([-8.0, -8.0]))  # worker 1's own: 8 - 0.5 * 32
-    again = OwnDeltas(2, lr=1.0)
+    again = SimOwnDeltas(2, lr=1.0)
     again.load_state_dict(own.state_dict())
     assert torch.equal(again.start(1, 0, v0, floor=0)["w"], torch.tensor([-8.0, -8.0])) and again.lr == 2.0
 
@@ -126,6 +128,34 @@ def test_what_it_refuses():
         with pytest.raises(OptionError, match="rebase.*momentum-free SGD"):
             Simulator(_quad_workers(2, 2), master, options=SimOptions(rebase=True))
     with pytest.raises(OptionError, match="rebase.*fragments"):
-        OwnDeltas.build(build_outer_optimizer("staleness_sgd", state, lr=0.5), 2, fragments=True)
+        SimOwnDeltas.build(build_outer_optimizer("staleness_sgd", state, lr=0.5), 2, fragments=True)
     with pytest.raises(OptionError, match="rebase"):
         SimOptions(rebase="yes").validate(2)
+
+
+def test_the_start_is_the_product_workers_subtraction_and_the_old_names_import():
+    """The same deltas and scales give the product's worker and the simulator the same start, bit for
+    bit, in FP32 and in bf16 (accumulated in FP32, rounded once)."""
+    from diloco_lightning.sim import rebase as sim_rebase
+    from diloco_lightning.wire.manifest import Manifest
+    from diloco_lightning.worker import rebase as worker_rebase
+
+    assert sim_rebase.OwnDeltas is SimOwnDeltas and worker_rebase.OwnDeltas is worker_rebase.WorkerOwnDeltas
+    g = torch.Generator().manual_seed(0)
+    deltas = [{"w": torch.randn(64, generator=g)} for _ in range(3)]
+    for dtype in (torch.float32, torch.bfloat16):
+        version = {"w": torch.randn(64, generator=g).to(dtype)}
+        sim = SimOwnDeltas(1, lr=0.5)
+        worker = worker_rebase.WorkerOwnDeltas("w0")
+        for i, d in enumerate(deltas):
+            sim.sent(0, f"w0/{i}", d)
+            worker.sent(i, d)
+        sim.published(1, {"w0/0": 0.25, "w0/1": 0.25, "w0/2": 0.25})  # scale 0.5 * 0.25 each
+        m = Manifest(0, "global/weights_000000000_x.safetensors", "0" * 64, "0" * 64, ledger={},
+                     master={"holder": "test", "delta_scales": {"w0": 0.125}}).validate()
+        a, b = sim.start(0, 0, version, floor=0)["w"], worker.start(m, version)["w"]
+        assert a.dtype == dtype and torch.equal(a, b)
+        want = version["w"].to(torch.float32, copy=True)
+        for d in deltas:  # in FP32, in order, rounded to the version's dtype once at the end
+            want.sub_(d["w"], alpha=0.125)
+        assert torch.equal(a, want.to(dtype))

@@ -83,7 +83,7 @@ from diloco_lightning.sim.churn import Churn
 from diloco_lightning.sim.inner import SimWorker, check_fragments
 from diloco_lightning.sim.master import SimMaster
 from diloco_lightning.sim.options import SimOptions, phase_end
-from diloco_lightning.sim.rebase import OwnDeltas
+from diloco_lightning.sim.rebase import SimOwnDeltas
 from diloco_lightning.sim.result import SimResult, as_received
 from diloco_lightning.sim.runners import PhaseRunner, choose_runner
 from diloco_lightning.sim.transfers import _DEADLINE, Transfers
@@ -168,7 +168,7 @@ class Simulator(Transfers):
                          "seconds": dylu.get("seconds")}
         check_fragments(self.workers, self.master.plan, self.dylu is not None)
         #: sim.rebase: each worker's own deltas, to start its phases from (sim/rebase.py)
-        self.rebase = OwnDeltas.build(master.opt, n, master.plan is not None) if self.options.rebase else None
+        self.rebase = SimOwnDeltas.build(master.opt, n, master.plan is not None) if self.options.rebase else None
         self.max_time = self.options.max_time
         if self.max_time is None and any(w.max_steps is None for w in self.workers):
             raise ValueError("a worker without max_steps needs a time budget (options.max_time), or the run never ends")

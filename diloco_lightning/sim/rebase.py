@@ -26,7 +26,9 @@ refused after it was subtracted stays subtracted. Asynchronously with instant tr
 own delta is always in the version it starts from, so the rebase changes nothing there.
 
 The product's async worker has the same rule (``worker/rebase.py``, the scales from the manifest's
-``master.delta_scales``); this one lets the study measure it under imposed delays.
+``master.delta_scales``); this one lets the study measure it under imposed delays. Only the
+bookkeeping is the simulator's own: the start is computed by the worker's
+:func:`~diloco_lightning.worker.rebase.rebase_start`, the same arithmetic as the product's.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ import torch
 from torch import Tensor
 
 from diloco_lightning.util.options import OptionError
+from diloco_lightning.worker.rebase import rebase_start
 
-__all__ = ["OwnDeltas"]
+__all__ = ["OwnDeltas", "SimOwnDeltas"]
 
 
 @dataclass
@@ -51,8 +54,9 @@ class _Own:
     scale: float | None = None  # what that step multiplied it by
 
 
-class OwnDeltas:
-    """Each worker's deltas that some version it may still start from does not contain.
+class SimOwnDeltas:
+    """Each simulated worker's deltas that some version it may still start from does not contain,
+    learnt from the simulated master's record of what each version applied.
 
     Args:
         workers: the number of workers.
@@ -66,7 +70,7 @@ class OwnDeltas:
         self._open: dict[str, tuple[int, _Own]] = {}  # reached the master, neither applied nor refused
 
     @classmethod
-    def build(cls, opt: Any, workers: int, fragments: bool) -> OwnDeltas:
+    def build(cls, opt: Any, workers: int, fragments: bool) -> SimOwnDeltas:
         """The rebase of a run whose master steps with ``opt``; an OptionError naming ``rebase`` when
         its step is not momentum-free SGD or the run has fragments."""
         lr = opt.linear_rate()
@@ -103,23 +107,16 @@ class OwnDeltas:
 
     def start(self, worker: int, base: int, state: Mapping[str, Tensor], floor: int) -> Mapping[str, Tensor]:
         """The start of ``worker``'s phase from version ``base`` (``state``): ``state`` itself when
-        it contains every own delta, else a copy with the missing ones subtracted. ``floor``: the
-        oldest version any phase may still start from (a delta applied by it is in every later
-        base, and is forgotten)."""
+        it contains every own delta, else a new dict with the missing ones subtracted
+        (:func:`~diloco_lightning.worker.rebase.rebase_start`). ``floor``: the oldest version any phase
+        may still start from (a delta applied by it is in every later base, and is forgotten)."""
         own = self._own[worker]
         own[:] = [o for o in own if o.version is None or o.version > floor]
         missing = [o for o in own if o.version is None or o.version > base]
         if not missing:
             return state
-        out = {k: v.clone() for k, v in state.items()}
-        for o in missing:
-            scale = o.scale if o.scale is not None else self._last[worker]
-            if scale == 0.0:
-                continue
-            for k, d in o.tensors.items():
-                t = out[k]
-                t.sub_(d.to(t.dtype), alpha=scale)
-        return out
+        return rebase_start(state, [(o.scale if o.scale is not None else self._last[worker], o.tensors)
+                                    for o in missing])
 
     def held(self, worker: int) -> int:
         """How many deltas of ``worker`` are kept (each a model-sized copy)."""
@@ -138,3 +135,7 @@ class OwnDeltas:
         self._own = [[_Own(o["ident"], {k: torch.as_tensor(t).clone() for k, t in o["tensors"].items()},
                            o["version"], o["scale"]) for o in own] for own in sd["own"]]
         self._open = {o.ident: (w, o) for w, own in enumerate(self._own) for o in own if o.version is None}
+
+
+#: :class:`SimOwnDeltas` under its older name, kept importable (docs/simulator.md named it)
+OwnDeltas = SimOwnDeltas

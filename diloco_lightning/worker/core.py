@@ -65,7 +65,7 @@ from diloco_lightning.worker.pacing import Pacing
 from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.params import LocalModel, module_state, snapshot
 from diloco_lightning.worker.progress import Progress
-from diloco_lightning.worker.rebase import OwnDeltas
+from diloco_lightning.worker.rebase import WorkerOwnDeltas
 from diloco_lightning.worker.results import BoundaryResult, InstallResult
 from diloco_lightning.worker.waits import Waits
 from diloco_lightning.worker.startup import Startup
@@ -294,7 +294,7 @@ class DiLoCoWorker:
                 signing_key=self.signing_key,
             )
             self._mode = AsyncMode(self._installer, self._outbox, self._fetcher,  # rebase: worker/rebase.py
-                                   OwnDeltas(self.node_id) if self.options.rebase and plan is None else None)
+                                   WorkerOwnDeltas(self.node_id) if self.options.rebase and plan is None else None)
         else:
             self._mode = LockstepMode(self._installer, self._outbox, self._waits, self.delay)
         self._started = True

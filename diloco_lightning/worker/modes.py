@@ -22,7 +22,7 @@ import time
 
 from diloco_lightning.worker.install import Installer
 from diloco_lightning.worker.outbox import Outbox
-from diloco_lightning.worker.rebase import OwnDeltas
+from diloco_lightning.worker.rebase import WorkerOwnDeltas
 from diloco_lightning.worker.results import InstallResult
 from diloco_lightning.worker.sync import GlobalFetcher, WaitTimeoutError
 from diloco_lightning.worker.jobs import Job, Part, UploadReport
@@ -38,7 +38,7 @@ class AsyncMode:
     ``own``: the worker's deltas it rebases onto (None: no rebase)."""
 
     def __init__(self, installer: Installer, outbox: Outbox, fetcher: GlobalFetcher,
-                 own: OwnDeltas | None = None) -> None:
+                 own: WorkerOwnDeltas | None = None) -> None:
         self.installer, self.outbox, self.fetcher, self.own = installer, outbox, fetcher, own
 
     def boundary(self, part: Part | None, r: int, fragment: str | None,

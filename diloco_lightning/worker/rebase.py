@@ -28,15 +28,20 @@ install came between) and subtracted one key at a time only when a start needs i
 rebase). A delta the
 master refuses never moves the ledger, so it is counted until a later delta of this node is
 accepted; a worker resumed from a checkpoint starts with none pending (nothing is checkpointed:
-:meth:`OwnDeltas.state_dict` holds the counters only). Lockstep workers and runs with fragments do
+:meth:`WorkerOwnDeltas.state_dict` holds the counters only). Lockstep workers and runs with fragments do
 not rebase (a lockstep worker installs exact versions; a fragment's delta has its own base).
+
+The subtraction itself is :func:`rebase_start`, which the simulator's rebase
+(``diloco_lightning/sim/rebase.py: SimOwnDeltas``) uses too: the two differ only in how they learn
+which deltas a version lacks and with what scale (here the ledger and the manifest; there the
+simulated master's own record), so a simulated start is computed exactly as the product's.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,12 +49,52 @@ import torch
 
 from diloco_lightning.wire.manifest import Manifest
 
-__all__ = ["MAX_PENDING", "OwnDeltas", "fallback_scale"]
+__all__ = ["MAX_PENDING", "OwnDeltas", "WorkerOwnDeltas", "fallback_scale", "rebase_start"]
 
 log = logging.getLogger(__name__)
 
 #: the most deltas kept (each an FP32 copy of the synced tensors on the CPU; an async worker has 1-2 in flight)
 MAX_PENDING = 4
+
+
+def rebase_start(state: Mapping[str, torch.Tensor],
+                 deltas: Sequence[tuple[float, Mapping[str, torch.Tensor]]]) -> Mapping[str, torch.Tensor]:
+    """``start = state - sum_j scale_j * delta_j`` over ``deltas`` (``(scale_j, delta_j)`` pairs, every
+    ``delta_j`` over the same keys), one key at a time: each key of the start is accumulated in at least
+    FP32 on the state's device, the deltas subtracted in their order, and rounded once to the state's
+    dtype. ``state`` is never changed: the start is a new dict whose other keys (not in the deltas, such
+    as integer buffers) are ``state``'s own tensors; a key the deltas hold and ``state`` lacks is left
+    out (the install refuses a version without a synced key, naming it). A delta with scale 0 adds
+    nothing and is not read; with none left, the start is ``state`` itself."""
+    live = [(scale, delta) for scale, delta in deltas if scale != 0.0]
+    if not live:
+        return state
+    out = dict(state)
+    for k in live[0][1]:
+        if k not in state:
+            continue
+        t = state[k]
+        acc = t.to(torch.promote_types(t.dtype, torch.float32), copy=True)
+        for scale, delta in live:
+            acc.sub_(delta[k].to(acc.device, acc.dtype), alpha=scale)
+        out[k] = acc.to(t.dtype)
+    return out
+
+
+class _Difference(Mapping[str, torch.Tensor]):
+    """``anchor - snapshot``, computed one key at a time when a key is read (a whole delta is never held)."""
+
+    def __init__(self, anchor: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]) -> None:
+        self.anchor, self.snapshot = anchor, snapshot
+
+    def __getitem__(self, k: str) -> torch.Tensor:
+        return self.anchor[k] - self.snapshot[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.anchor)
+
+    def __len__(self) -> int:
+        return len(self.anchor)
 
 
 @dataclass
@@ -59,6 +104,9 @@ class _Own:
     snapshot: Mapping[str, torch.Tensor] | None
     wait: Callable[[], None] | None
 
+    def delta(self) -> Mapping[str, torch.Tensor]:
+        return self.anchor if self.snapshot is None else _Difference(self.anchor, self.snapshot)
+
 
 def fallback_scale(manifest: Manifest, node_id: str) -> float:
     """The scale of a delta of ``node_id`` when ``manifest`` publishes none: ``1 / nodes``, the
@@ -66,8 +114,9 @@ def fallback_scale(manifest: Manifest, node_id: str) -> float:
     return 1.0 / len(set(manifest.ledger) | {node_id})
 
 
-class OwnDeltas:
-    """One worker's deltas that a version it may install might not contain yet (module docstring)."""
+class WorkerOwnDeltas:
+    """The product's worker's deltas that a version it may install might not contain yet, learnt from
+    each version's ledger and scales (module docstring)."""
 
     def __init__(self, node_id: str, limit: int = MAX_PENDING) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -115,16 +164,7 @@ class OwnDeltas:
         for o in self._pending:
             if o.wait is not None:
                 o.wait()
-        out = dict(state)
-        for k in self._pending[0].anchor:
-            if k not in state:
-                continue  # the install refuses a version without a synced key, naming it
-            t = state[k]
-            acc = t.to(torch.promote_types(t.dtype, torch.float32), copy=True)
-            for o in self._pending:
-                d = o.anchor[k] if o.snapshot is None else o.anchor[k] - o.snapshot[k]  # one key at a time
-                acc.sub_(d.to(acc.device, acc.dtype), alpha=scale)
-            out[k] = acc.to(t.dtype)
+        out = rebase_start(state, [(scale, o.delta()) for o in self._pending])
         self.rebased += 1
         log.debug("node %s: rebased version %d onto its deltas %s (scale %.4g)", self.node_id, manifest.outer_step,
                   self.pending, scale)
@@ -138,5 +178,9 @@ class OwnDeltas:
         for k in ("rebased", "forgotten"):
             v = state.get(k, 0)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0 or not math.isfinite(v):
-                raise ValueError(f"OwnDeltas state: {k!r} must be a non-negative integer, got {v!r}")
+                raise ValueError(f"WorkerOwnDeltas state: {k!r} must be a non-negative integer, got {v!r}")
             setattr(self, k, v)
+
+
+#: :class:`WorkerOwnDeltas` under its older name, kept importable
+OwnDeltas = WorkerOwnDeltas
