@@ -27,30 +27,38 @@ decays over the budget it has.
 1, 1/4]: a lockstep round takes 32 units, so 5 rounds in the budget), ``xdc`` (a cross-datacenter
 link: 4 equal workers whose upload of the uncompressed FP32 delta takes rho = 0.5 of a phase's
 compute, as a 1.1 B-parameter bf16 delta, 2.2 GB, over 1 Gbit/s takes ~18 s against ~40 s of
-compute for H = 100; the download of a version the same), ``xdc_r<rho>`` (the same link at rho 2,
-1 and 0: the sweep, ``sync`` and ``async`` only, with ``xdc``'s tuned lrs), ``preempt`` (4 equal workers, each preempted at a
-seeded Poisson rate of 1 per 100 units of up time for an exponential 10 units: ~9 % of worker time
-down plus the lost partial phases), and ``spread`` ([1, 2/3, 1/2, 1/3], with ``straggler``'s tuned lrs). ``varying`` (speeds that
-switch between 1 and 1/4 at seeded times) is defined but not run by default. The preemption draws
+compute for H = 100; the download of a version the same), ``preempt`` (4 equal workers, each
+preempted at a seeded Poisson rate of 1 per 100 units of up time for an exponential 10 units: ~9 %
+of worker time down plus the lost partial phases), ``spread`` ([1, 2/3, 1/2, 1/3], with
+``straggler``'s tuned lrs), ``varying`` (4 workers whose speed alternates between 1 and 1/4 in
+spells of exponential lengths, means 30 and 10 units, seeded per seed and worker: in expectation
+0.8125 a worker, the straggler scenario's total of 3.25, but every worker slows down in turn),
+``xdc1`` (the link at rho = 1, tuned on its own), and ``xdc_r<rho>`` (the link at rho 2, 1 and 0:
+the sweep, ``sync`` and ``async`` only, with ``xdc``'s tuned lrs). The preemption and speed draws
 are the seed's: every arm of a seed sees the same ones (paired).
 
 **Arms** (:data:`ARMS`): synchronous ``sync`` (lockstep, every worker, delay 0), ``sync_drop``
 (lockstep without the workers slower than half the fastest), ``sync_q3_drop`` (synchronous rounds
 that close with 3 of 4 deltas or at a deadline of twice a fast worker's round; a late delta's phase
-is given up: ``sim.barrier``), ``sync_dylu`` (lockstep with Dynamic Local Updates, token-weighted),
-and asynchronous ``async`` (one outer step per arriving delta); in ``xdc`` also ``*_int4`` (int4 deltas
+is given up: ``sim.barrier``), ``sync_q3_apply`` (the same rounds, a late delta applied in the round
+it reaches, with its staleness: ``sim.late=apply``), ``sync_dylu`` (lockstep with Dynamic Local
+Updates, token-weighted), ``sync_overlap`` (lockstep with one round of delay: each worker's phase r
+starts from version r - 1, so its upload and the next download overlap the next phase), and
+asynchronous ``async`` (one outer step per arriving delta); in ``xdc`` also ``*_int4`` (int4 deltas
 with error feedback) and ``*_frag4`` (4 fragments, Streaming DiLoCo) on both sides. Also defined,
-not run by default: ``sync_overlap`` (lockstep with one round of delay: the upload overlaps the
-next phase), ``sync_q3_apply`` (late deltas applied late), ``async_q3``, ``async_dylu``.
+not run by default: ``async_q3``, ``async_dylu``.
 
-**Outer optimizers, tuned the same way.** One family for every arm (:data:`FAMILIES`):
+**Outer optimizers, tuned the same way** (:data:`FAMILIES`, :func:`families_of`):
 ``poly_nesterov`` (momentum 0.9, fed ``g * (1 + tau) ** -0.5``), which at staleness 0 is exactly
-DiLoCo's Nesterov, so every synchronous arm runs DiLoCo's own outer optimizer and every asynchronous
-arm its staleness-damped form. Its 5-point log lr grid (0.1-1.6, factor 2) is extended by one point
-(up to four times) on the side where the best lr sits on the edge, so the chosen lr is interior. Tuning:
-seed 0, the final eval loss at the budget (equal time). Then seeds 1 and 2 at each (scenario, arm)'s
-best lr. The scenarios with ``tuned_as`` (``spread``, the sweep) reuse that scenario's tuned lrs (all three
-seeds), run after every tuned scenario.
+DiLoCo's Nesterov, and ``staleness_sgd`` (momentum 0, the delta times ``lr / (1 + tau)``), plain
+SGD at staleness 0. The ``straggler`` and ``preempt`` arms are tuned in both (each arm's best
+(family, lr) at seed 0 is its), ``varying``, ``xdc1`` and the arms ``sync_overlap`` and
+``sync_q3_apply`` in ``staleness_sgd`` only (every straggler arm's best), the rest in
+``poly_nesterov`` only. Each 5-point log lr grid (0.1-1.6 or 0.125-2, factor 2) is extended by one
+point (up to four times) on the side where the best lr sits on the edge, so the chosen lr is
+interior. Tuning: seed 0, the final eval loss at the budget (equal time). Then seeds 1 and 2 at each
+(scenario, arm)'s best. The scenarios with ``tuned_as`` (``spread``, the sweep) reuse that
+scenario's tuned lrs (all three seeds), run after every tuned scenario.
 
 Runs one at a time, one intra-op thread each (run it under ``nice``): see docs/stragglers.md for how
 long the whole study took.
@@ -79,7 +87,7 @@ MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
          "optim.lr=0.004", "optim.warmup_steps=20"]
 COMMON = ["recipe=tiny", "launch=sim", f"workers={K}", f"diloco.inner_steps={H}", *MODEL, "launch.eval_points=8",
           "trainer.log_every_n_steps=8", "sim.parallel=1", "sim.stop_above=6.0"]  # ln(257) = 5.55: diverged
-SEEDS = (0, 1, 2)
+SEEDS = (0, 1, 2)  # the default (``--seeds 3``); seed 0 tunes
 #: the uncompressed delta of the study's model (FP32), bytes: the link's rho is set against it
 DELTA_BYTES = None  # filled by delta_bytes()
 RHO_MAIN = 0.5
@@ -92,10 +100,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "spread": {"speeds": [1.0, 2 / 3, 1 / 2, 1 / 3], "budget": 160.0, "tuned_as": "straggler"},
     **{f"xdc_r{rho:g}": {"speeds": [1.0] * K, "rho": rho, "budget": 160.0, "tuned_as": "xdc"} for rho in SWEEP},
     "varying": {"speeds": [1.0] * K, "varying": {"fast": 30.0, "slow": 10.0, "slow_speed": 0.25}, "budget": 160.0},
+    "xdc1": {"speeds": [1.0] * K, "rho": 1.0, "budget": 160.0},
 }
-#: in the order they run (an interrupted study has the whole of each scenario it reached); ``varying``
-#: is defined but not run by default (``--scenarios varying``)
-MAIN = ("straggler", "xdc", "preempt", "spread")
+#: in the order they run (an interrupted study has the whole of each scenario it reached)
+MAIN = ("straggler", "xdc", "preempt", "spread", "varying", "xdc1")
 
 SYNC = ["diloco.sync=lockstep", "diloco.delay=0"]
 BARRIER = ["diloco.sync=async", "master.aggregation=round", "sim.barrier=true", "sim.quorum=3"]
@@ -119,11 +127,14 @@ ARMS: dict[str, dict[str, Any]] = {
 }
 #: the arms each scenario compares (the others do not apply there: no slow worker to drop, no link to overlap)
 SCENARIO_ARMS = {
-    "straggler": ["sync", "sync_drop", "sync_q3_drop", "sync_dylu", "async"],
+    "straggler": ["sync", "sync_drop", "sync_q3_drop", "sync_dylu", "sync_overlap", "sync_q3_apply", "async"],
     "spread": ["sync", "sync_drop", "sync_q3_drop", "sync_dylu", "async"],
     "xdc": ["sync", "sync_int4", "sync_frag4", "async", "async_int4", "async_frag4"],
     "preempt": ["sync", "sync_q3_drop", "async"],
+    # no worker is slow on average, so "drop the stragglers" keeps every worker (= sync); a quorum with a
+    # deadline is the form of dropping that follows the speeds as they change
     "varying": ["sync", "sync_q3_drop", "sync_dylu", "async"],
+    "xdc1": ["sync", "sync_overlap", "sync_q3_apply", "async"],
     **{f"xdc_r{rho:g}": ["sync", "async"] for rho in SWEEP},
 }
 #: family -> (outer optimizer, its 5-point lr grid), sync and async alike: ``poly_nesterov`` (Nesterov
@@ -134,16 +145,21 @@ FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
     "nesterov": ("poly_nesterov", (0.1, 0.2, 0.4, 0.8, 1.6)),
     "sgd": ("staleness_sgd", (0.125, 0.25, 0.5, 1.0, 2.0)),
 }
-#: the scenarios whose arms are tuned in both families (every arm of them, sync and async); the others
-#: in ``nesterov`` only (the second family was added later and not yet run there)
-BOTH_FAMILIES = ("straggler",)
+#: the families each scenario's arms are tuned in (sync and async alike); absent: ``nesterov`` only.
+#: ``straggler``'s and ``preempt``'s original arms are tuned in both; every straggler arm's best was ``staleness_sgd``, so the
+#: scenarios and arms tuned since then are tuned in it alone (:data:`SGD_ONLY_ARMS`)
+SCENARIO_FAMILIES: dict[str, tuple[str, ...]] = {"straggler": ("nesterov", "sgd"), "preempt": ("nesterov", "sgd"),
+                                                 "varying": ("sgd",), "xdc1": ("sgd",)}
+SGD_ONLY_ARMS = ("sync_overlap", "sync_q3_apply")
 EXTEND = 4  # grid points added beyond an edge, at most, per side (async wanted 4x below the base grid)
 
 
 def families_of(scenario: str, arm: str) -> list[str]:
     """The families an arm is tuned in (every arm of a scenario the same ones); its best (family, lr)
     at seed 0 is the arm's."""
-    return list(FAMILIES) if scenario in BOTH_FAMILIES else ["nesterov"]
+    if arm in SGD_ONLY_ARMS:
+        return ["sgd"]
+    return list(SCENARIO_FAMILIES.get(scenario, ("nesterov",)))
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -182,6 +198,19 @@ def varying_trace(seed: int, k: int, budget: float, *, fast: float, slow: float,
     return points
 
 
+def varying_compute(seed: int, name: str = "varying") -> float:
+    """The total speed of a ``varying`` scenario's workers over its budget for ``seed`` (the work done
+    per unit of time by all of them; 3.25 in expectation, the straggler scenario's)."""
+    sc = SCENARIOS[name]
+    total = 0.0
+    for k in range(len(sc["speeds"])):
+        trace = varying_trace(seed, k, sc["budget"], **sc["varying"])
+        for i, (t, v) in enumerate(trace):
+            end = trace[i + 1][0] if i + 1 < len(trace) else sc["budget"]
+            total += v * (end - t)
+    return total / sc["budget"]
+
+
 def delta_bytes() -> int:
     """Bytes of the study model's FP32 delta (every parameter, 4 bytes)."""
     global DELTA_BYTES
@@ -213,8 +242,10 @@ class Study:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.root = Path(args.out).resolve()
-        default = [*MAIN, *(s for s in SCENARIOS if s not in MAIN and s != "varying")]
+        default = [*MAIN, *(s for s in SCENARIOS if s not in MAIN)]
         self.scenarios = [s for s in (args.scenarios or default) if s in SCENARIOS]
+        #: the seeds every tuned cell runs (``--seeds N``: 0 .. N-1); the report pairs what exists of them
+        self.seeds = tuple(range(getattr(args, "seeds", len(SEEDS))))
         self._steps: dict[str, int] = {}
         p = self.root / "steps.json"
         if p.is_file():
@@ -286,7 +317,7 @@ class Study:
         return fam, lr
 
     def seed_jobs(self, sweep: bool) -> list[dict]:
-        """Seeds 1 and 2 of every arm at its tuned (family, lr) (the sweep: all three seeds at ``xdc``'s);
+        """Seeds 1 .. N-1 of every arm at its tuned (family, lr) (the sweep: every seed at ``xdc``'s);
         in each scenario the best synchronous and the best asynchronous arm (seed 0) first."""
         out = []
         for sc in self.scenarios:
@@ -303,7 +334,7 @@ class Study:
                      for side in (True, False)]
             ordered = [c for c in first if c is not None] + [c for c in cells if c not in first]
             for arm, (fam, lr) in ordered:
-                out += [job(sc, arm, fam, lr, s) for s in SEEDS if sweep or s != SEEDS[0]]
+                out += [job(sc, arm, fam, lr, s) for s in self.seeds if sweep or s != SEEDS[0]]
         return out
 
     # ------------------------------------------------------------------ running
@@ -429,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", action="store_true", help="print what would run and what is done")
     ap.add_argument("--report", action="store_true", help="run nothing: write the report from what finished")
     ap.add_argument("--retry-failed", action="store_true")
+    ap.add_argument("--seeds", type=int, default=len(SEEDS),
+                    help="seeds per tuned cell, 0 .. N-1 (seed 0 tunes); more than 3 tightens the paired intervals")
     ap.add_argument("--doc", default=str(ROOT / "docs" / "stragglers_results.md"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "figures" / "stragglers_scenarios.png"))
     args = ap.parse_args(argv)

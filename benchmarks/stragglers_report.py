@@ -1,11 +1,11 @@
 """The tables and the plot of ``benchmarks/sim_stragglers.py`` (``--report``): docs/stragglers_results.md.
 
-For each scenario: every arm at its tuned (family, lr), 3 seeds; the best synchronous arm (the
+For each scenario: every arm at its tuned (family, lr), over its seeds (3 by default); the best synchronous arm (the
 lowest mean final loss among the synchronous ones) is the reference; each other arm's paired
 differences to it (same seed: same data, initialisation, preemptions and speed draws) at equal
 simulated time (the final loss at the budget) and at equal tokens (the loss at the smaller of the
 two runs' delivered tokens, interpolated along each run's curve), mean and 95 % t interval
-(n - 1 degrees of freedom); the time at which the arm first reaches the reference's final loss
+(n - 1 degrees of freedom, n the seeds every compared arm has); the time at which the arm first reaches the reference's final loss
 (a fraction of the budget, per seed); the tuning grids (seed 0) with the divergences at every lr.
 """
 
@@ -66,13 +66,13 @@ def _final(r: dict) -> float:
 
 def cell_runs(study: Any, scenario: str, arm: str) -> tuple[str, float, list[dict]] | None:
     """The arm's tuned (family, lr) and its runs over the seeds (None: not tuned yet)."""
-    from sim_stragglers import SEEDS, job
+    from sim_stragglers import job
 
     b = study.best(scenario, arm)
     if b is None:
         return None
     fam, lr = b
-    runs = [r for s in SEEDS if (r := study.results(job(scenario, arm, fam, lr, s))) is not None]
+    runs = [r for s in study.seeds if (r := study.results(job(scenario, arm, fam, lr, s))) is not None]
     return fam, lr, runs
 
 
@@ -156,7 +156,7 @@ def grid_lines(study: Any, scenario: str) -> list[str]:
 
 
 def write_report(study: Any, doc: Path, plot: Path) -> None:
-    from sim_stragglers import MAIN, SCENARIOS, SWEEP
+    from sim_stragglers import MAIN, SCENARIOS, SWEEP, varying_compute
 
     parts = ["# Stragglers, links, preemptions: the tables (generated)", "",
              "Written by `python benchmarks/sim_stragglers.py --report` from the runs in "
@@ -168,7 +168,11 @@ def write_report(study: Any, doc: Path, plot: Path) -> None:
         if not lines:
             continue
         summaries.append(summary)
-        parts += [f"## {sc}: {describe(sc)}", "", *lines, "", "Tuning (seed 0):", "", *grid_lines(study, sc), ""]
+        parts += [f"## {sc}: {describe(sc)}", "", *lines, ""]
+        if "varying" in SCENARIOS[sc]:
+            parts += ["Total speed of the 4 workers over the budget, per seed (the straggler scenario's: 3.25): "
+                      + ", ".join(f"seed {s} {varying_compute(s, sc):.2f}" for s in study.seeds) + ".", ""]
+        parts += ["Tuning (seed 0):", "", *grid_lines(study, sc), ""]
     sweep = []
     for rho in sorted({*SWEEP, SCENARIOS["xdc"]["rho"]}):
         sc = "xdc" if rho == SCENARIOS["xdc"]["rho"] else f"xdc_r{rho:g}"

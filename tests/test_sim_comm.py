@@ -221,6 +221,24 @@ def test_quorum_rounds_with_a_deadline_apply_late_deltas():
     torch.testing.assert_close(result.final_state["w"], v3)
 
 
+@pytest.mark.parametrize("late", ["drop", "apply"])
+def test_a_quorum_round_takes_every_delta_arriving_at_the_same_instant(late):
+    """Barrier rounds of 2 of 3 equal workers (speed 1, H = 2, a budget of 6): the three deltas of a
+    round arrive together at 2, 4 and 6, and a master's listing takes them all, so each round is the
+    mean of three deltas from its version, every one fresh; none is refused as late, no phase is
+    given up, and no delta is pushed into the next round (which a round closed at the second arrival
+    of the instant would do)."""
+    sim, result = _run(3, 3, aggregation="round", sync="async", speeds=[1.0, 1.0, 1.0], barrier=True, quorum=2,
+                       late=late, max_time=6)
+    assert [r["time"] for r in sim.master.records] == [2.0, 4.0, 6.0]
+    assert all(r["staleness_histogram"] == {"0": 3} for r in sim.master.records)
+    assert sim.abandoned_phases == 0 and [w.steps for w in sim.workers] == [6, 6, 6]
+    v = torch.zeros(N)
+    for _ in range(3):
+        v = v - _d(v)  # the mean of three equal deltas
+    torch.testing.assert_close(result.final_state["w"], v)
+
+
 def test_quorum_of_every_worker_is_lockstep():
     lock, a = _run(3, 4, aggregation="round", sync="lockstep", speeds=[1.0, 0.5, 0.7])
     barrier, b = _run(3, 4, aggregation="round", sync="async", speeds=[1.0, 0.5, 0.7], barrier=True)

@@ -20,7 +20,10 @@ hub and the master:
   (:mod:`diloco_lightning.sim.runners`), encoded with the worker's error feedback, decoded, and
   checked, gated and applied by the product's code (:class:`~diloco_lightning.sim.master.SimMaster`):
   one outer step per delta (arrival) or per round (a round closes with ``quorum`` deltas, or at
-  the ``deadline`` after the previous version with at least one). Each outer step takes the
+  the ``deadline`` after the previous version with at least one; in synchronous rounds,
+  ``barrier``, a round that reaches its quorum closes after every delta arriving at that same
+  instant, as a master's listing takes every delta present: workers of equal speed tie, and the
+  one handled fourth would otherwise be refused as late or pushed to the next round). Each outer step takes the
   master ``master_time``, one after the other: version ``v`` is *published* at
   ``max(closed, previous published) + master_time``;
 * **downloads** (:meth:`Transfers.need`, :meth:`Transfers.fetch`): asynchronously each worker's
@@ -63,7 +66,7 @@ __all__ = ["Item", "Transfers"]
 log = logging.getLogger(__name__)
 
 # event kinds of the hub's half (the clock's own are in engine.py)
-_UPLOADED, _ARRIVE, _PUBLISHED, _DOWNLOADED, _PUMP, _DEADLINE = 10, 11, 12, 13, 14, 15
+_UPLOADED, _ARRIVE, _PUBLISHED, _DOWNLOADED, _PUMP, _DEADLINE, _QUORUM = 10, 11, 12, 13, 14, 15, 16
 
 
 @dataclass
@@ -186,8 +189,13 @@ class Transfers:
                 self._count(tau)
             else:
                 self._refused(ident)
-            if self.master.open_deltas >= self.quorum or (self._overdue and self.master.open_deltas):
+            if self._overdue and self.master.open_deltas:
                 self._publish(self.master.close_round(t))
+            elif self.master.open_deltas >= self.quorum:
+                if self.options.barrier:  # after the events already due at t: the deltas arriving with it
+                    self._push(t, _QUORUM, -1, self.master.outer_step)
+                else:
+                    self._publish(self.master.close_round(t))
         self._prune()
 
     def _refused(self, ident: str) -> None:
@@ -202,6 +210,11 @@ class Transfers:
             self._publish(self.master.close_round(t))
         else:
             self._overdue = True
+
+    def _quorum(self, v: int, t: float) -> None:
+        """The round after version ``v`` reached its quorum at ``t``: close it with every delta it has."""
+        if self.master.outer_step == v and self.master.open_deltas:
+            self._publish(self.master.close_round(t))
 
     def _publish(self, rec: dict[str, Any]) -> None:
         """The master has taken an outer step: version ``outer_step`` is published after ``master_time``."""
@@ -343,6 +356,8 @@ class Transfers:
             self.pump(k, t)
         elif kind == _DEADLINE:
             self._deadline(data, t)
+        elif kind == _QUORUM:
+            self._quorum(data, t)
         else:  # pragma: no cover - a kind of the clock's half
             raise AssertionError(f"unknown event kind {kind}")
 
