@@ -254,19 +254,24 @@ def decoded_groups(parts: Mapping[str, Tensor], lay: ChunkLayout, kept_values: i
     per = max(1, kept_values // k)
     for c0 in range(0, lay.chunks, per):
         c1 = min(c0 + per, lay.chunks)
-        i0, i1 = c0 * k, min(c1 * k, lay.kept)
-        which = torch.arange(c0, c1, device=idx.device).repeat_interleave(k)[: i1 - i0]
-        pos = unpack_bits(idx, lay.pos_bits, i0, i1 - i0).add_(which * lay.chunk)
-        code = unpack_bits(q, bits, i0, i1 - i0)
-        if bits == 1:
-            mag = scale[which]
-            neg = code.bool()
-        else:
-            neg = code >= (1 << (bits - 1))  # the sign is the top bit
-            j = (code & ((1 << (bits - 1)) - 1)).to(torch.float32)
-            s = scale[which]
-            mag = j.mul_(s[:, 1]).add_(s[:, 0])
-        yield pos, torch.where(neg, mag.neg(), mag)
+        # the full chunks as rows of k (a chunk's scales broadcast along its row), then the tail's
+        for r0, r1, kc in ((c0, min(c1, lay.full), k), (lay.full, c1, lay.k_tail)):
+            if r1 <= r0:
+                continue
+            i0 = r0 * k
+            rows = r1 - r0
+            pos = unpack_bits(idx, lay.pos_bits, i0, rows * kc).view(rows, kc)
+            pos.add_(torch.arange(r0 * lay.chunk, r1 * lay.chunk, lay.chunk, device=idx.device).unsqueeze(1))
+            code = unpack_bits(q, bits, i0, rows * kc).view(rows, kc)
+            if bits == 1:
+                neg = code.bool()
+                mag = scale[r0:r1].unsqueeze(1).expand(rows, kc)
+            else:
+                neg = code >= (1 << (bits - 1))  # the sign is the top bit
+                j = (code & ((1 << (bits - 1)) - 1)).to(torch.float32)
+                s = scale[r0:r1]
+                mag = j.mul_(s[:, 1:2]).add_(s[:, 0:1])
+            yield pos.view(-1), torch.where(neg, mag.neg(), mag).view(-1)
 
 
 # ----------------------------------------------------------------------------- checks
