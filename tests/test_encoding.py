@@ -359,6 +359,25 @@ def test_topk_ties_keep_the_lowest_positions():
     assert _positions(enc).tolist() == [0, 1, PAGE_SIZE + 5] and enc.parts["count"].tolist() == [2, 1, 0]
 
 
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
+def test_casts_refuse_a_non_finite_value_in_any_chunk(name):
+    """The casts check each chunk's largest and smallest value: a NaN, an infinity of either sign or
+    (float16, bfloat16) a value beyond the dtype's range is refused wherever it is."""
+    spec = EncodingSpec(name)
+    too_big = {"float32": float("inf"), "bfloat16": 3.4e38, "float16": 7e4}[name]  # rounds to inf in the dtype
+    base = torch.randn(2 * CHUNK + 3, generator=torch.Generator().manual_seed(0))
+    for i, bad in enumerate((float("nan"), float("inf"), -float("inf"), too_big, -too_big)):
+        for where in (0, CHUNK - 1, CHUNK, 2 * CHUNK + 2):
+            x = base.clone()
+            x[where] = bad
+            with pytest.raises(ValueError, match="NaN or inf"):
+                (encode_with_residual if (i + where) % 2 else encode)(x, spec)
+    x = base.clone()
+    x[CHUNK + 5] = -0.0
+    enc, res = encode_with_residual(x, spec)
+    assert torch.equal(decode(enc), x.to(getattr(torch, name)).float()) and torch.equal(res, x - decode(enc))
+
+
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=spec_id)
 def test_non_finite_values_are_refused(spec):
     for bad in (float("nan"), float("inf"), -float("inf")):
