@@ -411,7 +411,7 @@ class Study:
                   f"({rec['wall']:.0f} s)", flush=True)
 
     def verify(self, n: int) -> int:
-        """Run ``n`` done runs again (a seeded draw) in a scratch folder with this checkout's code and
+        """Run ``n`` done runs again (a seeded draw, one method each first) in a scratch folder with this checkout's code and
         compare what the tables read, bit for bit; and say how long the stored runs took."""
         import random
         import tempfile
@@ -424,7 +424,14 @@ class Study:
         keys = ("eval_loss", "final_train_loss", "eval_curve", "train_curve", "diverged")
         bad = 0
         with tempfile.TemporaryDirectory(prefix="study-verify-") as tmp:
-            for j in random.Random(0).sample(done, min(n, len(done))):
+            rng, by_method = random.Random(0), {}
+            for j in done:
+                by_method.setdefault(j["method"] + (" long" if j["block"] == "long" else ""), []).append(j)
+            # one run of each method first (every outer step, the rebase, the precision block), then any
+            picks = [rng.choice(js) for _, js in sorted(by_method.items())]
+            picks = (rng.sample(picks, n) if n < len(picks) else
+                     picks + rng.sample([j for j in done if j not in picks], min(n - len(picks), len(done) - len(picks))))
+            for j in picks:
                 stored = self.results(j) or {}
                 saved = json.loads((self.root / "runs" / j["id"] / "job.json").read_text())
                 if saved.get("common", self.common) != self.common or saved["overrides"] != j["overrides"]:
