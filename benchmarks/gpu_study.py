@@ -68,7 +68,7 @@ def jobs(cpu: bool) -> list[dict]:
 
 
 def summary(outdir: Path, js: list[dict]) -> str:
-    from study_report import precision_rows
+    from study_report import precision_pairs, precision_rows
 
     groups: dict[tuple, list[dict]] = {}
     for j in js:
@@ -77,7 +77,7 @@ def summary(outdir: Path, js: list[dict]) -> str:
         except (OSError, ValueError):
             continue
         groups.setdefault((j["method"], j["state"], j["beta2"]), []).append(r)
-    return "\n".join(precision_rows(groups)) + "\n"
+    return "\n".join(precision_rows(groups) + ["", *precision_pairs(groups)]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

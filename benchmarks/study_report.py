@@ -234,15 +234,21 @@ class Report:
         return lines
 
     def precision_table(self) -> list[str]:
-        groups: dict[tuple, list[dict]] = {}
-        if not self.s.long_jobs():
+        groups = self.precision_groups()
+        if groups is None:
             return ["Its runs have a setting of their own: `python benchmarks/study.py --only long`, then "
                     "`--only long --report --out docs/study_precision.md` ([study_precision.md](study_precision.md))."]
+        return precision_rows(groups) + ["", *precision_pairs(groups)]
+
+    def precision_groups(self) -> dict[tuple, list[dict]] | None:
+        groups: dict[tuple, list[dict]] = {}
+        if not self.s.long_jobs():
+            return None
         for j in self.s.long_jobs():
             r = self.s.results(j)
             if r is not None:
                 groups.setdefault((j["method"], j["state"], j["beta2"]), []).append(r)
-        return precision_rows(groups)
+        return groups
 
 
 def spikes(curve: list[list[float]], taus: dict[int, int], stale: int = 16) -> tuple[int, int]:
@@ -300,6 +306,32 @@ def precision_rows(groups: dict[tuple, list[dict]]) -> list[str]:
                      f"({fmt(n_spikes * chance_aligned(stale / max(versions, 1)), 1)}) | "
                      f"{fmt(stale / max(versions, 1), 3)} |")
     return lines
+
+
+def precision_pairs(groups: dict[tuple, list[dict]]) -> list[str]:
+    """Paired by seed: CGAD minus Adam-Decay in each (outer state, beta2), and each low-precision
+    state minus FP32 for each (method, beta2)."""
+    def by_seed(rs: list[dict]) -> dict[int, float]:
+        return {int(r["seed"]): (math.inf if r.get("diverged") else float(r["eval_loss"])) for r in rs}
+
+    def row(what: str, a: list[dict], b: list[dict]) -> str | None:
+        x, y = by_seed(a), by_seed(b)
+        d = [x[k] - y[k] for k in sorted(x) if k in y and math.isfinite(x[k]) and math.isfinite(y[k])]
+        if not d:
+            return None
+        m, h = mean_ci(d)
+        return f"| {what} | {fmt(m)} | [{fmt(m - h)}, {fmt(m + h)}] | {', '.join(fmt(v) for v in d)} |"
+
+    lines = ["| paired difference (final eval loss) | mean | 95 % CI | per seed |", "|---|---|---|---|"]
+    for (m, st, b2), rs in sorted(groups.items()):
+        if m == "cgad" and ("adam_decay", st, b2) in groups:
+            r = row(f"cgad − adam_decay, {st}, beta2 {b2}", rs, groups[("adam_decay", st, b2)])
+            lines += [r] if r else []
+    for (m, st, b2), rs in sorted(groups.items()):
+        if st != "fp32" and (m, "fp32", b2) in groups:
+            r = row(f"{m}: {st} − fp32, beta2 {b2}", rs, groups[(m, "fp32", b2)])
+            lines += [r] if r else []
+    return lines if len(lines) > 2 else []
 
 
 def write_precision_report(study, out: Path) -> None:
