@@ -83,8 +83,11 @@ def test_gpu_study_script_reduced_cpu_mode(tmp_path, token_cache):
     assert all(r["outer_steps"] == 24 and r["sim"]["outer_state_dtype"] in ("bf16", "int8") for r in results)
     assert all(v["outer_state"]["exp_avg_sq"].keys() == {"floor", "stuck"} for r in results
                for v in r["sim"]["versions"] if v["accepted"])
-    rows = [r for r in (out / "summary.md").read_text().splitlines() if r.startswith("| adam_decay") or r.startswith("| cgad")]
+    lines = (out / "summary.md").read_text().splitlines()
+    rows = [r for r in lines if r.startswith(("| adam_decay |", "| cgad |"))]
     assert len(rows) == 4
+    pairs = [r for r in lines if r.startswith("| cgad − adam_decay, ")]  # paired by seed, one per state
+    assert len(pairs) == 2 and all(r.split(" | ")[1] != "—" for r in pairs)
     log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     assert len(log) == 4 and not any(x.get("error") for x in log)
     gpu = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_study.sh"), str(tmp_path / "g")], cwd=tmp_path,
