@@ -434,11 +434,11 @@ class Study:
             for j in picks:
                 stored = self.results(j) or {}
                 saved = json.loads((self.root / "runs" / j["id"] / "job.json").read_text())
-                if saved.get("common", self.common) != self.common or saved["overrides"] != j["overrides"]:
-                    print(f"   {j['id']}: was run with other settings than this plan's")
+                if saved["overrides"] != j["overrides"]:
+                    print(f"   {j['id']}: was run with other overrides than this plan's")
                     bad += 1
                     continue
-                rec = run_job((j, self.common, tmp))
+                rec = run_job((j, saved.get("common", self.common), tmp))  # the common part it was run with
                 new = json.loads((Path(tmp) / "runs" / j["id"] / "results.json").read_text()) if not rec.get("error") else {}
                 same = [k for k in keys if stored.get(k) == new.get(k)]
                 ok = len(same) == len(keys)

@@ -337,8 +337,13 @@ def precision_pairs(groups: dict[tuple, list[dict]]) -> list[str]:
 def write_precision_report(study, out: Path) -> None:
     """``--only long --report``: the precision block alone (its runs have their own setting, LONG)."""
     rep = Report(study)
-    n_runs = sum(1 for j in study.long_jobs() if study.results(j) is not None)
-    common = " ".join(study.common + list(rep.S.LONG["common"]))
+    done = [j for j in study.long_jobs() if study.results(j) is not None]
+    n_runs = len(done)
+    try:  # the common part the runs were made with (LONG's own overrides replace what differs)
+        common = " ".join(json.loads((study.root / "runs" / done[0]["id"] / "job.json").read_text())["common"]
+                          + list(rep.S.LONG["common"]))
+    except (IndexError, OSError, KeyError, ValueError):
+        common = " ".join(study.common + list(rep.S.LONG["common"]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join([
         "# Staleness study: the outer state's precision under a heavy tail",
