@@ -305,10 +305,12 @@ class Study:
         return todo, settled
 
     def best(self, scenario: str, arm: str) -> tuple[str, float] | None:
-        """The (family, lr) with the lowest final loss at seed 0 (None: tuning not finished)."""
+        """The (family, lr) with the lowest final loss at seed 0 (None: tuning not finished); a scenario
+        tuned as another takes the other's best lr in each of its own families (``spread`` ran in
+        ``nesterov`` only, though ``straggler`` was tuned in both)."""
         source = SCENARIOS[scenario].get("tuned_as", scenario)
         out = []
-        for fam in families_of(source, arm):
+        for fam in families_of(scenario, arm):
             lrs, ok = self.grid(source, arm, fam)
             if not ok:
                 return None
