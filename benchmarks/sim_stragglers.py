@@ -52,7 +52,7 @@ not run by default: ``async_q3``, ``async_dylu``.
 ``poly_nesterov`` (momentum 0.9, fed ``g * (1 + tau) ** -0.5``), which at staleness 0 is exactly
 DiLoCo's Nesterov, and ``staleness_sgd`` (momentum 0, the delta times ``lr / (1 + tau)``), plain
 SGD at staleness 0. The ``straggler`` and ``preempt`` arms are tuned in both (each arm's best
-(family, lr) at seed 0 is its), ``varying``, ``xdc1`` and the arms ``sync_overlap`` and
+(family, lr) at seed 0 is its; ``spread`` takes ``straggler``'s best of both), ``varying``, ``xdc1`` and the arms ``sync_overlap`` and
 ``sync_q3_apply`` in ``staleness_sgd`` only (every straggler arm's best), the rest in
 ``poly_nesterov`` only. Each 5-point log lr grid (0.1-1.6 or 0.125-2, factor 2) is extended by one
 point (up to four times) on the side where the best lr sits on the edge, so the chosen lr is
@@ -149,7 +149,7 @@ FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
 #: ``straggler``'s and ``preempt``'s original arms are tuned in both; every straggler arm's best was ``staleness_sgd``, so the
 #: scenarios and arms tuned since then are tuned in it alone (:data:`SGD_ONLY_ARMS`)
 SCENARIO_FAMILIES: dict[str, tuple[str, ...]] = {"straggler": ("nesterov", "sgd"), "preempt": ("nesterov", "sgd"),
-                                                 "varying": ("sgd",), "xdc1": ("sgd",)}
+                                                 "spread": ("nesterov", "sgd"), "varying": ("sgd",), "xdc1": ("sgd",)}
 SGD_ONLY_ARMS = ("sync_overlap", "sync_q3_apply")
 EXTEND = 4  # grid points added beyond an edge, at most, per side (async wanted 4x below the base grid)
 
@@ -306,8 +306,8 @@ class Study:
 
     def best(self, scenario: str, arm: str) -> tuple[str, float] | None:
         """The (family, lr) with the lowest final loss at seed 0 (None: tuning not finished); a scenario
-        tuned as another takes the other's best lr in each of its own families (``spread`` ran in
-        ``nesterov`` only, though ``straggler`` was tuned in both)."""
+        tuned as another takes the other's best lr in each of its own families (the sweep runs in
+        ``nesterov`` only, as ``xdc`` was tuned)."""
         source = SCENARIOS[scenario].get("tuned_as", scenario)
         out = []
         for fam in families_of(scenario, arm):
