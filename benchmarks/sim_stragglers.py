@@ -44,7 +44,9 @@ is given up: ``sim.barrier``), ``sync_q3_apply`` (the same rounds, a late delta 
 it reaches, with its staleness: ``sim.late=apply``), ``sync_dylu`` (lockstep with Dynamic Local
 Updates, token-weighted), ``sync_overlap`` (lockstep with one round of delay: each worker's phase r
 starts from version r - 1, so its upload and the next download overlap the next phase), and
-asynchronous ``async`` (one outer step per arriving delta); in ``xdc`` also ``*_int4`` (int4 deltas
+asynchronous ``async`` (one outer step per arriving delta) and, on the ``xdc1`` link,
+``async_rebase`` (each phase started from the newest version minus the worker's own deltas it does
+not hold yet: the product's asynchronous worker, ``diloco.rebase``; ``sim.rebase``); in ``xdc`` also ``*_int4`` (int4 deltas
 with error feedback) and ``*_frag4`` (4 fragments, Streaming DiLoCo) on both sides. Also defined,
 not run by default: ``async_q3``, ``async_dylu``.
 
@@ -120,6 +122,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "sync_int4": {"sync": True, "ov": [*SYNC, *INT4]},
     "sync_frag4": {"sync": True, "ov": [*SYNC, *FRAG4]},
     "async": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival"]},
+    "async_rebase": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival", "sim.rebase=true"]},
     "async_q3": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=round", "sim.quorum=3"]},
     "async_dylu": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival", *DYLU]},
     "async_int4": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival", *INT4]},
@@ -134,7 +137,7 @@ SCENARIO_ARMS = {
     # no worker is slow on average, so "drop the stragglers" keeps every worker (= sync); a quorum with a
     # deadline is the form of dropping that follows the speeds as they change
     "varying": ["sync", "sync_q3_drop", "sync_dylu", "async"],
-    "xdc1": ["sync", "sync_overlap", "sync_q3_apply", "async"],
+    "xdc1": ["sync", "sync_overlap", "sync_q3_apply", "async", "async_rebase"],
     **{f"xdc_r{rho:g}": ["sync", "async"] for rho in SWEEP},
 }
 #: family -> (outer optimizer, its 5-point lr grid), sync and async alike: ``poly_nesterov`` (Nesterov
@@ -150,7 +153,7 @@ FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
 #: scenarios and arms tuned since then are tuned in it alone (:data:`SGD_ONLY_ARMS`)
 SCENARIO_FAMILIES: dict[str, tuple[str, ...]] = {"straggler": ("nesterov", "sgd"), "preempt": ("nesterov", "sgd"),
                                                  "spread": ("nesterov", "sgd"), "varying": ("sgd",), "xdc1": ("sgd",)}
-SGD_ONLY_ARMS = ("sync_overlap", "sync_q3_apply")
+SGD_ONLY_ARMS = ("sync_overlap", "sync_q3_apply", "async_rebase")  # the rebase needs a momentum-free outer step
 EXTEND = 4  # grid points added beyond an edge, at most, per side (async wanted 4x below the base grid)
 
 
