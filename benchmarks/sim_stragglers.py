@@ -53,10 +53,10 @@ not run by default: ``async_q3``, ``async_dylu``.
 **Outer optimizers, tuned the same way** (:data:`FAMILIES`, :func:`families_of`):
 ``poly_nesterov`` (momentum 0.9, fed ``g * (1 + tau) ** -0.5``), which at staleness 0 is exactly
 DiLoCo's Nesterov, and ``staleness_sgd`` (momentum 0, the delta times ``lr / (1 + tau)``), plain
-SGD at staleness 0. The ``straggler`` and ``preempt`` arms are tuned in both (each arm's best
+SGD at staleness 0. The ``straggler``, ``preempt`` and ``xdc`` arms are tuned in both (each arm's best
 (family, lr) at seed 0 is its; ``spread`` takes ``straggler``'s best of both), ``varying``, ``xdc1`` and the arms ``sync_overlap`` and
-``sync_q3_apply`` in ``staleness_sgd`` only (every straggler arm's best), the rest in
-``poly_nesterov`` only. Each 5-point log lr grid (0.1-1.6 or 0.125-2, factor 2) is extended by one
+``sync_q3_apply`` in ``staleness_sgd`` only (every straggler arm's best), the sweep in
+``poly_nesterov`` only (``xdc``'s lrs in that family). Each 5-point log lr grid (0.1-1.6 or 0.125-2, factor 2) is extended by one
 point (up to four times) on the side where the best lr sits on the edge, so the chosen lr is
 interior. Tuning: seed 0, the final eval loss at the budget (equal time). Then seeds 1 and 2 at each
 (scenario, arm)'s best. The scenarios with ``tuned_as`` (``spread``, the sweep) reuse that
@@ -152,7 +152,8 @@ FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
 #: ``straggler``'s and ``preempt``'s original arms are tuned in both; every straggler arm's best was ``staleness_sgd``, so the
 #: scenarios and arms tuned since then are tuned in it alone (:data:`SGD_ONLY_ARMS`)
 SCENARIO_FAMILIES: dict[str, tuple[str, ...]] = {"straggler": ("nesterov", "sgd"), "preempt": ("nesterov", "sgd"),
-                                                 "spread": ("nesterov", "sgd"), "varying": ("sgd",), "xdc1": ("sgd",)}
+                                                 "spread": ("nesterov", "sgd"), "xdc": ("nesterov", "sgd"),
+                                                 "varying": ("sgd",), "xdc1": ("sgd",)}
 SGD_ONLY_ARMS = ("sync_overlap", "sync_q3_apply", "async_rebase")  # the rebase needs a momentum-free outer step
 EXTEND = 4  # grid points added beyond an edge, at most, per side (async wanted 4x below the base grid)
 

@@ -68,7 +68,8 @@ def test_families_new_scenarios_and_arms_are_tuned_in_staleness_sgd(harness):
     assert harness.families_of("xdc1", "async") == ["sgd"]
     assert harness.families_of("xdc1", "async_rebase") == ["sgd"]  # the rebase needs a momentum-free step
     assert "sim.rebase=true" in harness.job("xdc1", "async_rebase", "sgd", 1.0, 0)["overrides"]
-    assert harness.families_of("xdc", "sync") == ["nesterov"]
+    assert harness.families_of("xdc", "sync") == ["nesterov", "sgd"]
+    assert harness.families_of("xdc_r1", "sync") == ["nesterov"]  # the sweep: xdc's lrs in the first family
     assert harness.FAMILIES["sgd"] == ("staleness_sgd", (0.125, 0.25, 0.5, 1.0, 2.0))
 
 
