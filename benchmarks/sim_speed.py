@@ -9,7 +9,11 @@ beforehand, so neither pays for it). The simulator runs twice: unbatched (``sim`
 
 * end to end: ``workers * max_steps`` over the wall time of the whole ``train.py`` command
   (start-up, data, evaluation and results included): what a user waits for;
-* in-run: the same over the run's own ``wall_seconds`` (``results.json``).
+* in-run: the same over the run's own ``wall_seconds`` (``results.json``);
+* per CPU second: the same over the CPU time (user + system) of the whole ``train.py`` process
+  tree: what the cores buy, whatever else runs on them. Each launcher keeps both cores of an idle
+  2-core machine busy, so there the wall-clock ratio tends to this one; on a shared machine the
+  wall clock measures the load as much as the launcher (the multi-process run's most).
 
     python benchmarks/sim_speed.py                       # tiny recipe, 2 repeats
     python benchmarks/sim_speed.py --repeat 3 -- workers=4 trainer.max_steps=64
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,18 +52,26 @@ LAUNCHES = {"local": ["launch=local"], "sim": ["launch=sim", "sim.batched=false"
 
 
 def _run(args: list[str], root: Path, env: dict) -> tuple[float, dict]:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _children_cpu()
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"run_root={root}"], cwd=root, env=env,
                           capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
     if proc.returncode:
         raise SystemExit(f"train.py {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     run_id = next(a.split("=", 1)[1] for a in args if a.startswith("run_id="))
-    return wall, json.loads((root / run_id / "results.json").read_text())
+    return wall, cpu, json.loads((root / run_id / "results.json").read_text())
 
 
-def _ceiling(overrides: list[str], root: Path, steps: int = 24) -> float:
-    """Inner steps per second of bare inner loops, ``min(workers, cores)`` on threads (see the docstring)."""
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of every finished child process tree (train.py waits for the
+    multi-process run's master and workers, so theirs are in it)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _ceiling(overrides: list[str], root: Path, steps: int = 24) -> tuple[float, float]:
+    """Inner steps per second of bare inner loops, ``min(workers, cores)`` on threads (see the
+    docstring), and per CPU second of this process."""
     import threading
 
     import torch
@@ -87,10 +100,10 @@ def _ceiling(overrides: list[str], root: Path, steps: int = 24) -> float:
     for t in threads:
         t.start()
     barrier.wait()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for t in threads:
         t.join()
-    return n * steps / (time.perf_counter() - t0)
+    return n * steps / (time.perf_counter() - t0), n * steps / (time.process_time() - c0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     common = [f"recipe={a.recipe}", *(STUDY if a.model == "study" else []), *a.overrides]
-    rows: dict[str, list[tuple[float, float]]] = {k: [] for k in LAUNCHES}
-    bare: list[float] = []
+    rows: dict[str, list[tuple[float, float, float]]] = {k: [] for k in LAUNCHES}
+    bare: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory(prefix="sim_speed_") as tmp:
         root = Path(tmp)
         env.setdefault("DILOCO_CACHE_DIR", str(root / "cache"))
@@ -114,24 +127,31 @@ def main(argv: list[str] | None = None) -> int:
         _run([*common, "launch=sim", "trainer.max_steps=8", "run_id=warm"], root, env)  # builds the data cache once
         for i in range(a.repeat):
             for launch, extra in LAUNCHES.items():
-                wall, res = _run([*common, *extra, f"run_id={launch}{i}"], root, env)
+                wall, cpu, res = _run([*common, *extra, f"run_id={launch}{i}"], root, env)
                 steps = res["workers"] * res["max_steps"]
-                rows[launch].append((steps / wall, steps / res["wall_seconds"]))
+                rows[launch].append((steps / wall, steps / res["wall_seconds"], steps / cpu))
                 print(f"{launch:8} run {i}: {steps} inner steps, command {wall:6.1f} s -> {steps / wall:6.1f} steps/s end to end, "
-                      f"{steps / res['wall_seconds']:6.1f} steps/s in-run; eval loss {res['eval_loss']:.3f}", flush=True)
+                      f"{steps / res['wall_seconds']:6.1f} steps/s in-run, {steps / cpu:6.2f} per CPU second end to end; "
+                      f"eval loss {res['eval_loss']:.3f}; load {os.getloadavg()[0]:.1f}", flush=True)
             if a.ceiling:
                 bare.append(_ceiling(common, root))
-                print(f"bare  run {i}: {bare[-1]:6.1f} steps/s (inner steps only, no launcher)", flush=True)
-    med = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v)) for k, v in rows.items()}
-    for i, what in ((0, "end to end"), (1, "in-run")):
+                print(f"bare  run {i}: {bare[-1][0]:6.1f} steps/s, {bare[-1][1]:6.2f} per CPU second (inner steps only, "
+                      "no launcher)", flush=True)
+    med = {k: tuple(statistics.median(r[i] for r in v) for i in range(3)) for k, v in rows.items()}
+    # per CPU second: what the machine's cores buy, whatever else runs on them. Each launcher keeps
+    # both cores of an idle 2-core machine busy (the multi-process run with its processes, the
+    # simulator with min(workers, cores) threads), so there the wall-clock ratio tends to this one;
+    # on a loaded machine the wall clock measures the load as much as the launcher
+    for i, what in ((0, "end to end"), (1, "in-run"), (2, "per CPU second, end to end")):
         print(f"# median {what:10}: local {med['local'][i]:.1f}, sim {med['sim'][i]:.1f}, sim-batched "
               f"{med['sim-batched'][i]:.1f} steps/s: sim / local = {med['sim'][i] / med['local'][i]:.1f}x, "
               f"sim-batched / local = {med['sim-batched'][i] / med['local'][i]:.1f}x, "
               f"sim-batched / sim = {med['sim-batched'][i] / med['sim'][i]:.2f}x")
     if bare:
-        b = statistics.median(bare)
+        b, bc = statistics.median(x for x, _ in bare), statistics.median(y for _, y in bare)
         print(f"# median bare inner loops: {b:.1f} steps/s: bare / local (in-run) = {b / med['local'][1]:.1f}x, "
-              f"sim / bare = {med['sim'][1] / b:.2f}")
+              f"sim / bare = {med['sim'][1] / b:.2f}; per CPU second {bc:.2f}: bare / local = {bc / med['local'][2]:.1f}x, "
+              f"sim-batched / bare = {med['sim-batched'][2] / bc:.2f}")
     print(f"# load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

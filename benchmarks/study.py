@@ -1,14 +1,18 @@
 """The staleness study (docs/study.md) on the simulator: every run is ``train.py launch=sim`` composed in-process.
 
-    python benchmarks/study.py                 # everything into study/ (resumable), then docs/study_results.md
+    python benchmarks/study.py                 # every table of docs/study_results.md into study_small/ (resumable)
     python benchmarks/study.py --jobs 2        # two runs at a time (one core each)
     python benchmarks/study.py --plan          # every run planned so far as a train.py command line, done or not
-    python benchmarks/study.py --report        # study/ -> docs/study_results.md, no runs
+    python benchmarks/study.py --report        # study_small/ -> docs/study_results.md, no runs
+    python benchmarks/study.py --large         # the same plan at the setting below (3-10 min a run here) in study/
     python benchmarks/study.py --quick         # a few-minute smoke version into study_quick/
     python benchmarks/study.py --full          # every method at every setting (about twice the runs)
     python benchmarks/study.py --only arr8     # the cells of one setting (pilots); --methods sgd,cgad likewise
+    python benchmarks/study.py --verify 4      # 4 done runs again, compared bit for bit, and the study's run time
 
-Setting (every run): a Llama of d_model 96, 3 layers (4 heads, 2 KV heads, SwiGLU 256, tied embeddings:
+The reduced setting the tables were made with (:data:`SMALL`, the default; ``--small`` says it
+explicitly) is a Llama of d_model 64, 2 layers (0.1 M parameters), H = 4, 96 inner steps per worker,
+the rest as below. ``--large``: a Llama of d_model 96, 3 layers (4 heads, 2 KV heads, SwiGLU 256, tied embeddings:
 0.33 M parameters) on UTF-8 bytes (vocabulary 257) of the first 2 MB of the Python standard library's
 sources, sequences of 64, batch 8, 4 workers, H = 8, 200 inner AdamW steps each (lr 4e-3, 20 warm-up
 steps, cosine to 10 %): 100 deltas, so 100 outer steps when every delta is its own outer step
@@ -67,6 +71,7 @@ SETTINGS: dict[str, list[str]] = {
     "sync": ["master.aggregation=round", "diloco.delay=0"],  # synchronous DiLoCo: the fair reference
     "async": ["master.aggregation=arrival", "diloco.sync=async", "diloco.delay=0"],  # 4 equal workers: tau = 3
     "arr4": ["master.aggregation=arrival", "diloco.delay=4"],
+    "arr6": ["master.aggregation=arrival", "diloco.delay=6"],  # the rebase's control (MISSING_SETTINGS)
     "arr8": ["master.aggregation=arrival", "diloco.delay=8"],
     "arr16": ["master.aggregation=arrival", "diloco.delay=16"],
     "heavy": ["master.aggregation=arrival", *HEAVY],
@@ -112,25 +117,27 @@ METHODS: dict[str, Method] = {
 #: the cells (setting -> methods): the synchronous reference, then the audit's baseline (sgd), the
 #: master-side corrections (gap, dc), CGAD and DiLoCo's Nesterov (the old default) at each delay, the
 #: worker-side rebase (sgd_rb: sim.rebase; not at async, where it changes nothing with instant
-#: transfers) and at 8 arrivals two cheap variants of the baseline (power 2, momentum -0.5). At
+#: transfers), Nesterov momentum 0.5 under the gate (sgd_m0.5) up to 8 arrivals, and at 8 arrivals two cheap
+#: variants of the baseline (power 2, momentum -0.5). At
 #: a fixed delay a constant gate is a constant lr factor after the first tau arrivals, so nesterov is
 #: sgd_m0.9 there up to that warm-up, and adam_decay is cgad.
 PLAN: dict[str, list[str]] = {
-    "sync": ["sgd", "sgd_m0.9"],  # sgd_m0.9 at tau = 0 is DiLoCo's Nesterov step exactly
-    "async": ["sgd", "gap", "dc", "cgad", "nesterov"],
-    "arr4": ["sgd", "gap", "cgad", "nesterov", "sgd_rb"],
-    "arr8": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_rb", "sgd_p2", "sgd_mneg"],
+    "sync": ["sgd", "sgd_m0.9", "sgd_m0.5"],  # sgd_m0.9 at tau = 0 is DiLoCo's Nesterov step exactly
+    "async": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_m0.5"],
+    "arr4": ["sgd", "gap", "cgad", "nesterov", "sgd_rb", "sgd_m0.5"],
+    "arr8": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_rb", "sgd_p2", "sgd_mneg", "sgd_m0.5"],
     "arr16": ["sgd", "gap", "cgad", "nesterov", "sgd_rb"],
     "heavy": ["sgd", "sgd_rb"],
+    "arr6": ["sgd"],  # 6 deltas missing from a base, as at 8 arrivals after the rebase (MISSING_SETTINGS)
     "rnd2": ["sgd", "sgd_rb"],  # 2 rounds of 4 (the unit the recipes' tau counts): about 8 arrivals
 }
 #: --full: the rest of the grid (momentum for the SGD family, the other Adam and Nesterov variants,
 #: the heavy tail, round-mode delays)
 FULL_EXTRA: dict[str, list[str]] = {
-    "sync": ["sgd_m0.5", "adam"],
-    "async": ["sgd_m0.5", "sgd_m0.9", "poly", "dn", "adam", "adam_decay", "gap_h"],
-    "arr4": ["sgd_m0.5", "sgd_m0.9", "dc", "dn", "adam"],
-    "arr8": ["sgd_p0", "sgd_m0.5", "sgd_m0.9", "gap_h", "dn", "adam"],
+    "sync": ["adam"],
+    "async": ["sgd_m0.9", "poly", "dn", "adam", "adam_decay", "gap_h"],
+    "arr4": ["sgd_m0.9", "dc", "dn", "adam"],
+    "arr8": ["sgd_p0", "sgd_m0.9", "gap_h", "dn", "adam"],
     "arr16": ["sgd_m0.5", "sgd_m0.9", "dc", "dn", "adam"],
     "heavy": ["sgd_m0.9", "gap", "nesterov", "poly", "dn", "adam", "adam_decay", "cgad"],
     "rnd2": ["sgd_m0.9", "gap", "adam", "cgad"],
@@ -142,6 +149,11 @@ CLOSE_SEEDS = (3, 4)
 #: tau counts): their best cell and the baseline (sgd) get seeds 3 and 4 even when they are not within
 #: 2 standard errors, for the goal's R and paired CI
 GOAL_SETTINGS = ("arr8", "rnd2")
+#: the rebase's control: at 8 arrivals a rebased phase still lacks the other workers' 6 deltas; plain
+#: sgd at 6 arrivals lacks 6 deltas too (own and others'). Seeds 3 and 4 for it, so that it pairs
+#: with arr8's sgd_rb over five seeds: if the two match, what the rebase leaves is just the count of
+#: deltas missing, whoever made them
+MISSING_SETTINGS = ("arr6",)
 TRANSFER_SEEDS = {"async": SEEDS, "arr8": SEEDS, "heavy": SEEDS}  # elsewhere seed 0 only
 POINTS, MAX_EXTEND = 5, 4
 #: the precision runs (issue 24, section 4): heavy-tailed delays past tau_cut, 1000+ outer steps
@@ -149,8 +161,8 @@ LONG = {
     "common": ["diloco.inner_steps=2", "trainer.max_steps=504", "model.d_model=64", "model.n_layers=2",
                "model.ffn_hidden=172", "data.val_batches=4", "launch.eval_points=252", "optim.warmup_steps=40"],
     "methods": ("adam_decay", "cgad"),
-    "states": ("fp32", "naive-bf16", "naive-int8"),  # naive FP32 is scaled FP32 up to rounding (a unit test)
-    "beta2": (0.95, 0.999),
+    "states": ("naive-bf16", "naive-int8", "fp32"),  # naive FP32 is scaled FP32 up to rounding (a unit test)
+    "beta2": (0.999, 0.95),  # 0.999 first: there v decays slowly enough to reach a low-precision floor
     "lr": 0.002,
     "seeds": SEEDS,
 }
@@ -160,9 +172,9 @@ QUICK = {"common_extra": ["trainer.max_steps=32", "model.d_model=32", "model.n_l
          "plan": {"sync": ["sgd"], "arr8": ["sgd", "cgad"]}, "points": 3, "seeds": (0, 1)}
 
 
-#: the reduced setting the study ran on this shared 2-core machine (--small): 0.1 M parameters, H = 4,
+#: the reduced setting the study ran on this shared 2-core machine (the default; --large for the other): 0.1 M parameters, H = 4,
 #: 96 inner steps per worker (96 deltas: 96 outer steps in arrival mode, 24 rounds of 4 in round mode);
-#: under a minute a run here, against 3-10 min for the full setting
+#: under a minute a run here, against 3-10 min for --large
 SMALL = {"common_extra": ["trainer.max_steps=96", "diloco.inner_steps=4", "model.d_model=64", "model.n_layers=2",
                           "model.ffn_hidden=172", "data.val_batches=8", "optim.warmup_steps=10",
                           "launch.eval_points=2"]}
@@ -193,8 +205,9 @@ class Cell:
 class Study:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        q = QUICK if args.quick else SMALL if args.small else {}
-        default = "study_quick" if args.quick else "study_small" if args.small else "study"
+        large = bool(getattr(args, "large", False)) and not args.quick
+        q = QUICK if args.quick else {} if large else SMALL
+        default = "study_quick" if args.quick else "study" if large else "study_small"
         self.root = Path(args.root or (ROOT / default)).resolve()
         plan = q.get("plan", PLAN)
         if args.full and not args.quick:
@@ -320,6 +333,11 @@ class Study:
                     for m in (a, b):
                         k = self.best_k(s, m)
                         out += [job(s, m, k, seed, block="close") for seed in CLOSE_SEEDS]  # type: ignore[arg-type]
+        for s in MISSING_SETTINGS:
+            for m in self.plan.get(s, []):
+                k = self.best_k(s, m)
+                if k is not None:
+                    out += [job(s, m, k, seed, block="close") for seed in CLOSE_SEEDS]
         if out and any(s in self.plan for s in GOAL_SETTINGS) and "sync" in self.plan:
             # the synchronous reference's seeds 3 and 4 too, so that R is per seed over all five
             refs = {m: self.tuned_losses("sync", m, SEEDS) for m in self.plan["sync"]}
@@ -333,12 +351,12 @@ class Study:
     def long_jobs(self) -> list[dict]:
         """The precision runs: Adam-Decay and CGAD with each outer-state layout and beta2, heavy tail."""
         asked = bool(self.args.only) and "long" in self.args.only.split(",")
-        if self.args.quick or (self.args.only and not asked) or (self.args.small and not asked):
+        if self.args.quick or (self.args.only and not asked) or (self.args.methods and not asked):
             return []
         out = []
-        for m in LONG["methods"]:
+        for b2 in LONG["beta2"]:  # pairs first: each (beta2, state) row is both methods, all seeds
             for st in LONG["states"]:
-                for b2 in LONG["beta2"]:
+                for m in LONG["methods"]:
                     extra = [*LONG["common"], f"outer.options.betas=[0.9,{b2}]"]
                     if st.startswith("naive"):
                         extra.append("outer.options.state_layout=naive")
@@ -391,6 +409,44 @@ class Study:
         else:
             print(f"   {rec['id']}: eval {rec['eval_loss']:.3f}{' DIVERGED' if rec['diverged'] else ''} "
                   f"({rec['wall']:.0f} s)", flush=True)
+
+    def verify(self, n: int) -> int:
+        """Run ``n`` done runs again (a seeded draw, one method each first) in a scratch folder with this checkout's code and
+        compare what the tables read, bit for bit; and say how long the stored runs took."""
+        import random
+        import tempfile
+
+        done = sorted((j for j in self.all_jobs() + self.long_jobs() if self.results(j) is not None),
+                      key=lambda j: j["id"])
+        walls = [float(self.results(j).get("wall_seconds", 0.0)) for j in done]  # type: ignore[union-attr]
+        print(f"{len(done)} runs done; their run time: {sum(walls) / 60:.0f} min on one core "
+              f"(median {statistics.median(walls) if walls else 0:.0f} s a run)")
+        keys = ("eval_loss", "final_train_loss", "eval_curve", "train_curve", "diverged")
+        bad = 0
+        with tempfile.TemporaryDirectory(prefix="study-verify-") as tmp:
+            rng, by_method = random.Random(0), {}
+            for j in done:
+                by_method.setdefault(j["method"] + (" long" if j["block"] == "long" else ""), []).append(j)
+            # one run of each method first (every outer step, the rebase, the precision block), then any
+            picks = [rng.choice(js) for _, js in sorted(by_method.items())]
+            picks = (rng.sample(picks, n) if n < len(picks) else
+                     picks + rng.sample([j for j in done if j not in picks], min(n - len(picks), len(done) - len(picks))))
+            for j in picks:
+                stored = self.results(j) or {}
+                saved = json.loads((self.root / "runs" / j["id"] / "job.json").read_text())
+                if saved.get("common", self.common) != self.common or saved["overrides"] != j["overrides"]:
+                    print(f"   {j['id']}: was run with other settings than this plan's")
+                    bad += 1
+                    continue
+                rec = run_job((j, self.common, tmp))
+                new = json.loads((Path(tmp) / "runs" / j["id"] / "results.json").read_text()) if not rec.get("error") else {}
+                same = [k for k in keys if stored.get(k) == new.get(k)]
+                ok = len(same) == len(keys)
+                bad += not ok
+                print(f"   {j['id']}: eval {stored.get('eval_loss')!r} -> {new.get('eval_loss')!r} "
+                      f"({'identical' if ok else 'DIFFERENT: ' + ', '.join(k for k in keys if k not in same)}; "
+                      f"{rec['wall']:.0f} s)", flush=True)
+        return 1 if bad else 0
 
     def run(self) -> int:
         t0 = time.time()
@@ -485,15 +541,17 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__)
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
     ap.add_argument("--quick", action="store_true", help="a smoke version (2 cells, 32 steps) in study_quick/")
-    ap.add_argument("--small", action="store_true", help="the reduced setting (SMALL, docs/study.md's tables) in study_small/")
+    ap.add_argument("--small", action="store_true", help="the reduced setting (SMALL, docs/study.md's tables; the default)")
+    ap.add_argument("--large", action="store_true", help="the 0.33 M-parameter setting (3-10 min a run here) in study/")
     ap.add_argument("--full", action="store_true", help="the whole grid (every method at every setting; ~2x the runs)")
     ap.add_argument("--plan", action="store_true", help="list the runs planned so far (done or not); run nothing")
     ap.add_argument("--report", action="store_true", help="write the tables from what is done; run nothing")
     ap.add_argument("--only", help="comma-separated settings to run (and 'long' for the precision runs)")
     ap.add_argument("--methods", help="comma-separated methods to run")
-    ap.add_argument("--root", help="study folder (default study/, or study_quick/ with --quick)")
+    ap.add_argument("--root", help="study folder (default study_small/; study/ with --large, study_quick/ with --quick)")
     ap.add_argument("--out", help="report file (default docs/study_results.md)")
     ap.add_argument("--retry-failed", action="store_true")
+    ap.add_argument("--verify", type=int, metavar="N", help="run N done runs again and compare them bit for bit; run nothing else")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     study = Study(args)
@@ -501,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
         return study.plan_text()
     if args.report:
         return study.report()
+    if args.verify:
+        return study.verify(args.verify)
     return study.run()
 
 

@@ -24,9 +24,9 @@ from typing import Any
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 #: the audit's baseline every method is paired against: staleness-scaled SGD, lr / (1 + tau), no momentum
 BASELINE = "sgd"
-ASYNC = ("async", "arr4", "arr8", "arr16", "heavy", "rnd2")
+ASYNC = ("async", "arr4", "arr6", "arr8", "arr16", "heavy", "rnd2")
 LABEL = {"sync": "synchronous (round, tau 0)", "async": "natural async (4 equal workers, tau 3)",
-         "arr4": "tau = 4 arrivals", "arr8": "tau = 8 arrivals", "arr16": "tau = 16 arrivals",
+         "arr4": "tau = 4 arrivals", "arr6": "tau = 6 arrivals", "arr8": "tau = 8 arrivals", "arr16": "tau = 16 arrivals",
          "heavy": "heavy tail (P(tau > 32) = 10 %)", "rnd2": "tau = 2 rounds (~8 arrivals)"}
 
 
@@ -212,8 +212,32 @@ class Report:
                 lines.append(f"| {setting} | cgad − adam_decay | {fmt(m)} | [{fmt(m - h)}, {fmt(m + h)}] | {n} |")
         return lines
 
+    def missing_table(self, ref: dict[int, float]) -> list[str]:
+        """The rebase's control: at 8 arrivals a rebased phase lacks 6 deltas (the other workers'),
+        as a plain phase at 6 arrivals does (its own and others'). Paired by seed."""
+        pairs = [(s, m) for s in self.S.MISSING_SETTINGS for m in self.s.plan.get(s, [])]
+        if not pairs or "arr8" not in self.s.plan or "sgd_rb" not in self.s.plan["arr8"]:
+            return ["(not run)"]
+        rb = self.losses("arr8", "sgd_rb", self.s.best_k("arr8", "sgd_rb"))
+        lines = ["| cell | deltas a base lacks | R [95 % CI] | minus arr8 sgd_rb, paired [95 % CI] (seeds) |",
+                 "|---|---|---|---|"]
+        rows = [("arr8", "sgd_rb", "6 (the other workers')", rb),
+                ("arr8", "sgd", "8 (2 own, 6 others')", self.losses("arr8", "sgd", self.s.best_k("arr8", "sgd")))]
+        rows += [(s, m, f"{s[3:]} (own and others')", self.losses(s, m, self.s.best_k(s, m))) for s, m in pairs]
+        for s, m, what, ls in rows:
+            if not ls:
+                continue
+            r, rh = self.retained(ls, ref)
+            d, dh, n = self.paired(ls, rb)
+            diff = "(reference)" if (s, m) == ("arr8", "sgd_rb") else f"{fmt(d)} [{fmt(d - dh)}, {fmt(d + dh)}] ({n})"
+            lines.append(f"| {s} {m} | {what} | {fmt(r, 2)} [{fmt(r - rh, 2)}, {fmt(r + rh, 2)}] | {diff} |")
+        return lines
+
     def precision_table(self) -> list[str]:
         groups: dict[tuple, list[dict]] = {}
+        if not self.s.long_jobs():
+            return ["Its runs have a setting of their own: `python benchmarks/study.py --only long`, then "
+                    "`--only long --report --out docs/study_precision.md` ([study_precision.md](study_precision.md))."]
         for j in self.s.long_jobs():
             r = self.s.results(j)
             if r is not None:
@@ -237,13 +261,21 @@ def spikes(curve: list[list[float]], taus: dict[int, int], stale: int = 16) -> t
     return count, aligned
 
 
+def chance_aligned(p: float, window: int = 3) -> float:
+    """The chance that a point falls within ``window - 1`` versions after a stale delta when each
+    version applies one with probability ``p``, independently: what :func:`spikes`' alignment
+    would count for spikes that have nothing to do with staleness."""
+    return 1.0 - (1.0 - p) ** window
+
+
 def precision_rows(groups: dict[tuple, list[dict]]) -> list[str]:
     """The precision block: per (method, outer state, beta2), the runs' final losses, the fraction of
     v at the quantisation floor and stuck (over every version), and loss spikes against stale arrivals."""
     if not groups:
         return ["(not run)"]
     lines = ["| method | outer state | beta2 | final eval loss (seeds) | diverged | v at the floor: mean, max | "
-             "v stuck: mean | spikes | of them within 2 versions of a delta with tau > 16 | versions with tau > 16 |",
+             "v stuck: mean | spikes | of them within 2 versions of a delta with tau > 16 (expected by chance) | "
+             "versions with tau > 16 |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for (m, st, b2), rs in sorted(groups.items()):
         losses = [math.inf if x.get("diverged") else x["eval_loss"] for x in rs]
@@ -264,17 +296,41 @@ def precision_rows(groups: dict[tuple, list[dict]]) -> list[str]:
         lines.append(f"| {m} | {st} | {b2} | {', '.join(fmt(x) for x in losses)} | "
                      f"{sum(math.isinf(x) for x in losses)}/{len(losses)} | "
                      f"{fmt(statistics.mean(floor), 4) if floor else '—'}, {fmt(max(floor), 4) if floor else '—'} | "
-                     f"{fmt(statistics.mean(stuck), 4) if stuck else '—'} | {n_spikes} | {n_aligned} | "
+                     f"{fmt(statistics.mean(stuck), 4) if stuck else '—'} | {n_spikes} | {n_aligned} "
+                     f"({fmt(n_spikes * chance_aligned(stale / max(versions, 1)), 1)}) | "
                      f"{fmt(stale / max(versions, 1), 3)} |")
     return lines
 
 
+def write_precision_report(study, out: Path) -> None:
+    """``--only long --report``: the precision block alone (its runs have their own setting, LONG)."""
+    rep = Report(study)
+    n_runs = sum(1 for j in study.long_jobs() if study.results(j) is not None)
+    common = " ".join(study.common + list(rep.S.LONG["common"]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join([
+        "# Staleness study: the outer state's precision under a heavy tail",
+        "",
+        f"Generated by `python benchmarks/study.py --only long --report` from the runs' `results.json` files "
+        f"({n_runs} runs; {platform.machine()}, {os.cpu_count()} CPUs). What they mean: [study.md](study.md), "
+        "\"The paper's low-precision mechanism\".",
+        "",
+        f"Every run: `python train.py {common} <the row's overrides>` (`--only long --plan` prints each one). "
+        f"Unigram loss U = {rep.U:.3f}; chance = ln 257 = {math.log(257):.3f}.",
+        "",
+        *rep.precision_table(),
+        "",
+    ]))
+
+
 def write_report(study, out: Path) -> None:
+    if not study.plan and study.long_jobs():
+        return write_precision_report(study, out)
     rep = Report(study)
     ref_method, ref = rep.reference()
     tuned, ranking = rep.tuned_table(ref)
     mean, h = mean_ci(list(ref.values()))
-    flags = " --small" if study.args.small else " --quick" if study.args.quick else ""
+    flags = " --quick" if study.args.quick else " --large" if getattr(study.args, "large", False) else ""
     n_runs = len(list((study.root / "runs").glob("*/results.json"))) if (study.root / "runs").is_dir() else 0
     text = [
         "# Staleness study: the tables",
@@ -308,6 +364,10 @@ def write_report(study, out: Path) -> None:
         "## Paired differences against each setting's best (and against the baseline, sgd)",
         "",
         *rep.paired_table(ranking),
+        "",
+        "## What the rebase leaves: the count of deltas a base lacks",
+        "",
+        *rep.missing_table(ref),
         "",
         "## Divergences at every lr",
         "",

@@ -10,6 +10,8 @@
   front of it (tests/support/s3_proxy.py); ``s3_bucket``: a fresh bucket there.
 * ``transport``: one hub on each transport (file, hf, hf per node, s3) with its failures
   (``tests/support/transports.py``).
+* ``one_thread``: one intra-op torch thread for a module of tiny-tensor tests
+  (``pytestmark = pytest.mark.usefixtures("one_thread")``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,18 @@ def clean_env(monkeypatch):
         monkeypatch.setattr(c, "HF_HUB_OFFLINE", False, raising=False)
     except ImportError:  # pragma: no cover
         pass
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op torch thread while a module runs: on tiny tensors more threads only add contention
+    on a shared 2-core machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ from diloco_lightning.encoding import (
     validate_parts,
 )
 from diloco_lightning.encoding.bits import pack_bits, packed_bytes, unpack_bits
-from diloco_lightning.encoding.chunked import VALUE_BITS, _select, _select_exact, chunk_layout
+from diloco_lightning.encoding.chunked import CHUNK_SIZES, VALUE_BITS, _narrowing, _select, _select_exact, chunk_layout
 
 F32 = np.float32
 TINY = 2.0**-100
@@ -224,6 +224,67 @@ def test_narrowed_selection_equals_the_whole_row_one():
         if trial % 5 == 1:
             x[5:9] = 1e-3 * torch.sign(x[5:9])  # Adam-like: every magnitude alike
         assert torch.equal(_select(x, k), _select_exact(x.abs(), k)), (chunk, k)
+
+
+def _hard_rows(rows: int, chunk: int, seed: int) -> torch.Tensor:
+    """Rows that stress the narrowed selection: ties (also across blocks), -0.0 beside +0.0, all-zero
+    and all-(-0.0) rows, rows of one magnitude, one outlier per row."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, chunk, generator=gen)
+    x[0::5] = (x[0::5] * 3).round()  # few distinct magnitudes: ties everywhere
+    x[1::5] = -0.0
+    x[1::5, ::3] = 0.0  # -0.0 and +0.0 mixed (both magnitude 0)
+    x[2::5] = 1e-3 * torch.sign(x[2::5])  # Adam-like: every magnitude alike
+    x[3::5, chunk // 2] = 1e30  # one outlier
+    x[4::5] = torch.where(torch.rand(x[4::5].shape, generator=gen) < 0.5, -0.0, x[4::5])
+    x[-2], x[-1] = 0.0, -0.0  # an all-zero row and an all-(-0.0) row
+    return x
+
+
+@pytest.mark.parametrize("chunk", CHUNK_SIZES)
+def test_selection_is_exact_for_every_chunk_size(chunk):
+    rows = max(5, (1 << 15) // chunk)
+    x = _hard_rows(rows, chunk, seed=chunk)
+    ks = sorted({1, 2, max(1, chunk // 64), max(1, round(chunk * 0.03)), chunk // 4, chunk - 1, chunk})
+    assert any(_narrowing(chunk, k) for k in ks)  # the narrowed path runs (the whole-row one for the largest k)
+    for k in ks:
+        got = _select(x, k)
+        assert got.dtype == torch.int64 and got.shape == (rows, k)
+        assert torch.equal(got, _select_exact(x.abs(), k)), (chunk, k)
+        work = torch.full((x.numel() + 7,), -1, dtype=torch.int32)  # a kept buffer, larger than needed
+        assert torch.equal(_select(x, k, work), got)
+
+
+@pytest.mark.parametrize("chunk", [16, 4096, 65536])
+def test_selection_refuses_nan_and_inf_anywhere(chunk):
+    k = max(1, chunk // 64)
+    for bad in (float("nan"), float("inf"), -float("inf"), -float("nan")):
+        for where in ((0, 0), (2, chunk - 1), (1, chunk // 2 + 1)):
+            x = _hard_rows(3, chunk, seed=1)
+            x[where] = bad
+            with pytest.raises(ValueError, match="NaN or inf"):
+                _select(x, k)
+    spec = EncodingSpec("ctopk", chunk=chunk, chunk_k=k, topk_values="int2")
+    t = torch.randn(3 * chunk + 5)
+    t[-1] = float("nan")  # in the last, shorter chunk
+    with pytest.raises(ValueError, match="NaN or inf"):
+        encode(t, spec)
+
+
+@pytest.mark.parametrize(("chunk", "k", "values"), [(65536, 1000, "int4"), (16384, 256, "sign"), (8192, 131, "int8"),
+                                                     (32768, 512, "int2")])
+def test_large_chunks_match_the_reference(chunk, k, values):
+    spec = EncodingSpec("ctopk", chunk=chunk, chunk_k=k, topk_values=values)
+    n = 2 * chunk + 777  # two full chunks and a tail
+    t = sample(n, seed=chunk)
+    t[chunk : chunk + 50] = -0.0
+    t[chunk + 100 : chunk + 100 + 3 * k] = 2e-3  # a tie across the boundary of the kept set
+    enc = encode(t, spec)
+    ref = ref_encode([F32(v) for v in t.tolist()], spec)
+    for p, want in ref.items():
+        assert np.array_equal(enc.parts[p].numpy().view(np.uint8), want.view(np.uint8)), p
+    _, res = encode_with_residual(t, spec)
+    assert torch.equal(res, t - decode(enc))
 
 
 def test_selection_keeps_ties_by_lowest_offset_and_every_chunk_contributes():

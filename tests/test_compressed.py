@@ -40,7 +40,7 @@ from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.worker import DiLoCoWorker
 
 from test_encoding import bits, ref_decode, ref_encode
-from test_worker import FlakyHub, Publisher, make_params, snapshot
+from test_worker import FlakyHub, LandsThenFails, Publisher, make_params, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(poll_interval=0.01, wait_timeout=10.0)
@@ -569,15 +569,6 @@ def test_failed_and_doubtful_uploads_lose_nothing(tmp_path, spec):
 
 
 def test_an_upload_that_landed_after_all_keeps_its_residual(tmp_path):
-    class LandsThenFails(FlakyHub):
-        def upload_delta(self, local_file, node_id, local_step):
-            path = FileHub.upload_delta(self, local_file, node_id, local_step)
-            if self.calls == 0:
-                self.calls += 1
-                self.list_down = True
-                raise TimeoutError("commit timed out (injected, but it landed)")
-            return path
-
     hub = LandsThenFails(tmp_path / "hub")
     params = make_params()
     Publisher(hub, tmp_path / "pub").publish(snapshot(params))

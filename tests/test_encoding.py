@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from diloco_lightning.encoding import kernels
 from diloco_lightning.encoding import (
     CHUNK,
     PAGE_SIZE,
@@ -357,6 +358,71 @@ def test_topk_ties_keep_the_lowest_positions():
     z[PAGE_SIZE + 5] = -1.0
     enc = encode(z, EncodingSpec("topk", topk=3 / z.numel()))
     assert _positions(enc).tolist() == [0, 1, PAGE_SIZE + 5] and enc.parts["count"].tolist() == [2, 1, 0]
+
+
+def _topk_cases(n: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=gen) * 1e-3
+    ties = (torch.randn(n, generator=gen) * 3).round()  # few magnitudes: ties at the threshold
+    ties[::7] = -0.0
+    alike = 1e-3 * torch.sign(torch.randn(n, generator=gen))  # Adam-like: every magnitude equal
+    run, stride = kernels.SAMPLE_RUN, kernels.SAMPLE_STRIDE
+    misled = torch.randn(n, generator=gen) * 1e-6  # the sampled runs hold the largest entries: a guess too high
+    for start in range(0, n // run * run, run * stride):
+        misled[start : start + run] *= 1e6
+    tail = x.clone()
+    tail[-5000:] *= 100  # the largest at the end, in the last (short) chunk
+    return {"gaussian": x, "ties": ties, "alike": alike, "misled": misled, "tail": tail}
+
+
+def test_topk_sampled_threshold_gives_the_radix_select_bits(monkeypatch):
+    """The one-pass top-k (a threshold guessed from a sample, then checked) keeps exactly the set of
+    the radix select, or gives up and leaves it to it: the same bits either way."""
+    n = CHUNK + 12345
+    taken = {}
+    for name, x in _topk_cases(n).items():
+        for i, fraction in enumerate((1e-4, 0.01, 0.03) if name != "alike" else (0.01,)):  # alike: the slow radix path
+            spec = EncodingSpec("topk", topk=fraction, topk_values=("int8", "int4")[i % 2])
+            k = topk_count(n, fraction)
+            taken[name, fraction] = kernels._kth_from_sample(kernels._Magnitudes(x), k) is not None
+            enc, res = encode_with_residual(x, spec)
+            with monkeypatch.context() as m:
+                m.setattr(kernels, "_kth_from_sample", lambda mags, k: None)
+                ref, ref_res = encode_with_residual(x, spec)
+            for p in ref.parts:
+                assert torch.equal(enc.parts[p], ref.parts[p]), (name, fraction, p)
+            assert torch.equal(res.view(torch.int32), ref_res.view(torch.int32)), (name, fraction)
+    assert taken["gaussian", 0.01] and taken["ties", 0.01] and taken["tail", 0.03]  # the one-pass path runs
+    assert not taken["alike", 0.01] and not taken["misled", 0.01]  # too many candidates / too few: given up
+
+
+def test_topk_sampled_threshold_refuses_nan_and_inf_outside_the_sample():
+    n = 2 * CHUNK + 77
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (kernels.SAMPLE_RUN + 3, CHUNK + 1, n - 1):  # none of them in a sampled run
+            x = torch.randn(n)
+            x[where] = bad
+            with pytest.raises(ValueError, match="NaN or inf"):
+                encode(x, EncodingSpec("topk", topk=0.01))
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
+def test_casts_refuse_a_non_finite_value_in_any_chunk(name):
+    """The casts check each chunk's largest and smallest value: a NaN, an infinity of either sign or
+    (float16, bfloat16) a value beyond the dtype's range is refused wherever it is."""
+    spec = EncodingSpec(name)
+    too_big = {"float32": float("inf"), "bfloat16": 3.4e38, "float16": 7e4}[name]  # rounds to inf in the dtype
+    base = torch.randn(2 * CHUNK + 3, generator=torch.Generator().manual_seed(0))
+    for i, bad in enumerate((float("nan"), float("inf"), -float("inf"), too_big, -too_big)):
+        for where in (0, CHUNK - 1, CHUNK, 2 * CHUNK + 2):
+            x = base.clone()
+            x[where] = bad
+            with pytest.raises(ValueError, match="NaN or inf"):
+                (encode_with_residual if (i + where) % 2 else encode)(x, spec)
+    x = base.clone()
+    x[CHUNK + 5] = -0.0
+    enc, res = encode_with_residual(x, spec)
+    assert torch.equal(decode(enc), x.to(getattr(torch, name)).float()) and torch.equal(res, x - decode(enc))
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=spec_id)

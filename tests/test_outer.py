@@ -27,13 +27,7 @@ FRAGMENTS = {"attn": ["layers.0.attn", "layers.1.attn"], "rest": ["embed.weight"
 
 
 # ----------------------------------------------------------------------------- fixtures and helpers
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one intra-op thread (conftest.py)
 
 
 def make_state(*, complex_key: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:

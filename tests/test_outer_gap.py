@@ -16,12 +16,7 @@ from diloco_lightning.outer import DelayCompensated, GapAware, build_outer_optim
 from test_outer import assert_states_equal, clone, floating, make_deltas, make_state, staleness_sequence
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one intra-op thread (conftest.py)
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:

@@ -29,12 +29,7 @@ OPTIONS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one intra-op thread (conftest.py)
 
 
 def _state(seed: int = 0, big: bool = False) -> dict[str, torch.Tensor]:

@@ -6,7 +6,6 @@ momentum-free SGD writes and every reader checks."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -21,6 +20,8 @@ from diloco_lightning.wire.manifest import Manifest, ManifestError
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.worker import DiLoCoWorker
 from diloco_lightning.worker.rebase import WorkerOwnDeltas, fallback_scale
+
+from support.workers import run_two_workers
 
 FAST = dict(poll_interval=0.01, wait_timeout=10.0)
 SHA = "0" * 64
@@ -130,13 +131,30 @@ def _publish(hub, tmp_path, step, state, ledger, scales, prev=None):
     return m
 
 
-def test_an_async_worker_installs_the_version_minus_its_pending_deltas_and_anchors_there(tmp_path):
+def _started(tmp_path, rebase: bool):
+    """A folder hub holding version 0 (the params' values) and a worker started on it:
+    ``(hub, params, version 0, worker)``."""
     hub = FileHub(tmp_path / "hub", cache_dir=tmp_path / "cache")
     params = _params()
     v0 = {k: v.detach().clone() for k, v in params.items()}
     _publish(hub, tmp_path, 0, v0, {}, {})
-    w = DiLoCoWorker(hub, "w0", params, rebase=True, **FAST)
+    w = DiLoCoWorker(hub, "w0", params, rebase=rebase, **FAST)
     w.start()
+    return hub, params, v0, w
+
+
+def _install_next(w):
+    """Boundaries (no progress between them: zero deltas) until ``w`` installs a newer version, which is returned."""
+    deadline = time.monotonic() + 10
+    installed = None
+    while installed is None and time.monotonic() < deadline:
+        installed = w.boundary().installed
+        time.sleep(0.02)
+    return installed
+
+
+def test_an_async_worker_installs_the_version_minus_its_pending_deltas_and_anchors_there(tmp_path):
+    hub, params, v0, w = _started(tmp_path, rebase=True)
     with torch.no_grad():
         params["layer.weight"].add_(0.5)  # phase 1: delta -0.5 on the weight
     w.boundary()
@@ -147,11 +165,7 @@ def test_an_async_worker_installs_the_version_minus_its_pending_deltas_and_ancho
     steps = sorted(r.local_step for r in hub.list_deltas())
     v1 = {k: (v + 3 if v.is_floating_point() else v) for k, v in v0.items()}
     _publish(hub, tmp_path, 1, v1, {"w0": steps[0]}, {"w0": 0.25}, prev=0)  # contains phase 1 only
-    deadline = time.monotonic() + 10
-    installed = None
-    while installed is None and time.monotonic() < deadline:  # phases with no progress: zero deltas
-        installed = w.boundary().installed
-        time.sleep(0.02)
+    installed = _install_next(w)
     assert installed is not None and installed.outer_step == 1
     assert torch.equal(params["layer.weight"], torch.full((4, 3), 3.0))  # phase 1 is in version 1
     assert torch.equal(params["layer.bias"], torch.full((3,), 3.25))  # 3 - 0.25 * (-1)
@@ -165,21 +179,14 @@ def test_an_async_worker_installs_the_version_minus_its_pending_deltas_and_ancho
 
 
 def test_with_rebase_off_the_version_itself_is_installed(tmp_path):
-    hub = FileHub(tmp_path / "hub", cache_dir=tmp_path / "cache")
-    params = _params()
-    v0 = {k: v.detach().clone() for k, v in params.items()}
-    _publish(hub, tmp_path, 0, v0, {}, {})
-    w = DiLoCoWorker(hub, "w0", params, rebase=False, **FAST)
-    w.start()
+    hub, params, v0, w = _started(tmp_path, rebase=False)
     with torch.no_grad():
         params["layer.bias"].add_(1.0)
     w.boundary()
     assert w.flush()
     _publish(hub, tmp_path, 1, {k: v + 3 if v.is_floating_point() else v for k, v in v0.items()}, {}, {"w0": 0.25},
              prev=0)
-    deadline = time.monotonic() + 10
-    while w.boundary().installed is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert _install_next(w) is not None
     assert torch.equal(params["layer.bias"], torch.full((3,), 3.0))
     w.close()
 
@@ -194,33 +201,7 @@ def test_two_rebasing_async_workers_with_the_real_master(tmp_path):
     master = MasterOuterLoop(FileHub(root), init, node_state_dir=tmp_path / "master", poll_interval=0.02,
                              min_deltas=2, outer_lr=1.0, outer_momentum=0.0, norm_ratio=None)
     master.start()
-    errors, workers = [], {}
-
-    def run(node: str) -> None:
-        try:
-            params = {k: (torch.nn.Parameter(v.clone()) if v.is_floating_point() else v.clone()) for k, v in init.items()}
-            g = torch.Generator().manual_seed(int(node[1:]))
-            with DiLoCoWorker(FileHub(root), node, params, rebase=True, **FAST) as w:
-                workers[node] = w
-                for _ in range(8):
-                    with torch.no_grad():
-                        params["layer.weight"].add_(torch.randn(4, 3, generator=g) * 0.01)
-                    w.boundary()
-                    time.sleep(0.05)
-                assert w.flush()
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(n,)) for n in ("w0", "w1")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    deadline = time.monotonic() + 10
-    while master.outer_step < 4 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    master.stop()
-    assert not errors, errors
+    workers = run_two_workers(master, root, init, outer_steps=4, pause=0.05, rebase=True)
     m = FileHub(root).read_manifest()
     assert m is not None and m.outer_step >= 4
     scales = m.master["delta_scales"]  # lr 1 / the round's deltas (2, or more when one node sent two)

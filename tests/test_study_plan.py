@@ -63,3 +63,25 @@ def test_every_planned_run_is_a_distinct_train_py_composition(study, tmp_path):
     assert cgad and all("outer.options.state_layout=naive" in j["overrides"] for j in cgad)
     cfg = study._compose(st.common + jobs[0]["overrides"] + ["run_id=x", f"run_root={tmp_path}"])
     assert cfg.trainer.max_steps == 96 and cfg.diloco.inner_steps == 4
+
+
+def test_the_rebase_control_gets_five_seeds_once_tuned(study, tmp_path):
+    st = study.Study(_args(tmp_path, only="arr6"))
+    assert st.close_jobs() == []  # nothing before its tuning is done
+    ks = st.grid("arr6", "sgd")
+    for i, k in enumerate(ks):  # the middle point wins
+        _done(st, study.job("arr6", "sgd", k, 0), 3.0 + abs(i - 2) * 0.1)
+    best = ks[2]
+    assert [(j["k"], j["seed"]) for j in st.seed_jobs()] == [(best, 1), (best, 2)]
+    assert [(j["k"], j["seed"], j["block"]) for j in st.close_jobs()] == [(best, 3, "close"), (best, 4, "close")]
+
+
+def test_the_precision_block_plans_its_own_long_heavy_tailed_runs(study, tmp_path):
+    st = study.Study(_args(tmp_path, small=False, only="long", methods=None))
+    assert st.plan == {}
+    jobs = st.long_jobs()
+    assert len(jobs) == 2 * 3 * 2 * len(study.SEEDS)  # methods x outer states x beta2 x seeds
+    cfg = study._compose(st.common + jobs[0]["overrides"] + ["run_id=x", f"run_root={tmp_path}"])
+    # 1000+ outer steps: 4 workers x 504 / 2 deltas, each its own outer step, past tau_cut = 32
+    assert cfg.trainer.max_steps * 4 // cfg.diloco.inner_steps >= 1000
+    assert cfg.master.aggregation == "arrival" and cfg.diloco.delay.distribution == "pareto"

@@ -29,6 +29,8 @@ from diloco_lightning.worker import (
 )
 from diloco_lightning.worker.uploader import Job, Part, merge_parts
 
+from support.workers import run_two_workers
+
 FAST = dict(poll_interval=0.01, wait_timeout=10.0)
 
 
@@ -200,6 +202,19 @@ class FlakyHub(FileHub):
         return super().list_deltas(after)
 
 
+class LandsThenFails(FlakyHub):
+    """Its first upload lands, then reports a failure (a commit that timed out), and listings fail
+    from then on: the worker cannot tell that the delta is on the hub."""
+
+    def upload_delta(self, local_file, node_id, local_step):
+        path = FileHub.upload_delta(self, local_file, node_id, local_step)
+        if self.calls == 0:
+            self.calls += 1
+            self.list_down = True
+            raise TimeoutError("commit timed out (injected, but it landed)")
+        return path
+
+
 def _train_phase(params, amount):
     with torch.no_grad():
         params["layer.weight"].add_(amount)
@@ -259,15 +274,6 @@ def test_upload_in_flight_makes_the_next_delta_cumulative(tmp_path):
 
 
 def test_ambiguous_failure_that_landed_is_not_sent_twice(tmp_path):
-    class LandsThenFails(FlakyHub):
-        def upload_delta(self, local_file, node_id, local_step):
-            path = FileHub.upload_delta(self, local_file, node_id, local_step)
-            if self.calls == 0:
-                self.calls += 1
-                self.list_down = True
-                raise TimeoutError("commit timed out (injected, but it landed)")
-            return path
-
     hub = LandsThenFails(tmp_path / "hub")
     Publisher(hub, tmp_path / "pub").publish(snapshot(params := make_params()))
     w = DiLoCoWorker(hub, "w0", params, **FAST)
@@ -487,31 +493,7 @@ def test_two_workers_lockstep_heterogeneous_delays_with_the_real_master(tmp_path
     master = MasterOuterLoop(FileHub(root), init, node_state_dir=tmp_path / "master", poll_interval=0.02,
                              min_deltas=2, keep_globals=8, norm_ratio=None, logger=rounds.append)
     master.start()
-    errors = []
-
-    def run(node: str) -> None:
-        try:
-            params = {k: (torch.nn.Parameter(v.clone()) if v.is_floating_point() else v.clone()) for k, v in init.items()}
-            g = torch.Generator().manual_seed(int(node[1:]))
-            with DiLoCoWorker(FileHub(root), node, params, sync="lockstep", delay=[1, 3], **FAST) as w:
-                for _ in range(8):
-                    with torch.no_grad():
-                        params["layer.weight"].add_(torch.randn(4, 3, generator=g) * 0.01)
-                    w.boundary()
-                assert w.flush()
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(n,)) for n in ("w0", "w1")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    deadline = time.monotonic() + 10
-    while master.outer_step < 8 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    master.stop()
-    assert not errors, errors
+    run_two_workers(master, root, init, outer_steps=8, sync="lockstep", delay=[1, 3])
     assert master.outer_step == 8
     applied = [(r["outer_step"], sorted(r["applied"]), r["staleness_histogram"]) for r in rounds if r.get("applied")]
     assert [a[1] for a in applied] == [[f"w0/{k}", f"w1/{k}"] for k in range(1, 9)]  # one delta per worker per round

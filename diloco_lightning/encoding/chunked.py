@@ -89,7 +89,7 @@ def _groups(lay: ChunkLayout, chunk_values: int) -> Iterator[tuple[int, int]]:
 
 
 def _narrowing(length: int, k: int) -> int:
-    """Interleaved blocks per row for :func:`_select` (0: select on whole rows): ``S > k``, about
+    """Blocks per row for :func:`_select` (0: select on whole rows): ``S > k``, about
     ``sqrt(k * length)`` so that both of its top-ks are alike, a power of two dividing ``length``."""
     blocks = 1 << max(0, ((k * length).bit_length() - 1) // 2)
     while blocks <= k:
@@ -110,21 +110,29 @@ def _top_unique(keys: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     return cols, kth > low, kth
 
 
-def _select(x: Tensor, k: int) -> Tensor:
-    """Rows of values ``x`` -> the offsets of each row's k largest magnitudes, increasing: every
+#: the sign bit of an FP32 value's int32 pattern cleared: the pattern of its magnitude
+_MAGNITUDE = 0x7FFFFFFF
+#: the int32 pattern of +inf: a magnitude's pattern at or above it is an infinity or a NaN
+_INF_BITS = 0x7F800000
+
+
+def _select(x: Tensor, k: int, work: Tensor | None = None) -> Tensor:
+    """Rows of FP32 values ``x`` -> the offsets of each row's k largest magnitudes, increasing: every
     magnitude above the k-th largest, then those equal to it by lowest offset.
 
-    Cut each row into ``S > k`` interleaved blocks (block ``b``: offsets ``b, b + S, b + 2S ...``).
-    If the k-th largest block maximum is strictly above the (k+1)-th, every entry outside the k
-    blocks with the largest maxima has k entries (those maxima) strictly above it, so the row's top
-    k lie in those k blocks; if, among their ``k * length / S`` entries (in any order), the k-th
-    largest is again strictly above the (k+1)-th, those k are the row's top k whatever the tie rule. A row where
-    either test fails (a tie) is selected whole by :func:`_select_exact`. About 4x less work than a
-    top-k of whole rows at 1-3 % density, and no full-size temporary but the block maxima.
+    Cut each row into ``S > k`` blocks of ``w = length / S`` consecutive entries. If the k-th
+    largest block maximum is strictly above the (k+1)-th, every entry outside the k blocks with
+    the largest maxima is at most its block's maximum, so it has k entries (those maxima) strictly
+    above it: the row's top k lie in those k blocks. If, among their ``k * w`` entries (in any
+    order), the k-th largest is again strictly above the (k+1)-th, those k are the row's top k
+    whatever the tie rule. A row where either test fails (a tie) is selected whole by
+    :func:`_select_exact`. About 4x less work than a top-k of whole rows at 1-3 % density.
 
-    Magnitudes are compared as their int32 bit patterns (non-negative floats order like them, NaN
-    above inf), which ``torch.topk`` ranks about 1.6x faster than floats. Raises ``ValueError`` on
-    a NaN or an infinity (it shows in the block maxima).
+    Magnitudes are compared as int32 bit patterns, the sign bit cleared (non-negative floats order
+    like their patterns, NaN above inf, and -0.0 is 0), which ``torch.topk`` ranks about 1.6x faster
+    than floats; the patterns are written once into ``work`` (int32, at least ``x.numel()``
+    entries; None: a new buffer), so the blocks are gathered as whole rows of ``w`` entries.
+    Raises ``ValueError`` on a NaN or an infinity (it shows in the block maxima).
     """
     rows, length = x.shape
     blocks = _narrowing(length, k)
@@ -134,14 +142,17 @@ def _select(x: Tensor, k: int) -> Tensor:
             raise ValueError("cannot encode a tensor with NaN or inf values")
         return _select_exact(a, k)
     width = length // blocks
-    grid = x.view(rows, width, blocks)
-    bmax = torch.maximum(grid.amax(1), grid.amin(1).neg_())  # two plain reductions beat abs().amax()
-    if not bool(torch.isfinite(bmax.amax())):  # amax and amin propagate NaN; an infinity is the largest
+    if work is None:
+        work = torch.empty(x.numel(), dtype=torch.int32, device=x.device)
+    keys = torch.bitwise_and(x.view(torch.int32), _MAGNITUDE, out=work[: x.numel()].view(rows, length))
+    bmax = keys.view(rows, blocks, width).amax(2)
+    if int(bmax.max()) >= _INF_BITS:
         raise ValueError("cannot encode a tensor with NaN or inf values")
-    mi, ok, _ = _top_unique(bmax.view(torch.int32), k)
-    sub = grid.gather(2, mi.unsqueeze(1).expand(rows, width, k)).view(rows, width * k).abs_()
-    cols, ok2, _ = _top_unique(sub.view(torch.int32), k)
-    idx = mi.gather(1, cols.remainder(k)).add_(cols.div(k, rounding_mode="floor").mul_(blocks))
+    mi, ok, _ = _top_unique(bmax, k)
+    first = torch.arange(0, rows * blocks, blocks, device=x.device).unsqueeze(1)  # row r's block 0
+    sub = keys.view(rows * blocks, width).index_select(0, mi.add(first).view(-1)).view(rows, k * width)
+    cols, ok2, _ = _top_unique(sub, k)
+    idx = mi.gather(1, cols.div(width, rounding_mode="floor")).mul_(width).add_(cols.remainder(width))
     bad = (~(ok & ok2).squeeze(1)).nonzero().squeeze(1)
     if bad.numel():
         idx[bad] = _select_exact(x[bad].abs(), k)
@@ -192,8 +203,11 @@ def _quantize(xs: Tensor, bits: int, tiny: float) -> tuple[Tensor, Tensor, Tenso
     return codes, torch.stack([lo, step], 1), torch.where(neg, mag.neg(), mag)
 
 
-#: values per work group of the encoder: 4 MiB of FP32, enough to amortize each step's fixed cost
-GROUP_VALUES = 1 << 20
+#: values per work group of the encoder: 16 MiB of FP32. Larger than a core's L2 on purpose: at
+#: 1-3 % density most of a group's steps work on a few hundred thousand entries, whose fixed cost
+#: per call (tens of microseconds each) a larger group amortizes; measured fastest of 1, 4 and 16
+#: MiB on the 25M delta (docs/performance.md)
+GROUP_VALUES = 1 << 22
 
 
 def encode_ctopk(flat: Tensor, chunk: int, k: int, values: str, res: Tensor | None, *, tiny: float) -> dict[str, Tensor]:
@@ -206,6 +220,7 @@ def encode_ctopk(flat: Tensor, chunk: int, k: int, values: str, res: Tensor | No
     scale = torch.empty(lay.parts()["scale"][1], dtype=torch.float32, device=dev)
     per = max(1, GROUP_VALUES // chunk)
     xbuf = None if flat.dtype == torch.float32 else torch.empty(min(lay.n, per * chunk), dtype=torch.float32, device=dev)
+    work = torch.empty(min(lay.n, per * chunk), dtype=torch.int32, device=dev)  # the selection's magnitude patterns
     groups = [(c0, min(c0 + per, lay.full), k, chunk) for c0 in range(0, lay.full, per)]
     if lay.tail:
         groups.append((lay.full, lay.full + 1, lay.k_tail, lay.tail))
@@ -213,7 +228,7 @@ def encode_ctopk(flat: Tensor, chunk: int, k: int, values: str, res: Tensor | No
         lo, hi = r0 * chunk, r0 * chunk + (r1 - r0) * width
         x = flat[lo:hi] if xbuf is None else xbuf[: hi - lo].copy_(flat[lo:hi])
         xr = x.view(r1 - r0, width)
-        idx = _select(xr, kc)
+        idx = _select(xr, kc, work)
         xs = xr.gather(1, idx)
         c, sc, dec = _quantize(xs, lay.value_bits, tiny)
         i0 = r0 * k
@@ -239,19 +254,24 @@ def decoded_groups(parts: Mapping[str, Tensor], lay: ChunkLayout, kept_values: i
     per = max(1, kept_values // k)
     for c0 in range(0, lay.chunks, per):
         c1 = min(c0 + per, lay.chunks)
-        i0, i1 = c0 * k, min(c1 * k, lay.kept)
-        which = torch.arange(c0, c1, device=idx.device).repeat_interleave(k)[: i1 - i0]
-        pos = unpack_bits(idx, lay.pos_bits, i0, i1 - i0).add_(which * lay.chunk)
-        code = unpack_bits(q, bits, i0, i1 - i0)
-        if bits == 1:
-            mag = scale[which]
-            neg = code.bool()
-        else:
-            neg = code >= (1 << (bits - 1))  # the sign is the top bit
-            j = (code & ((1 << (bits - 1)) - 1)).to(torch.float32)
-            s = scale[which]
-            mag = j.mul_(s[:, 1]).add_(s[:, 0])
-        yield pos, torch.where(neg, mag.neg(), mag)
+        # the full chunks as rows of k (a chunk's scales broadcast along its row), then the tail's
+        for r0, r1, kc in ((c0, min(c1, lay.full), k), (lay.full, c1, lay.k_tail)):
+            if r1 <= r0:
+                continue
+            i0 = r0 * k
+            rows = r1 - r0
+            pos = unpack_bits(idx, lay.pos_bits, i0, rows * kc).view(rows, kc)
+            pos.add_(torch.arange(r0 * lay.chunk, r1 * lay.chunk, lay.chunk, device=idx.device).unsqueeze(1))
+            code = unpack_bits(q, bits, i0, rows * kc).view(rows, kc)
+            if bits == 1:
+                neg = code.bool()
+                mag = scale[r0:r1].unsqueeze(1).expand(rows, kc)
+            else:
+                neg = code >= (1 << (bits - 1))  # the sign is the top bit
+                j = (code & ((1 << (bits - 1)) - 1)).to(torch.float32)
+                s = scale[r0:r1]
+                mag = j.mul_(s[:, 1:2]).add_(s[:, 0:1])
+            yield pos.view(-1), torch.where(neg, mag.neg(), mag).view(-1)
 
 
 # ----------------------------------------------------------------------------- checks

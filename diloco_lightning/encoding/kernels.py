@@ -125,6 +125,52 @@ class _Magnitudes:
             yield start, torch.abs(x, out=self.abs[: stop - start]).view(torch.int32), self.work[: stop - start]
 
 
+#: one run of SAMPLE_RUN consecutive magnitudes in SAMPLE_STRIDE runs is read to guess top-k's
+#: threshold (:func:`_kth_from_sample`): whole runs, since a strided read touches every cache line
+SAMPLE_STRIDE, SAMPLE_RUN = 32, 1024
+
+
+def _kth_from_sample(mags: _Magnitudes, k: int) -> tuple[int, Tensor] | None:
+    """The k-th largest magnitude (its int32 key) and the positions whose key is at least it
+    (increasing, int64), in one pass over the tensor; None when the guess below fails (the caller
+    then takes the exact two-level radix select, :func:`_kth_largest`).
+
+    Guess a threshold ``T``: a rank in a sample (one run of :data:`SAMPLE_RUN` entries in
+    :data:`SAMPLE_STRIDE`) a few standard deviations beyond ``k / SAMPLE_STRIDE``, so that about
+    ``k`` and a few percent of the entries are at least ``T``. Then one pass collects every entry
+    whose key is at least ``T``. If there are at least ``k`` of them, the k-th largest of the whole
+    tensor is at least ``T`` (k entries are), so every entry at or above it was collected, and the
+    k-th largest of the collected keys is the answer, exactly, whatever the sample was. Fewer than
+    ``k`` (an unlucky or structured sample), or more than ``2k + CHUNK`` (bounded memory: magnitudes
+    alike), and the guess is abandoned. A NaN or an infinity anywhere is refused by the pass, or by
+    the radix select when the guess was abandoned first.
+    """
+    runs = mags.n // SAMPLE_RUN
+    sample = mags.flat[: runs * SAMPLE_RUN].view(runs, SAMPLE_RUN)[::SAMPLE_STRIDE].reshape(-1)
+    want = k // SAMPLE_STRIDE
+    want += 4 * int(want**0.5) + 16  # 4 standard deviations of a sampled rank, and a floor
+    if want >= sample.numel() // 2:  # a dense top-k: the radix select is as cheap
+        return None
+    skeys = sample.to(torch.float32).abs().view(torch.int32)
+    t = int(torch.kthvalue(skeys, skeys.numel() - want + 1).values)  # the want-th largest of the sample
+    cap = 2 * k + CHUNK
+    found: list[tuple[Tensor, Tensor]] = []
+    total = 0
+    for start, keys, _ in mags:
+        if not bool(torch.isfinite(keys.view(torch.float32).amax())):  # amax propagates NaN
+            raise ValueError("cannot encode a tensor with NaN or inf values")
+        pos = torch.nonzero(keys >= t).squeeze(1)
+        total += pos.numel()
+        if total > cap:
+            return None
+        found.append((pos + start, keys[pos]))
+    if total < k:
+        return None
+    pos, keys = torch.cat([p for p, _ in found]), torch.cat([q for _, q in found])
+    v = int(torch.kthvalue(keys, total - k + 1).values)  # the k-th largest of the collected, exact on integers
+    return v, pos[keys >= v]
+
+
 def _kth_largest(mags: _Magnitudes, k: int) -> tuple[int, Tensor | None]:
     """The k-th largest magnitude (its int32 key) by a two-level radix select, no sort at all: a
     histogram of the high 16 bits finds the bin holding it, one of the low 16 bits of that bin's
@@ -156,16 +202,18 @@ def encode_topk(flat: Tensor, spec: EncodingSpec, res: Tensor | None) -> dict[st
     """Keep the k largest magnitudes: all above the k-th largest, then ties to it by lowest position.
 
     The threshold (a value) and both masks are the same on every device, unlike the order in which
-    ``torch.topk`` returns tied entries. Two or three passes over the tensor, CHUNK values at a
-    time (:class:`_Magnitudes`): a histogram, the threshold (collecting the candidates when they
-    are few), the selection.
+    ``torch.topk`` returns tied entries. Usually one pass over the tensor, CHUNK values at a time
+    (:class:`_Magnitudes`), collecting the entries above a threshold guessed from a sample
+    (:func:`_kth_from_sample`); when the guess fails, two or three: a histogram, the threshold
+    (collecting the candidates when they are few), the selection (:func:`_kth_largest`).
     """
     n, k, dev = flat.numel(), topk_count(flat.numel(), spec.topk), flat.device
     mags = _Magnitudes(flat)
     if k == 0:
         idx = torch.zeros(0, dtype=torch.int64, device=dev)
     else:
-        v, found = _kth_largest(mags, k)
+        guess = _kth_from_sample(mags, k)
+        v, found = guess if guess is not None else _kth_largest(mags, k)
         # a big threshold bin: the positions at or above the threshold, one more pass
         idx = found if found is not None else torch.cat(
             [torch.nonzero(keys >= v).squeeze(1).add_(start) for start, keys, _ in mags])

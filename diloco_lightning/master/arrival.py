@@ -26,27 +26,60 @@ staleness is measured by, is the published manifest's).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from diloco_lightning.encoding.feedback import decode_delta
 from diloco_lightning.hub.base import DeltaRef
 from diloco_lightning.master.aggregation import arrival_step, merge_marks
+from diloco_lightning.master.config import MasterConfig
+from diloco_lightning.master.intake import Intake
+from diloco_lightning.master.membership import Membership
 from diloco_lightning.master.metrics import RoundMetrics
+from diloco_lightning.master.runstate import RunState
 from diloco_lightning.master.validation import Accepted, DeltaRejected
 from diloco_lightning.util import faults
+from diloco_lightning.wire.delta import Delta
 
-__all__ = ["apply_pass"]
+__all__ = ["PassHost", "apply_pass"]
 
 log = logging.getLogger(__name__)
 
 
-def apply_pass(rounds: Any, order: list[tuple[DeltaRef, Path]], blocked: set[str], m: RoundMetrics) -> bool:
+class PassHost(Protocol):
+    """What a pass uses of the master's round procedures (:class:`~diloco_lightning.master.rounds.Rounds`,
+    which imports this module, is the implementation): the master's parts, the check of one delta at
+    an outer step, and the steps every application shares (the spare buffer, the finite check that
+    refuses, the roll-back and the publication)."""
+
+    config: MasterConfig
+    run: RunState
+    intake: Intake
+    membership: Membership
+    owner: Any  # receives the crash points (util/faults.py)
+
+    def check(self, ref: DeltaRef, path: Path, outer_step: int) -> tuple[Delta, Accepted]: ...
+
+    def take_buffer(self) -> tuple[dict[str, torch.Tensor], Any]: ...
+
+    def roll_back(self, buf: dict[str, torch.Tensor], backup: Any) -> None: ...
+
+    def finite_or_refuse(self, buf: dict[str, torch.Tensor], backup: Any, accepted: list[Accepted],
+                         m: RoundMetrics) -> tuple[float, int] | None: ...
+
+    def publish_stepped(self, buf: dict[str, torch.Tensor], backup: Any, new_step: int, new_ledger: dict[str, int],
+                        processed: list[str], norms: list[float], m: RoundMetrics, accepted: list[Accepted],
+                        updated: list[str] | None = None, *, norm: tuple[float, int],
+                        applied_at: list[int] | None = None, scales: Mapping[str, float] | None = None) -> bool: ...
+
+
+def apply_pass(rounds: PassHost, order: list[tuple[DeltaRef, Path]], blocked: set[str], m: RoundMetrics) -> bool:
     """Apply the deltas of ``order`` (those of nodes in ``blocked`` skipped) as consecutive optimizer
     and outer steps and publish one version (the module docstring); returns whether it published.
-
-    ``rounds`` is the master's :class:`~diloco_lightning.master.rounds.Rounds` (its checks, refusals,
-    buffer and publication)."""
+    ``rounds``: the master's round procedures (:class:`PassHost`)."""
     run, intake = rounds.run, rounds.intake
     name = rounds.config.outer_optimizer
     start = run.outer_step
@@ -60,7 +93,7 @@ def apply_pass(rounds: Any, order: list[tuple[DeltaRef, Path]], blocked: set[str
                 continue
             at = start + len(done)  # this delta's outer step at application
             try:
-                delta, acc = rounds._check(ref, path, at)
+                delta, acc = rounds.check(ref, path, at)
             except DeltaRejected as e:
                 intake.refuse(ref, e.reason, e.detail, m)
                 continue
@@ -77,7 +110,7 @@ def apply_pass(rounds: Any, order: list[tuple[DeltaRef, Path]], blocked: set[str
             norm = rounds.finite_or_refuse(buf, backup, [acc], m)
             if norm is None:  # refused; the buffer is given back and nothing is published
                 return False
-            faults.point("stepped", rounds._owner)
+            faults.point("stepped", rounds.owner)
             done.append((acc, ref, path))
     except BaseException:
         if buf is not None:

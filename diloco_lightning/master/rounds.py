@@ -39,7 +39,7 @@ import torch
 
 from diloco_lightning.util import faults
 from diloco_lightning.encoding.feedback import decode_delta
-from diloco_lightning.wire.delta import is_synced
+from diloco_lightning.wire.delta import Delta, is_synced
 from diloco_lightning.hub.base import DeltaRef, Hub, PublishConflictError
 from diloco_lightning.master.aggregation import (
     FragmentSums,
@@ -88,7 +88,7 @@ class Rounds:
         #: what no single delta shows (identical deltas, divergence): told each publication
         self.health = health if health is not None else RunHealth()
         self.on_published = on_published
-        self._owner = owner
+        self.owner = owner
         self.open: OpenRound | None = None
         self.arrival_wait_since: float | None = None
         #: the arrival offsets behind ``max_wait="auto"``
@@ -175,7 +175,8 @@ class Rounds:
         return delta_gates(run.opt, self.config.outer_optimizer, run.plan,
                            {n: c for n, (c, _) in run.fragment_steps.items()})
 
-    def _check(self, ref: DeltaRef, path: Path, outer_step: int):
+    def check(self, ref: DeltaRef, path: Path, outer_step: int) -> tuple[Delta, Accepted]:
+        """Validate the downloaded delta ``path`` as applied at ``outer_step`` (raises ``DeltaRejected``)."""
         run = self.run
         # rounds run only once the run has a global state (given, adopted or installed at start)
         assert run.state is not None and run.fingerprint is not None
@@ -193,18 +194,18 @@ class Rounds:
                 self.forget_open()
             storage = run.take_sum_storage()
             assert run.state is not None
-            acc = RoundSum(run.state, storage) if run.plan is None else FragmentSums(run.plan, run.state, storage)
-            self.open = OpenRound(run.outer_step, acc)
+            sums = RoundSum(run.state, storage) if run.plan is None else FragmentSums(run.plan, run.state, storage)
+            self.open = OpenRound(run.outer_step, sums)
         rnd = self.open
         max_bytes, _ = self._limits()
         refs = self.intake.list_new(self._marks(), max_bytes, m)
-        faults.point("listed", self._owner)
+        faults.point("listed", self.owner)
         blocked: set[str] = set()
         legacy = self._legacy_pa()
         for ref, path in self.intake.fetch(refs, blocked, max_bytes, m):
             try:
                 try:
-                    delta, acc = self._check(ref, path, rnd.outer_step)
+                    delta, acc = self.check(ref, path, rnd.outer_step)
                 except DeltaRejected as e:
                     self.intake.refuse(ref, e.reason, e.detail, m)
                     continue
@@ -226,7 +227,7 @@ class Rounds:
                 self._heard(ref.node_id, now)
             finally:
                 self.intake.release(path)
-        faults.point("downloaded", self._owner)
+        faults.point("downloaded", self.owner)
         m.pending = len(rnd.accepted)
         if not rnd.accepted:
             return
@@ -297,7 +298,7 @@ class Rounds:
             return
         max_bytes, _ = self._limits()
         refs = self.intake.list_new(self._marks(), max_bytes, m)
-        faults.point("listed", self._owner)
+        faults.point("listed", self.owner)
         if not refs:
             self.arrival_wait_since = None
             return
@@ -320,7 +321,7 @@ class Rounds:
                 # rounds run only once the run has a global state (given, adopted or installed at start)
                 assert run.state is not None and run.fingerprint is not None
                 fetched.append((ref, path, self.validator.header_base(path, run.state, run.fingerprint)))
-            faults.point("downloaded", self._owner)
+            faults.point("downloaded", self.owner)
             order = [(ref, path) for ref, path, _ in arrival_order(fetched) if ref.node_id not in blocked]
             if self.config.arrival_publish == "pass" and run.plan is None and len(order) > 1:
                 apply_pass(self, order, blocked, m)  # behind: one optimizer step each, one publication
@@ -329,7 +330,7 @@ class Rounds:
                 if ref.node_id in blocked:
                     continue
                 try:
-                    delta, acc = self._check(ref, path, run.outer_step)
+                    delta, acc = self.check(ref, path, run.outer_step)
                 except DeltaRejected as e:
                     self.intake.refuse(ref, e.reason, e.detail, m)
                     continue
@@ -390,7 +391,7 @@ class Rounds:
             norm = self.finite_or_refuse(buf, backup, accepted, m)
             if norm is None:
                 return False
-            faults.point("stepped", self._owner)
+            faults.point("stepped", self.owner)
         except BaseException:
             self.roll_back(buf, backup)
             raise
@@ -460,7 +461,7 @@ class Rounds:
         self.validator.accept(norms)
         self.validator.note_global(buf, new_step, l2, numel)
         self.intake.published(new_ledger)
-        faults.point("swapped", self._owner)
+        faults.point("swapped", self.owner)
         m.published += 1
         self.on_published()
         return True
