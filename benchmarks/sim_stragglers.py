@@ -29,8 +29,7 @@ link: 4 equal workers whose upload of the uncompressed FP32 delta takes rho = 0.
 compute, as a 1.1 B-parameter bf16 delta, 2.2 GB, over 1 Gbit/s takes ~18 s against ~40 s of
 compute for H = 100; the download of a version the same), ``preempt`` (4 equal workers, each
 preempted at a seeded Poisson rate of 1 per 100 units of up time for an exponential 10 units: ~9 %
-of worker time down plus the lost partial phases), ``spread`` ([1, 2/3, 1/2, 1/3], with
-``straggler``'s tuned lrs), ``varying`` (4 workers whose speed alternates between 1 and 1/4 in
+of worker time down plus the lost partial phases), ``spread`` ([1, 2/3, 1/2, 1/3]), ``varying`` (4 workers whose speed alternates between 1 and 1/4 in
 spells of exponential lengths, means 30 and 10 units, seeded per seed and worker: in expectation
 0.8125 a worker, the straggler scenario's total of 3.25, but every worker slows down in turn),
 ``xdc1`` (the link at rho = 1, tuned on its own), and ``xdc_r<rho>`` (the link at rho 2, 1 and 0:
@@ -44,21 +43,23 @@ is given up: ``sim.barrier``), ``sync_q3_apply`` (the same rounds, a late delta 
 it reaches, with its staleness: ``sim.late=apply``), ``sync_dylu`` (lockstep with Dynamic Local
 Updates, token-weighted), ``sync_overlap`` (lockstep with one round of delay: each worker's phase r
 starts from version r - 1, so its upload and the next download overlap the next phase), and
-asynchronous ``async`` (one outer step per arriving delta); in ``xdc`` also ``*_int4`` (int4 deltas
+asynchronous ``async`` (one outer step per arriving delta) and, on the ``xdc1`` link,
+``async_rebase`` (each phase started from the newest version minus the worker's own deltas it does
+not hold yet: the product's asynchronous worker, ``diloco.rebase``; ``sim.rebase``); in ``xdc`` also ``*_int4`` (int4 deltas
 with error feedback) and ``*_frag4`` (4 fragments, Streaming DiLoCo) on both sides. Also defined,
 not run by default: ``async_q3``, ``async_dylu``.
 
 **Outer optimizers, tuned the same way** (:data:`FAMILIES`, :func:`families_of`):
 ``poly_nesterov`` (momentum 0.9, fed ``g * (1 + tau) ** -0.5``), which at staleness 0 is exactly
 DiLoCo's Nesterov, and ``staleness_sgd`` (momentum 0, the delta times ``lr / (1 + tau)``), plain
-SGD at staleness 0. The ``straggler`` and ``preempt`` arms are tuned in both (each arm's best
-(family, lr) at seed 0 is its), ``varying``, ``xdc1`` and the arms ``sync_overlap`` and
-``sync_q3_apply`` in ``staleness_sgd`` only (every straggler arm's best), the rest in
-``poly_nesterov`` only. Each 5-point log lr grid (0.1-1.6 or 0.125-2, factor 2) is extended by one
+SGD at staleness 0. The ``straggler``, ``preempt`` and ``xdc`` arms are tuned in both (each arm's best
+(family, lr) at seed 0 is its), ``spread``, ``varying``, ``xdc1`` and the arms ``sync_overlap`` and
+``sync_q3_apply`` in ``staleness_sgd`` only (every straggler arm's best), the sweep in
+``poly_nesterov`` only (``xdc``'s lrs in that family). Each 5-point log lr grid (0.1-1.6 or 0.125-2, factor 2) is extended by one
 point (up to four times) on the side where the best lr sits on the edge, so the chosen lr is
 interior. Tuning: seed 0, the final eval loss at the budget (equal time). Then seeds 1 and 2 at each
-(scenario, arm)'s best. The scenarios with ``tuned_as`` (``spread``, the sweep) reuse that
-scenario's tuned lrs (all three seeds), run after every tuned scenario.
+(scenario, arm)'s best. The scenarios with ``tuned_as`` (the sweep) reuse that scenario's tuned
+lrs (all three seeds), run after every tuned scenario.
 
 Runs one at a time, one intra-op thread each (run it under ``nice``): see docs/stragglers.md for how
 long the whole study took.
@@ -97,7 +98,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "straggler": {"speeds": [1.0, 1.0, 1.0, 0.25], "budget": 160.0},
     "xdc": {"speeds": [1.0] * K, "rho": RHO_MAIN, "budget": 160.0},
     "preempt": {"speeds": [1.0] * K, "preempt": {"rate": 1 / 100, "down": 10.0, "law": "exponential"}, "budget": 160.0},
-    "spread": {"speeds": [1.0, 2 / 3, 1 / 2, 1 / 3], "budget": 160.0, "tuned_as": "straggler"},
+    "spread": {"speeds": [1.0, 2 / 3, 1 / 2, 1 / 3], "budget": 160.0},
     **{f"xdc_r{rho:g}": {"speeds": [1.0] * K, "rho": rho, "budget": 160.0, "tuned_as": "xdc"} for rho in SWEEP},
     "varying": {"speeds": [1.0] * K, "varying": {"fast": 30.0, "slow": 10.0, "slow_speed": 0.25}, "budget": 160.0},
     "xdc1": {"speeds": [1.0] * K, "rho": 1.0, "budget": 160.0},
@@ -120,6 +121,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "sync_int4": {"sync": True, "ov": [*SYNC, *INT4]},
     "sync_frag4": {"sync": True, "ov": [*SYNC, *FRAG4]},
     "async": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival"]},
+    "async_rebase": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival", "sim.rebase=true"]},
     "async_q3": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=round", "sim.quorum=3"]},
     "async_dylu": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival", *DYLU]},
     "async_int4": {"sync": False, "ov": ["diloco.sync=async", "master.aggregation=arrival", *INT4]},
@@ -134,7 +136,7 @@ SCENARIO_ARMS = {
     # no worker is slow on average, so "drop the stragglers" keeps every worker (= sync); a quorum with a
     # deadline is the form of dropping that follows the speeds as they change
     "varying": ["sync", "sync_q3_drop", "sync_dylu", "async"],
-    "xdc1": ["sync", "sync_overlap", "sync_q3_apply", "async"],
+    "xdc1": ["sync", "sync_overlap", "sync_q3_apply", "async", "async_rebase"],
     **{f"xdc_r{rho:g}": ["sync", "async"] for rho in SWEEP},
 }
 #: family -> (outer optimizer, its 5-point lr grid), sync and async alike: ``poly_nesterov`` (Nesterov
@@ -149,8 +151,9 @@ FAMILIES: dict[str, tuple[str, tuple[float, ...]]] = {
 #: ``straggler``'s and ``preempt``'s original arms are tuned in both; every straggler arm's best was ``staleness_sgd``, so the
 #: scenarios and arms tuned since then are tuned in it alone (:data:`SGD_ONLY_ARMS`)
 SCENARIO_FAMILIES: dict[str, tuple[str, ...]] = {"straggler": ("nesterov", "sgd"), "preempt": ("nesterov", "sgd"),
+                                                 "spread": ("sgd",), "xdc": ("nesterov", "sgd"),
                                                  "varying": ("sgd",), "xdc1": ("sgd",)}
-SGD_ONLY_ARMS = ("sync_overlap", "sync_q3_apply")
+SGD_ONLY_ARMS = ("sync_overlap", "sync_q3_apply", "async_rebase")  # the rebase needs a momentum-free outer step
 EXTEND = 4  # grid points added beyond an edge, at most, per side (async wanted 4x below the base grid)
 
 
@@ -305,10 +308,12 @@ class Study:
         return todo, settled
 
     def best(self, scenario: str, arm: str) -> tuple[str, float] | None:
-        """The (family, lr) with the lowest final loss at seed 0 (None: tuning not finished)."""
+        """The (family, lr) with the lowest final loss at seed 0 (None: tuning not finished); a scenario
+        tuned as another takes the other's best lr in each of its own families (the sweep runs in
+        ``nesterov`` only, as ``xdc`` was tuned)."""
         source = SCENARIOS[scenario].get("tuned_as", scenario)
         out = []
-        for fam in families_of(source, arm):
+        for fam in families_of(scenario, arm):
             lrs, ok = self.grid(source, arm, fam)
             if not ok:
                 return None

@@ -237,6 +237,7 @@ def _hard_rows(rows: int, chunk: int, seed: int) -> torch.Tensor:
     x[2::5] = 1e-3 * torch.sign(x[2::5])  # Adam-like: every magnitude alike
     x[3::5, chunk // 2] = 1e30  # one outlier
     x[4::5] = torch.where(torch.rand(x[4::5].shape, generator=gen) < 0.5, -0.0, x[4::5])
+    x[-2], x[-1] = 0.0, -0.0  # an all-zero row and an all-(-0.0) row
     return x
 
 

@@ -66,7 +66,10 @@ def test_families_new_scenarios_and_arms_are_tuned_in_staleness_sgd(harness):
     assert harness.families_of("straggler", "sync_q3_apply") == ["sgd"]
     assert harness.families_of("varying", "sync_dylu") == ["sgd"]
     assert harness.families_of("xdc1", "async") == ["sgd"]
-    assert harness.families_of("xdc", "sync") == ["nesterov"]
+    assert harness.families_of("xdc1", "async_rebase") == ["sgd"]  # the rebase needs a momentum-free step
+    assert "sim.rebase=true" in harness.job("xdc1", "async_rebase", "sgd", 1.0, 0)["overrides"]
+    assert harness.families_of("xdc", "sync") == ["nesterov", "sgd"]
+    assert harness.families_of("xdc_r1", "sync") == ["nesterov"]  # the sweep: xdc's lrs in the first family
     assert harness.FAMILIES["sgd"] == ("staleness_sgd", (0.125, 0.25, 0.5, 1.0, 2.0))
 
 
@@ -111,3 +114,16 @@ def test_seeds_run_at_the_tuned_lr_and_more_seeds_on_request(harness, tmp_path):
     five = harness.Study(args(seeds=5))
     assert [j["seed"] for j in five.seed_jobs(sweep=False)] == [1, 2, 3, 4]
     assert {j["id"] for j in five.seed_jobs(sweep=False)} >= {j["id"] for j in st.seed_jobs(sweep=False)}
+
+
+def test_a_scenario_tuned_as_another_keeps_its_own_family(harness, tmp_path):
+    """A scenario tuned as another (the sweep's ``xdc_r1`` as ``xdc``) takes the other's best lr in the
+    families it runs in (``poly_nesterov``), even where the other's best family is another."""
+    st = harness.Study(argparse.Namespace(out=str(tmp_path), scenarios=["xdc"], arms=["sync"], retry_failed=False))
+    for fam, losses in (("nesterov", (3.5, 3.2, 3.1, 3.3, 3.4)), ("sgd", (3.4, 3.0, 2.9, 3.0, 3.2))):
+        for lr, loss in zip(harness.FAMILIES[fam][1], losses):
+            d = tmp_path / "runs" / harness.job("xdc", "sync", fam, lr, 0)["id"]
+            d.mkdir(parents=True)
+            (d / "results.json").write_text(json.dumps({"eval_loss": loss}))
+    assert st.best("xdc", "sync") == ("sgd", 0.5)
+    assert st.best("xdc_r1", "sync") == ("nesterov", 0.4)

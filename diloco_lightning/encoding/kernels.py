@@ -136,13 +136,14 @@ def _kth_from_sample(mags: _Magnitudes, k: int) -> tuple[int, Tensor] | None:
     then takes the exact two-level radix select, :func:`_kth_largest`).
 
     Guess a threshold ``T``: a rank in a sample (one run of :data:`SAMPLE_RUN` entries in
-    :data:`SAMPLE_STRIDE`) a few standard deviations beyond ``k / SAMPLE_STRIDE``, so that about ``k`` and a few percent of the
-    entries are at least ``T``. Then one pass collects every entry whose key is at least ``T``. If
-    there are at least ``k`` of them, the k-th largest of the whole tensor is at least ``T`` (k
-    entries are), so every entry at or above it was collected, and the k-th largest of the
-    collected keys is the answer, exactly, whatever the sample was. Fewer than ``k`` (an unlucky or
-    structured sample), or more than ``2k + CHUNK`` (bounded memory: magnitudes alike), and the
-    guess is abandoned.
+    :data:`SAMPLE_STRIDE`) a few standard deviations beyond ``k / SAMPLE_STRIDE``, so that about
+    ``k`` and a few percent of the entries are at least ``T``. Then one pass collects every entry
+    whose key is at least ``T``. If there are at least ``k`` of them, the k-th largest of the whole
+    tensor is at least ``T`` (k entries are), so every entry at or above it was collected, and the
+    k-th largest of the collected keys is the answer, exactly, whatever the sample was. Fewer than
+    ``k`` (an unlucky or structured sample), or more than ``2k + CHUNK`` (bounded memory: magnitudes
+    alike), and the guess is abandoned. A NaN or an infinity anywhere is refused by the pass, or by
+    the radix select when the guess was abandoned first.
     """
     runs = mags.n // SAMPLE_RUN
     sample = mags.flat[: runs * SAMPLE_RUN].view(runs, SAMPLE_RUN)[::SAMPLE_STRIDE].reshape(-1)
