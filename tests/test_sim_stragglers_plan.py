@@ -6,25 +6,19 @@ for. No training: results are written by hand."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from support.benchmarks import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def harness():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("sim_stragglers_under_test", ROOT / "benchmarks" / "sim_stragglers.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sim_stragglers_under_test"] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop("sim_stragglers_under_test", None)
+    yield from load_benchmark("sim_stragglers")
 
 
 def _mean_speed(trace: list[list[float]], end: float) -> float:

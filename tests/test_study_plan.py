@@ -5,25 +5,19 @@ a diverged run counted as such. No training: results are written by hand."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from support.benchmarks import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def study():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("study_under_test", ROOT / "benchmarks" / "study.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["study_under_test"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop("study_under_test", None)
+    yield from load_benchmark("study")
 
 
 def _args(root: Path, **kw) -> argparse.Namespace:
