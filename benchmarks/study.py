@@ -416,8 +416,9 @@ class Study:
         import random
         import tempfile
 
-        done = sorted((j for j in self.all_jobs() + self.long_jobs() if self.results(j) is not None),
-                      key=lambda j: j["id"])
+        # all_jobs() already holds the long block under --only long: one entry per run id
+        jobs = {j["id"]: j for j in self.all_jobs() + self.long_jobs()}
+        done = sorted((j for j in jobs.values() if self.results(j) is not None), key=lambda j: j["id"])
         walls = [float(self.results(j).get("wall_seconds", 0.0)) for j in done]  # type: ignore[union-attr]
         print(f"{len(done)} runs done; their run time: {sum(walls) / 60:.0f} min on one core "
               f"(median {statistics.median(walls) if walls else 0:.0f} s a run)")
