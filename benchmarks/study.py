@@ -416,9 +416,7 @@ class Study:
         import random
         import tempfile
 
-        # all_jobs() already holds the long block under --only long: one entry per run id
-        jobs = {j["id"]: j for j in self.all_jobs() + self.long_jobs()}
-        done = sorted((j for j in jobs.values() if self.results(j) is not None), key=lambda j: j["id"])
+        done = sorted((j for j in self.all_jobs() if self.results(j) is not None), key=lambda j: j["id"])
         walls = [float(self.results(j).get("wall_seconds", 0.0)) for j in done]  # type: ignore[union-attr]
         print(f"{len(done)} runs done; their run time: {sum(walls) / 60:.0f} min on one core "
               f"(median {statistics.median(walls) if walls else 0:.0f} s a run)")
@@ -560,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         return study.plan_text()
     if args.report:
         return study.report()
-    if args.verify:
+    if args.verify is not None:  # --verify 0 only prints the run time; it must never start the study
         return study.verify(args.verify)
     return study.run()
 
