@@ -19,7 +19,9 @@ synthetic`` by Gaussian noise. Then, per encoding:
 - ``/goal``: the slowest of the four timed paths (encode, ``+resid``, ``worker``, ``dec_add``)
   over the 1 GB/s goal (>= 1: met);
 - the relative error ``||delta - decode(encode(delta))|| / ||delta||`` over the whole state;
-- on the 25M state, three bounds in the same units (:func:`bounds`): one read-and-write pass over
+- on the 25M state, int4's worker step with ``delta += residual`` as a pass of its own (``int4
+  apart``) and inside the encoder's pass (``int4 fused``, what ``ErrorFeedback`` does), alternated,
+  with their ratio; then three bounds in the same units (:func:`bounds`): one read-and-write pass over
   the delta into a kept buffer (the core's memory bandwidth), the same into new memory (the page
   faults a fresh output pays), and the two ``torch.topk`` calls that ctopk's selection makes per
   chunk, alone.
@@ -109,14 +111,15 @@ def e2m1_round_trip(t: torch.Tensor, block: int = 128) -> torch.Tensor:
 CLOCK = time.thread_time  # --wall: time.perf_counter
 
 
+def timed(fn) -> float:
+    start = CLOCK()
+    fn()
+    return CLOCK() - start
+
+
 def median_time(fn, repeats: int) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = CLOCK()
-        fn()
-        times.append(CLOCK() - start)
-    return statistics.median(times)
+    return statistics.median(timed(fn) for _ in range(repeats))
 
 
 def file_bytes(delta: dict[str, torch.Tensor], spec: EncodingSpec, folder: str) -> int:
@@ -187,8 +190,19 @@ def bounds(delta: dict[str, torch.Tensor], gb: float, repeats: int) -> list[dict
     rows = sum(t.numel() for t in delta.values()) // 4096
     keys = torch.randint(0, 1 << 30, (rows, 512), dtype=torch.int32)
     t_topk = median_time(lambda: [torch.topk(keys, 65, dim=1, sorted=False) for _ in range(2)], repeats)
+    # the worker's int4 step with delta += residual as a pass of its own, and inside the encoder's pass
+    # (encode_with_residual(add=)): alternated, so both see the same load
+    spec, res = EncodingSpec("int4"), {k: torch.zeros_like(t) for k, t in delta.items()}
+    work = {k: t.clone() for k, t in delta.items()}
+    apart, fused = [], []
+    for _ in range(repeats + 1):  # the first of each is a warm-up
+        apart.append(timed(lambda: [encode_with_residual(work[k].add_(res[k]), spec, out=res[k]) for k in work]))
+        fused.append(timed(lambda: [encode_with_residual(work[k], spec, out=res[k], add=res[k]) for k in work]))
+    t_apart, t_fused = statistics.median(apart[1:]), statistics.median(fused[1:])
     out = []
-    for label, t, what in (("(one pass)", t_add, "torch.add into a kept buffer: one core's read+write bandwidth"),
+    for label, t, what in (("(int4 apart)", t_apart, "int4's worker step, delta += residual in a pass of its own"),
+                           ("(int4 fused)", t_fused, f"the same, added in the encoder's pass: {t_apart / t_fused:.2f}x"),
+                           ("(one pass)", t_add, "torch.add into a kept buffer: one core's read+write bandwidth"),
                            ("(new memory)", t_new, "clone: the same pass into new pages (an encoder's fresh output)"),
                            ("(ctopk topk)", t_topk, "ctopk 64/4096's two torch.topk calls alone (the selection's floor)")):
         print(f"{label:<15} {'':>11} {'':>8} {'':>8} {gb / t:>9.2f} {'':>7} {'':>7} {'':>8} {'':>7} {gb / t / SPEED_TARGET:>6.2f} "
@@ -205,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per figure (median reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: one core)")
     parser.add_argument("--wall", action="store_true", help="wall-clock time instead of the thread's CPU time")
-    parser.add_argument("--encodings", default=None, help=f"comma-separated subset of {','.join(ENCODINGS)}")
+    parser.add_argument("--encodings", default=None, help=f"comma-separated subset of {','.join(ENCODINGS)}".replace("%", "%%"))
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     global CLOCK

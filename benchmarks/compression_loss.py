@@ -91,7 +91,7 @@ def table(runs: list[dict], rows: list[str], taus: list[int], seeds: list[int], 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}".replace("%", "%%"))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--taus", default="0", help="lockstep staleness values (diloco.delay)")
     ap.add_argument("--max-steps", type=int, default=160, help="inner steps per worker (the recipe's 160)")

@@ -105,7 +105,7 @@ def summarize(study) -> dict[str, dict[str, dict[str, Any]]]:
                 eq_bytes.append(study.loss(study.job(row, s, lr, seed)) - loss_at_step(b, r["bytes_sent"] / bytes_per_step(b)))
             fp32_bytes = statistics.mean(r["bytes_sent"] for r in base.values() if r) if base else math.nan
             total = statistics.mean(r["bytes_sent"] for r in runs.values())
-            grid = study.grid(row) if row not in study.lr_from else (lr,)
+            grid = study.grid(row, s)[0] if row not in study.lr_from else [lr]
             out[s][row] = {
                 "lr": lr, "edge": lr in (grid[0], grid[-1]) and len(grid) > 1, "bytes_per_delta": per_delta,
                 "lr_from": study.lr_from.get(row), "reference": ref,

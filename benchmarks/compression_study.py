@@ -44,6 +44,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from study import COMMON, _prepare_data, run_job  # noqa: E402 - benchmarks/study.py, beside this file
+from tuning import bracket  # noqa: E402
+
+MAX_EXTEND = 3  # at most 3 points past the first grid's edges (8x beyond)
 
 NESTEROV = ["outer=nesterov", "outer.options.momentum=0.9"]
 PLAIN = ["outer=nesterov", "outer.options.momentum=0.0"]  # SparseLoCo's outer step: theta -= lr * mean
@@ -63,6 +66,10 @@ for _pct in (1, 2, 3):
     ROWS[f"ctopk{_pct}%"] = ([*_ct, "diloco.error_feedback=false", *NESTEROV], (0.3, 0.7, 1.0))
     ROWS[f"ctopk{_pct}%+ef"] = ([*_ct, *NESTEROV], (0.3, 0.7, 1.0))
     ROWS[f"ctopk{_pct}%+ef.95"] = ([*_ct, "diloco.error_feedback_decay=0.95", *PLAIN], (2.0, 4.0, 8.0))
+    # SparseLoCo's step with plain error feedback (beta 1), and with none: which of the two changes matters
+    ROWS[f"ctopk{_pct}%+ef1-plain"] = ([*_ct, *PLAIN], (2.0, 4.0, 8.0))
+    ROWS[f"ctopk{_pct}%-plain"] = ([*_ct, "diloco.error_feedback=false", *PLAIN], (2.0, 4.0, 8.0))
+ROWS["bf16-plain"] = (["diloco.delta_dtype=bfloat16", *PLAIN], (0.5, 1.0, 2.0))
 
 SETTINGS = {
     "r0": ["master.aggregation=round", "diloco.delay=0"],
@@ -83,8 +90,12 @@ SMALL = {"steps": 400, "extra": ["workers=2", "model.d_model=64", "model.n_layer
          "rows": ("float32", "ctopk2%+ef.95", "float32-plain", "ctopk2%+ef", "ctopk2%", "topk1%", "int8", "int4",
                   "bf16", "ctopk1%+ef.95"),
          "grids": {"nesterov": (0.0625, 0.125, 0.25, 0.5), "plain": (1.0, 2.0, 4.0, 8.0),
-                   "float32-plain": (0.25, 0.5, 1.0, 2.0, 4.0, 8.0), "ctopk2%+ef": (0.0625, 0.125, 0.25, 0.5, 1.0)},
-         "titles": {"r0": "round mode, staleness 0 (50 rounds of 2 deltas; d_model 64, 2 layers)"}}
+                   "float32-plain": (0.25, 0.5, 1.0, 2.0, 4.0, 8.0), "ctopk2%+ef": (0.0625, 0.125, 0.25, 0.5, 1.0),
+                   # one delta per outer step at staleness 4: the r0 grids' best diverged in a pilot
+                   "plain@a4": (0.03125, 0.0625, 0.125, 0.25), "nesterov@a4": (0.0078125, 0.015625, 0.03125, 0.0625)},
+         "titles": {"r0": "round mode, staleness 0 ({rounds} rounds of 2 deltas; d_model 64, 2 layers)",
+                    "a4": "arrival mode, every delta 4 arrivals stale ({arrivals} outer steps of one delta; d_model 64)",
+                    "f4": "round mode, 4 fragments ({fragment_rounds} rounds of one fragment from each worker; d_model 64)"}}
 
 
 def job(row: str, setting: str, lr: float, seed: int, eval_points: int = 50) -> dict[str, Any]:
@@ -103,19 +114,25 @@ class CompressionStudy:
         default = "compression_study_quick" if args.quick else "compression_study_small" if args.small else "compression_study"
         self.root = Path(args.root or (ROOT / default)).resolve()
         self.eval_points = int(q.get("eval_points", 50))
-        self.grids: dict[str, tuple[float, ...]] = q.get("grids", {})
-        self.titles: dict[str, str] = q.get("titles", {})
+        self.grids: dict[str, tuple[float, ...]] = dict(q.get("grids", {}))
+        for item in (args.grid or "").split(","):  # --grid row=0.25/0.5/1: a first grid for the row
+            if item:
+                row, _, lrs = item.partition("=")
+                self.grids[row] = tuple(float(x) for x in lrs.split("/"))
+        steps = args.steps or q.get("steps", STEPS)
+        counts = {"rounds": steps // 8, "arrivals": 2 * steps // 8, "fragment_rounds": steps // 2}  # H = 8, 2 workers
+        self.titles: dict[str, str] = {k: v.format(**counts) for k, v in q.get("titles", {}).items()}
         self.rows = [r for r in (args.rows.split(",") if args.rows else q.get("rows", ROWS)) if r]
         self.settings = [s for s in (args.settings.split(",") if args.settings else q.get("settings", SETTINGS)) if s]
-        self.seeds = tuple(q.get("seeds", SEEDS))
+        self.seeds = tuple(range(args.seeds)) if args.seeds else tuple(q.get("seeds", SEEDS))
         #: rows run at another row's tuned lr instead of their own grid (``--lr-from row=other,...``)
         self.lr_from = dict(x.split("=", 1) for x in (args.lr_from or "").split(",") if x)
-        steps = q.get("steps", STEPS)
         extra = [f"trainer.max_steps={steps}", f"launch.eval_points={self.eval_points}", *q.get("extra", [])]
         keys = {e.split("=")[0] for e in extra}
         self.common = [c for c in COMMON if c.split("=")[0] not in keys] + extra
         unknown = ([r for r in self.rows if r not in ROWS] + [s for s in self.settings if s not in SETTINGS]
-                   + [r for kv in self.lr_from.items() for r in kv if r not in ROWS])
+                   + [r for kv in self.lr_from.items() for r in kv if r not in ROWS]
+                   + [r.partition("=")[0] for r in (args.grid or "").split(",") if r and r.partition("=")[0] not in ROWS])
         if unknown:
             raise SystemExit(f"unknown rows or settings {unknown}; rows: {list(ROWS)}, settings: {list(SETTINGS)}")
 
@@ -124,10 +141,16 @@ class CompressionStudy:
     def job(self, row: str, setting: str, lr: float, seed: int) -> dict[str, Any]:
         return job(row, setting, lr, seed, self.eval_points)
 
-    def grid(self, row: str) -> tuple[float, ...]:
-        """The row's outer lr grid (a profile's grid for the row, or for its outer step, else its own)."""
+    def grid(self, row: str, setting: str) -> tuple[list[float], bool]:
+        """The row's outer lr grid at ``setting`` so far, and whether it is settled: the profile's grid
+        (``row@setting``, ``kind@setting``, ``row``, ``kind``, in that order; ``kind`` is the outer step,
+        ``plain`` or ``nesterov``) or the row's own, then halved or doubled past an edge that won
+        (``benchmarks/tuning.py``)."""
         kind = "plain" if "outer.options.momentum=0.0" in ROWS[row][0] else "nesterov"
-        return self.grids.get(row) or self.grids.get(kind, ROWS[row][1])
+        base = next((self.grids[k] for k in (f"{row}@{setting}", f"{kind}@{setting}", row, kind) if k in self.grids),
+                    ROWS[row][1])
+        return bracket(base, lambda lr: self.loss(self.job(row, setting, lr, self.seeds[0])),
+                       lambda lr: lr / 2, lambda lr: lr * 2, MAX_EXTEND)
 
     def results(self, j: dict) -> dict | None:
         try:
@@ -146,14 +169,14 @@ class CompressionStudy:
         (not tuned: the tables say so), that row's."""
         if row in self.lr_from:
             return self.best_lr(self.lr_from[row], setting)
-        scores = [(self.loss(self.job(row, setting, lr, self.seeds[0])), lr) for lr in self.grid(row)]
-        if any(math.isnan(x) for x, _ in scores):
+        lrs, settled = self.grid(row, setting)
+        if not settled:
             return None
-        return min(scores)[1]
+        return min((self.loss(self.job(row, setting, lr, self.seeds[0])), lr) for lr in lrs)[1]
 
     def tuning_jobs(self, rows: list[str] | None = None) -> list[dict]:
         return [self.job(r, s, lr, self.seeds[0]) for s in self.settings for r in (rows or self.rows)
-                if r not in self.lr_from for lr in self.grid(r)]
+                if r not in self.lr_from for lr in self.grid(r, s)[0]]
 
     def seed_jobs(self, rows: list[str] | None = None) -> list[dict]:
         out = []
@@ -200,7 +223,13 @@ class CompressionStudy:
         t0 = time.time()
         for s in self.settings:  # setting by setting, row by row: a partial study has whole rows
             for r in self.rows:
-                self.run_all([j for j in self.tuning_jobs([r]) if j["setting"] == s], f"tuning {s} {r}")
+                tried: set[str] = set()
+                while True:  # a grid grows past a winning edge: run until every point of it is done
+                    todo = [j for j in self.tuning_jobs([r]) if j["setting"] == s and self.results(j) is None]
+                    if not todo or {j["id"] for j in todo} <= tried:  # done, or only runs that failed are left
+                        break
+                    tried |= {j["id"] for j in todo}
+                    self.run_all(todo, f"tuning {s} {r}")
                 self.run_all([j for j in self.seed_jobs([r]) if j["setting"] == s], f"seeds {s} {r}")
         print(f"study session: {(time.time() - t0) / 60:.1f} min", flush=True)
         return self.report()
@@ -211,7 +240,7 @@ class CompressionStudy:
             mark = "done" if self.results(j) is not None else "    "
             print(f"{mark} python train.py {' '.join(self.common + j['overrides'])} run_id={j['id']}")
         done = sum(self.results(j) is not None for j in jobs)
-        print(f"{len(jobs)} runs planned (seeds 1-2 of a row once its tuning is done), {done} done")
+        print(f"{len(jobs)} runs planned (the other seeds of a row once its tuning is done), {done} done")
         return 0
 
     def report(self) -> int:
@@ -227,9 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
-    ap.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}")
+    ap.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}".replace("%", "%%"))
     ap.add_argument("--settings", help=f"comma-separated subset of {','.join(SETTINGS)}")
     ap.add_argument("--lr-from", help="row=other,...: run row at other's tuned outer lr, untuned (its 3 seeds only)")
+    ap.add_argument("--grid", help="row=lr/lr/lr,...: the first outer-lr grid of these rows (extended past a winning edge)")
+    ap.add_argument("--steps", type=int, help="inner steps per worker (default: the profile's; H = 8: 8 per round); "
+                    "give another --root, run ids do not name it")
+    ap.add_argument("--seeds", type=int, help="seeds per row (default 3: 0, 1, 2); the tuning runs on seed 0")
     ap.add_argument("--quick", action="store_true", help="a smoke version (3 rows, 64 steps, 1 seed)")
     ap.add_argument("--small", action="store_true",
                     help="what a shared 2-core machine affords (SMALL: 2 workers, 50 rounds, r0) in compression_study_small/")

@@ -127,6 +127,37 @@ def test_error_feedback_rounds_match_the_reference_bit_for_bit(spec):
             assert torch.equal(bits(t), bits(sent[k].parts[part])), (k, part)
 
 
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "int8", "int4", "ctopk", "topk"])
+def test_the_residual_added_in_the_encoders_pass_gives_the_same_bits(name):
+    """The worker's step, ``delta += residual`` then encode, with the addition done chunk by chunk
+    inside the encoder's own pass (``add=``): the same codes, scales and residual as the two steps
+    apart, over several chunks with a short tail, for a complex key and a non-contiguous one."""
+    from diloco_lightning.encoding import encode_with_residual
+    from diloco_lightning.encoding.format import CHUNK
+
+    spec = (EncodingSpec("ctopk", chunk=64, chunk_k=4, topk_values="int2") if name == "ctopk"
+            else EncodingSpec("topk", topk=0.01, topk_values="int8") if name == "topk" else EncodingSpec(name))
+    g = torch.Generator().manual_seed(3)
+    real = torch.randn(2 * CHUNK + 1001, generator=g) * 1e-3
+    cases = [real, torch.view_as_complex(torch.randn(CHUNK + 77, 2, generator=g)),
+             torch.randn(300, 200, generator=g).t()]  # the last one is not contiguous
+    for delta in cases:
+        r = (torch.randn(delta.shape, dtype=delta.dtype, generator=g) * 1e-4).contiguous()
+        apart, r_apart = delta.clone().add_(r), r.clone()
+        want, want_res = encode_with_residual(apart, spec, out=r_apart)
+        fused, r_fused = delta.clone(), r.clone()
+        got, got_res = encode_with_residual(fused, spec, out=r_fused, add=r_fused)
+        assert got_res is r_fused
+        assert torch.equal(bits(fused), bits(apart))  # delta now holds x, as the worker needs
+        assert torch.equal(bits(got_res), bits(want_res))
+        for part, t in want.parts.items():
+            assert torch.equal(bits(got.parts[part]), bits(t)), part
+    with pytest.raises(ValueError, match="add must be"):
+        encode_with_residual(real.clone(), spec, add=torch.zeros(3))
+    with pytest.raises(ValueError, match="add must be"):
+        encode_with_residual(real.double(), spec, add=real.double())
+
+
 @pytest.mark.parametrize("decay", [0.95, 0.5])
 def test_decayed_error_feedback_is_sparselocos_buffer_bit_for_bit(decay):
     """SparseLoCo: e = beta * e + delta; send Q(e); e = e - Q(e). Three rounds on real deltas, in

@@ -54,10 +54,23 @@ def _flat_real(t: Tensor) -> tuple[Tensor, bool]:
 
 
 def _encode(t: Tensor, spec: EncodingSpec, with_residual: bool, out: Tensor | None = None,
-            ) -> tuple[EncodedTensor, Tensor | None]:
+            add: Tensor | None = None) -> tuple[EncodedTensor, Tensor | None]:
     if not isinstance(spec, EncodingSpec):
         raise ValueError(f"spec must be an EncodingSpec, got {spec!r}")
     flat, is_complex = _flat_real(t)
+    addf = None
+    if add is not None:
+        if (not isinstance(add, Tensor) or add.dtype != t.dtype or add.shape != t.shape or not add.is_contiguous()
+                or add.device != t.device or t.dtype not in (torch.float32, torch.complex64)):
+            raise ValueError(f"add must be a contiguous tensor of t's dtype, shape and device (t: a float32 or "
+                             f"complex64 tensor), got {getattr(add, 'dtype', type(add).__name__)}")
+        addf = (torch.view_as_real(add) if is_complex else add).view(-1)
+        real = torch.view_as_real(t) if is_complex else t
+        if flat.data_ptr() != real.data_ptr() or spec.name not in CAST_DTYPES and spec.name not in LEVELS:
+            flat.add_(addf)  # a copy of a non-contiguous t, or a selection that needs all of x first
+            if flat.data_ptr() != real.data_ptr():
+                real.copy_(flat.view(real.shape))
+            addf = None
     shape = tuple(t.shape)
     real_shape = real_view_shape(shape, is_complex)
     res = None
@@ -76,6 +89,8 @@ def _encode(t: Tensor, spec: EncodingSpec, with_residual: bool, out: Tensor | No
         ends = torch.zeros((-(-flat.numel() // CHUNK), 2), dtype=q.dtype, device=flat.device)
         for i, start in enumerate(range(0, flat.numel(), CHUNK)):  # in cache: cast, check, residual
             part = slice(start, start + CHUNK)
+            if addf is not None:
+                flat[part].add_(addf[part])
             xc = flat[part].to(torch.float32)  # float64 is rounded to FP32 first, as everywhere
             qc = q.view(-1)[part].copy_(xc)
             torch.amax(qc, dim=0, out=ends[i, 0])
@@ -86,7 +101,7 @@ def _encode(t: Tensor, spec: EncodingSpec, with_residual: bool, out: Tensor | No
             raise ValueError("cannot encode a tensor with NaN or inf values (or beyond the dtype's range)")
         parts = {"q": q}
     elif spec.name in LEVELS:
-        q, scale = quantize(flat, spec.name, spec.block_size, res)
+        q, scale = quantize(flat, spec.name, spec.block_size, res, addf)
         parts = {"q": q, "scale": scale}
     elif spec.name == "ctopk":
         assert spec.chunk_k is not None  # set by EncodingSpec for ctopk
@@ -105,7 +120,8 @@ def encode(t: Tensor, spec: EncodingSpec) -> EncodedTensor:
     return _encode(t, spec, with_residual=False)[0]
 
 
-def encode_with_residual(t: Tensor, spec: EncodingSpec, out: Tensor | None = None) -> tuple[EncodedTensor, Tensor]:
+def encode_with_residual(t: Tensor, spec: EncodingSpec, out: Tensor | None = None, *,
+                         add: Tensor | None = None) -> tuple[EncodedTensor, Tensor]:
     """``(encode(t), residual)``, ``residual = fp32(t) - decode(encode(t))`` computed in the same pass.
 
     Error feedback: the worker adds ``residual`` to its next pseudo-gradient, so what an encoding
@@ -114,8 +130,13 @@ def encode_with_residual(t: Tensor, spec: EncodingSpec, out: Tensor | None = Non
     and device to write the residual into, ``t`` itself included; a worker that keeps one
     error-feedback buffer this way allocates (and page-faults) nothing per round. When encoding
     fails (NaN or inf values) ``out`` may already be partly overwritten.
+
+    ``add`` (a float32/complex64 ``t`` only): ``t += add`` in place first, then ``t`` is encoded,
+    with the same bits as ``t.add_(add)`` before the call. The casts and int8/int4 add chunk by
+    chunk in their one pass over ``t``, so the worker's error feedback costs no extra pass; ``add``
+    may be ``out`` itself (each chunk is added before its residual is written).
     """
-    enc, residual = _encode(t, spec, with_residual=True, out=out)
+    enc, residual = _encode(t, spec, with_residual=True, out=out, add=add)
     assert residual is not None
     return enc, residual
 

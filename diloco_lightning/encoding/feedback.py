@@ -104,19 +104,18 @@ def encode_delta(
         r = None if residual is None else residual[k]
         if r is not None and (not isinstance(r, Tensor) or r.shape != d.shape or r.dtype != d.dtype):
             raise ValueError(f"residual[{k!r}] must be a {d.dtype} tensor of shape {list(d.shape)}")
-        if r is not None:
-            rr = r if decay == 1.0 else r * decay  # two roundings, no fused multiply-add: the same bits everywhere
-            x = d.add_(rr) if in_place else d + rr
-        else:
-            x = d
-        ks = _key_spec(x, spec)
+        ks = _key_spec(d, spec)
+        rr = None if r is None else r if decay == 1.0 else r * decay  # two roundings, no FMA: the same bits everywhere
+        # in place, with a residual to renew: the encoder adds rr into d in its own pass (same bits)
+        fused = rr is not None and in_place and new is not None and not is_lossless(ks) and rr.is_contiguous()
+        x = d if rr is None or fused else d.add_(rr) if in_place else d + rr
         buf = out.get(k) if out is not None else (r if in_place and r is not None and r.is_contiguous() else None)
         if is_lossless(ks):  # float32: the tensor itself; its residual is 0
             encoded[k] = _as_sent(x)
             if new is not None:
                 new[k] = buf.zero_() if buf is not None else torch.zeros_like(x)
         elif new is not None:
-            encoded[k], new[k] = encode_with_residual(x, ks, out=buf)
+            encoded[k], new[k] = encode_with_residual(x, ks, out=buf, add=rr if fused else None)
         else:
             encoded[k] = encode(x, ks)
     return encoded, new
