@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import shlex
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ def reference_row(study, setting: str) -> str:
     lr gave the lower seed-0 loss (the best a user would pick without compression)."""
     scored = []
     for row in REFERENCES:
-        lr = study.best_lr(row, setting) if row in study.rows else None
+        lr = study.best_lr(row, setting) if row in study.rows_of[setting] else None
         if lr is not None:
             scored.append((study.loss(study.job(row, setting, lr, study.seeds[0])), row))
     return min(scored)[1] if scored else "float32"
@@ -84,7 +85,7 @@ def summarize(study) -> dict[str, dict[str, dict[str, Any]]]:
         ref = reference_row(study, s)
         base_lr = study.best_lr(ref, s)
         base = {seed: study.results(study.job(ref, s, base_lr, seed)) for seed in study.seeds} if base_lr else {}
-        for row in study.rows:
+        for row in study.rows_of[s]:
             lr = study.best_lr(row, s)
             if lr is None:
                 continue
@@ -175,15 +176,15 @@ def plot(summary: dict, path: Path, titles: dict[str, str] | None = None) -> Non
 
     fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4.5), squeeze=False)
     for ax, (s, rows) in zip(axes[0], summary.items()):
-        for row, v in rows.items():
+        for i, (row, v) in enumerate(rows.items()):
             if row == v["reference"]:
                 for seed, pts in v["curve"].items():
                     xs, ys = zip(*[(b, x) for b, x in pts if b > 0])
                     ax.plot(xs, ys, color="black", lw=0.8, alpha=0.6, label="float32 (its curve)" if seed == 0 else None)
             total = statistics.mean(pts[-1][0] for pts in v["curve"].values())
             m, lo, hi = v["loss"]
-            ax.errorbar([total], [m], yerr=[[m - lo], [hi - m]] if not math.isnan(lo) else None, fmt="o", ms=4,
-                        label=row, capsize=2)
+            ax.errorbar([total], [m], yerr=[[m - lo], [hi - m]] if not math.isnan(lo) else None, fmt="os^Dv"[i % 5], ms=4,
+                        label=row, capsize=2, color=plt.get_cmap("tab20")(i % 20))  # 14 rows: 20 colours, 5 markers
         ax.set_xscale("log")
         ax.set_xlabel("bytes sent (all workers, whole run)")
         ax.set_ylabel("final eval loss")
@@ -197,11 +198,13 @@ def plot(summary: dict, path: Path, titles: dict[str, str] | None = None) -> Non
 def write_report(study, out: Path) -> None:
     summary = summarize(study)
     (study.root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    figure = out.parent / "compression_loss_bytes.png"
+    # in the folder's figures/ when it has one (docs/), else beside the report; named after the report
+    figure = (out.parent / "figures" if (out.parent / "figures").is_dir() else out.parent) / f"{out.stem}.png"
     titles = getattr(study, "titles", {})
-    flag = " --small" if getattr(study.args, "small", False) else ""
     plot(summary, figure, titles)
+    command = shlex.join(["python", "benchmarks/compression_study.py", *sys.argv[1:]])  # the report's own
     text = [f"# Compression study: loss against bytes ({study.root.name})", "",
-            f"Runs in `{study.root}`; command: `python benchmarks/compression_study.py{flag}`; load average now "
-            f"{os.getloadavg()[0]:.1f}. Figure: `{figure.name}`.", "", tables(summary, titles), "## Goals", "", goals(summary), ""]
+            f"Written by `{command}` from the runs in `{study.root.name}/` (each run's command: `--plan`); "
+            f"figure: `{figure.relative_to(out.parent)}`.", "", f"![loss against bytes]({figure.relative_to(out.parent)})", "",
+            tables(summary, titles), "## Goals", "", goals(summary), ""]
     out.write_text("\n".join(text))

@@ -43,7 +43,7 @@ def test_bracket_extends_past_a_winning_edge_and_waits_for_runs(tuning):
 
 
 def _study(cs, root: Path, **kw) -> object:
-    args = argparse.Namespace(quick=False, small=True, root=str(root), rows="float32-plain", settings="a4", seeds=None,
+    args = argparse.Namespace(quick=False, small=True, long=False, root=str(root), rows="float32-plain", settings="a4", seeds=None,
                               lr_from=None, grid=None, steps=None, jobs=1, out=None)
     vars(args).update(kw)
     return cs.CompressionStudy(args)

@@ -309,6 +309,23 @@ def test_train_py_launch_sim_end_to_end(tmp_path, token_cache):
     assert not (rdir / "hub").exists()
 
 
+@pytest.mark.slow  # a whole run: CI's slow run
+def test_the_sparseloco_preset_trains_as_its_docs_say(tmp_path, token_cache):
+    """``python train.py recipe=tiny compression=sparseloco`` (docs/encoding.md), on the simulator: every
+    delta accepted, at more than 100x fewer bytes than FP32 (the model's own size, from its weights)."""
+    from safetensors import safe_open
+
+    _train(tmp_path, token_cache, "recipe=tiny", "compression=sparseloco", "launch=sim", "trainer.max_steps=16",
+           "run_id=sp", "sim.save_weights=true")
+    rdir = tmp_path / "runs" / "sp"
+    res = json.loads((rdir / "results.json").read_text())
+    assert res["deltas_accepted"] > 0 and res["deltas_rejected"] == 0 and math.isfinite(res["eval_loss"])
+    with safe_open(str(rdir / "global.safetensors"), "pt") as f:
+        fp32 = 4 * sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
+                       else math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert res["bytes_sent"] / res["deltas_accepted"] < fp32 / 100, (res["bytes_sent"], fp32)
+
+
 @pytest.mark.parametrize("override,key", default_first([("sim.speeds=[1,0]", "sim.speeds"), ("sim.leave_at=[null,4]", "sim.leave_at"),
                                                         ("diloco.fragments=3", "diloco.fragments")]))
 def test_sim_config_errors_name_the_key(tmp_path, token_cache, override, key):

@@ -29,7 +29,7 @@ __all__ = ["run_app", "train_main", "help_text", "short_message", "is_user_error
 _COMMANDS = {
     "train": (
         "TrainConf",
-        ("recipe", "model", "data", "optim", "diloco", "outer", "hub", "trainer", "launch"),
+        ("recipe", "model", "data", "optim", "diloco", "compression", "outer", "hub", "trainer", "launch"),
         "Train a Llama with asynchronous DiLoCo: a master and `workers` worker processes on this machine "
         "(role=all), or one worker / one master of a multi-machine run (role=worker / role=master).",
     ),
