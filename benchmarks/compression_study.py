@@ -106,7 +106,7 @@ SMALL = {"steps": 400, "extra": ["workers=2", "model.d_model=64", "model.n_layer
                   "a4": ("float32-plain", "ctopk2%+ef.95", "float32", "int8-plain", "int4-plain", "ctopk2%-plain",
                          "ctopk2%+ef.8", "ctopk2%+ef.95-ssgd"),
                   "f4": ("float32-plain", "ctopk2%+ef.95", "float32", "int8-plain", "int4-plain", "ctopk2%-plain",
-                         "ctopk2%+ef.95-ssgd")},
+                         "ctopk2%+ef.95-ssgd", "ctopk2%+ef.8")},
          "lr_from": ",".join(_PLAINS), "seeds_of": {"r0": {"float32-plain": 5, "ctopk2%+ef.95": 5}},
          "grids": {"nesterov": (0.0625, 0.125, 0.25, 0.5), "plain": (1.0, 2.0, 4.0, 8.0),
                    "float32-plain": (0.25, 0.5, 1.0, 2.0, 4.0, 8.0), "ctopk2%+ef": (0.0625, 0.125, 0.25, 0.5, 1.0),
@@ -120,7 +120,8 @@ SMALL = {"steps": 400, "extra": ["workers=2", "model.d_model=64", "model.n_layer
 #: reference and SparseLoCo's recipe (first grids around their 50-round best), in compression_study_long/
 LONG = {**SMALL, "steps": 800,
         "rows": {"r0": ("float32-plain", "ctopk2%+ef.95", "ctopk1%+ef.95", "int4-plain", "ctopk2%+ef.8"),
-                 "f4": ("float32-plain", "ctopk2%+ef.95"), "a4": ("float32-plain", "ctopk2%+ef.95", "ctopk2%+ef.8")},
+                 "f4": ("float32-plain", "ctopk2%+ef.95", "ctopk2%+ef.8"),
+                 "a4": ("float32-plain", "ctopk2%+ef.95", "ctopk2%+ef.8")},
         "lr_from": "ctopk1%+ef.95=ctopk2%+ef.95,int4-plain=float32-plain",
         "grids": {**SMALL["grids"], "float32-plain": (0.25, 0.5, 1.0), "ctopk2%+ef.95": (1.0, 2.0, 4.0),
                   "ctopk2%+ef.8": (1.0, 2.0, 4.0), "ctopk2%+ef.8@a4": (0.25, 0.5, 1.0)}}

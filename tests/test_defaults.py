@@ -141,9 +141,9 @@ def test_diloco_master_averages_every_live_workers_delta_by_default():
 
 
 def test_the_sparseloco_preset_is_what_its_docs_say():
-    """``compression=sparseloco``: ctopk 64 of every 4096 in 2 bits, error feedback with beta 0.95, and
+    """``compression=sparseloco``: ctopk 64 of every 4096 in 2 bits, error feedback with beta 0.8, and
     the plain outer step gated by staleness (staleness_sgd, momentum 0, power 1: SparseLoCo's step at
-    tau = 0), lr 1; it passes the run's validation and builds that outer optimizer."""
+    tau = 0), lr 2; it passes the run's validation and builds that outer optimizer."""
     import torch
 
     from diloco_lightning.app.cli import _checked_args, _compose
@@ -155,10 +155,10 @@ def test_the_sparseloco_preset_is_what_its_docs_say():
     cfg = _compose("train", ["recipe=tiny", "compression=sparseloco"])
     d = cfg.diloco
     assert (d.delta_dtype, d.topk, d.topk_values, d.topk_chunk) == ("ctopk", 0.015625, "int2", 4096)
-    assert d.error_feedback is True and d.error_feedback_decay == 0.95
-    assert (cfg.outer.name, cfg.outer.lr, dict(cfg.outer.options)) == ("staleness_sgd", 1.0, {"momentum": 0.0, "power": 1.0})
+    assert d.error_feedback is True and d.error_feedback_decay == 0.8  # the compression study's, not 0.95
+    assert (cfg.outer.name, cfg.outer.lr, dict(cfg.outer.options)) == ("staleness_sgd", 2.0, {"momentum": 0.0, "power": 1.0})
     validate(cfg)
     state = {"w": torch.zeros(3)}
     outer = build_outer_optimizer(cfg.outer.name, state, lr=cfg.outer.lr, **cfg.outer.options)
     outer.step(state, {"w": torch.ones(3)}, staleness=3)
-    assert torch.equal(state["w"], torch.full((3,), -0.25))  # theta -= lr * g / (1 + tau)
+    assert torch.equal(state["w"], torch.full((3,), -0.5))  # theta -= lr * g / (1 + tau)
