@@ -90,7 +90,7 @@ SEEDS = (0, 1, 2)
 QUICK = {"steps": 64, "extra": ["model.d_model=32", "model.n_layers=1", "model.ffn_hidden=64", "data.val_batches=2",
                                 "data.max_bytes=300000"], "rows": ("float32", "ctopk2%+ef", "ctopk2%+ef.95"),
          "seeds": (0,), "settings": ("r0",)}
-#: what a shared 2-core machine affords (``--small``, about 40 min at two runs at a time): the staleness
+#: what a shared 2-core machine affords (``--small``, about 75 min at two runs at a time): the staleness
 #: study's small model (d_model 64, 2 layers, SwiGLU 172), 2 workers, 50 rounds of H = 8; the rows of
 #: each setting below, in this order (a partial study has whole rows); rows in ``lr_from`` run at another
 #: row's tuned lr (3 seeds, "not tuned" in the tables); ``seeds_of``: rows with more seeds than 3
