@@ -116,7 +116,7 @@ SMALL = {"steps": 400, "extra": ["workers=2", "model.d_model=64", "model.n_layer
          "titles": {"r0": "round mode, staleness 0 ({rounds} rounds of 2 deltas; d_model 64, 2 layers)",
                     "a4": "arrival mode, every delta 4 arrivals stale ({arrivals} outer steps of one delta; d_model 64)",
                     "f4": "round mode, 4 fragments ({fragment_rounds} rounds of one fragment from each worker; d_model 64)"}}
-#: ``--long``: the same at the horizon the issue asks for, 100 rounds of H = 8 (800 inner steps), the
+#: ``--long``: the same at 100 rounds of H = 8 (800 inner steps), the
 #: reference and SparseLoCo's recipe (first grids around their 50-round best), in compression_study_long/
 LONG = {**SMALL, "steps": 800,
         "rows": {"r0": ("float32-plain", "ctopk2%+ef.95", "ctopk1%+ef.95", "int4-plain", "ctopk2%+ef.8"),
