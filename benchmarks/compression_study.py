@@ -153,7 +153,7 @@ class CompressionStudy:
         counts = {"rounds": steps // 8, "arrivals": 2 * steps // 8, "fragment_rounds": steps // 2}  # H = 8, 2 workers
         self.titles: dict[str, str] = {k: v.format(**counts) for k, v in q.get("titles", {}).items()}
         self.settings = [s for s in (args.settings.split(",") if args.settings else q.get("settings", SETTINGS)) if s]
-        rows = q.get("rows", ROWS)
+        rows = q.get("rows", list(ROWS))  # a profile's rows: one list, or one per setting
         #: setting -> its rows (``--rows``: the same in every setting)
         self.rows_of = {s: [r for r in (args.rows.split(",") if args.rows else rows.get(s, ()) if isinstance(rows, dict)
                                         else rows) if r] for s in self.settings}

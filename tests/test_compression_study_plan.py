@@ -70,3 +70,12 @@ def test_a_row_is_tuned_past_its_grid_edge_before_its_seeds_run(cs, tmp_path):
     assert {j["seed"] for j in _study(cs, tmp_path, seeds=5).seed_jobs()} == {1, 2, 3, 4}
     # --grid gives a row its first grid
     assert _study(cs, tmp_path, grid="float32-plain=1/2").grid("float32-plain", "r0")[0][-2:] == [1.0, 2.0]
+
+
+def test_every_profile_plans_its_rows(cs, tmp_path):
+    """The full design, --small, --long and --quick each plan their first tuning runs in every setting."""
+    for kw in ({"small": False}, {"small": True}, {"small": False, "long": True}, {"small": False, "quick": True}):
+        study = _study(cs, tmp_path / str(len(kw)) / str(sorted(kw.items())), rows=None, settings=None, **kw)
+        jobs = study.tuning_jobs()
+        assert {j["setting"] for j in jobs} == set(study.settings) and jobs, kw
+        assert {j["row"] for j in jobs} <= set(cs.ROWS)
