@@ -54,6 +54,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tuning import bracket  # noqa: E402 - benchmarks/tuning.py, beside this file
 
 WORKERS = 4
 CHANCE = math.log(257)
@@ -248,21 +251,8 @@ class Study:
         """The lattice points of a cell's tuning so far: the first grid, then one more point past an
         edge that won, until the best is interior (at most MAX_EXTEND more). Stops at a point not yet run."""
         k0, half = METHODS[method].k0, self.points // 2
-        ks = list(range(k0 - half, k0 + half + 1))
-        for _ in range(MAX_EXTEND):
-            losses = [self.loss(job(setting, method, k, 0)) for k in ks]
-            if any(math.isnan(x) for x in losses):
-                break
-            best = min(range(len(ks)), key=lambda i: (losses[i], ks[i]))
-            if best == 0 and math.isfinite(losses[0]):
-                ks.insert(0, ks[0] - 1)
-            elif best == len(ks) - 1 and math.isfinite(losses[-1]):
-                ks.append(ks[-1] + 1)
-            elif not any(math.isfinite(x) for x in losses):  # all diverged: go down
-                ks.insert(0, ks[0] - 1)
-            else:
-                break
-        return ks
+        return bracket(range(k0 - half, k0 + half + 1), lambda k: self.loss(job(setting, method, k, 0)),
+                       lambda k: k - 1, lambda k: k + 1, MAX_EXTEND)[0]
 
     def best_k(self, setting: str, method: str) -> int | None:
         """The tuned lattice point (seed 0; ties to the smaller lr), None while the tuning is not done."""
