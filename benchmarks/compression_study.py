@@ -77,7 +77,7 @@ for _pct in (1, 2, 3):
     ROWS[f"ctopk{_pct}%-plain"] = ([*_ct, "diloco.error_feedback=false", *PLAIN], (2.0, 4.0, 8.0))
 # the product's default outer step (staleness_sgd: lr / (1 + tau), momentum 0): at tau = 0 the plain step itself
 SSGD = ["outer=staleness_sgd", "outer.options.momentum=0.0", "outer.options.power=1.0"]
-ROWS["ctopk2%+ef.95-ssgd"] = ([*ROWS["ctopk2%+ef.95"][0][:-2], *SSGD], (1.0, 2.0, 4.0))
+ROWS["ctopk2%+ef.95-ssgd"] = ([o for o in ROWS["ctopk2%+ef.95"][0] if o not in PLAIN] + SSGD, (1.0, 2.0, 4.0))
 ROWS["bf16-plain"] = (["diloco.delta_dtype=bfloat16", *PLAIN], (0.5, 1.0, 2.0))
 
 SETTINGS = {
