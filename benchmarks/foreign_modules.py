@@ -15,7 +15,11 @@ Each run: ``single`` (one plain Trainer, ``--steps`` steps) or a DiLoCo configur
 ``seed_everything`` (what a user does), ``--steps`` steps each. The score is the held-out loss
 of the final model (the single worker's, or the master's last global), on the same batches. The
 comparison is at equal steps per worker: the two DiLoCo workers together see twice the tokens of
-the single worker (run ``single`` with ``--steps`` doubled for the equal-tokens reference).
+the single worker. Two more references, each one plain Trainer: ``single_tokens`` (one worker,
+twice the steps: equal tokens) and ``dp`` (one worker, twice the batch, the same steps: what
+data-parallel training on the two machines would give, at the module's own lr). The report gives
+each DiLoCo configuration's share of data-parallel's gain over one worker,
+``G = (L_single - L) / (L_single - L_dp)`` per seed.
 
     python benchmarks/foreign_modules.py                          # every model, config, seed 0,1,2
     python benchmarks/foreign_modules.py --models gpt2 --configs single,default --seeds 0
@@ -157,14 +161,18 @@ def held_out_loss(module, held) -> float:
     return sum(losses) / len(losses)
 
 
-def train(model: str, seed: int, steps: int, callbacks: list) -> object:
+#: the plain-Trainer references: name -> (steps factor, batch factor) against ``single``
+SINGLES = {"single": (1, 1), "single_tokens": (2, 1), "dp": (1, 2)}
+
+
+def train(model: str, seed: int, steps: int, callbacks: list, batch: int = BATCH) -> object:
     import lightning as L
     import torch
 
     L.seed_everything(seed, verbose=False)
     module = build_module(model)
     train_tokens, _ = byte_tokens()
-    loader = torch.utils.data.DataLoader(Windows(train_tokens), batch_size=BATCH, shuffle=True)
+    loader = torch.utils.data.DataLoader(Windows(train_tokens), batch_size=batch, shuffle=True)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     trainer.fit(module, train_dataloaders=loader)
@@ -175,7 +183,7 @@ def train(model: str, seed: int, steps: int, callbacks: list) -> object:
 
 
 def run_single(args) -> None:
-    module = train(args.model, args.seed, args.steps, [])
+    module = train(args.model, args.seed, args.steps, [], batch=args.batch)
     Path(args.out).write_text(json.dumps({"eval_loss": held_out_loss(module, byte_tokens()[1])}))
 
 
@@ -211,9 +219,11 @@ def one_run(model: str, config: str, seed: int, steps: int, h: int) -> dict:
     t0 = time.perf_counter()
     me = [sys.executable, str(Path(__file__).resolve())]
     with tempfile.TemporaryDirectory(prefix="foreign-") as tmp:
-        if config == "single":
+        if config in SINGLES:
             out = Path(tmp) / "single.json"
-            subprocess.run(me + ["single", "--model", model, "--seed", str(seed), "--steps", str(steps), "--out", str(out)],
+            more_steps, more_batch = SINGLES[config]
+            subprocess.run(me + ["single", "--model", model, "--seed", str(seed), "--steps", str(steps * more_steps),
+                                 "--batch", str(BATCH * more_batch), "--out", str(out)],
                            check=True, env=_env(), capture_output=True)
             rec = json.loads(out.read_text())
         else:
@@ -251,8 +261,8 @@ def report(rows: list[dict]) -> str:
     """Mean held-out loss per (model, config) and its paired difference to ``single`` (same seeds)."""
     import statistics
 
-    out = ["| model | steps | config | seeds | eval loss (mean ± std) | minus single, paired (mean [95 % CI]) |",
-           "| --- | --- | --- | --- | --- | --- |"]
+    out = ["| model | steps | config | seeds | eval loss (mean ± std) | minus single, paired (mean [95 % CI]) | "
+           "G: share of dp's gain (mean [95 % CI]) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     by: dict[tuple, dict[int, float]] = {}
     for r in rows:
         by.setdefault((r["model"], r["steps"], r["config"]), {})[r["seed"]] = r["eval_loss"]
@@ -271,7 +281,15 @@ def report(rows: list[dict]) -> str:
                 diff = f"{m:+.3f} (one seed: no interval)"
         else:
             diff = ""
-        out.append(f"| {model} | {steps} | {config} | {len(vals)} | {statistics.mean(vals):.3f} ± {sd:.3f} | {diff} |")
+        dp = by.get((model, steps, "dp"), {})
+        gs = [(base[s] - losses[s]) / (base[s] - dp[s]) for s in losses
+              if s in base and s in dp and base[s] != dp[s] and math.isfinite(losses[s])]
+        g = ""
+        if config not in ("single", "dp") and gs:
+            gm = statistics.mean(gs)
+            gh = t975.get(len(gs) - 1, 2.0) * statistics.stdev(gs) / math.sqrt(len(gs)) if len(gs) > 1 else math.nan
+            g = f"{gm:.2f}" + (f" [{gm - gh:.2f}, {gm + gh:.2f}]" if math.isfinite(gh) else "")
+        out.append(f"| {model} | {steps} | {config} | {len(vals)} | {statistics.mean(vals):.3f} ± {sd:.3f} | {diff} | {g} |")
     return "\n".join(out)
 
 
@@ -287,9 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--hub")
         p.add_argument("--node")
         p.add_argument("--inner-steps", type=int, default=10)
+        p.add_argument("--batch", type=int, default=BATCH)
         p.add_argument("--callback", default="{}")
     ap.add_argument("--models", default="demo,gpt2")
-    ap.add_argument("--configs", default="single," + ",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join([*SINGLES, *CONFIGS]))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--inner-steps", type=int, default=10)

@@ -129,12 +129,37 @@ def tau_label(cfg: DictConfig) -> str:
     return f"{name}<={int(delay['max'])}" if delay.get("max") is not None else name
 
 
+def val_windows(cfg: DictConfig) -> int:
+    """The held-out windows every evaluation scores: ``data.val_windows`` (or the old ``data.val_batches``
+    times ``data.val_batch_size``), never a function of the training batch size."""
+    d = cfg.data
+    return int(d.val_batches) * int(d.val_batch_size) if d.get("val_batches") is not None else int(d.val_windows)
+
+
+#: outer steps that, at lr 1 and momentum 0, hand a single worker's model back unchanged (plain SGD on deltas)
+_PLAIN_SGD = ("fedavg", "nesterov", "staleness_sgd", "poly_nesterov")
+
+
+def single_worker_note(cfg: DictConfig) -> str | None:
+    """What a ``workers=1`` run is not, said in one line, when its outer step is not the identity
+    (lr 1, no momentum): the master then pulls the worker's model back (or pushes it on) every round,
+    so the run is not one worker alone; None when it is (``outer=fedavg``) or when ``workers > 1``."""
+    if int(cfg.workers) != 1:
+        return None
+    momentum = (cfg.outer.get("options") or {}).get("momentum", 0.0 if cfg.outer.name == "fedavg" else None)
+    if cfg.outer.name in _PLAIN_SGD and float(cfg.outer.lr) == 1.0 and momentum is not None and float(momentum) == 0.0:
+        return None
+    return (f"note: workers=1 with outer={cfg.outer.name} (lr {cfg.outer.lr}) is not one worker alone: the outer step "
+            "moves the model away from the worker's own every round (outer=fedavg is plain training)")
+
+
 def build_datamodule(cfg: DictConfig, node_rank: int = 0, num_nodes: int = 1):
     from diloco_lightning.data import TextDataModule
 
     d = cfg.data
     kwargs: dict[str, Any] = dict(
         seq_len=d.seq_len, batch_size=d.batch_size, val_fraction=d.val_fraction,
+        val_batch_size=d.val_batch_size, val_windows=val_windows(cfg),
         node_rank=node_rank, num_nodes=num_nodes, seed=cfg.seed, cache_dir=d.cache_dir,
     )
     if d.source == "tokens":
@@ -211,14 +236,13 @@ class Evaluator:
             self.module.eval()
             self.dm.setup("validate")
         copy_into(module_state(self.module), state, what="the global state")
-        losses = []
-        with torch.no_grad():
-            for i, batch in enumerate(self.dm.val_dataloader()):
-                if i >= self.cfg.data.val_batches:
-                    break
+        total, windows = 0.0, 0
+        with torch.no_grad():  # every window weighs the same, whatever the last batch's size
+            for batch in self.dm.val_dataloader():
                 x, y = self.module.inputs_targets(batch)
-                losses.append(float(self.module.model.loss(x, y)))
-        return sum(losses) / len(losses) if losses else math.nan
+                total += float(self.module.model.loss(x, y)) * x.shape[0]
+                windows += x.shape[0]
+        return total / windows if windows else math.nan
 
 
 def evaluate_global(cfg: DictConfig, hub, dm, evaluator: Evaluator | None = None) -> tuple[int, float]:

@@ -171,6 +171,10 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(da.seq_len >= 1, "data.seq_len", "must be >= 1")
     _check(da.batch_size >= 1, "data.batch_size", "must be >= 1")
     _check(0 < da.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
+    _check(da.val_windows >= 1, "data.val_windows", f"must be >= 1, got {da.val_windows}")
+    _check(da.val_batch_size >= 1, "data.val_batch_size", f"must be >= 1, got {da.val_batch_size}")
+    _check(da.val_batches is None or da.val_batches >= 1, "data.val_batches",
+           f"must be >= 1 or null (it is the old name: data.val_windows counts windows), got {da.val_batches}")
     _check(cfg.model.max_seq_len >= da.seq_len, "model.max_seq_len", f"must be >= data.seq_len ({da.seq_len})")
     la = cfg.launch
     _check(la.kind in LAUNCH_KINDS, "launch.kind", f"must be one of {list(LAUNCH_KINDS)}, got {la.kind!r}")
@@ -216,6 +220,9 @@ def validate_sim_section(cfg: DictConfig) -> None:
     _check(cfg.trainer.precision in SIM_PRECISIONS, "trainer.precision",
            f"launch=sim reproduces {', '.join(SIM_PRECISIONS)}; got {cfg.trainer.precision!r}")
     _check(cfg.trainer.devices == 1, "trainer.devices", "launch=sim runs each worker on one device")
+    throttle = cfg.diloco.throttle
+    _check(throttle in (0, 0.0, None) or (OmegaConf.is_list(throttle) and not any(throttle)), "diloco.throttle",
+           "launch=sim does not sleep: give the simulated workers' speeds with sim.speeds=[1,1,0.25] instead")
     _check(cfg.diloco.inner_steps != "auto" or cfg.diloco.get("fragments") in (None, 1), "diloco.inner_steps",
            "launch=sim simulates Dynamic Local Updates (inner_steps=auto) without fragments: give a number of inner "
            "steps, or drop diloco.fragments")

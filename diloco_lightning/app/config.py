@@ -162,7 +162,10 @@ class DataConf:
     seq_len: int = opt(128, "tokens per training sequence")
     batch_size: int = opt(8, "sequences per optimizer step, per worker")
     val_fraction: float = opt(0.02, "share of the tokens held out for evaluation")
-    val_batches: int = opt(8, "held-out batches per evaluation")
+    val_windows: int = opt(64, "held-out windows (seq_len + 1 tokens each) every evaluation scores: the first N of the "
+                               "held-out split, the same set whatever data.batch_size is (all of them if the split holds fewer)")
+    val_batch_size: int = opt(8, "held-out windows per forward pass while evaluating (memory and speed only, not the result)")
+    val_batches: Optional[int] = opt(None, "old name: val_windows = val_batches x val_batch_size (null: use val_windows)")
     cache_dir: Optional[str] = opt(None, "tokenizer/token cache (default $DILOCO_CACHE_DIR or ~/.cache/diloco_lightning)")
 
 

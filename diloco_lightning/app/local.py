@@ -38,6 +38,8 @@ from diloco_lightning.app.build import (
     recipe_name,
     regime,
     run_dir,
+    single_worker_note,
+    val_windows,
     tau_label,
     worker_delay,
 )
@@ -211,9 +213,10 @@ def _opening_line(cfg: DictConfig) -> str:
     whole run's settings in one line."""
     label = recipe_name()
     named = f" (recipe {label})" if label and f"recipe={label}" not in str(cfg.run_id) else ""
+    note = single_worker_note(cfg)
     return (f"run {cfg.run_id}{named}: {cfg.workers} workers, model {cfg.model.preset}, "
             f"outer {cfg.outer.name} (lr {cfg.outer.lr}), H={cfg.diloco.inner_steps}, sync {cfg.diloco.sync}, "
-            f"tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps; hub {hub_label(cfg)}")
+            f"tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps; hub {hub_label(cfg)}" + (f"\n{note}" if note else ""))
 
 
 def _start_worker(config_path: Path, rdir: Path, index: int, threads: int, device: str | None,
@@ -312,6 +315,7 @@ def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launc
         "final_train_loss": final_train_loss,
         "eval_loss": eval_loss,
         "chance_loss": chance,
+        "eval_windows": val_windows(cfg),
         "diverged": diverged,
         "wall_seconds": wall,
         "tokens": tokens,

@@ -34,13 +34,38 @@ from diloco_lightning.app.build import (
     regime,
     run_dir,
     run_master_config,
+    single_worker_note,
     tau_label,
+    val_windows,
 )
 from diloco_lightning.app.config import sim_options
 from diloco_lightning.app.console import log_to_file
 from diloco_lightning.app.local import _loss, _mean_curve, finished_results, print_round
 
 __all__ = ["build_simulator", "run_sim"]
+
+
+#: What ``launch=sim`` does with each of the product's worker options (``WorkerOptions``, the ``diloco``
+#: section): every one is honoured as the product honours it, refused when set (with the sim's own
+#: knob to use instead), or has no meaning without a hub (nothing waits, polls or claims).
+#: tests/test_sim_options.py checks that this table names every option.
+SIM_WORKER_OPTIONS: dict[str, str] = {
+    "inner_steps": "honoured", "dylu_steps": "honoured", "dylu_min_steps": "honoured", "dylu_seconds": "honoured",
+    "sync": "honoured", "delay": "honoured", "delta_dtype": "honoured", "topk": "honoured", "topk_values": "honoured",
+    "topk_chunk": "honoured", "error_feedback": "honoured", "error_feedback_decay": "honoured", "fragments": "honoured",
+    "rebase": "honoured", "reset_inner_optimizer": "honoured",
+    "throttle": "refused: the simulated clock's speeds are sim.speeds (or sim.speed_law, sim.traces)",
+    "wait_timeout": "no hub", "poll_interval": "no hub", "claim_ttl": "no hub",
+}
+
+
+def sim_rebase(cfg: DictConfig) -> bool:
+    """Whether the simulated workers rebase onto their own deltas: ``sim.rebase``, or the product's
+    ``diloco.rebase`` where the product's worker uses it (``sync=async``, no fragments)."""
+    from diloco_lightning.wire.fragments import fragment_count
+
+    product = bool(cfg.diloco.rebase) and cfg.diloco.sync == "async" and fragment_count(_fragments(cfg)) == 1
+    return bool(sim_options(cfg).rebase) or product
 
 
 def _delay_option(cfg: DictConfig) -> Any:
@@ -152,7 +177,7 @@ def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_v
         delta_dtype=encoding, error_feedback=feedback, error_feedback_decay=cfg.diloco.error_feedback_decay,
         evaluate=evaluator.loss if evaluator else None,
         eval_points=points, on_version=on_version, parallel=parallel, seed=int(cfg.seed), eval_times=times,
-        dylu=dylu_option(cfg),
+        dylu=dylu_option(cfg), rebase=sim_rebase(cfg), reset_inner_optimizer=bool(cfg.diloco.reset_inner_optimizer),
     )
 
 
@@ -183,6 +208,8 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
           f"{cfg.diloco.sync}, aggregation {cfg.master.aggregation}, tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps"
           + (f", simulated time {sim_options(cfg).max_time:g}" if sim_options(cfg).max_time is not None else ""),
           flush=True)
+    if single_worker_note(cfg):
+        print(single_worker_note(cfg), flush=True)
     stage("preparing the data (the tokenizer and token cache are built once, then cached)")
     dm = build_datamodule(cfg)
     dm.prepare_data()
@@ -263,7 +290,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
         "tau": tau_label(cfg), "regime": regime(cfg), "delays": delays,
         "precision": f"{cfg.trainer.precision}/{cfg.optim.name}", "seed": cfg.seed, "workers": cfg.workers,
         "inner_steps": cfg.diloco.inner_steps, "max_steps": cfg.trainer.max_steps, "outer_steps": result.outer_steps,
-        "final_train_loss": final_train, "eval_loss": eval_loss, "chance_loss": chance,
+        "final_train_loss": final_train, "eval_loss": eval_loss, "chance_loss": chance, "eval_windows": val_windows(cfg),
         "diverged": not math.isfinite(eval_loss) or eval_loss > chance, "wall_seconds": wall, "tokens": tokens,
         "tokens_per_second": tokens / wall if wall > 0 else 0.0, "bytes_sent": result.bytes_sent,
         "deltas_accepted": accepted, "deltas_rejected": rejected, "train_curve": _mean_curve(curves),
@@ -283,7 +310,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             "eval_curve_time": [[t, loss] for t, (_, loss) in zip(result.eval_times, result.eval_curve)],
             "lost_phases": result.lost_phases,
             "stopped_early": result.stopped_early,
-            "rebase": sim_options(cfg).rebase,
+            "rebase": sim_rebase(cfg),
             "max_time": sim_options(cfg).max_time,
             # tokens of the deltas delivered to the master by each eval_curve point: [tokens, eval loss]
             "eval_curve_tokens": [[n, loss] for n, (_, loss) in zip(result.eval_tokens, result.eval_curve)],

@@ -129,7 +129,7 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
         max_time=timedelta(seconds=float(t.max_time)) if t.get("max_time") else None,
         gradient_clip_val=t.gradient_clip_val, log_every_n_steps=t.log_every_n_steps,
         val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
-        limit_val_batches=cfg.data.val_batches if t.val_check_interval else 0,
+        limit_val_batches=1.0 if t.val_check_interval else 0,  # the datamodule's val_windows
         logger=CSVLogger(out, name="logs"),
         callbacks=[callback, checkpoint, ProgressFile(out / "progress.jsonl", t.log_every_n_steps).callback(), start],
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,

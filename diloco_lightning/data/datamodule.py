@@ -46,7 +46,8 @@ class TextDataModule(L.LightningDataModule):
     Tokenizer and tokenized corpus are cached under ``cache_dir`` (default
     ``$DILOCO_CACHE_DIR`` or ``~/.cache/diloco_lightning``), written atomically.
 
-    The last ``val_fraction`` of the tokens is held out (identical on every node); the rest
+    The last ``val_fraction`` of the tokens is held out (identical on every node);
+    ``val_windows`` scores only its first N windows (the same set whatever the batch size); the rest
     is split into disjoint interleaved shards (see ``ShardedTokenDataset``). The training
     stream is infinite: stop with ``Trainer(max_steps=...)`` and validate with an integer
     ``val_check_interval`` plus ``check_val_every_n_epoch=None`` (``limit_val_batches``
@@ -71,6 +72,7 @@ class TextDataModule(L.LightningDataModule):
         seq_len: int = 256,
         batch_size: int = 8,
         val_batch_size: int | None = None,
+        val_windows: int | None = None,
         val_fraction: float = 0.01,
         node_rank: int = 0,
         num_nodes: int = 1,
@@ -84,7 +86,8 @@ class TextDataModule(L.LightningDataModule):
             ("node_rank", node_rank, 0), ("seed", seed, 0), ("num_workers", num_workers, 0),
         ):
             _check_int(name, value, minimum)
-        optional = (("val_batch_size", val_batch_size, 1), ("max_bytes", max_bytes, 1), ("vocab_size", vocab_size, 2))
+        optional = (("val_batch_size", val_batch_size, 1), ("val_windows", val_windows, 1), ("max_bytes", max_bytes, 1),
+                    ("vocab_size", vocab_size, 2))
         for name, given, minimum in optional:
             if given is not None:
                 _check_int(name, given, minimum)
@@ -123,6 +126,7 @@ class TextDataModule(L.LightningDataModule):
         self.max_bytes = max_bytes
         self.seq_len, self.batch_size = seq_len, batch_size
         self.val_batch_size = val_batch_size or batch_size
+        self.val_windows = val_windows
         self.val_fraction = float(val_fraction)
         self.node_rank, self.num_nodes, self.seed = node_rank, num_nodes, seed
         self.num_workers = num_workers
@@ -138,7 +142,7 @@ class TextDataModule(L.LightningDataModule):
                 "token_file": fspath(token_file), "token_dtype": token_dtype,
                 "tokenizer": fspath(tokenizer),
                 "vocab_size": vocab_size, "max_bytes": max_bytes, "seq_len": seq_len, "batch_size": batch_size,
-                "val_batch_size": val_batch_size, "val_fraction": float(val_fraction), "node_rank": node_rank,
+                "val_batch_size": val_batch_size, "val_windows": val_windows, "val_fraction": float(val_fraction), "node_rank": node_rank,
                 "num_nodes": num_nodes, "seed": seed, "num_workers": num_workers, "cache_dir": fspath(cache_dir),
             }
         )
@@ -214,7 +218,7 @@ class TextDataModule(L.LightningDataModule):
             return
         n_tokens = len(open_tokens(self.token_path, self._dtype))
         split = held_out_start(n_tokens, self.seq_len, self.val_fraction)
-        self._val_ds = HeldOutDataset(self.token_path, self._dtype, seq_len=self.seq_len, start=split)
+        self._val_ds = HeldOutDataset(self.token_path, self._dtype, seq_len=self.seq_len, start=split, limit=self.val_windows)
         self._split = split
         log.info(
             "data: %d tokens (%d train, %d held out), node %d/%d, seq_len %d",

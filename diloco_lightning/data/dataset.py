@@ -168,10 +168,13 @@ class ShardedTokenDataset(_TokenFileMixin, IterableDataset):
 
 
 class HeldOutDataset(_TokenFileMixin, Dataset):
-    """Consecutive ``(seq_len + 1,)`` windows of tokens ``[start, end)``; the same on every node."""
+    """Consecutive ``(seq_len + 1,)`` windows of tokens ``[start, end)``; the same on every node.
+    ``limit``: at most this many windows (the first ones), so that a held-out set is a number of
+    windows, independent of any batch size."""
 
     def __init__(
-        self, path: str | os.PathLike, token_dtype: str, *, seq_len: int, start: int, end: int | None = None
+        self, path: str | os.PathLike, token_dtype: str, *, seq_len: int, start: int, end: int | None = None,
+        limit: int | None = None,
     ) -> None:
         _check_int("seq_len", seq_len, 1)
         self.path, self.dtype, self.seq_len = Path(path), check_token_dtype(token_dtype), seq_len
@@ -183,6 +186,11 @@ class HeldOutDataset(_TokenFileMixin, Dataset):
         self.n = (self.end - self.start) // (seq_len + 1)
         if self.n == 0:
             raise ValueError(f"seq_len: {self.end - self.start} held-out tokens hold no window of {seq_len + 1}")
+        if limit is not None:
+            _check_int("limit", limit, 1)
+            if limit > self.n:
+                log.warning("held-out set: %d windows asked for, the split holds %d: scoring all of them", limit, self.n)
+            self.n = min(self.n, limit)
 
     def __len__(self) -> int:
         return self.n

@@ -123,6 +123,10 @@ class Simulator(Transfers):
         seed: seeds ``speed_jitter``'s draws.
         eval_times: simulated times at which to evaluate the newest published version (instead
             of ``eval_points``; the ones past the end are taken on the final state).
+        rebase: the product's ``diloco.rebase`` (async workers, no fragments): as ``options.rebase``,
+            with the product's fallback scales when the outer step publishes none.
+        reset_inner_optimizer: clear a worker's inner optimizer state when its phase starts from a
+            version its last phase did not (the product's ``diloco.reset_inner_optimizer``).
         dylu: Dynamic Local Updates: ``{"max_steps": H_max, "min_steps": H_min or None,
             "seconds": a target time per phase or None}`` (None: every phase has the worker's
             ``inner_steps``).
@@ -146,6 +150,8 @@ class Simulator(Transfers):
         seed: int = 0,
         eval_times: Sequence[float] = (),
         dylu: Mapping[str, Any] | None = None,
+        rebase: bool = False,
+        reset_inner_optimizer: bool = False,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -168,7 +174,11 @@ class Simulator(Transfers):
                          "seconds": dylu.get("seconds")}
         check_fragments(self.workers, self.master.plan, self.dylu is not None)
         #: sim.rebase: each worker's own deltas, to start its phases from (sim/rebase.py)
-        self.rebase = SimOwnDeltas.build(master.opt, n, master.plan is not None) if self.options.rebase else None
+        # or the product's diloco.rebase (``rebase``: an async worker's rule, with its fallback scales)
+        self.rebase = (SimOwnDeltas.build(master.opt, n, master.plan is not None, fallback=not self.options.rebase)
+                       if self.options.rebase or rebase else None)
+        self.reset_inner_optimizer = bool(reset_inner_optimizer)
+        self._phase_base: dict[int, int] = {}  # each worker's last phase's version (reset_inner_optimizer)
         self.max_time = self.options.max_time
         if self.max_time is None and any(w.max_steps is None for w in self.workers):
             raise ValueError("a worker without max_steps needs a time budget (options.max_time), or the run never ends")
@@ -338,9 +348,13 @@ class Simulator(Transfers):
         with fragments: its number, its fragments' outer step counts, and whether the fragment due
         is installed whatever they say (lockstep installs exactly its target version, async only
         what updated the fragment)."""
+        args: dict[str, Any] = {}
+        if self.reset_inner_optimizer:  # the product clears the inner state after each install of a new version
+            args["reset"] = self._phase_base.get(k) != base
+            self._phase_base[k] = base
         if self.workers[k].plan is None:
-            return {}
-        return {"version": base, "steps": self.master.version_steps.get(base), "exact": self.sync != "async"}
+            return args
+        return {**args, "version": base, "steps": self.master.version_steps.get(base), "exact": self.sync != "async"}
 
     def run(self) -> SimResult:
         started = time.perf_counter()

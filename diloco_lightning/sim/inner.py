@@ -231,7 +231,7 @@ class SimWorker:
         return {k: _fp32(state[k]) for k in self.synced}
 
     def phase(self, base: Mapping[str, Tensor], *, version: int = 0, steps: Mapping[str, int] | None = None,
-              exact: bool = True, inner_steps: int | None = None) -> dict[str, Tensor]:
+              exact: bool = True, inner_steps: int | None = None, reset: bool = False) -> dict[str, Tensor]:
         """Install ``base``, take a phase's steps (``inner_steps``, default :attr:`phase_steps`),
         return the pseudo-gradient ``anchor - local`` (CPU FP32).
 
@@ -245,15 +245,20 @@ class SimWorker:
         (:mod:`diloco_lightning.sim.batched`) takes the steps of several workers' phases at once
         between the same two calls."""
         t0 = time.perf_counter()
-        n = self.open_phase(base, version=version, steps=steps, exact=exact, inner_steps=inner_steps)
+        n = self.open_phase(base, version=version, steps=steps, exact=exact, inner_steps=inner_steps, reset=reset)
         for _ in range(n):
             self.record_step(self.inner.step())
         self.compute_seconds += time.perf_counter() - t0
         return self.close_phase()
 
     def open_phase(self, base: Mapping[str, Tensor], *, version: int = 0, steps: Mapping[str, int] | None = None,
-                   exact: bool = True, inner_steps: int | None = None) -> int:
-        """Install ``base`` (see :meth:`phase`) and return the inner steps the phase takes."""
+                   exact: bool = True, inner_steps: int | None = None, reset: bool = False) -> int:
+        """Install ``base`` (see :meth:`phase`) and return the inner steps the phase takes.
+        ``reset``: the phase installs a version the last one did not start from, and the worker
+        clears its inner optimizer's state after an install (``reset_inner_optimizer``, as the
+        product's adapters do)."""
+        if reset:
+            self.inner.optimizer.state.clear()
         if self.plan is None:
             self._anchor = self.install(base)
         else:

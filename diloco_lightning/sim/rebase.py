@@ -60,21 +60,26 @@ class SimOwnDeltas:
 
     Args:
         workers: the number of workers.
-        lr: the outer step's rate (``OuterOptimizer.linear_rate``).
+        lr: the outer step's rate (``OuterOptimizer.linear_rate``); None: the step is not a
+            momentum-free SGD and publishes no scales, so each delta counts with the product
+            worker's fallback, ``1 / nodes`` of the ledger (:func:`~diloco_lightning.worker.rebase.fallback_scale`).
     """
 
-    def __init__(self, workers: int, lr: float) -> None:
-        self.lr = float(lr)
+    def __init__(self, workers: int, lr: float | None) -> None:
+        self.lr = None if lr is None else float(lr)
+        self._nodes: set[int] = set()  # workers with a delta applied so far (the ledger's nodes)
         self._own: list[list[_Own]] = [[] for _ in range(workers)]
         self._last: list[float] = [0.0] * workers  # each worker's last applied scale
         self._open: dict[str, tuple[int, _Own]] = {}  # reached the master, neither applied nor refused
 
     @classmethod
-    def build(cls, opt: Any, workers: int, fragments: bool) -> SimOwnDeltas:
+    def build(cls, opt: Any, workers: int, fragments: bool, *, fallback: bool = False) -> SimOwnDeltas:
         """The rebase of a run whose master steps with ``opt``; an OptionError naming ``rebase`` when
-        its step is not momentum-free SGD or the run has fragments."""
+        the run has fragments, or its step is not momentum-free SGD and ``fallback`` is False
+        (``sim.rebase``); with ``fallback`` (the product's ``diloco.rebase``) such a step gets the
+        product worker's ``1 / nodes`` scales."""
         lr = opt.linear_rate()
-        if lr is None:
+        if lr is None and not fallback:
             raise OptionError("rebase", f"needs a momentum-free SGD outer step (staleness_sgd, nesterov or "
                               f"poly_nesterov with momentum 0); this run's is {opt.name} {dict(opt.options)}")
         if fragments:
@@ -100,7 +105,9 @@ class SimOwnDeltas:
         for ident in list(self._open):
             worker, own = self._open.pop(ident)
             if ident in factors:
-                own.version, own.scale = version, self.lr * float(factors[ident])
+                self._nodes.add(worker)
+                scale = 1.0 / len(self._nodes) if self.lr is None else self.lr * float(factors[ident])
+                own.version, own.scale = version, scale
                 self._last[worker] = own.scale
             else:
                 self._own[worker].remove(own)
@@ -123,14 +130,15 @@ class SimOwnDeltas:
         return len(self._own[worker])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lr": self.lr, "last": list(self._last),
+        return {"lr": self.lr, "last": list(self._last), "nodes": sorted(self._nodes),
                 "own": [[{"ident": o.ident, "version": o.version, "scale": o.scale,
                           "tensors": {k: t.clone() for k, t in o.tensors.items()}} for o in own] for own in self._own]}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         if len(sd["own"]) != len(self._own):
             raise ValueError(f"state_dict: {len(sd['own'])} workers, this run has {len(self._own)}")
-        self.lr = float(sd["lr"])
+        self.lr = None if sd["lr"] is None else float(sd["lr"])
+        self._nodes = set(int(w) for w in sd.get("nodes", ()))
         self._last = [float(x) for x in sd["last"]]
         self._own = [[_Own(o["ident"], {k: torch.as_tensor(t).clone() for k, t in o["tensors"].items()},
                            o["version"], o["scale"]) for o in own] for own in sd["own"]]

@@ -1,0 +1,391 @@
+"""Scaling evidence: do K workers give a better model than one worker, near data-parallel? (docs/scaling.md)
+
+    python benchmarks/scaling.py                     # the reduced setting at K = 1, 2, 4, 8 into scaling_reduced/ (resumable)
+    python benchmarks/scaling.py --jobs 2            # two runs at a time (one core each; results do not depend on it)
+    python benchmarks/scaling.py --setting main      # H = 16, 50 outer steps, 0.8 M parameters (hours a grid on 2 cores)
+    python benchmarks/scaling.py --k 4 --arms one,dp,sgd   # a slice
+    python benchmarks/scaling.py --curves h          # G against H at K = 4 (h, steps, size: the curves)
+    python benchmarks/scaling.py --plan              # every run as a train.py command line, done or not
+    python benchmarks/scaling.py --report            # the tables -> docs/scaling_results.md (--out FILE)
+
+Every run is ``train.py launch=sim`` composed in-process (the product's model, data, inner AdamW,
+schedule, outer optimizers and master), scored on the same held-out windows (``data.val_windows``:
+the first 256 windows of the held-out split, whatever the batch size). The arms, for each K:
+
+* ``one``: one worker alone, batch B, the same steps (``workers=1 outer=fedavg``: plain training);
+  its inner lr tuned on a bracketing grid; ``one_tokens``: the same worker run K times longer
+  (equal tokens, its schedule stretched), at the tuned lr;
+* ``dp``: data-parallel's equivalent, one worker with a K x B batch and the same steps (same tokens as
+  K workers), inner lr on a bracketing grid at each K;
+* ``sgd``: synchronous DiLoCo (round mode, tau 0), outer SGD without momentum (``fedavg`` at lr 1),
+  outer lr on a bracketing grid at each K; ``nesterov``: the same with Nesterov momentum 0.9
+  (DiLoCo's; its lr bracketed) and ``nesterov_m`` with momentum 0.6;
+* ``async``: K equal asynchronous workers (``diloco.sync=async``, every delta its own outer step),
+  the product's async worker (rebase on), outer lr bracketed;
+* ``default``: the shipped defaults, nothing overridden but K (what a user gets).
+
+``G = (L_one - L) / (L_one - L_dp)`` per seed (same seed: same initialisation and data order), then
+its mean and 95 % t interval: 1 is data-parallel's gain over one worker, 0 none. Tuning: seed 0
+decides on a factor-2 log grid extended past a winning edge until the best is interior
+(``benchmarks/tuning.py``), then the other seeds at the tuned point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from study import _child_init, _prepare_data, run_job  # noqa: E402 - benchmarks/study.py, beside this file
+from study_report import T95, fmt, mean_ci  # noqa: E402
+from tuning import bracket  # noqa: E402
+
+CHANCE = math.log(257)
+#: the settings: the model, the data, H, the run length, and what each one's K, H, steps and size axes are
+SETTINGS: dict[str, dict[str, Any]] = {
+    # the staleness study's reduced setting run 4x longer (96 outer steps at H = 4): 0.1 M parameters
+    "reduced": {"overrides": ["model.d_model=64", "model.n_layers=2", "model.ffn_hidden=172", "model.n_heads=4",
+                              "model.n_kv_heads=2", "data.seq_len=64", "data.batch_size=8", "diloco.inner_steps=4",
+                              "trainer.max_steps=384", "optim.warmup_steps=10", "data.max_bytes=4000000"],
+                "batch": 8, "steps": 384, "h": 4, "ks": [1, 2, 4, 8],
+                "curves": {"h": [1, 2, 4, 8, 16], "steps": [96, 192, 384, 768], "size": ["64x2", "96x3", "128x4"]}},
+    # the issue's "question is real" setting, as large as the 2-core machine allows: 0.8 M parameters,
+    # H = 16 for 50 outer steps (800 inner steps), warmup 50 + cosine, no window seen twice
+    "main": {"overrides": ["model.d_model=128", "model.n_layers=4", "model.ffn_hidden=344", "model.n_heads=4",
+                           "model.n_kv_heads=2", "data.seq_len=128", "data.batch_size=8", "diloco.inner_steps=16",
+                           "trainer.max_steps=800", "optim.warmup_steps=50", "data.max_bytes=12000000"],
+             "batch": 8, "steps": 800, "h": 16, "ks": [1, 2, 4, 8],
+             "curves": {"h": [16, 64], "steps": [400, 800], "size": ["96x3", "128x4"]}},
+    "quick": {"overrides": ["model.d_model=32", "model.n_layers=1", "model.ffn_hidden=64", "model.n_heads=2",
+                            "model.n_kv_heads=1", "data.seq_len=32", "data.batch_size=4", "diloco.inner_steps=2",
+                            "trainer.max_steps=16", "optim.warmup_steps=2", "data.max_bytes=300000", "data.val_windows=16"],
+              "batch": 4, "steps": 16, "h": 2, "ks": [1, 2],
+              "curves": {"h": [1, 2], "steps": [8, 16], "size": ["32x1"]}},
+}
+COMMON = ["recipe=tiny", "launch=sim", "data.tokenizer=byte", "optim.lr=0.004", "trainer.log_every_n_steps=8",
+          "data.val_windows=256", "launch.eval_points=4", "sim.parallel=1", f"sim.stop_above={CHANCE:.4f}"]
+SYNC = ["master.aggregation=round", "diloco=lockstep", "diloco.delay=0"]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: its overrides at K (``{k}``, ``{kb}``: K and K x B), the tuned key and its lattice
+    ``base * 2**i`` (``i0`` the prior's centre), and whether it runs at K = 1."""
+
+    overrides: tuple[str, ...]
+    key: str | None
+    base: float
+    i0: int = 0
+    at_one: bool = False
+    note: str = ""
+
+
+ARMS: dict[str, Arm] = {
+    "one": Arm(("workers=1", "outer=fedavg"), "optim.lr", 0.004, 0, True, "one worker alone, batch B"),
+    "dp": Arm(("workers=1", "outer=fedavg", "data.batch_size={kb}"), "optim.lr", 0.004, 1, False,
+              "data-parallel equivalent: one worker, batch K x B"),
+    "sgd": Arm(("workers={k}", "outer=fedavg", *SYNC), "outer.lr", 1.0, 0, False, "synchronous DiLoCo, outer SGD"),
+    "nesterov": Arm(("workers={k}", "outer=nesterov", "outer.options.momentum=0.9", *SYNC), "outer.lr", 0.7, -1, False,
+                    "synchronous DiLoCo, outer Nesterov 0.9"),
+    "nesterov_m": Arm(("workers={k}", "outer=nesterov", "outer.options.momentum=0.6", *SYNC), "outer.lr", 0.7, 0, False,
+                      "synchronous DiLoCo, outer Nesterov 0.6"),
+    "async": Arm(("workers={k}", "diloco=async", "master.aggregation=arrival"), "outer.lr", 0.5, 0, False,
+                 "asynchronous DiLoCo, K equal workers (the product's async worker, the default outer step)"),
+    "default": Arm(("workers={k}",), None, 1.0, 0, False, "the shipped defaults (nothing overridden but K)"),
+}
+MAX_EXTEND = 4
+POINTS = 3  # the first grid: the prior's centre and one point either side
+
+
+def value(arm: str, i: int) -> float:
+    return float(f"{ARMS[arm].base * 2.0 ** i:.4g}")
+
+
+class Scaling:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.setting = SETTINGS[args.setting]
+        self.root = Path(args.root or ROOT / f"scaling_{args.setting}").resolve()
+        self.common = COMMON + self.setting["overrides"]
+        self.seeds = list(range(args.seeds))
+        self.ks = [int(k) for k in args.k.split(",")] if args.k else self.setting["ks"]
+        self.arms = args.arms.split(",") if args.arms else list(ARMS)
+        for a in self.arms:
+            if a not in ARMS and a != "one_tokens":
+                raise SystemExit(f"--arms: unknown arm {a!r}; valid: {', '.join([*ARMS, 'one_tokens'])}")
+
+    # ------------------------------------------------------------------ runs
+    def job(self, arm: str, k: int, i: int | None, seed: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+        a = ARMS[arm]
+        ov = [o.format(k=k, kb=k * self.setting["batch"]) for o in a.overrides]
+        if a.key is not None and i is not None:
+            ov.append(f"{a.key}={value(arm, i)}")
+        ov += [*extra, f"seed={seed}"]
+        ident = hashlib.sha256(json.dumps(self.common + ov).encode()).hexdigest()[:10]
+        lr = f"-{value(arm, i):g}" if a.key is not None and i is not None else ""
+        return {"id": f"{arm}-k{k}{lr}-s{seed}-{ident}", "arm": arm, "k": k, "i": i, "seed": seed, "overrides": ov}
+
+    def results(self, j: dict) -> dict | None:
+        try:
+            return json.loads((self.root / "runs" / j["id"] / "results.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def loss(self, j: dict) -> float:
+        r = self.results(j)
+        if r is None:
+            return math.nan
+        return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else float(r["eval_loss"])
+
+    def k_of(self, arm: str, k: int) -> int:
+        """The K an arm's run stands for: ``one`` is the same run at every K."""
+        return 1 if arm == "one" else k
+
+    def grid(self, arm: str, k: int, extra: tuple[str, ...] = ()) -> list[int]:
+        a = ARMS[arm]
+        if a.key is None:
+            return [0]
+        k = self.k_of(arm, k)
+        return bracket(range(a.i0 - POINTS // 2, a.i0 + POINTS // 2 + 1), lambda i: self.loss(self.job(arm, k, i, 0, extra)),
+                       lambda i: i - 1, lambda i: i + 1, MAX_EXTEND)[0]
+
+    def best(self, arm: str, k: int, extra: tuple[str, ...] = ()) -> int | None:
+        """The tuned lattice point (seed 0; ties to the smaller value), None while the tuning is not done."""
+        if ARMS[arm].key is None:
+            return None
+        ks = self.grid(arm, k, extra)
+        k = self.k_of(arm, k)
+        losses = [self.loss(self.job(arm, k, i, 0, extra)) for i in ks]
+        if any(math.isnan(x) for x in losses):
+            return None
+        return min(zip(losses, ks))[1]
+
+    def cells(self) -> list[tuple[str, int]]:
+        out = []
+        for k in self.ks:
+            for arm in self.arms:
+                if arm == "one_tokens" or (k == 1 and not ARMS[arm].at_one) or (arm == "one" and k != self.ks[0]):
+                    continue
+                out.append((arm, k))
+        if "one" in self.arms and ("one", self.ks[0]) not in out:
+            out.insert(0, ("one", self.ks[0]))
+        return out
+
+    def tuning_jobs(self) -> list[dict]:
+        return [self.job(arm, self.k_of(arm, k), i, 0) for arm, k in self.cells() for i in self.grid(arm, k)]
+
+    def seed_jobs(self) -> list[dict]:
+        out = []
+        for arm, k in self.cells():
+            if ARMS[arm].key is not None and self.best(arm, k) is None:
+                continue
+            out += [self.job(arm, self.k_of(arm, k), self.best(arm, k), s) for s in self.seeds]
+        if "one_tokens" in self.arms or not self.args.arms:
+            i = self.best("one", 1)
+            if i is not None:
+                for k in self.ks:
+                    if k > 1:
+                        out += [self.tokens_job(k, i, s) for s in self.seeds]
+        return out
+
+    def tokens_job(self, k: int, i: int, seed: int) -> dict[str, Any]:
+        """One worker alone at equal tokens: K x the steps, its warmup and cosine over the longer run."""
+        j = self.job("one", 1, i, seed, (f"trainer.max_steps={k * self.setting['steps']}",))
+        return {**j, "id": j["id"].replace("one-k1", f"one_tokens-k{k}"), "arm": "one_tokens", "k": k}
+
+    def curve_jobs(self, axis: str) -> list[dict]:
+        """G against ``axis`` at K = 4 (h: H; steps: the run length; size: d_model x layers): one, dp,
+        sgd and nesterov, each tuned at each point, 3 seeds."""
+        out: list[dict] = []
+        for point in self.setting["curves"][axis]:
+            extra = self.curve_extra(axis, point)
+            for arm in ("one", "dp", "sgd", "nesterov"):
+                k = 1 if arm == "one" else 4
+                out += [self.job(arm, k, i, 0, extra) for i in self.grid(arm, k, extra)]
+                i = self.best(arm, k, extra)
+                if i is not None:
+                    out += [self.job(arm, k, i, s, extra) for s in self.seeds]
+        return out
+
+    def curve_extra(self, axis: str, point: Any) -> tuple[str, ...]:
+        if axis == "h":
+            return (f"diloco.inner_steps={point}",)
+        if axis == "steps":
+            return (f"trainer.max_steps={point}", f"optim.warmup_steps={max(2, int(point) // 40)}")
+        d, n = (int(x) for x in str(point).split("x"))
+        return (f"model.d_model={d}", f"model.n_layers={n}", f"model.ffn_hidden={int(d * 8 / 3 + 63) // 64 * 64}")
+
+    def all_jobs(self) -> list[dict]:
+        jobs = self.tuning_jobs() + self.seed_jobs()
+        for axis in self.args.curves.split(",") if self.args.curves else []:
+            jobs += self.curve_jobs(axis)
+        seen: dict[str, dict] = {}
+        for j in jobs:
+            seen.setdefault(j["id"], j)
+        return list(seen.values())
+
+    def run_batch(self, jobs: list[dict], phase: str) -> int:
+        todo = [j for j in jobs if self.results(j) is None]
+        if todo:
+            print(f"== {phase}: {len(todo)} runs to make ({len(jobs) - len(todo)} done)", flush=True)
+        specs = [(j, self.common, str(self.root)) for j in todo]
+        if self.args.jobs <= 1 or len(specs) <= 1:
+            recs = map(run_job, specs)
+            self._log(recs)
+        else:
+            import multiprocessing as mp
+
+            with mp.get_context("spawn").Pool(self.args.jobs, initializer=_child_init) as pool:
+                self._log(pool.imap_unordered(run_job, specs))
+        return len(todo)
+
+    def _log(self, recs) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / "log.jsonl", "a") as f:
+            for rec in recs:
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                err = rec.get("error")
+                print(f"  {rec['id']}: " + (f"FAILED {err.splitlines()[0]}" if err else
+                                             f"{fmt(rec['eval_loss'])} in {rec['wall']:.0f} s"), flush=True)
+
+    def run(self) -> int:
+        _prepare_data(self.common)
+        curves = [(f"curve {axis}", lambda axis=axis: self.curve_jobs(axis))
+                  for axis in (self.args.curves.split(",") if self.args.curves else [])]
+        while True:  # tuning grids extend from their own results: run until nothing is left
+            made = self.run_batch(self.tuning_jobs(), "tune") + self.run_batch(self.seed_jobs(), "seeds")
+            for name, fn in curves:
+                made += self.run_batch(fn(), name)
+            if made == 0:
+                return 0
+
+    # ------------------------------------------------------------------ report
+    def losses(self, arm: str, k: int, extra: tuple[str, ...] = ()) -> dict[int, float]:
+        if arm == "one_tokens":
+            i = self.best("one", 1)
+            return {} if i is None else {s: self.loss(self.tokens_job(k, i, s)) for s in self.seeds}
+        i = self.best(arm, k, extra)
+        if ARMS[arm].key is not None and i is None:
+            return {}
+        k = self.k_of(arm, k)
+        out = {s: self.loss(self.job(arm, k, i, s, extra)) for s in self.seeds}
+        return {s: x for s, x in out.items() if not math.isnan(x)}
+
+    def divergences(self, arm: str, k: int) -> str:
+        """Runs above chance or not finite, over every point its grid ran (seed 0) and its seeds."""
+        k = self.k_of(arm, k)
+        jobs = [self.job(arm, k, i, 0) for i in self.grid(arm, k)] if ARMS[arm].key else []
+        jobs += [self.job(arm, k, self.best(arm, k), s) for s in self.seeds if ARMS[arm].key is None or self.best(arm, k) is not None]
+        done = {j["id"]: self.loss(j) for j in jobs}
+        done = {i: x for i, x in done.items() if not math.isnan(x)}
+        return f"{sum(math.isinf(x) for x in done.values())}/{len(done)}"
+
+
+def gain(one: dict[int, float], dp: dict[int, float], m: dict[int, float]) -> tuple[float, float, int]:
+    """G = (L_one - L) / (L_one - L_dp) per seed; its mean, 95 % half-width and the seeds."""
+    gs = [(one[s] - m[s]) / (one[s] - dp[s]) for s in m if s in one and s in dp and one[s] != dp[s]]
+    gs = [g if math.isfinite(g) else -math.inf for g in gs]
+    if any(math.isinf(g) for g in gs):
+        return -math.inf, math.nan, len(gs)
+    mean, half = mean_ci(gs)
+    return mean, half, len(gs)
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, int]:
+    d = [a[s] - b[s] for s in a if s in b and math.isfinite(a[s]) and math.isfinite(b[s])]
+    m, h = mean_ci(d)
+    return m, h, len(d)
+
+
+def ci(m: float, h: float, d: int = 2) -> str:
+    if math.isinf(m):
+        return "div."
+    return f"{m:.{d}f}" + ("" if math.isnan(h) else f" [{m - h:.{d}f}, {m + h:.{d}f}]")
+
+
+def report(sc: Scaling) -> str:
+    lines = [f"# Scaling results: setting `{sc.args.setting}` (generated by `python benchmarks/scaling.py --setting "
+             f"{sc.args.setting} --report`)", "",
+             f"Every run: `python train.py {' '.join(sc.common)} <the arm's overrides>` (`--plan` prints each). "
+             f"Seeds {sc.seeds}; 95 % t intervals over seeds (t = {T95.get(len(sc.seeds) - 1, 1.96)}); "
+             "G = (L_one - L) / (L_one - L_dp) per seed.", ""]
+    one = sc.losses("one", 1)
+    for k in [k for k in sc.ks if k > 1]:
+        dp = sc.losses("dp", k)
+        lines += [f"## K = {k}", "", "| arm | tuned | final held-out loss, mean [95 % CI] | G [95 % CI] (seeds) | "
+                  "minus dp, paired [95 % CI] | diverged |", "|---|---|---|---|---|---|"]
+        for arm in ["one", "one_tokens", *[a for a in ARMS if a != "one"]]:
+            if arm != "one_tokens" and arm not in sc.arms:
+                continue
+            ls = sc.losses(arm, k)
+            if not ls:
+                continue
+            m, h = mean_ci(list(ls.values()))
+            g = gain(one, dp, ls)
+            d = paired(ls, dp)
+            a = ARMS.get(arm)
+            i = sc.best(arm, k) if a is not None else sc.best("one", 1)
+            tuned = "—" if a is not None and a.key is None else f"{(a or ARMS['one']).key.split('.')[0]} lr {value(arm if a else 'one', i):g}"
+            div = sc.divergences(arm, k) if a is not None else "—"
+            lines.append(f"| {arm} | {tuned} | {ci(m, h, 3)} | {ci(g[0], g[1])} ({g[2]}) | {ci(d[0], d[1], 3)} ({d[2]}) | {div} |")
+        lines.append("")
+    for axis in sc.args.curves.split(",") if sc.args.curves else []:
+        lines += [f"## G against {axis} (K = 4)", "", f"| {axis} | L_one | L_dp | sgd: G [95 % CI] | nesterov: G [95 % CI] |",
+                  "|---|---|---|---|---|"]
+        for point in sc.setting["curves"][axis]:
+            extra = sc.curve_extra(axis, point)
+            o, dp = sc.losses("one", 1, extra), sc.losses("dp", 4, extra)
+            row = [str(point), fmt(mean_ci(list(o.values()))[0]), fmt(mean_ci(list(dp.values()))[0])]
+            for arm in ("sgd", "nesterov"):
+                g = gain(o, dp, sc.losses(arm, 4, extra))
+                i = sc.best(arm, 4, extra)
+                row.append(f"{ci(g[0], g[1])} (lr {value(arm, i):g})" if i is not None else "—")
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__)
+    ap.add_argument("--setting", choices=sorted(SETTINGS), default="reduced")
+    ap.add_argument("--k", help="the Ks, comma-separated (default: the setting's)")
+    ap.add_argument("--arms", help=f"the arms, comma-separated (default: all: {', '.join([*ARMS, 'one_tokens'])})")
+    ap.add_argument("--curves", default="", help="the curves to run or report at K = 4: h, steps, size (comma-separated)")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--root", help="the runs' folder (default scaling_<setting>/)")
+    ap.add_argument("--plan", action="store_true", help="print every run planned so far, done or not")
+    ap.add_argument("--report", action="store_true", help="write the tables (no runs)")
+    ap.add_argument("--out", help="the report's file (default docs/scaling_results.md; '-' prints it)")
+    args = ap.parse_args(argv)
+    sc = Scaling(args)
+    if args.plan:
+        for j in sc.all_jobs():
+            done = "done" if sc.results(j) is not None else "todo"
+            print(f"{done:5} python train.py {' '.join(sc.common + j['overrides'])} run_id={j['id']}")
+        return 0
+    if args.report:
+        text = report(sc)
+        if args.out == "-":
+            print(text)
+        else:
+            out = Path(args.out or ROOT / "docs" / "scaling_results.md")
+            out.write_text(text)
+            print(f"wrote {out}")
+        return 0
+    return sc.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""``launch=sim`` honours or refuses every worker option the product has, and every evaluation scores
+the same held-out windows whatever the training batch size (the scaling issue's measurement defects)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from diloco_lightning.app.build import Evaluator, build_datamodule, build_module, val_windows
+from diloco_lightning.app.config import CONFIG_DIR, ConfigError, register_configs, validate
+from diloco_lightning.app.sim import SIM_WORKER_OPTIONS, sim_rebase
+from diloco_lightning.master.config import MasterConfig
+from diloco_lightning.sim import InnerLoop, SimMaster, SimOptions, SimWorker, Simulator
+from diloco_lightning.worker.options import WorkerOptions
+from diloco_lightning.worker.params import module_state
+
+register_configs()
+SMALL = ["recipe=tiny", "launch=sim", "data.tokenizer=byte", "data.max_bytes=300000", "data.seq_len=32",
+         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_hidden=64"]
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        return compose("train", overrides=list(overrides))
+
+
+def test_the_table_names_every_worker_option_once():
+    assert sorted(SIM_WORKER_OPTIONS) == sorted(WorkerOptions.names())
+    assert {v.split(":")[0] for v in SIM_WORKER_OPTIONS.values()} <= {"honoured", "refused", "no hub"}
+
+
+def test_a_throttle_is_refused_naming_the_sims_own_knob():
+    with pytest.raises(ConfigError) as ei:
+        validate(_compose(*SMALL, "diloco.throttle=0.1"))
+    assert ei.value.key == "diloco.throttle" and "sim.speeds" in str(ei.value)
+    validate(_compose(*SMALL))  # the default (no throttle) passes
+
+
+def test_the_products_rebase_is_the_sims_where_the_product_uses_it():
+    assert sim_rebase(_compose(*SMALL, "diloco=async"))  # the product's async default
+    assert not sim_rebase(_compose(*SMALL, "diloco=async", "diloco.rebase=false"))
+    assert not sim_rebase(_compose(*SMALL, "diloco=lockstep"))  # a lockstep worker installs exact versions
+    assert not sim_rebase(_compose(*SMALL, "diloco=async", "diloco.fragments=2", "diloco.inner_steps=4"))
+    assert sim_rebase(_compose(*SMALL, "diloco=lockstep", "sim.rebase=true"))
+
+
+def _adam_workers(k: int, phases: int, h: int) -> list[SimWorker]:
+    out = []
+    target = torch.linspace(-1.0, 1.0, 4)
+    for i in range(k):
+        w = torch.nn.Parameter(torch.zeros(4))
+        inner = InnerLoop(lambda _b, w=w: 0.5 * ((w - target) ** 2).sum(), torch.optim.Adam([w], lr=0.1),
+                          itertools.repeat(None))
+        out.append(SimWorker(i, {"w": w}, inner, inner_steps=h, max_steps=h * phases))
+    return out
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_reset_inner_optimizer_clears_the_state_at_each_new_version(reset):
+    """Round mode, 3 phases of 2 steps: each phase starts from a new version, so with the reset each
+    worker's Adam ends with the last phase's 2 steps (its state cleared twice after the first), without it 6."""
+    workers = _adam_workers(2, phases=3, h=2)
+    config = MasterConfig(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0, aggregation="round",
+                          norm_ratio=None, norm_global_ratio=None)
+    sim = Simulator(workers, SimMaster({"w": torch.zeros(4)}, config), sync="lockstep", options=SimOptions(),
+                    reset_inner_optimizer=reset)
+    sim.run()
+    for w in workers:
+        (state,) = w.inner.optimizer.state.values()
+        assert int(state["step"]) == (2 if reset else 6)
+
+
+def test_the_products_rebase_runs_with_a_momentum_step_at_the_product_workers_fallback_scale():
+    """``diloco.rebase`` with Nesterov 0.9 (no published scales): the product's worker subtracts each own
+    delta not yet in its base times 1 / nodes; the simulator's rebase does the same instead of refusing."""
+    workers = _adam_workers(2, phases=4, h=2)
+    config = MasterConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9, aggregation="arrival",
+                          norm_ratio=None, norm_global_ratio=None)
+    sim = Simulator(workers, SimMaster({"w": torch.zeros(4)}, config), sync="lockstep", delay=2, options=SimOptions(),
+                    rebase=True)
+    assert sim.rebase is not None and sim.rebase.lr is None
+    sim.run()
+    with pytest.raises(Exception, match="rebase"):  # sim.rebase keeps its strict meaning
+        Simulator(_adam_workers(2, 4, 2), SimMaster({"w": torch.zeros(4)}, config), sync="lockstep",
+                  options=SimOptions(rebase=True))
+
+
+def test_the_held_out_set_is_the_same_windows_whatever_the_batch_size(tmp_path):
+    """The fixed set: 64 windows by default, scored the same at training batch 8 and 32 (the old
+    evaluation read 8 batches of the training batch size: 64 windows against 256)."""
+    losses = []
+    for batch in (8, 32):
+        cfg = _compose(*SMALL, f"data.batch_size={batch}", f"data.cache_dir={tmp_path}")
+        assert val_windows(cfg) == 64
+        dm = build_datamodule(cfg)
+        dm.prepare_data()
+        dm.setup("validate")
+        assert len(dm.val_dataset()) == 64
+        state = {k: v.clone() for k, v in module_state(build_module(cfg, dm.vocab_size)).items()}
+        losses.append(Evaluator(cfg, dm).loss(state))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    old = _compose(*SMALL, "data.val_batches=3", f"data.cache_dir={tmp_path}")
+    assert val_windows(old) == 24  # the old key keeps working: batches of data.val_batch_size (8)
+
+
+def test_one_worker_with_fedavg_is_one_worker_alone():
+    """``workers=1 outer=fedavg`` (the scaling benchmark's ``one`` arm) is plain training: its global
+    model after 3 phases is the same worker's 6 Adam steps without DiLoCo, up to the rounding of
+    ``anchor - (anchor - local)``; the default outer step of the old recipes (lr 0.5) is not."""
+    def run(lr: float) -> torch.Tensor:
+        (worker,) = _adam_workers(1, phases=3, h=2)
+        config = MasterConfig(outer_optimizer="nesterov", outer_lr=lr, outer_momentum=0.0, aggregation="round",
+                              norm_ratio=None, norm_global_ratio=None)
+        master = SimMaster({"w": torch.zeros(4)}, config)
+        Simulator([worker], master, sync="lockstep", options=SimOptions()).run()
+        return master.state["w"]
+
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt, target = torch.optim.Adam([w], lr=0.1), torch.linspace(-1.0, 1.0, 4)
+    for _ in range(6):
+        opt.zero_grad()
+        (0.5 * ((w - target) ** 2).sum()).backward()
+        opt.step()
+    torch.testing.assert_close(run(1.0), w.detach(), rtol=0, atol=1e-6)
+    assert (run(0.5) - w.detach()).abs().max() > 0.05
+
+
+def test_a_single_worker_run_says_when_it_is_not_one_worker_alone():
+    from diloco_lightning.app.build import single_worker_note
+
+    assert single_worker_note(_compose(*SMALL, "workers=1", "outer=fedavg")) is None
+    assert single_worker_note(_compose(*SMALL, "workers=2", "outer=nesterov")) is None
+    note = single_worker_note(_compose(*SMALL, "workers=1", "outer=nesterov"))
+    assert note is not None and "not one worker alone" in note and "outer=fedavg" in note
+    assert "lr 0.5" in single_worker_note(_compose(*SMALL, "workers=1", "outer=staleness_sgd", "outer.lr=0.5"))
