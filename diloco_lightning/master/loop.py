@@ -248,6 +248,7 @@ class MasterOuterLoop:
         self._last_metrics: RoundMetrics | None = None
         #: ``until_finished``: the run is not over before this many workers were seen (a run of known size)
         self.expected_nodes = 1
+        self._claims_read_at: float | None = None
 
         if state is not None:
             self.run.install(cpu_clone(check_state(state, "state")), outer_step=0)
@@ -336,7 +337,13 @@ class MasterOuterLoop:
         from diloco_lightning.master.finish import run_over
 
         with self._round_lock:
-            self.membership.refresh()
+            # a finished claim is news the quorum's refresh pace (a quarter of a claim's ttl) would hear late:
+            # read the claims every second on a folder hub, every 10 s on a remote one (one listing)
+            now = time.monotonic()
+            every = max(self.config.poll_interval, 1.0 if self.hub.local_root is not None else 10.0)
+            force = self._claims_read_at is None or now - self._claims_read_at >= every
+            if self.membership.refresh(force=force):
+                self._claims_read_at = now
             return run_over(self.membership, self.ledger, self.intake.refused_step, self.expected_nodes)
 
     def sync_once(self, *, force: bool = False) -> bool:
