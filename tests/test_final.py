@@ -151,3 +151,4 @@ def test_diloco_export_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         export_main([f"hub.url={tmp_path / 'missing'}"])
     assert "hub.url" in capsys.readouterr().err
+

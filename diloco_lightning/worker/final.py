@@ -17,7 +17,11 @@ normally) does, in order:
    saying why, when the wait ends, when the master is gone (the manifest names a lease epoch and
    the hub holds no live lease: a master stopped cleanly releases it), when SIGTERM comes, or when
    the install fails. A worker whose model already holds that exact version (lockstep, or an async
-   install of it at the last boundary, with no step trained since) installs nothing again.
+   install of it at the last boundary, with no step trained since) installs nothing again. A last
+   delta the master refused (too stale, out of a norm bound) is in no version: once it is gone from
+   the hub (a master deletes what it refused with its next publication) and still not in the
+   ledger, the newest version is installed without it, a line saying so; a master that publishes
+   nothing more leaves the wait to its bound.
 
 The steps trained after the last boundary (a ``max_steps`` that is not a multiple of
 ``inner_steps``) are in no delta: a final install replaces them by the global version, and a line
@@ -42,6 +46,9 @@ __all__ = ["finish_training", "master_gone"]
 
 log = logging.getLogger(__name__)
 
+#: seconds between two looks (one listing of the node's deltas) for a last delta the master refused
+REFUSAL_LOOK = 5.0
+
 
 def master_gone(hub: Hub, manifest: Manifest | None, now: float | None = None) -> bool:
     """Whether the master that published ``manifest`` is gone: the manifest names its lease epoch
@@ -55,6 +62,20 @@ def master_gone(hub: Hub, manifest: Manifest | None, now: float | None = None) -
         log.debug("could not read the lease on %s: %s", hub.url, e)
         return False
     return lease is None or lease.unreadable is not None or lease.expired(time.time() if now is None else now)
+
+
+def _refused(worker: "DiLoCoWorker", last: int) -> bool:
+    """Whether the master refused this node's delta ``last`` (too stale, a norm bound ...): it is gone
+    from the hub (a master deletes what it processed with its next publication) and the ledger,
+    read after the listing (the publication comes before the deletion), still lacks it."""
+    try:
+        if worker.hub.list_node_deltas(worker.node_id, after=last - 1):
+            return False
+        manifest = worker._read_manifest()
+    except Exception as e:  # noqa: BLE001 - cannot tell: keep waiting (the wait is bounded)
+        log.debug("node %s: could not look for its last delta: %s", worker.node_id, e)
+        return False
+    return manifest is not None and manifest.ledger.get(worker.node_id, -1) < last
 
 
 def finish_training(worker: "DiLoCoWorker", *, trailing_steps: int = 0) -> InstallResult | None:
@@ -96,6 +117,7 @@ def _install_final(worker: "DiLoCoWorker", last: int | None, deadline: float, tr
     what = "the newest global version" if last is None else f"the global version that contains its last delta " \
                                                             f"(local_step {last})"
     said = False
+    next_look = time.monotonic() + max(worker.poll_interval, REFUSAL_LOOK)
     while True:
         try:
             manifest = worker._read_manifest()
@@ -108,6 +130,15 @@ def _install_final(worker: "DiLoCoWorker", last: int | None, deadline: float, tr
             manifest = None
         if manifest is not None and (last is None or manifest.ledger.get(node, -1) >= last):
             break
+        if manifest is not None and last is not None and time.monotonic() >= next_look:
+            next_look = time.monotonic() + max(worker.poll_interval, REFUSAL_LOOK)
+            if _refused(worker, last):
+                log.warning("node %s: the master refused its last delta (local_step %d: not in the ledger, gone from "
+                            "%s; its log says why); installing the newest global version without it", node, last, url)
+                manifest = worker._read_manifest()
+                assert manifest is not None  # a hub never goes back to no manifest
+                trailing_steps = trailing_steps or 1  # the model is not that version: install it
+                break
         if master_gone(worker.hub, manifest):
             log.warning("node %s: the master of %s is gone (no live lease) before publishing %s; keeping the local "
                         "weights", node, url, what)
