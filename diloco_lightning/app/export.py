@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("-h", "--help") for a in args):
         print(USAGE)
         return
+    verbose = any(a in ("-v", "--verbose") for a in args)
+    args = [a for a in args if a not in ("-v", "--verbose")]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         path = export(args)
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # noqa: BLE001 - a user error in one or two lines; anything else with its traceback
-        if not is_user_error(e):
+        if verbose or not is_user_error(e):
             raise
         sys.exit(_report("diloco-export", e))
     print(f"diloco-export: wrote {path} (and {path.rsplit('/', 1)[0]}/diloco_global.json)")
