@@ -204,3 +204,22 @@ def test_accelerate_fragments_one_argument_equals_plain_training(tmp_path):
     now = weights(model)
     for k in plain:
         assert torch.allclose(plain[k], now[k], rtol=1e-5, atol=1e-6), k
+
+
+def test_accelerate_exit_installs_the_newest_global_with_the_last_delta(tmp_path):
+    """Async: at the ``with`` block's end the model holds the hub's newest global, bit for bit, and it
+    contains the worker's last delta (issue 41)."""
+    from diloco_lightning.hub.versions import load_global
+
+    acc, model, opt, loader = setup()
+    root = tmp_path / "hub"
+    root.mkdir()
+    with running_master(root, tmp_path / "master"):
+        with DiLoCo(acc, model, str(root), "w0", inner_steps=4, **FAST) as diloco:
+            train(acc, model, opt, loader, 12, diloco)
+        manifest, state = load_global(FileHub(root))
+    assert manifest.ledger["w0"] == 3
+    got = weights(acc.unwrap_model(model))
+    assert got.keys() == state.keys()
+    for k in state:
+        assert torch.equal(got[k], state[k]), k

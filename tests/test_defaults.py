@@ -24,8 +24,9 @@ from diloco_lightning.worker.options import WorkerOptions
 #: schema section -> (library option class, keys the product gives a meaning of its own)
 SECTIONS: dict[str, tuple[type, type, set[str]]] = {
     "diloco": (schema.DiLoCoConf, WorkerOptions, set()),
-    # null: decided by the run (the workers' lockstep quorum and delay); 1: the command owns its process
-    "master": (schema.MasterConf, MasterConfig, {"min_deltas", "keep_globals", "torch_threads"}),
+    # null: decided by the run (the workers' lockstep quorum and delay); 1: the command owns its process;
+    # until_finished true: a training run's master ends with its workers (diloco-master's is false)
+    "master": (schema.MasterConf, MasterConfig, {"min_deltas", "keep_globals", "torch_threads", "until_finished"}),
     "sim": (schema.SimConf, SimOptions, set()),
     # false: the commands never create a misspelt hub (the library's open_hub does, as a folder API would)
     "hub": (schema.HubConf, HubOptions, {"create"}),

@@ -85,6 +85,10 @@ class DiLoCo:
         log_fn: called on the main process with each boundary's metrics dict (e.g. ``accelerator.log``).
         claim_ttl: seconds this node's claim on its id lives without a heartbeat (None: 60 on a
             folder hub, 900 on ``hf://``).
+        final_install, final_wait, wait_for_hub: as for the Lightning callback: at the end of the
+            ``with`` block (:meth:`finish`) install the newest global version holding the last delta,
+            waiting at most ``final_wait`` (None: ``wait_timeout``); wait for a hub that does not
+            exist yet.
         verbose: print a line per sync and while waiting (main process); False: quiet.
         seed_per_node: reseed from the process's seed and ``node_id`` at :meth:`start`, as the
             Lightning callback does at the start of ``fit`` (default True).
@@ -123,6 +127,9 @@ class DiLoCo:
         enabled: bool = True,
         log_fn: Callable[[dict[str, float]], Any] | None = None,
         claim_ttl: float | None = DEFAULTS.claim_ttl,
+        final_install: bool = DEFAULTS.final_install,
+        final_wait: float | None = DEFAULTS.final_wait,
+        wait_for_hub: bool = DEFAULTS.wait_for_hub,
         verbose: bool = True,
         seed_per_node: bool = True,
     ) -> None:
@@ -133,7 +140,7 @@ class DiLoCo:
             error_feedback_decay=error_feedback_decay, fragments=fragments,
             rebase=rebase, reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout,
             poll_interval=poll_interval,
-            claim_ttl=claim_ttl,
+            claim_ttl=claim_ttl, final_install=final_install, final_wait=final_wait, wait_for_hub=wait_for_hub,
         )
         check_connection(hub, hub_options, signing_key)
         if reset_inner_optimizer and optimizer is None:
@@ -234,7 +241,8 @@ class DiLoCo:
             restored = self._restored or {}
             try:
                 installed = self._start.start(self._params, stop=self._sigterm.received,
-                                              counters=restored.get("worker"), anchor=restored.get("anchor"))
+                                              counters=restored.get("worker"), anchor=restored.get("anchor"),
+                                              stopped=lambda: self._sigterm.received)
             finally:
                 self.worker = self._start.worker
             return installed is not None
@@ -254,7 +262,26 @@ class DiLoCo:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
         self.close(flush=exc_type is None)
+
+    def finish(self) -> bool:
+        """The end of training (``__exit__`` without an error calls it): deliver the last delta, mark
+        this node finished on the hub and, with ``final_install`` (default), install the newest global
+        version that contains the last delta, on every process (``worker/final.py``). True when it
+        installed one; False when the model keeps its local weights (a line says why)."""
+        if not self.enabled or not self._running:
+            return False
+        worker = self.worker  # the main process's
+        trailing = self.num_steps - self._last_boundary
+
+        def finish() -> bool:
+            return worker is not None and worker.finish(trailing_steps=trailing) is not None
+
+        installed = bool(self._rank0(finish))
+        self._after_install(installed)
+        return installed
 
     def close(self, flush: bool = True, timeout: float | None = None) -> bool:
         """Upload what is pending (``flush``) and stop the worker's threads."""

@@ -44,8 +44,13 @@ What it does (the work itself is :class:`~diloco_lightning.worker.DiLoCoWorker`'
   (lockstep), ``upload_failures``, ``boundary_seconds`` (time the training thread spent).
   ``callback.metrics`` holds the last values and running totals.
 
-The trailing partial phase after the last boundary stays local (choose ``max_steps`` a
-multiple of ``inner_steps``).
+* The end of ``fit`` (``on_train_end``): the last delta is delivered, the node's claim is left
+  saying it finished, and (``final_install``, the default) the newest global version that contains
+  the last delta is installed, so the module holds the run's global model
+  (``diloco_lightning/worker/final.py``).
+
+The trailing partial phase after the last boundary is in no delta (choose ``max_steps`` a
+multiple of ``inner_steps``); a final install replaces it by the global version.
 """
 
 from __future__ import annotations
@@ -161,7 +166,14 @@ class DiLoCo(Callback):
             ``diloco-master`` follows, so a misspelt hub is never created and waited on.
         signing_key: run key for signed deltas; None takes ``DILOCO_RUN_KEY`` /
             ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned when neither is set).
-        wait_timeout: seconds a blocking wait (bootstrap, lockstep, final flush) may last.
+        wait_timeout: seconds a blocking wait (bootstrap, lockstep, final flush, ``wait_for_hub``) may last.
+        final_install: at the end of ``fit``, install the newest global version that contains this
+            worker's last delta (default True: the module then holds the run's global weights, not
+            its worker's local ones; ``diloco_lightning/worker/final.py``). The local weights are
+            kept, with one line saying why, when the master is gone or the wait ends.
+        final_wait: seconds the end of ``fit`` waits for that version (None: ``wait_timeout``).
+        wait_for_hub: a hub that does not exist yet is waited for (at most ``wait_timeout``, one
+            line saying so) instead of refused, so workers may start before the master creates it.
         poll_interval: seconds between manifest reads (waits, async prefetch).
         token_counter: ``None`` (guess with :func:`count_tokens`), ``False`` (no
             ``num_tokens`` in headers) or ``callable(batch) -> int | Tensor``.
@@ -208,6 +220,9 @@ class DiLoCo(Callback):
         token_counter: Callable[[Any], Any] | bool | None = None,
         log_prefix: str = "diloco/",
         claim_ttl: float | None = DEFAULTS.claim_ttl,
+        final_install: bool = DEFAULTS.final_install,
+        final_wait: float | None = DEFAULTS.final_wait,
+        wait_for_hub: bool = DEFAULTS.wait_for_hub,
         verbose: bool = True,
         seed_per_node: bool = True,
     ) -> None:
@@ -220,7 +235,7 @@ class DiLoCo(Callback):
             error_feedback_decay=error_feedback_decay, fragments=fragments,
             rebase=rebase, reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout,
             poll_interval=poll_interval,
-            claim_ttl=claim_ttl,
+            claim_ttl=claim_ttl, final_install=final_install, final_wait=final_wait, wait_for_hub=wait_for_hub,
         )
         if not (token_counter is None or token_counter is False or callable(token_counter)):
             raise ValueError(f"DiLoCo: token_counter must be None, False or a callable, got {token_counter!r}")
@@ -385,7 +400,7 @@ class DiLoCo(Callback):
             try:
                 installed = self._start.start(self._params, stop=self._sigterm.received,
                                               counters=(self._restored_counters or {}).get("worker"),
-                                              anchor=self._restored_anchor)
+                                              anchor=self._restored_anchor, stopped=lambda: self._sigterm.received)
             finally:
                 self.worker = self._start.worker
             if installed is not None:
@@ -486,6 +501,16 @@ class DiLoCo(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # the run's global model in the user's hands (worker/final.py): last delta delivered, the node
+        # marked finished, the newest global version holding it installed (final_install)
+        worker = self.worker  # rank 0's
+        trailing = trainer.global_step - (self._last_synced_step or 0)
+
+        def finish() -> bool:
+            return worker is not None and worker.finish(trailing_steps=trailing) is not None
+
+        installed = self._rank0(trainer, finish)
+        self._after_install(trainer, installed)
         self._close(flush=True)
 
     @override

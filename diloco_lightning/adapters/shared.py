@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,6 +23,8 @@ from diloco_lightning.worker.options import WorkerOptions, parse_delta_dtype
 from diloco_lightning.worker.core import DiLoCoWorker
 from diloco_lightning.worker.pacing import Pacing
 from diloco_lightning.worker.results import InstallResult
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "SIGTERM_EXIT",
@@ -178,12 +181,15 @@ def check_connection(hub: Any, hub_options: Any, signing_key: Any) -> None:
         raise ValueError("DiLoCo: signing_key is empty")
 
 
-def open_worker_hub(hub: Any, hub_options: dict[str, Any] | None, create: bool) -> Hub:
+def open_worker_hub(hub: Any, hub_options: dict[str, Any] | None, create: bool, *, wait: float | None = None,
+                    poll_interval: float = 1.0, stop: Callable[[], bool] = lambda: False) -> Hub:
     """The hub an adapter's worker uses: ``hub`` itself when it is an open :class:`Hub`, else
     ``open_hub(hub, create=create, **hub_options)`` (``hub_options["create"]`` wins when given; an
     S3 bucket is never created). A hub that does not exist is refused with the same rule and words
     as ``diloco-master``: it is an error unless ``create=True``, so a misspelt hub is never created
-    and then waited on."""
+    and then waited on. ``wait`` (``wait_for_hub=True``: the options' ``wait_timeout``): a hub that
+    does not exist yet is looked for again every ``poll_interval`` seconds for that long (one line
+    says so), so a worker may start before the master creates it; ``stop()`` ends the wait (SIGTERM)."""
     from diloco_lightning.hub import HubNotFoundError, open_hub
 
     if isinstance(hub, Hub):
@@ -192,12 +198,26 @@ def open_worker_hub(hub: Any, hub_options: dict[str, Any] | None, create: bool) 
     url = os.fspath(hub)
     if not str(url).startswith("s3://"):
         opts.setdefault("create", bool(create))
-    try:
-        return open_hub(url, **opts)
-    except HubNotFoundError as e:
-        if str(url).startswith("s3://"):
-            raise HubNotFoundError(f"DiLoCo: {e}") from None
-        raise HubNotFoundError(f"DiLoCo: {e}; check the spelling, or pass create=True to create it") from None
+    deadline = None if wait is None else time.monotonic() + float(wait)
+    said = False
+    while True:
+        try:
+            return open_hub(url, **opts)
+        except HubNotFoundError as e:
+            if deadline is None or time.monotonic() >= deadline or stop():
+                error = e
+                break
+            if not said:
+                log.info("DiLoCo: %s; waiting up to %.0f s for the master to create it (wait_for_hub=True)", e,
+                         deadline - time.monotonic())
+                said = True
+            time.sleep(min(float(poll_interval), max(0.0, deadline - time.monotonic())))
+    if deadline is not None:
+        raise HubNotFoundError(f"DiLoCo: {error}, and no master created it within wait_timeout={wait:g} s; start "
+                               "diloco-master with hub.create=true, or check the spelling") from None
+    if str(url).startswith("s3://"):
+        raise HubNotFoundError(f"DiLoCo: {error}") from None
+    raise HubNotFoundError(f"DiLoCo: {error}; check the spelling, or pass create=True to create it") from None
 
 
 def check_worker_args(node_id: Any, node_index: int | None, **values: Any) -> tuple[str, int, WorkerOptions, Pacing]:
@@ -233,11 +253,15 @@ class WorkerStart:
         self.worker: DiLoCoWorker | None = None
 
     def start(self, params: dict[str, torch.Tensor], *, stop: bool, counters: Mapping[str, Any] | None,
-              anchor: Mapping[str, Any] | None) -> InstallResult | None:
-        """A new worker on ``params`` (``stop``: SIGTERM came already), resumed from ``counters``
-        (``state_dict``) and ``anchor`` (``anchor_state``) when given; what its start installed."""
+              anchor: Mapping[str, Any] | None, stopped: Callable[[], bool] | None = None) -> InstallResult | None:
+        """A new worker on ``params`` (``stop``: SIGTERM came already; ``stopped()``: it came since, which
+        ends a wait for the hub), resumed from ``counters`` (``state_dict``) and ``anchor``
+        (``anchor_state``) when given; what its start installed."""
+        opts = self.options
+        hub = open_worker_hub(self.hub, self.hub_options, self.create, poll_interval=opts.poll_interval,
+                              wait=opts.wait_timeout if opts.wait_for_hub else None, stop=stopped or (lambda: stop))
         self.worker = DiLoCoWorker(
-            open_worker_hub(self.hub, self.hub_options, self.create), self.node_id, params, self.options,
+            hub, self.node_id, params, self.options,
             node_index=self.node_index, signing_key=self.signing_key, pacing=self.pacing,
         )
         if stop:

@@ -211,14 +211,20 @@ def run_master_config(cfg: DictConfig):
     return dataclasses.replace(config, arrival_publish="each") if lockstep else config
 
 
-def build_master(cfg: DictConfig, hub, *, on_round=None):
+def build_master(cfg: DictConfig, hub, *, on_round=None, in_thread: bool = False):
+    """The run's master. ``in_thread``: ``role=all``'s, in the parent process, which stops it itself
+    after its workers exited (so it never ends on its own: ``until_finished`` off)."""
     from diloco_lightning.master import MasterOuterLoop
 
     config = run_master_config(cfg)
-    return MasterOuterLoop(
+    if in_thread and config.until_finished:  # role=all: the parent stops its master once the workers exited (app/local.py)
+        config = dataclasses.replace(config, until_finished=False)
+    master = MasterOuterLoop(
         hub, None, node_state_dir=str(run_dir(cfg) / "master"), config=config, holder=cfg.master.holder,
         metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"), logger=on_round,
     )
+    master.expected_nodes = int(cfg.workers)  # until_finished: the run is over once all of them finished
+    return master
 
 
 class Evaluator:

@@ -215,6 +215,9 @@ MasterConf = compose_section(
                                               "delay d needs, d + 2, at least 4; diloco-master: 4)"),
         "torch_threads": (Optional[int], 1, "torch threads of the master (this command's process: 1, since the round "
                                             "is memory-bound and more threads stall on shared cores; null: torch's default)"),
+        "until_finished": (bool, True, "stop once every worker finished and its last delta is applied, saying where "
+                                       "the final model is (train.py's runs end with their workers; diloco-master: "
+                                       "false, it serves until stopped)"),
     },
     extra=[("holder", Optional[str], None, "this master's id in the lease (default host:pid:random)")],
     doc="The master's behaviour: ``master.*`` in a training run, the top level of ``diloco-master``.",
@@ -303,6 +306,8 @@ class MasterCommandConf(MasterConf):  # type: ignore[valid-type,misc]
     metrics_path: Optional[str] = opt(None, "JSONL, one line per round (default <node_state_dir>/metrics.jsonl)")
     max_rounds: Optional[int] = opt(None, "exit after this many published rounds")
     max_seconds: Optional[float] = opt(None, "exit after this long")
+    until_finished: bool = opt(False, "exit (status 0) once every worker finished and its last delta is applied, "
+                                      "saying where the final model is and the diloco-export command")
     drain_on_exit: bool = opt(True, "on Ctrl-C / SIGTERM: apply what is pending in a final round")
     log_level: str = opt("INFO", "logging level of the library's messages (DEBUG, INFO, WARNING)")
 

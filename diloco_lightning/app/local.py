@@ -171,7 +171,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
             rounds.append(m)
             print_round(m)
 
-    master = build_master(cfg, hub, on_round=on_round)
+    master = build_master(cfg, hub, on_round=on_round, in_thread=True)
     master.start()
 
     devices = _device_list(cfg.launch, cfg.trainer)

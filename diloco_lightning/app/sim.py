@@ -55,7 +55,9 @@ SIM_WORKER_OPTIONS: dict[str, str] = {
     "topk_chunk": "honoured", "error_feedback": "honoured", "error_feedback_decay": "honoured", "fragments": "honoured",
     "rebase": "honoured", "reset_inner_optimizer": "honoured",
     "throttle": "refused: the simulated clock's speeds are sim.speeds (or sim.speed_law, sim.traces)",
-    "wait_timeout": "no hub", "poll_interval": "no hub", "claim_ttl": "no hub",
+    "wait_timeout": "no hub", "poll_interval": "no hub", "claim_ttl": "no hub", "wait_for_hub": "no hub",
+    # a simulated run's model is the master's global already (results.json scores it): nothing to install
+    "final_install": "no hub", "final_wait": "no hub",
 }
 
 

@@ -50,7 +50,13 @@ __all__ = [
     "stage_global",
     "load_global",
     "load_outer_state",
+    "export_global",
+    "EXPORT_WEIGHTS",
+    "EXPORT_INFO",
 ]
+
+#: what :func:`export_global` writes in its folder: the weights, and what they are
+EXPORT_WEIGHTS, EXPORT_INFO = "model.safetensors", "diloco_global.json"
 
 
 class GlobalIntegrityError(HubError):
@@ -266,3 +272,33 @@ def load_outer_state(hub: Hub, manifest: Manifest, *, verify: bool = True, signi
     except _Vanished as v:
         raise v.error from None
     return state
+
+
+def export_global(hub: Hub, out_dir: str | os.PathLike, *, signing_key: RunKey | None = None,
+                  manifest: Manifest | None = None) -> Path:
+    """Write the hub's newest global version (or ``manifest``'s) to ``out_dir`` as a plain model:
+    ``model.safetensors`` (the global state, loadable with ``safetensors.torch.load_file`` and
+    ``module.load_state_dict``; its metadata holds ``outer_step`` and ``model_fingerprint``) and
+    ``diloco_global.json`` (``outer_step``, ``model_fingerprint``, the file's ``sha256``, the hub and
+    the version's path on it). The version is read as every install reads it (:func:`load_global`:
+    the manifest's SHA-256 and fingerprint checked; in a signed run its signature too), and each file
+    is written atomically. Returns the path of ``model.safetensors``. ``diloco-export`` is its command."""
+    from diloco_lightning.util.fileio import atomic_write_json
+
+    m, state = load_global(hub, manifest, signing_key=signing_key)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"outer_step": str(m.outer_step), "model_fingerprint": m.model_fingerprint}
+    weights = out / EXPORT_WEIGHTS
+    save_weights_file(weights, state, metadata=meta)
+    atomic_write_json(out / EXPORT_INFO, {
+        "format": "diloco-export/1",
+        "outer_step": m.outer_step,
+        "model_fingerprint": m.model_fingerprint,
+        "sha256": sha256_file(weights),
+        "hub": hub.url,
+        "source": m.weights,
+        "signed": m.signature is not None,
+    })
+    log.info("exported global version %d of %s to %s", m.outer_step, hub.url, weights)
+    return weights

@@ -92,6 +92,11 @@ class MasterConfig:
     retry_max_delay: float = option(300.0, "the longest pause after failed rounds (backoff with jitter)")
     torch_threads: int | None = option(None, "torch threads of the master (the round is memory-bound; null: torch's default)")
     sweep_age: float = option(3600.0, "seconds after which temporary files of dead writers on other hosts are swept")
+    until_finished: bool = option(
+        False, "stop once every worker it knows has finished its training (its claim says so) and its last delta is "
+        "applied, saying where the final model is and how to export it (master/finish.py); max_rounds / max_seconds "
+        "still end it sooner"
+    )
     compat: str | None = option(
         None, "speedtronic: also take Speedtronic's deltas, write its global/latest.safetensors + step_count.json, "
         "and adopt a run its master served (null: off)"
@@ -117,6 +122,8 @@ class MasterConfig:
         check_choice(self, "aggregation", AGGREGATIONS)
         check_choice(self, "weighting", WEIGHTINGS)
         check_choice(self, "arrival_publish", ARRIVAL_PUBLISH)
+        if not isinstance(self.until_finished, bool):
+            raise OptionError("until_finished", f"must be True or False, got {self.until_finished!r}")
         if not isinstance(self.lease, bool):
             raise OptionError("lease", f"must be True or False, got {self.lease!r}")
         check_number(self, "outer_lr", low=0.0, strict=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 from diloco_lightning.hub.base import DeltaRef, Hub, HubAuthError, HubFileTooLargeError, HubNotFoundError
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.master.metrics import RoundMetrics
+from diloco_lightning.wire.names import parse_delta_path
 
 __all__ = ["Intake", "REFUSED_MEMORY"]
 
@@ -61,6 +62,14 @@ class Intake:
         while len(self._refused) > REFUSED_MEMORY:
             self._refused.popitem(last=False)
         self.pending.append(ref.path)
+
+    def refused_step(self, node_id: str, local_step: int) -> bool:
+        """Whether a delta of ``node_id`` at ``local_step`` or later was refused (the ledger never reaches it)."""
+        for path, _version in reversed(self._refused):
+            ident = parse_delta_path(path)
+            if ident is not None and ident.node_id == node_id and ident.local_step >= local_step:
+                return True
+        return False
 
     def published(self, ledger: Mapping[str, int]) -> None:
         """A publication carried ``ledger`` and deleted the pending refusals."""

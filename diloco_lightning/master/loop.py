@@ -246,6 +246,9 @@ class MasterOuterLoop:
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
         self._last_metrics: RoundMetrics | None = None
+        #: ``until_finished``: the run is not over before this many workers were seen (a run of known size)
+        self.expected_nodes = 1
+        self._claims_read_at: float | None = None
 
         if state is not None:
             self.run.install(cpu_clone(check_state(state, "state")), outer_step=0)
@@ -326,6 +329,22 @@ class MasterOuterLoop:
                 "diloco_lightning.hub.versions.load_global(hub)"
             )
         return self.run.snapshot()
+
+    def run_over(self) -> dict[str, int | None] | None:
+        """``{node: its last local_step}`` once every worker this master knows has finished and its last
+        delta is applied (or refused); None while the run goes on (:mod:`diloco_lightning.master.finish`).
+        Reads the workers' claims when due; call it between rounds (``until_finished`` does)."""
+        from diloco_lightning.master.finish import run_over
+
+        with self._round_lock:
+            # a finished claim is news the quorum's refresh pace (a quarter of a claim's ttl) would hear late:
+            # read the claims every second on a folder hub, every 10 s on a remote one (one listing)
+            now = time.monotonic()
+            every = max(self.config.poll_interval, 1.0 if self.hub.local_root is not None else 10.0)
+            force = self._claims_read_at is None or now - self._claims_read_at >= every
+            if self.membership.refresh(force=force):
+                self._claims_read_at = now
+            return run_over(self.membership, self.ledger, self.intake.refused_step, self.expected_nodes)
 
     def sync_once(self, *, force: bool = False) -> bool:
         """One round: reconcile with the hub, fetch and check new deltas, apply, publish.

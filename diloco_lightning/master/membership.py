@@ -16,7 +16,8 @@ master's own ``max_timeout`` (by default the transport's claim ttl: 60 s on a fo
 on ``hf://`` and ``s3://``, that is two missed heartbeats), and at least 1 s. A claim can make
 its node's timeout shorter, never longer than the master's configuration allows: a forged claim
 with a ttl of a day cannot keep a round waiting for a day (the deadline's cap, ``max_wait=auto``,
-is the longest live timeout). A released claim (a worker that finished or stopped cleanly) leaves at once. A
+is the longest live timeout). A released claim (a worker that stopped cleanly) leaves at once, and so does a finished one (the claim a
+worker leaves when its training ended says ``finished``: :meth:`~diloco_lightning.worker.claim.ClaimKeeper.finish`). A
 node that left is simply no longer counted in the quorum: its late deltas are still read,
 checked and gated by their staleness like any other, and it rejoins with its next heartbeat.
 A new node joins with its first claim; it starts from the newest global version (the worker
@@ -77,6 +78,8 @@ class NodeState:
     report: NodeReport = NodeReport()
     claimed: bool = False  #: it holds a claim on the hub now
     live: bool = False
+    finished: bool = False  #: its claim says its training ended (``NodeReport.finished``)
+    finished_step: int | None = None  #: then: the ``local_step`` of its last delta (None: it sent none)
 
 
 class Membership:
@@ -179,9 +182,15 @@ class Membership:
                 st.last_heard = now - age
             elif (claim.holder, claim.epoch, claim.renewed_at) != (st.holder, st.epoch, st.renewed_at):
                 st.last_heard = max(st.last_heard, now)
-            st.holder, st.epoch, st.renewed_at, st.claimed = claim.holder, claim.epoch, claim.renewed_at, True
-            st.ttl = claim_ttl(claim)
             report, problems = NodeReport.from_info(claim.info)
+            finished = bool(report.finished)
+            if finished and not st.finished:
+                log.info("node %s finished (its last delta: local_step %s)", node_id, report.local_step)
+            # a finished node left the quorum as a released claim does (its claim stays as the record)
+            st.holder, st.epoch, st.renewed_at, st.claimed = claim.holder, claim.epoch, claim.renewed_at, not finished
+            st.finished, st.finished_step = finished, report.local_step if finished else None
+            st.live = st.live and not finished
+            st.ttl = claim_ttl(claim)
             st.report = report
             for p in problems:
                 key = f"{node_id}:{p.split('=')[0]}"

@@ -7,6 +7,10 @@ differ only in where lines go (``say``), whether SIGINT/SIGTERM stop it (main th
 and whether it ends by stopping the master (a command does; the thread is stopped by
 ``MasterOuterLoop.stop()``).
 
+With ``until_finished`` (``MasterConfig``) the loop also ends, status 0, once every worker it knows
+has finished and its last delta is applied (:mod:`diloco_lightning.master.finish`), saying where
+the final model is and the ``diloco-export`` command that writes it out.
+
 A failed round is reported and retried after ``poll_interval * 2**(failures - 1)`` seconds, at
 most ``retry_max_delay``, jittered to 50-100 % (a fleet of masters never retries in step).
 """
@@ -46,6 +50,7 @@ class ServeReport:
     reached: bool = False  #: ``max_rounds`` or ``max_seconds`` was reached
     signals: list[int] = field(default_factory=list)  #: SIGINT / SIGTERM received
     drained: bool = True  #: the final round (if any) succeeded
+    finished: bool = False  #: ``until_finished``: every worker finished and its last delta is applied
 
     @property
     def exit_code(self) -> int:
@@ -117,6 +122,9 @@ def serve(
                     (deadline is not None and time.monotonic() >= deadline):
                 report.reached = True
                 break
+            if failures == 0 and _run_over(master, speak):
+                report.reached = report.finished = True
+                break
             stop.wait(delay)
     finally:
         if finish:
@@ -154,6 +162,21 @@ def _attempt(master: Any, failures: int, speak: Callable[[str], Any] | None) -> 
             log.debug("master round failed", exc_info=True)
             speak(f"[master] round failed ({type(e).__name__}: {e}); retrying in {delay:.1f}s ({failures} in a row)")
         return failures, delay
+
+
+def _run_over(master: Any, speak: Callable[[str], Any]) -> bool:
+    """``until_finished``: whether the run is over (every worker finished, its last delta applied);
+    then the lines saying where the final model is and how to export it (master/finish.py)."""
+    if not getattr(master.config, "until_finished", False) or not master.has_state:
+        return False
+    done = master.run_over()
+    if done is None:
+        return False
+    from diloco_lightning.master.finish import final_model_lines
+
+    for line in final_model_lines(done, master.outer_step, _where(master), master.hub.url):
+        speak(f"[master] {line}")
+    return True
 
 
 def _eventful(m: dict) -> bool:

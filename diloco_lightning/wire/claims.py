@@ -191,7 +191,9 @@ class NodeReport:
     boundaries themselves left out); ``tokens_per_second``: tokens trained on per second of
     compute; ``local_step``: its last delta's ``local_step``; ``inner_steps``: the H it uses now;
     ``train_loss``: the mean training loss of its last inner phase (the master watches it for
-    divergence, :mod:`diloco_lightning.master.health`). Any may be None (not measured yet).
+    divergence, :mod:`diloco_lightning.master.health`); ``finished``: true in the claim a worker
+    leaves when its training ended (its last delta's ``local_step`` beside it). Any may be None
+    (not measured yet).
     Untrusted on the reading side: see :meth:`from_info`.
     """
 
@@ -200,6 +202,9 @@ class NodeReport:
     local_step: int | None = None
     inner_steps: int | None = None
     train_loss: float | None = None
+    #: the worker ended its training and every delta it exported is on the hub (its last one is
+    #: ``local_step``): written once, in the claim it leaves behind (``ClaimKeeper.finish``)
+    finished: bool | None = None
 
     def to_info(self) -> dict[str, Any]:
         """The heartbeat's ``info`` object (keys of None values left out)."""
@@ -231,4 +236,9 @@ class NodeReport:
             else:
                 problems.append(f"{key}={str(v)[:40]!r} is not {'an integer' if kind is int else 'a number'} "
                                 f"in [{low}, {bound:g}]")
+        v = info.get("finished")
+        if isinstance(v, bool):
+            values["finished"] = v
+        elif v is not None:
+            problems.append(f"finished={str(v)[:40]!r} is not true or false")
         return cls(**values), problems

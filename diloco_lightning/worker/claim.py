@@ -327,6 +327,36 @@ class ClaimKeeper:
         if self._lost:
             raise NodeIdTakenError(self._lost)
 
+    def finish(self, local_step: int | None) -> bool:
+        """The worker's training ended and every delta it exported is on the hub (its last:
+        ``local_step``, None when it sent none): stop the heartbeat and leave a claim that says so
+        (``info.finished``) and is already expired, so the master's ``until_finished`` counts this
+        node as done and a later worker may take the id at once. True when it was written (else the
+        claim is released as usual by :meth:`release`)."""
+        self._stop.set()
+        self._poke.set()
+        t, self._thread = self._thread, None
+        if t is not None:
+            t.join(timeout=10.0)
+        with self._lock:
+            mine = self._claim
+            if mine is None or self._lost or not self.supported:
+                return False
+            info = {k: v for k, v in self.info.items() if k != "local_step"}
+            info["finished"] = True
+            if local_step is not None:
+                info["local_step"] = int(local_step)
+            now = self.clock()
+            done = self._sign(dataclasses.replace(mine, renewed_at=now, expires_at=now, info=info, signature=None))
+            try:
+                self.hub.write_claim(self.node_id, done, expected=mine)
+            except Exception as e:  # noqa: BLE001 - best effort: release() removes the claim instead
+                log.warning("node %s: could not mark its claim on %s finished (%s: %s)", self.node_id, self.hub.url,
+                            type(e).__name__, e)
+                return False
+            self._claim = None
+            return True
+
     def release(self) -> None:
         """Stop the heartbeat and remove the claim (best effort: an unreachable hub lets it expire)."""
         self._stop.set()

@@ -414,6 +414,14 @@ class DiLoCoWorker:
             return False
         return True
 
+    def finish(self, *, trailing_steps: int = 0) -> InstallResult | None:
+        """The end of training (``worker/final.py``): deliver what is pending, mark this node finished
+        on the hub and, with ``final_install``, install the newest global version holding its last
+        delta (None: the model keeps its weights, a line says why). Then :meth:`close`."""
+        from diloco_lightning.worker.final import finish_training
+
+        return finish_training(self, trailing_steps=trailing_steps)
+
     def close(self, flush: bool = True, timeout: float | None = None) -> bool:
         """Stop the background threads (after a :meth:`flush` when ``flush``); True when every
         exported phase reached the hub."""

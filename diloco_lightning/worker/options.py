@@ -153,6 +153,18 @@ class WorkerOptions:
     claim_ttl: float | None = option(
         None, "seconds a worker's claim on its node id lives without a heartbeat (null: 60 on a folder, 900 on hf:// and s3://)"
     )
+    final_install: bool = option(
+        True, "at the end of training, install the newest global version that contains this worker's last delta "
+        "(waiting at most final_wait), so the model in hand is the run's global one; false: keep the local weights"
+    )
+    final_wait: float | None = option(
+        None, "seconds the end of training waits for the global version holding this worker's last delta (null: "
+        "wait_timeout); a master that is gone, or a wait that ends, keeps the local weights"
+    )
+    wait_for_hub: bool = option(
+        False, "a hub that does not exist yet is waited for (at most wait_timeout) instead of refused, so workers may "
+        "start before the master creates it"
+    )
 
     @classmethod
     def names(cls) -> list[str]:
@@ -208,6 +220,10 @@ class WorkerOptions:
         check_number(self, "wait_timeout", low=0.0, strict=True)
         check_number(self, "poll_interval", low=0.0, strict=True)
         check_number(self, "claim_ttl", low=0.0, strict=True, optional=True)
+        for name in ("final_install", "wait_for_hub"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionError(name, f"must be True or False, got {getattr(self, name)!r}")
+        check_number(self, "final_wait", low=0.0, optional=True)
         try:
             resolve_delay(self.delay, node_id, node_index if node_index is not None else (0 if _no_index(node_id) else None))
         except ValueError as e:  # "delay must be ...", "delay[1] must be ...", "delay: unknown ..."
