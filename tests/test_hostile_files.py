@@ -119,6 +119,33 @@ def test_load_json_refuses_what_json_loads_would_crash_on_or_accept(doc):
     assert load_json(b'{"s": "[[[[[[[[[[", "x": [[1]]}', max_bytes=100, max_depth=3) == {"s": "[" * 10, "x": [[1]]}
 
 
+#: 1 MiB hostile documents, one of each shape a parse could be slow on
+MIB_SHAPES = {
+    "escaped_quotes": '"' + '\\"' * (1 << 19),  # an unterminated string of \": n**2/2 steps of the old depth scan
+    "escaped_backslashes": '"' + "\\\\" * (1 << 19),
+    "quotes": '"' * (1 << 20),
+    "deep_nesting": "[" * (1 << 20),
+    "deep_objects": '{"a":' * ((1 << 20) // 5),
+    "long_string": '"' + "a" * (1 << 20),
+    "long_number": "1" * (1 << 20),
+    "brackets_in_strings": '["' + "[{" * (1 << 19),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(MIB_SHAPES))
+def test_a_hostile_document_is_refused_in_linear_time(shape):
+    """24 KB of escaped quotes took the depth scan 5.7 s (every thread of the master stalled: the scan
+    held the GIL); 1 MiB would have taken an hour. Each 1 MiB shape is refused in well under a second
+    (the bound is 2 s for a loaded machine)."""
+    doc = MIB_SHAPES[shape].encode()
+    start = time.perf_counter()
+    with pytest.raises(JSONDocumentError):
+        load_json(doc, max_bytes=16 << 20)
+    took = time.perf_counter() - start
+    print(f"{shape}: {len(doc)} bytes refused in {took:.3f} s")
+    assert took < 2.0
+
+
 def test_a_nested_manifest_is_replaced_in_a_signed_run(transport, tmp_path):
     key = RunKey("the-run-key")
     m = small_master(transport.open("m"), tmp_path, signing_key=key)
@@ -402,4 +429,90 @@ def test_a_deleted_manifest_never_makes_a_master_adopt_its_own_publication(compa
         buf = 0.9 * buf - 1.0
         expect -= -1.0 + 0.9 * buf
     assert w == pytest.approx(expect, rel=1e-6), (w, expect)
+    m.close()
+
+
+# ============================================================================ numbers of any size (class 9)
+
+#: a 401-digit integer: Python's JSON reads it (up to 4,300 digits), no float holds it
+HUGE_INT = "9" * 401
+
+
+def _with_huge(doc: dict, *keys: str) -> bytes:
+    """``doc`` as JSON with the entry at the path ``keys`` replaced by :data:`HUGE_INT`."""
+    doc = json.loads(json.dumps(doc))
+    inner = doc
+    for k in keys[:-1]:
+        inner = inner.setdefault(k, {})
+    inner[keys[-1]] = "@HUGE@"
+    return json.dumps(doc).replace('"@HUGE@"', HUGE_INT).encode()
+
+
+def test_load_json_bounds_every_number_by_its_digits():
+    """A 401-digit integer parsed, then the caller's ``math.isfinite``, ``float()`` or ``:.3g`` raised
+    ``OverflowError``, which none of them catches. Every number the parser returns converts to a float."""
+    from diloco_lightning.util.jsondoc import MAX_INT_DIGITS
+
+    big = int("9" * MAX_INT_DIGITS)
+    assert load_json(f"[{big}, -{big}, 1e308]".encode(), max_bytes=100) == [big, -big, 1e308]
+    for doc in (f"[{HUGE_INT}]", f"[-{HUGE_INT}]", f'{{"a": {"1" * (MAX_INT_DIGITS + 1)}}}', "[1e999]", "[-1e999]"):
+        with pytest.raises(JSONDocumentError, match="digits|not a finite number"):
+            load_json(doc, max_bytes=1 << 20)
+
+
+def test_a_manifest_with_a_huge_number_is_replaced(transport, tmp_path, caplog):
+    """A 401-digit ``published_at`` made every master round raise ``OverflowError``."""
+    m = small_master(transport.open("m"), tmp_path)
+    assert m.sync_once()
+    doc = json.loads(transport.open("reader").read_manifest_bytes())
+    transport.put("global/manifest.json", _with_huge(doc, "published_at"))
+    with caplog.at_level(logging.WARNING):
+        assert m.sync_once() is True  # the round completes: the manifest is malformed, replaced
+    assert any("manifest.json is not a valid manifest" in r.getMessage() and "401 digits" in r.getMessage()
+               for r in caplog.records)
+    assert m.hub.read_manifest().outer_step == 0
+    m.close()
+
+
+def test_a_lease_with_a_huge_number_counts_as_expired(transport, tmp_path, caplog):
+    """A 401-digit ``expires_at`` made every master round raise ``OverflowError``."""
+    from diloco_lightning.wire.manifest import Lease
+
+    transport.put("global/lease.json", _with_huge(Lease("mallory:1:x", 1, 0.0).to_doc(), "expires_at"))
+    m = small_master(transport.open("m"), tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert m.sync_once() and m.is_leader
+    assert any("lease.json is not a valid lease" in r.getMessage() and "401 digits" in r.getMessage()
+               for r in caplog.records)
+    assert m.hub.read_lease().holder == m.holder
+    m.close()
+
+
+@pytest.mark.parametrize("keys", [("claimed_at",), ("info", "local_step"), ("info", "step_rate")],
+                         ids=["claimed_at", "local_step", "step_rate"])
+def test_a_claim_with_a_huge_number_is_rejected_with_a_reason(transport, tmp_path, caplog, keys):
+    """A 401-digit ``claimed_at`` made ``list_claims`` raise (the master's membership went blind), an
+    ``info.local_step`` made every master round raise, an ``info.step_rate`` made a DyLU worker raise
+    at its boundary. Now the claim is ignored with a reason, and the others are read."""
+    hub = transport.open("m")
+    hub.write_claim("a", _claim("a", "elsewhere:1:a"), expected=None)
+    transport.put("nodes/evil/claim.json", _with_huge(_claim("evil", "mallory:1:x").to_doc(), *keys))
+    m = small_master(hub, tmp_path, min_deltas=1.0)
+    with caplog.at_level(logging.WARNING):
+        assert m.sync_once()
+    assert m.membership.live() == ["a"]
+    assert any("evil" in r.getMessage() and "401 digits" in r.getMessage() for r in caplog.records)
+    keeper = ClaimKeeper(transport.open("w0"), "w0", ttl=60, watch_peers=True)
+    keeper._read_peers()
+    assert sorted(keeper.peer_reports()) == ["a"]  # what a DyLU worker reads at its boundary
+    m.close()
+
+
+def test_a_step_count_with_a_huge_number_is_refused_with_a_reason(transport, tmp_path):
+    from diloco_lightning.master.compat import SpeedtronicAdoptionError
+
+    transport.put("global/step_count.json", _with_huge({"model_file": "global/latest.safetensors"}, "outer_step"))
+    m = small_master(transport.open("m"), tmp_path, compat="speedtronic")
+    with pytest.raises(SpeedtronicAdoptionError, match="not a Speedtronic step_count.json.*401 digits"):
+        m.sync_once()  # the serve loop reports this one line and tries again later
     m.close()
