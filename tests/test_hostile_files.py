@@ -516,3 +516,48 @@ def test_a_step_count_with_a_huge_number_is_refused_with_a_reason(transport, tmp
     with pytest.raises(SpeedtronicAdoptionError, match="not a Speedtronic step_count.json.*401 digits"):
         m.sync_once()  # the serve loop reports this one line and tries again later
     m.close()
+
+
+# ============================================================================ warn-once memory (class 10)
+
+
+def test_warn_once_remembers_at_most_its_cap_and_still_warns_with_a_count(caplog):
+    """Every transport remembered every junk name it warned about, for good (80,000 names: a master
+    40 MiB larger). Past its cap a warner remembers nothing more, and still logs one warning an
+    interval with the count of those it left out."""
+    from diloco_lightning.util.warnonce import WarnOnce
+
+    now = [0.0]
+    w = WarnOnce(logging.getLogger("test.warnonce"), cap=100, interval=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.warnonce"):
+        for i in range(10_000):
+            w.warn(f"junk-{i}", "ignoring %s", f"junk-{i}")
+        assert len(w) == 100 and len(w._keys) == 100
+        assert [r.getMessage() for r in caplog.records[:100]] == [f"ignoring junk-{i}" for i in range(100)]
+        assert len(caplog.records) == 101 and "0 more warning(s)" in caplog.records[100].getMessage()
+        assert not w.warn("junk-0", "again") and not w.warn("junk-20000", "within the interval")
+        now[0] = 61.0
+        assert w.warn("junk-20001", "ignoring %s", "junk-20001")
+    last = caplog.records[-1].getMessage()
+    assert last.startswith("ignoring junk-20001") and "9900 more warning(s)" in last  # 9,899 + junk-20000
+    assert len(w) == 100
+
+
+def test_junk_names_on_a_hub_never_grow_a_readers_memory(transport, tmp_path, monkeypatch, caplog):
+    from diloco_lightning.util import warnonce
+
+    monkeypatch.setattr(warnonce, "DEFAULT_CAP", 20)
+    junk = {f"nodes/a/junk_{i}.bin": b"x" for i in range(100)}
+    if transport.kind in ("hf", "hf_nodes"):
+        transport.server.commit_files(transport._repo_of("nodes/a/x"), adds=junk)
+    else:
+        for path, data in junk.items():
+            transport.put(path, data)
+    hub = transport.open("m")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert hub.list_deltas() == []
+    warned = hub._warned
+    assert len(warned) == 20
+    junk_warnings = [r.getMessage() for r in caplog.records if "junk_" in r.getMessage()]
+    assert 20 < len(junk_warnings) < 30 and any("more warning(s)" in m for m in junk_warnings)

@@ -37,13 +37,13 @@ import hmac
 import logging
 import os
 import secrets
-import threading
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 from urllib.parse import quote
 
 from diloco_lightning.util import faults
 from diloco_lightning.util.fileio import atomic_write_bytes, sweep_temporaries, temp_prefix
+from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
@@ -100,8 +100,7 @@ class FileHub(Hub):
         # RFC 3986 allows '=', ',' and '+' in a path: keep them readable (runs/recipe=tiny/hub)
         self.url = "file://" + quote(str(root), safe="/=,+:@~!$&'()*;")
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(self.url)
-        self._warned: set[str] = set()
-        self._warned_lock = threading.Lock()
+        self._warned = WarnOnce(log)
         self._folder = HubFolder(root, self.url)  # placing, removing and locking, never through a symbolic link
 
     # ------------------------------------------------------------------ helpers
@@ -113,11 +112,7 @@ class FileHub(Hub):
         faults.point(label, self)  # crash points for tests (diloco_lightning.util.faults)
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
-        with self._warned_lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning(msg, *args)
+        self._warned.warn(key, msg, *args)  # bounded: the names are any hub writer's
 
     def _stage_mirrors(self, mirrors: Mapping[str, str | os.PathLike | bytes]) -> list[tuple[str, str]]:
         """Each mirror written (linked when it is a file) under a temporary name in ``global/``:

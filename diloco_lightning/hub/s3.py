@@ -85,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_lightning.util import faults
+from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
@@ -169,8 +170,7 @@ class S3Hub(Hub):
         self.cache_dir = (
             Path(cache_dir) if cache_dir is not None else default_cache_dir(f"{self.endpoint_url}|{self.url}")
         )
-        self._warned: set[str] = set()
-        self._warned_lock = threading.Lock()
+        self._warned = WarnOnce(log)
         #: the conditional-write probe still to pass before this handle's first write (None: passed or not asked)
         self._probe_lock = threading.Lock()
         self._probe_pending = bool(check_conditional_writes)
@@ -196,11 +196,7 @@ class S3Hub(Hub):
         faults.point(label, self)  # crash points for tests (diloco_lightning.util.faults)
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        with self._warned_lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning(msg, *args)
+        self._warned.warn(key, msg, *args)  # bounded: the names are any hub writer's
 
     # ------------------------------------------------------------------ workers
 
