@@ -561,3 +561,46 @@ def test_junk_names_on_a_hub_never_grow_a_readers_memory(transport, tmp_path, mo
     assert len(warned) == 20
     junk_warnings = [r.getMessage() for r in caplog.records if "junk_" in r.getMessage()]
     assert 20 < len(junk_warnings) < 30 and any("more warning(s)" in m for m in junk_warnings)
+
+
+# ============================================================================ documents over their size (class 11)
+
+#: more than any hub document is read up to (S3 reads a small object up to 16 MiB)
+OVERSIZE = b"{" + b" " * (16 << 20) + b"}"
+
+
+def test_an_oversize_manifest_is_replaced_in_a_signed_run(transport, tmp_path, caplog):
+    """On S3 a manifest over 16 MiB raised a plain ``HubError`` that the malformed-manifest path did not
+    take: every round of a signed master raised. On every transport it is a malformed manifest, replaced."""
+    key = RunKey("the-run-key")
+    m = small_master(transport.open("m"), tmp_path, signing_key=key)
+    assert m.sync_once()
+    transport.put("global/manifest.json", OVERSIZE)
+    with caplog.at_level(logging.WARNING):
+        assert m.sync_once() is True
+    assert any("manifest.json is not a valid manifest" in r.getMessage() and "bytes, more than" in r.getMessage()
+               for r in caplog.records)
+    man = transport.open("reader").read_manifest()
+    assert man.outer_step == 0 and man.verify(key)
+    m.close()
+
+
+def test_an_oversize_lease_or_claim_is_expired_or_no_claim(transport, tmp_path, caplog):
+    """On S3 a lease over 16 MiB made every round of a master raise, and a claim over 16 MiB made
+    ``list_claims`` raise (the membership went blind). The lease counts as expired, the claim as none."""
+    key = RunKey("the-run-key")
+    transport.put("global/lease.json", OVERSIZE)
+    transport.put("nodes/evil/claim.json", OVERSIZE)
+    hub = transport.open("m")
+    hub.write_claim("a", _claim("a", "elsewhere:1:a").signed(key), expected=None)
+    m = small_master(hub, tmp_path, signing_key=key, min_deltas=1.0)
+    with caplog.at_level(logging.WARNING):
+        assert m.sync_once() and m.is_leader
+    assert m.hub.read_lease().holder == m.holder and m.hub.read_lease().verify(key)
+    assert m.membership.live() == ["a"]
+    with caplog.at_level(logging.WARNING):
+        assert transport.open("reader").read_claim("evil") is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("lease.json is not a valid lease" in s and "bytes, more than" in s for s in messages)
+    assert any("evil" in s and "claim" in s and "bytes, more than" in s for s in messages)
+    m.close()
