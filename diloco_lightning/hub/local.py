@@ -42,7 +42,7 @@ from typing import Iterable, Iterator, Mapping
 from urllib.parse import quote
 
 from diloco_lightning.util import faults
-from diloco_lightning.util.fileio import atomic_write_bytes, sweep_temporaries, temp_prefix
+from diloco_lightning.util.fileio import atomic_write_bytes, read_at_most, sweep_temporaries, temp_prefix
 from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import (
     ClaimConflictError,
@@ -59,7 +59,7 @@ from diloco_lightning.hub.base import (
     default_cache_dir,
 )
 from diloco_lightning.hub.folder import HubFolder
-from diloco_lightning.wire.manifest import Lease, Manifest
+from diloco_lightning.wire.manifest import MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease, Manifest
 from diloco_lightning.wire.claims import MAX_CLAIM_BYTES, ClaimError, NodeClaim
 from diloco_lightning.wire.names import (
     CLAIM_NAME,
@@ -261,8 +261,10 @@ class FileHub(Hub):
         """Downloads are the hub's own files, returned in place: nothing to release."""
 
     def read_manifest_bytes(self) -> bytes | None:
+        """Read up to one byte past the largest manifest: a larger file is refused by its size, its
+        first bytes standing for it (a replacement compares their digest), never read whole."""
         try:
-            return (self.root / MANIFEST_PATH).read_bytes()
+            return read_at_most(self.root / MANIFEST_PATH, MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError:
             return None
 
@@ -357,7 +359,7 @@ class FileHub(Hub):
 
     def read_lease(self) -> Lease | None:
         try:
-            text = (self.root / LEASE_PATH).read_bytes()
+            text = read_at_most(self.root / LEASE_PATH, MAX_LEASE_BYTES + 1)  # a larger one: expired
         except FileNotFoundError:
             return None
         return Lease.from_hub_bytes(text, source=f"{self.url}/{LEASE_PATH}")
