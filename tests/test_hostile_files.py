@@ -608,3 +608,53 @@ def test_an_oversize_lease_or_claim_is_expired_or_no_claim(transport, tmp_path, 
     assert any("lease.json is not a valid lease" in s and "bytes, more than" in s for s in messages)
     assert any("evil" in s and "claim" in s and "bytes, more than" in s for s in messages)
     m.close()
+
+
+# ============================================================================ one parser for hub JSON
+
+#: the files of the package that parse JSON themselves, each only the project's own local files
+#: (never a byte from a hub): how many ``json.load(s)`` calls, and why they are trusted
+JSON_OUTSIDE_THE_PARSER = {
+    "master/localstate.py": (2, "the master's own record in its node_state_dir (master.json), and a manifest "
+                                "it serialised itself (to_json) turned back into a dict"),
+    "app/launches.py": (2, "launches.json and its lines, written by this run's launcher in the run folder"),
+    "app/slurm.py": (1, "metrics.jsonl lines the run's own master writes in the run folder"),
+    "app/summarize.py": (1, "results.json files this package's runs wrote under a results folder"),
+    "app/local.py": (2, "results.json and the workers' summary.json in the run folder (not the hub: it is "
+                        "<run>/hub, the summaries <run>/nodes/<id>/summary.json)"),
+}
+
+
+def test_no_code_parses_hub_json_but_the_bounded_parser():
+    """Every JSON document from a hub goes through ``util/jsondoc.load_json`` (bounded size, depth,
+    digits; linear time): a ``json.loads`` anywhere else in the package is one of the allow-listed
+    parses of the project's own local files, each with its reason."""
+    import ast
+    import re
+
+    pkg = ROOT / "diloco_lightning"
+    found: dict[str, int] = {}
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg).as_posix()
+        if rel == "util/jsondoc.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases = {"json"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names if a.name == "json" and a.asname}
+            elif isinstance(node, ast.ImportFrom) and node.module == "json":
+                bad = [a.name for a in node.names if a.name in ("load", "loads", "JSONDecoder", "decoder")]
+                assert not bad, f"{rel}: from json import {bad}: parse hub JSON with util.jsondoc.load_json"
+        n = sum(1 for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("load", "loads", "raw_decode")
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in aliases)
+        n += len(re.findall(r"\bJSONDecoder\s*\(", path.read_text(encoding="utf-8")))
+        if n:
+            found[rel] = n
+    allowed = {rel: count for rel, (count, _) in JSON_OUTSIDE_THE_PARSER.items()}
+    assert found == allowed, (
+        f"JSON parsed outside util/jsondoc.py: {found}; allowed: {allowed}. Parse hub bytes with load_json; "
+        "add a file here only if it parses the project's own local files, with the reason"
+    )
