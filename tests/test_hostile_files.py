@@ -6,7 +6,10 @@
   safetensors header): each parse failure is the documented rejection;
 * claims: signed in a signed run; the master's bounds from its own configuration; absurd
   expiries; a vanished or overwritten claim is taken again;
-* numbering: a worker takes no decision from a file it has not authenticated.
+* numbering: a worker takes no decision from a file it has not authenticated;
+* numbers of any size, documents shaped to be slow to parse, documents over their size, any
+  number of junk names: a rejection with a reason, in linear time and bounded memory; and no JSON
+  of the package is parsed but by ``util/jsondoc.load_json`` or from the project's own local files.
 """
 
 from __future__ import annotations

@@ -267,7 +267,10 @@ class Hub(abc.ABC):
 
     @abc.abstractmethod
     def read_manifest_bytes(self) -> bytes | None:
-        """The current ``global/manifest.json`` as stored (None if there is none), unparsed."""
+        """The current ``global/manifest.json`` as stored (None if there is none), unparsed. A file
+        over the largest manifest may be read only in part (up to one byte past it), or not at all on
+        S3 (a stand-in naming its size and version): enough to refuse it, and to replace it by
+        compare-and-swap on the digest of what was read."""
 
     def read_manifest(self) -> Manifest | None:
         """The current manifest, or None if nothing was ever published. Raises ``ManifestError``
