@@ -463,6 +463,17 @@ def test_load_json_bounds_every_number_by_its_digits():
             load_json(doc, max_bytes=1 << 20)
 
 
+def test_a_state_file_never_holds_a_number_its_reader_refuses(tmp_path):
+    from diloco_lightning.util.jsondoc import MAX_INT_DIGITS
+    from diloco_lightning.wire.statefile import load_state_file, save_state_file
+
+    ok = {"step": 10**MAX_INT_DIGITS - 1, "w": torch.ones(2)}
+    save_state_file(tmp_path / "ok.safetensors", ok)
+    assert load_state_file(tmp_path / "ok.safetensors")[0]["step"] == ok["step"]
+    with pytest.raises(ValueError, match="more than 20 digits"):
+        save_state_file(tmp_path / "big.safetensors", {"step": 10**MAX_INT_DIGITS})
+
+
 def test_a_manifest_with_a_huge_number_is_replaced(transport, tmp_path, caplog):
     """A 401-digit ``published_at`` made every master round raise ``OverflowError``."""
     m = small_master(transport.open("m"), tmp_path)
