@@ -6,7 +6,10 @@
   safetensors header): each parse failure is the documented rejection;
 * claims: signed in a signed run; the master's bounds from its own configuration; absurd
   expiries; a vanished or overwritten claim is taken again;
-* numbering: a worker takes no decision from a file it has not authenticated.
+* numbering: a worker takes no decision from a file it has not authenticated;
+* numbers of any size, documents shaped to be slow to parse, documents over their size, any
+  number of junk names: a rejection with a reason, in linear time and bounded memory; and no JSON
+  of the package is parsed but by ``util/jsondoc.load_json`` or from the project's own local files.
 """
 
 from __future__ import annotations
@@ -117,6 +120,33 @@ def test_load_json_refuses_what_json_loads_would_crash_on_or_accept(doc):
     with pytest.raises(JSONDocumentError, match="more than the 10"):
         load_json(b"[1, 2, 3, 4, 5]", max_bytes=10)
     assert load_json(b'{"s": "[[[[[[[[[[", "x": [[1]]}', max_bytes=100, max_depth=3) == {"s": "[" * 10, "x": [[1]]}
+
+
+#: 1 MiB hostile documents, one of each shape a parse could be slow on
+MIB_SHAPES = {
+    "escaped_quotes": '"' + '\\"' * (1 << 19),  # an unterminated string of \": n**2/2 steps of the old depth scan
+    "escaped_backslashes": '"' + "\\\\" * (1 << 19),
+    "quotes": '"' * (1 << 20),
+    "deep_nesting": "[" * (1 << 20),
+    "deep_objects": '{"a":' * ((1 << 20) // 5),
+    "long_string": '"' + "a" * (1 << 20),
+    "long_number": "1" * (1 << 20),
+    "brackets_in_strings": '["' + "[{" * (1 << 19),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(MIB_SHAPES))
+def test_a_hostile_document_is_refused_in_linear_time(shape):
+    """24 KB of escaped quotes took the depth scan 5.7 s (every thread of the master stalled: the scan
+    held the GIL); 1 MiB would have taken an hour. Each 1 MiB shape is refused in well under a second
+    (the bound is 2 s for a loaded machine)."""
+    doc = MIB_SHAPES[shape].encode()
+    start = time.perf_counter()
+    with pytest.raises(JSONDocumentError):
+        load_json(doc, max_bytes=16 << 20)
+    took = time.perf_counter() - start
+    print(f"{shape}: {len(doc)} bytes refused in {took:.3f} s")
+    assert took < 2.0
 
 
 def test_a_nested_manifest_is_replaced_in_a_signed_run(transport, tmp_path):
@@ -403,3 +433,242 @@ def test_a_deleted_manifest_never_makes_a_master_adopt_its_own_publication(compa
         expect -= -1.0 + 0.9 * buf
     assert w == pytest.approx(expect, rel=1e-6), (w, expect)
     m.close()
+
+
+# ============================================================================ numbers of any size (class 9)
+
+#: a 401-digit integer: Python's JSON reads it (up to 4,300 digits), no float holds it
+HUGE_INT = "9" * 401
+
+
+def _with_huge(doc: dict, *keys: str) -> bytes:
+    """``doc`` as JSON with the entry at the path ``keys`` replaced by :data:`HUGE_INT`."""
+    doc = json.loads(json.dumps(doc))
+    inner = doc
+    for k in keys[:-1]:
+        inner = inner.setdefault(k, {})
+    inner[keys[-1]] = "@HUGE@"
+    return json.dumps(doc).replace('"@HUGE@"', HUGE_INT).encode()
+
+
+def test_load_json_bounds_every_number_by_its_digits():
+    """A 401-digit integer parsed, then the caller's ``math.isfinite``, ``float()`` or ``:.3g`` raised
+    ``OverflowError``, which none of them catches. Every number the parser returns converts to a float."""
+    from diloco_lightning.util.jsondoc import MAX_INT_DIGITS
+
+    big = int("9" * MAX_INT_DIGITS)
+    assert load_json(f"[{big}, -{big}, 1e308]".encode(), max_bytes=100) == [big, -big, 1e308]
+    for doc in (f"[{HUGE_INT}]", f"[-{HUGE_INT}]", f'{{"a": {"1" * (MAX_INT_DIGITS + 1)}}}', "[1e999]", "[-1e999]"):
+        with pytest.raises(JSONDocumentError, match="digits|not a finite number"):
+            load_json(doc, max_bytes=1 << 20)
+
+
+def test_a_state_file_never_holds_a_number_its_reader_refuses(tmp_path):
+    from diloco_lightning.util.jsondoc import MAX_INT_DIGITS
+    from diloco_lightning.wire.statefile import load_state_file, save_state_file
+
+    ok = {"step": 10**MAX_INT_DIGITS - 1, "w": torch.ones(2)}
+    save_state_file(tmp_path / "ok.safetensors", ok)
+    assert load_state_file(tmp_path / "ok.safetensors")[0]["step"] == ok["step"]
+    with pytest.raises(ValueError, match="more than 20 digits"):
+        save_state_file(tmp_path / "big.safetensors", {"step": 10**MAX_INT_DIGITS})
+
+
+def test_a_manifest_with_a_huge_number_is_replaced(transport, tmp_path, caplog):
+    """A 401-digit ``published_at`` made every master round raise ``OverflowError``."""
+    m = small_master(transport.open("m"), tmp_path)
+    assert m.sync_once()
+    doc = json.loads(transport.open("reader").read_manifest_bytes())
+    transport.put("global/manifest.json", _with_huge(doc, "published_at"))
+    with caplog.at_level(logging.WARNING):
+        assert m.sync_once() is True  # the round completes: the manifest is malformed, replaced
+    assert any("manifest.json is not a valid manifest" in r.getMessage() and "401 digits" in r.getMessage()
+               for r in caplog.records)
+    assert m.hub.read_manifest().outer_step == 0
+    m.close()
+
+
+def test_a_lease_with_a_huge_number_counts_as_expired(transport, tmp_path, caplog):
+    """A 401-digit ``expires_at`` made every master round raise ``OverflowError``."""
+    from diloco_lightning.wire.manifest import Lease
+
+    transport.put("global/lease.json", _with_huge(Lease("mallory:1:x", 1, 0.0).to_doc(), "expires_at"))
+    m = small_master(transport.open("m"), tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert m.sync_once() and m.is_leader
+    assert any("lease.json is not a valid lease" in r.getMessage() and "401 digits" in r.getMessage()
+               for r in caplog.records)
+    assert m.hub.read_lease().holder == m.holder
+    m.close()
+
+
+@pytest.mark.parametrize("keys", [("claimed_at",), ("info", "local_step"), ("info", "step_rate")],
+                         ids=["claimed_at", "local_step", "step_rate"])
+def test_a_claim_with_a_huge_number_is_rejected_with_a_reason(transport, tmp_path, caplog, keys):
+    """A 401-digit ``claimed_at`` made ``list_claims`` raise (the master's membership went blind), an
+    ``info.local_step`` made every master round raise, an ``info.step_rate`` made a DyLU worker raise
+    at its boundary. Now the claim is ignored with a reason, and the others are read."""
+    hub = transport.open("m")
+    hub.write_claim("a", _claim("a", "elsewhere:1:a"), expected=None)
+    transport.put("nodes/evil/claim.json", _with_huge(_claim("evil", "mallory:1:x").to_doc(), *keys))
+    m = small_master(hub, tmp_path, min_deltas=1.0)
+    with caplog.at_level(logging.WARNING):
+        assert m.sync_once()
+    assert m.membership.live() == ["a"]
+    assert any("evil" in r.getMessage() and "401 digits" in r.getMessage() for r in caplog.records)
+    keeper = ClaimKeeper(transport.open("w0"), "w0", ttl=60, watch_peers=True)
+    keeper._read_peers()
+    assert sorted(keeper.peer_reports()) == ["a"]  # what a DyLU worker reads at its boundary
+    m.close()
+
+
+def test_a_step_count_with_a_huge_number_is_refused_with_a_reason(transport, tmp_path):
+    from diloco_lightning.master.compat import SpeedtronicAdoptionError
+
+    transport.put("global/step_count.json", _with_huge({"model_file": "global/latest.safetensors"}, "outer_step"))
+    m = small_master(transport.open("m"), tmp_path, compat="speedtronic")
+    with pytest.raises(SpeedtronicAdoptionError, match="not a Speedtronic step_count.json.*401 digits"):
+        m.sync_once()  # the serve loop reports this one line and tries again later
+    m.close()
+
+
+# ============================================================================ warn-once memory (class 10)
+
+
+def test_warn_once_remembers_at_most_its_cap_and_still_warns_with_a_count(caplog):
+    """Every transport remembered every junk name it warned about, for good (80,000 names: a master
+    40 MiB larger). Past its cap a warner remembers nothing more, and still logs one warning an
+    interval with the count of those it left out."""
+    from diloco_lightning.util.warnonce import WarnOnce
+
+    now = [0.0]
+    w = WarnOnce(logging.getLogger("test.warnonce"), cap=100, interval=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.warnonce"):
+        for i in range(10_000):
+            w.warn(f"junk-{i}", "ignoring %s", f"junk-{i}")
+        assert len(w) == 100 and len(w._keys) == 100
+        assert [r.getMessage() for r in caplog.records[:100]] == [f"ignoring junk-{i}" for i in range(100)]
+        assert len(caplog.records) == 101 and "0 more warning(s)" in caplog.records[100].getMessage()
+        assert not w.warn("junk-0", "again") and not w.warn("junk-20000", "within the interval")
+        now[0] = 61.0
+        assert w.warn("junk-20001", "ignoring %s", "junk-20001")
+    last = caplog.records[-1].getMessage()
+    assert last.startswith("ignoring junk-20001") and "9900 more warning(s)" in last  # 9,899 + junk-20000
+    assert len(w) == 100
+
+
+def test_junk_names_on_a_hub_never_grow_a_readers_memory(transport, tmp_path, monkeypatch, caplog):
+    from diloco_lightning.util import warnonce
+
+    monkeypatch.setattr(warnonce, "DEFAULT_CAP", 20)
+    junk = {f"nodes/a/junk_{i}.bin": b"x" for i in range(100)}
+    if transport.kind in ("hf", "hf_nodes"):
+        transport.server.commit_files(transport._repo_of("nodes/a/x"), adds=junk)
+    else:
+        for path, data in junk.items():
+            transport.put(path, data)
+    hub = transport.open("m")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert hub.list_deltas() == []
+    warned = hub._warned
+    assert len(warned) == 20
+    junk_warnings = [r.getMessage() for r in caplog.records if "junk_" in r.getMessage()]
+    assert 20 < len(junk_warnings) < 30 and any("more warning(s)" in m for m in junk_warnings)
+
+
+# ============================================================================ documents over their size (class 11)
+
+#: more than any hub document is read up to (S3 reads a small object up to 16 MiB)
+OVERSIZE = b"{" + b" " * (16 << 20) + b"}"
+
+
+def test_an_oversize_manifest_is_replaced_in_a_signed_run(transport, tmp_path, caplog):
+    """On S3 a manifest over 16 MiB raised a plain ``HubError`` that the malformed-manifest path did not
+    take: every round of a signed master raised. On every transport it is a malformed manifest, replaced;
+    the folder and the Hugging Face transports read it up to one byte past the limit, not whole."""
+    key = RunKey("the-run-key")
+    m = small_master(transport.open("m"), tmp_path, signing_key=key)
+    assert m.sync_once()
+    transport.put("global/manifest.json", OVERSIZE)
+    from diloco_lightning.wire.manifest import MAX_MANIFEST_BYTES
+
+    assert len(transport.open("reader").read_manifest_bytes()) <= MAX_MANIFEST_BYTES + 1  # never read whole
+    with caplog.at_level(logging.WARNING):
+        assert m.sync_once() is True
+    assert any("manifest.json is not a valid manifest" in r.getMessage() and "bytes, more than" in r.getMessage()
+               for r in caplog.records)
+    man = transport.open("reader").read_manifest()
+    assert man.outer_step == 0 and man.verify(key)
+    m.close()
+
+
+def test_an_oversize_lease_or_claim_is_expired_or_no_claim(transport, tmp_path, caplog):
+    """On S3 a lease over 16 MiB made every round of a master raise, and a claim over 16 MiB made
+    ``list_claims`` raise (the membership went blind). The lease counts as expired, the claim as none."""
+    key = RunKey("the-run-key")
+    transport.put("global/lease.json", OVERSIZE)
+    transport.put("nodes/evil/claim.json", OVERSIZE)
+    hub = transport.open("m")
+    hub.write_claim("a", _claim("a", "elsewhere:1:a").signed(key), expected=None)
+    m = small_master(hub, tmp_path, signing_key=key, min_deltas=1.0)
+    with caplog.at_level(logging.WARNING):
+        assert m.sync_once() and m.is_leader
+    assert m.hub.read_lease().holder == m.holder and m.hub.read_lease().verify(key)
+    assert m.membership.live() == ["a"]
+    with caplog.at_level(logging.WARNING):
+        assert transport.open("reader").read_claim("evil") is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("lease.json is not a valid lease" in s and "bytes, more than" in s for s in messages)
+    assert any("evil" in s and "claim" in s and "bytes, more than" in s for s in messages)
+    m.close()
+
+
+# ============================================================================ one parser for hub JSON
+
+#: the files of the package that parse JSON themselves, each only the project's own local files
+#: (never a byte from a hub): how many ``json.load(s)`` calls, and why they are trusted
+JSON_OUTSIDE_THE_PARSER = {
+    "master/localstate.py": (2, "the master's own record in its node_state_dir (master.json), and a manifest "
+                                "it serialised itself (to_json) turned back into a dict"),
+    "app/launches.py": (2, "launches.json and its lines, written by this run's launcher in the run folder"),
+    "app/slurm.py": (1, "metrics.jsonl lines the run's own master writes in the run folder"),
+    "app/summarize.py": (1, "results.json files this package's runs wrote under a results folder"),
+    "app/local.py": (2, "results.json and the workers' summary.json in the run folder (not the hub: it is "
+                        "<run>/hub, the summaries <run>/nodes/<id>/summary.json)"),
+}
+
+
+def test_no_code_parses_hub_json_but_the_bounded_parser():
+    """Every JSON document from a hub goes through ``util/jsondoc.load_json`` (bounded size, depth,
+    digits; linear time): a ``json.loads`` anywhere else in the package is one of the allow-listed
+    parses of the project's own local files, each with its reason."""
+    import ast
+    import re
+
+    pkg = ROOT / "diloco_lightning"
+    found: dict[str, int] = {}
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg).as_posix()
+        if rel == "util/jsondoc.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases = {"json"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names if a.name == "json" and a.asname}
+            elif isinstance(node, ast.ImportFrom) and node.module == "json":
+                bad = [a.name for a in node.names if a.name in ("load", "loads", "JSONDecoder", "decoder")]
+                assert not bad, f"{rel}: from json import {bad}: parse hub JSON with util.jsondoc.load_json"
+        n = sum(1 for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("load", "loads", "raw_decode")
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in aliases)
+        n += len(re.findall(r"\bJSONDecoder\s*\(", path.read_text(encoding="utf-8")))
+        if n:
+            found[rel] = n
+    allowed = {rel: count for rel, (count, _) in JSON_OUTSIDE_THE_PARSER.items()}
+    assert found == allowed, (
+        f"JSON parsed outside util/jsondoc.py: {found}; allowed: {allowed}. Parse hub bytes with load_json; "
+        "add a file here only if it parses the project's own local files, with the reason"
+    )

@@ -267,7 +267,10 @@ class Hub(abc.ABC):
 
     @abc.abstractmethod
     def read_manifest_bytes(self) -> bytes | None:
-        """The current ``global/manifest.json`` as stored (None if there is none), unparsed."""
+        """The current ``global/manifest.json`` as stored (None if there is none), unparsed. A file
+        over the largest manifest may be read only in part (up to one byte past it), or not at all on
+        S3 (a stand-in naming its size and version): enough to refuse it, and to replace it by
+        compare-and-swap on the digest of what was read."""
 
     def read_manifest(self) -> Manifest | None:
         """The current manifest, or None if nothing was ever published. Raises ``ManifestError``
@@ -361,8 +364,12 @@ class Hub(abc.ABC):
             if node is None or size == 0:  # not a claim, or a released one (an empty object on s3://)
                 continue
             seen.add(node)
-            if size is not None and size > MAX_CLAIM_BYTES:
-                continue  # never read: what read_claim would refuse anyway
+            if size is not None and size > MAX_CLAIM_BYTES:  # never read: what read_claim would refuse anyway
+                warn = getattr(self, "_warn_once", None)  # the remote transports' (bounded)
+                if warn is not None:
+                    warn(f"{path}:{version}", "ignoring the claim %s on %s: %d bytes, more than the %d a claim may have",
+                         path, getattr(self, "url", "?"), size, MAX_CLAIM_BYTES)
+                continue
             hit = cache.get(node)
             if version is not None and hit is not None and hit[0] == version:
                 claim = hit[1]

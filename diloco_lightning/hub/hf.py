@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_lightning.util import faults
+from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
@@ -167,7 +168,7 @@ class HFHub(HFRequests, Hub):
         self._api = HfApi(endpoint=self.endpoint, token=token, library_name="diloco_lightning")
         self._pins: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._warned: set[str] = set()
+        self._warned = WarnOnce(log)
         self._plain_transient = _plain_transient_types()
         self.commit_budget = CommitBudget(commits_per_hour, commit_burst)
         #: the hub whose crash points this one's are (a per-node hub's repositories report as it)
@@ -215,11 +216,7 @@ class HFHub(HFRequests, Hub):
         faults.point(label, self.fault_owner or self)
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        with self._lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning(msg, *args)
+        self._warned.warn(key, msg, *args)  # bounded: the names are any hub writer's
 
     # ------------------------------------------------------------------ reads at the head
 

@@ -43,6 +43,7 @@ from diloco_lightning.hub.hf_guard import (
     _TransientError,
 )
 from diloco_lightning.hub.pacing import CommitBudget
+from diloco_lightning.wire.manifest import MAX_MANIFEST_BYTES
 from diloco_lightning.wire.names import validate_hub_path
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ __all__ = ["HFRequests", "HubUnavailableError", "_GuardOptions", "_plain_transie
 
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 _CHUNK = 8 << 20
+#: a hub document (manifest, lease, claim) is read up to one byte past the largest one, the manifest:
+#: a larger file is refused by its size, its first bytes standing for it, never read whole
+SMALL_READ_LIMIT = MAX_MANIFEST_BYTES + 1
 
 class _EntryMissing(HubNotFoundError):
     """404 on a file or folder of an existing repository; ``commit`` is the revision's head if the Hub said."""
@@ -238,12 +242,20 @@ class HFRequests:
 
         session: Any = get_session()  # requests.Session or an httpx client
         url = self._file_url(hub_path, revision)
+        cm: Any
         if _is_requests_session(session):  # huggingface_hub < 1.0
-            r = session.get(url, headers=self._headers(), allow_redirects=True)
+            cm = contextlib.closing(session.get(url, headers=self._headers(), stream=True, allow_redirects=True))
         else:  # httpx / httpx2
-            r = session.get(url, headers=self._headers(), follow_redirects=True)
-        hf_raise_for_status(r)
-        return r.content, r.headers.get("X-Repo-Commit")
+            cm = session.stream("GET", url, headers=self._headers(), follow_redirects=True)
+        with cm as r:
+            hf_raise_for_status(r)
+            data = bytearray()
+            chunks = r.iter_bytes(_CHUNK) if hasattr(r, "iter_bytes") else r.iter_content(_CHUNK)
+            for chunk in chunks:
+                data += chunk[: SMALL_READ_LIMIT - len(data)]
+                if len(data) >= SMALL_READ_LIMIT:  # SMALL_READ_LIMIT module comment
+                    break
+            return bytes(data), r.headers.get("X-Repo-Commit")
 
     def _head_commit(self) -> str:
         info = self._call("read the branch head", self._api.repo_info, self.repo_id, revision=self.revision)

@@ -86,6 +86,7 @@ from diloco_lightning.wire.names import (
 from diloco_lightning.hub.options import DEFAULT_NODE_REPO, LAYOUTS, parse_node_repo
 from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.signing import load_run_key
+from diloco_lightning.util.warnonce import WarnOnce
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class HFNodesHub(Hub):
         self._own: dict[str, set[int]] = {}  # this handle's node(s): steps known to be in the node's repository
         self._ledger: dict[str, int] = {}
         self._key = load_run_key()
-        self._warned: set[str] = set()
+        self._warned = WarnOnce(log)
 
     # ------------------------------------------------------------------ node repositories
 
@@ -188,11 +189,7 @@ class HFNodesHub(Hub):
         return hub
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        with self._lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning(msg, *args)
+        self._warned.warn(key, msg, *args)  # bounded: the names are any hub writer's
 
     # ------------------------------------------------------------------ workers
 

@@ -37,13 +37,13 @@ import hmac
 import logging
 import os
 import secrets
-import threading
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 from urllib.parse import quote
 
 from diloco_lightning.util import faults
-from diloco_lightning.util.fileio import atomic_write_bytes, sweep_temporaries, temp_prefix
+from diloco_lightning.util.fileio import atomic_write_bytes, read_at_most, sweep_temporaries, temp_prefix
+from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
@@ -59,7 +59,7 @@ from diloco_lightning.hub.base import (
     default_cache_dir,
 )
 from diloco_lightning.hub.folder import HubFolder
-from diloco_lightning.wire.manifest import Lease, Manifest
+from diloco_lightning.wire.manifest import MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease, Manifest
 from diloco_lightning.wire.claims import MAX_CLAIM_BYTES, ClaimError, NodeClaim
 from diloco_lightning.wire.names import (
     CLAIM_NAME,
@@ -100,8 +100,7 @@ class FileHub(Hub):
         # RFC 3986 allows '=', ',' and '+' in a path: keep them readable (runs/recipe=tiny/hub)
         self.url = "file://" + quote(str(root), safe="/=,+:@~!$&'()*;")
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(self.url)
-        self._warned: set[str] = set()
-        self._warned_lock = threading.Lock()
+        self._warned = WarnOnce(log)
         self._folder = HubFolder(root, self.url)  # placing, removing and locking, never through a symbolic link
 
     # ------------------------------------------------------------------ helpers
@@ -113,11 +112,7 @@ class FileHub(Hub):
         faults.point(label, self)  # crash points for tests (diloco_lightning.util.faults)
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
-        with self._warned_lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning(msg, *args)
+        self._warned.warn(key, msg, *args)  # bounded: the names are any hub writer's
 
     def _stage_mirrors(self, mirrors: Mapping[str, str | os.PathLike | bytes]) -> list[tuple[str, str]]:
         """Each mirror written (linked when it is a file) under a temporary name in ``global/``:
@@ -266,8 +261,10 @@ class FileHub(Hub):
         """Downloads are the hub's own files, returned in place: nothing to release."""
 
     def read_manifest_bytes(self) -> bytes | None:
+        """Read up to one byte past the largest manifest: a larger file is refused by its size, its
+        first bytes standing for it (a replacement compares their digest), never read whole."""
         try:
-            return (self.root / MANIFEST_PATH).read_bytes()
+            return read_at_most(self.root / MANIFEST_PATH, MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError:
             return None
 
@@ -362,7 +359,7 @@ class FileHub(Hub):
 
     def read_lease(self) -> Lease | None:
         try:
-            text = (self.root / LEASE_PATH).read_bytes()
+            text = read_at_most(self.root / LEASE_PATH, MAX_LEASE_BYTES + 1)  # a larger one: expired
         except FileNotFoundError:
             return None
         return Lease.from_hub_bytes(text, source=f"{self.url}/{LEASE_PATH}")

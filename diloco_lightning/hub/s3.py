@@ -85,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_lightning.util import faults
+from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
@@ -99,7 +100,7 @@ from diloco_lightning.hub.base import (
     check_publication,
     default_cache_dir,
 )
-from diloco_lightning.hub.s3_store import HubUnavailableError, Missing, Precondition, S3Store, parse_s3_url
+from diloco_lightning.hub.s3_store import HubUnavailableError, Missing, Precondition, S3Store, TooLarge, parse_s3_url
 from diloco_lightning.wire.manifest import Lease, Manifest, ManifestError
 from diloco_lightning.wire.claims import ClaimError, NodeClaim
 from diloco_lightning.wire.names import (
@@ -169,8 +170,7 @@ class S3Hub(Hub):
         self.cache_dir = (
             Path(cache_dir) if cache_dir is not None else default_cache_dir(f"{self.endpoint_url}|{self.url}")
         )
-        self._warned: set[str] = set()
-        self._warned_lock = threading.Lock()
+        self._warned = WarnOnce(log)
         #: the conditional-write probe still to pass before this handle's first write (None: passed or not asked)
         self._probe_lock = threading.Lock()
         self._probe_pending = bool(check_conditional_writes)
@@ -196,11 +196,7 @@ class S3Hub(Hub):
         faults.point(label, self)  # crash points for tests (diloco_lightning.util.faults)
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        with self._warned_lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning(msg, *args)
+        self._warned.warn(key, msg, *args)  # bounded: the names are any hub writer's
 
     # ------------------------------------------------------------------ workers
 
@@ -272,6 +268,8 @@ class S3Hub(Hub):
         return self.download(ref.path)
 
     def _manifest(self, data: bytes) -> Manifest:
+        if isinstance(data, TooLarge):  # malformed, as any document over its size: replaced by the master
+            raise ManifestError(data.reason)
         return Manifest.from_json(data, source=f"{self.url}/{MANIFEST_PATH}")
 
     def read_manifest_bytes(self) -> bytes | None:
@@ -408,6 +406,8 @@ class S3Hub(Hub):
     # ------------------------------------------------------------------ lease
 
     def _lease(self, data: bytes | None) -> Lease | None:
+        if isinstance(data, TooLarge):
+            return Lease.unreadable_stand_in(data, f"{self.url}/{LEASE_PATH}", data.reason)
         return None if not data else Lease.from_hub_bytes(data, source=f"{self.url}/{LEASE_PATH}")
 
     def read_lease(self) -> Lease | None:
@@ -436,6 +436,9 @@ class S3Hub(Hub):
     def _claim(self, data: bytes | None, node_id: str) -> NodeClaim | None:
         if not data:
             return None  # absent, or released (an empty object, as the lease)
+        if isinstance(data, TooLarge):
+            self._warn_once(f"{claim_path(node_id)}:{bytes(data)!r}", "ignoring an unreadable claim: %s", data.reason)
+            return None
         try:
             return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{claim_path(node_id)}")
         except ClaimError as e:

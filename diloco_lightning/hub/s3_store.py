@@ -59,7 +59,7 @@ from diloco_lightning.hub.s3_client import (  # noqa: F401 - re-exported: the st
 
 log = logging.getLogger(__name__)
 
-__all__ = ["S3Store", "Precondition", "Missing", "HubUnavailableError", "parse_s3_url"]
+__all__ = ["S3Store", "Precondition", "Missing", "HubUnavailableError", "TooLarge", "parse_s3_url"]
 
 _MAX_PARTS = 10_000
 _PART_CONCURRENCY = 4
@@ -70,6 +70,23 @@ PROBE_PREFIX = ".probe-"
 _CHUNK = 8 * MiB
 _MD5_ETAG_RE = re.compile(r"[0-9a-f]{32}")
 _MULTIPART_ETAG_RE = re.compile(r"[0-9a-f]{32}-[0-9]+")
+
+
+class TooLarge(bytes):
+    """What :meth:`S3Store.read_small` returns for an object above :data:`SMALL_LIMIT`, whose body
+    is never read: not its content, but a short text naming its path, size and ETag, so that two
+    reads of the same object compare equal and hash alike (a compare-and-swap over it, by digest or
+    by ETag, works as over any bytes), and that no parser takes it for a document (it starts with a
+    NUL byte). ``reason`` says what is wrong with it. The readers of documents check for it first:
+    an oversize manifest is a malformed one (replaced), an oversize lease an expired one, an
+    oversize claim no claim; a plain ``HubError`` here once made every round of a master raise."""
+
+    reason: str
+
+    def __new__(cls, path: str, url: str, size: int, etag: str | None) -> "TooLarge":
+        self = super().__new__(cls, f"\0{path} on {url}: {size} bytes, ETag {etag}".encode())
+        self.reason = f"{path} on {url} is {size} bytes, more than the {SMALL_LIMIT} a hub document is read up to"
+        return self
 
 
 class S3Store(S3Client):
@@ -152,14 +169,15 @@ class S3Store(S3Client):
     # ------------------------------------------------------------------ small objects with compare-and-swap
 
     def read_small(self, path: str) -> tuple[bytes | None, str | None]:
-        """The bytes and ETag of a small object (at most 16 MiB), or (None, None) if absent."""
+        """The bytes and ETag of a small object (at most 16 MiB), or (None, None) if absent. A larger
+        object is not read: its stand-in is a :class:`TooLarge` (its ETag the object's)."""
 
         def get() -> tuple[bytes, str | None]:
             r = self.client.get_object(Bucket=self.bucket, Key=self.key(path))
             with contextlib.closing(r["Body"]) as body:
                 size = int(r.get("ContentLength") or 0)
                 if size > SMALL_LIMIT:
-                    raise HubError(f"{path} on {self.url} is {size} bytes; refusing to read more than {SMALL_LIMIT}")
+                    return TooLarge(path, self.url, size, r.get("ETag")), r.get("ETag")
                 data = body.read(SMALL_LIMIT + 1)
             if len(data) != size:
                 raise Transient(f"read of {path} returned {len(data)} of {size} bytes")

@@ -47,6 +47,7 @@ from typing import Any
 
 from diloco_lightning.wire.claims import NodeClaim, NodeReport, default_claim_ttl
 from diloco_lightning.util.waiting import format_duration
+from diloco_lightning.util.warnonce import WarnOnce
 
 __all__ = ["Membership", "NodeState", "claim_ttl", "MIN_TIMEOUT", "MAX_TIMEOUT", "MAX_REFRESH"]
 
@@ -120,7 +121,7 @@ class Membership:
         self.nodes: dict[str, NodeState] = {}
         self.supported = hub is not None
         self._read_at: float | None = None
-        self._warned: set[str] = set()
+        self._warned = WarnOnce(log)  # bounded: node ids and problems are any hub writer's
 
     # ------------------------------------------------------------------ reading the hub
 
@@ -163,10 +164,9 @@ class Membership:
         for node_id, claim in claims.items():
             if claim.verify(self.signing_key):
                 out[node_id] = claim
-            elif f"{node_id}:unsigned" not in self._warned and len(self._warned) < 10_000:
-                self._warned.add(f"{node_id}:unsigned")
-                log.warning("ignoring the claim of node %s (%s): it is not signed with the run key", node_id,
-                            claim.holder[:80])
+            else:
+                self._warned.warn(f"{node_id}:unsigned", "ignoring the claim of node %s (%s): it is not signed with "
+                                  "the run key", node_id, claim.holder[:80])
         return out
 
     def observe(self, claims: Mapping[str, NodeClaim], now: float | None = None) -> None:
@@ -193,10 +193,7 @@ class Membership:
             st.ttl = claim_ttl(claim)
             st.report = report
             for p in problems:
-                key = f"{node_id}:{p.split('=')[0]}"
-                if key not in self._warned and len(self._warned) < 10_000:
-                    self._warned.add(key)
-                    log.warning("node %s: ignoring part of its heartbeat: %s", node_id, p)
+                self._warned.warn(f"{node_id}:{p.split('=')[0]}", "node %s: ignoring part of its heartbeat: %s", node_id, p)
         for node_id, st in self.nodes.items():
             if node_id not in claims and st.claimed:
                 st.claimed = False

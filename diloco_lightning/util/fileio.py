@@ -214,6 +214,16 @@ def atomic_write_json(dest: str | os.PathLike, obj: object) -> Path:
     return atomic_write_bytes(dest, text.encode("utf-8"))
 
 
+def read_at_most(path: str | os.PathLike, limit: int) -> bytes:
+    """The first ``limit`` bytes of a file (all of a shorter one): what a reader of hub documents
+    takes of a file any writer may have made of any size (``FileNotFoundError`` if absent)."""
+    with open(path, "rb") as f:
+        out = bytearray()
+        while len(out) < limit and (chunk := f.read(min(_CHUNK, limit - len(out)))):
+            out += chunk
+    return bytes(out)
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     """Hex SHA-256 of a file, read in 8 MiB chunks."""
     h = hashlib.sha256()

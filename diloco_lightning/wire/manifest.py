@@ -383,8 +383,14 @@ class Lease:
         try:
             return cls.from_json(data, source)
         except ManifestError as e:
-            log.warning("%s is not a valid lease (%s); treating it as expired", source, e)
-            return cls("", 0, 0.0, unreadable=hashlib.sha256(data).hexdigest())
+            return cls.unreadable_stand_in(data, source, str(e))
+
+    @classmethod
+    def unreadable_stand_in(cls, data: bytes, source: str, reason: str) -> "Lease":
+        """The expired stand-in for the lease file ``data`` (what a transport read of it: a file over
+        its size may be read only in part, or not at all), with a warning naming it and ``reason``."""
+        log.warning("%s is not a valid lease (%s); treating it as expired", source, reason)
+        return cls("", 0, 0.0, unreadable=hashlib.sha256(data).hexdigest())
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "lease") -> "Lease":

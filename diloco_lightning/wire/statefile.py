@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util.fileio import atomic_write
-from diloco_lightning.util.jsondoc import load_json
+from diloco_lightning.util.jsondoc import MAX_INT_DIGITS, load_json
 from diloco_lightning.wire.layout import LayoutError, read_layout, read_tensor
 
 STATE_FORMAT = "diloco-state/1"
@@ -94,7 +94,8 @@ def _is_marker(obj: dict) -> bool:
 def pack_state_dict(sd: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], str]:
     """Split a nested state dict into flat CPU tensors and a JSON skeleton.
 
-    Supported leaves: tensors, None, bools, ints, floats (inf/nan included), strings;
+    Supported leaves: tensors, None, bools, ints (of at most ``MAX_INT_DIGITS`` digits: what every reader
+    of JSON here takes), floats (inf/nan included), strings;
     containers: mappings with string keys, lists and tuples (read back as lists).
     """
     tensors: dict[str, torch.Tensor] = {}
@@ -118,6 +119,9 @@ def pack_state_dict(sd: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], str
             return [enc(v, f"{prefix}/{i}") for i, v in enumerate(obj)]
         if isinstance(obj, float) and not math.isfinite(obj):
             return {_FLOAT: repr(obj)}
+        if isinstance(obj, int) and not isinstance(obj, bool) and abs(obj) >= 10**MAX_INT_DIGITS:
+            raise ValueError(f"cannot store an integer of more than {MAX_INT_DIGITS} digits at {prefix!r} in a state "
+                             "file (its reader refuses it)")
         if obj is None or isinstance(obj, (bool, int, float, str)):
             return obj
         raise TypeError(f"cannot store {type(obj).__name__} at {prefix!r} in a state file")

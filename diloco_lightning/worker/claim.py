@@ -51,6 +51,7 @@ from diloco_lightning.hub.base import ClaimConflictError, Hub
 from diloco_lightning.wire.claims import FILE_HUB_TTL, REMOTE_HUB_TTL, NodeClaim, NodeReport, default_claim_ttl
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.util.waiting import format_duration
+from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.worker.sync import WorkerError
 
 __all__ = ["ClaimKeeper", "NodeIdTakenError", "default_claim_ttl", "worker_holder", "FILE_HUB_TTL", "REMOTE_HUB_TTL",
@@ -132,7 +133,7 @@ class ClaimKeeper:
         self._lock = threading.Lock()
         self.watch_peers = bool(watch_peers)
         self._peers: dict[str, NodeClaim] = {}
-        self._peer_problems: set[str] = set()
+        self._peer_problems = WarnOnce(log)  # bounded: the peers' names and reports are any hub writer's
 
     @property
     def claim(self) -> NodeClaim | None:
@@ -237,9 +238,8 @@ class ClaimKeeper:
                 continue
             report, problems = NodeReport.from_info(claim.info)
             for p in problems:
-                if f"{node}:{p}" not in self._peer_problems and len(self._peer_problems) < 10_000:
-                    self._peer_problems.add(f"{node}:{p}")
-                    log.warning("node %s: ignoring what node %s reports in its heartbeat: %s", self.node_id, node, p)
+                self._peer_problems.warn(f"{node}:{p}", "node %s: ignoring what node %s reports in its heartbeat: %s",
+                                         self.node_id, node, p)
             out[node] = report
         return out
 
