@@ -188,7 +188,8 @@ def help_text(config_name: str, prog: str, overrides: list[str] | None = None) -
                 lines.append(f"      {name:<18} {desc}")
     rows = _key_lines(config_name, cfg)
     width = max(len(k) + len(v) for k, v, _ in rows) + 3
-    lines += ["", "Keys (KEY=VALUE; the value below is the current one" + (f", with {' '.join(plain_override(o) for o in overrides)}" if overrides else "") + "):"]
+    given = " ".join(plain_override(o) for o in overrides or [])
+    lines += ["", "Keys (KEY=VALUE; the value below is the current one" + (f", with {given}" if given else "") + "):"]
     for key, value, help in rows:
         left = f"{key}={value}"
         if len(left) > 48:
@@ -303,7 +304,7 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
         return
     sys.argv = [sys.argv[0]] + args
     register_configs()
-    from diloco_lightning.app.errors import Interrupted
+    from diloco_lightning.app.errors import Interrupted, Signal
 
     caught: list[BaseException] = []
 
@@ -331,6 +332,9 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
     except BaseException as e:  # noqa: BLE001 - sorted below
         if isinstance(e, SystemExit):
             raise
+        if isinstance(e, Signal):  # SIGTERM where the command turns it into an exception (terminate_as_exception)
+            print(f"{prog}: stopped by {e} before its work started", file=sys.stderr)
+            sys.exit(128 + e.signum)
         if isinstance(e, KeyboardInterrupt):
             first = caught[0] if caught and isinstance(caught[0], Interrupted) else None
             print(f"{prog}: {first if first is not None else 'interrupted (Ctrl-C)'}", file=sys.stderr)

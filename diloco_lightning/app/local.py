@@ -122,18 +122,49 @@ def finished_results(cfg: DictConfig, rdir: Path) -> dict[str, Any] | None:
     return None
 
 
-def finished_message(cfg: DictConfig, rdir: Path, done: dict[str, Any]) -> str:
-    """What a finished run's command says: its results, and the exact command that trains it further."""
+def _same_folder(cfg: DictConfig) -> dict[str, str]:
+    """The overrides that bring a command without ``-m`` back to this job's folder: none outside a sweep
+    (the run folder is named after the overrides, less the ones that extend a run); in a sweep, whose
+    job folders are ``<hydra.sweep.dir>/<run_id>`` and whose ids keep ``trainer.max_steps``, the job's
+    ``run_id`` and the folder it is in (``run_root``, or ``hydra.run.dir`` for another layout)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode != RunMode.MULTIRUN or not hc.runtime.output_dir:
+            return {}
+        out = Path(hc.runtime.output_dir).resolve()
+    except (ValueError, ImportError):
+        return {}
+
+    def shown(path: Path) -> str:  # as short as it stays right: relative to where the command runs
+        try:
+            return str(path.relative_to(Path.cwd().resolve()))
+        except ValueError:
+            return str(path)
+
+    if out.name == str(cfg.run_id):
+        return {"run_id": str(cfg.run_id), "run_root": shown(out.parent)}
+    return {"run_id": str(cfg.run_id), "hydra.run.dir": shown(out)}
+
+
+def finished_message(cfg: DictConfig, rdir: Path, done: dict[str, Any], *, resumes: bool = True) -> str:
+    """What a finished run's command says: its results, and the exact command that trains it further in
+    the same folder (a sweep's job too). ``resumes``: the run continues from its checkpoints (the
+    simulator's starts again from step 0, in the same folder)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = list(HydraConfig.get().overrides.task)
     except (ValueError, ImportError):
         overrides = []
-    more = resume_command(overrides, invoked_as(), **{"trainer.max_steps": 2 * int(cfg.trainer.max_steps)})
+    more = resume_command(overrides, invoked_as(), **{"trainer.max_steps": 2 * int(cfg.trainer.max_steps)},
+                          **_same_folder(cfg))
+    how = "train it further (it resumes)" if resumes else "run it longer in the same folder (the simulator starts again)"
     return (f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {_loss(done):.3f} "
             f"after {done.get('outer_steps')} outer steps, {done.get('max_steps')} steps per worker). Nothing to do. To "
-            f"train it further (it resumes), raise trainer.max_steps:\n    {more}\nTo start again, use another "
+            f"{how}, raise trainer.max_steps:\n    {more}\nTo start again, use another "
             f"run_id=... or delete {rdir}.")
 
 
@@ -180,6 +211,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     eval_curve: list[list[float]] = []
     interrupted: int | None = None
     failed: tuple[int, Any] | None = None
+    error: BaseException | None = None
     try:
         with terminate_as_exception():
             for i in range(cfg.workers):
@@ -189,12 +221,15 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
                             timeout=float(cfg.launch.timeout), max_steps=int(cfg.trainer.max_steps))
     except (KeyboardInterrupt, Signal) as e:
         interrupted = e.signum if isinstance(e, Signal) else int(signal.SIGINT)
+    except Exception as e:  # the master's configuration error (never retried), or a bug: the workers stop too
+        error = e
+        raise
     finally:
-        if failed or interrupted:
+        if failed or interrupted or error is not None:
             _stop_workers(procs)
         for fh, _ in logs:
             fh.close()
-        master.stop(drain=not (failed or interrupted))
+        master.stop(drain=not (failed or interrupted or error is not None))
     if failed or interrupted:
         launches.end("interrupted" if interrupted else "failed", max_steps=int(cfg.trainer.max_steps),
                       outer_step=master.outer_step if master.has_state else None)
@@ -356,6 +391,8 @@ def _watch(rdir: Path, procs: list[subprocess.Popen], master: Any, evaluator: Ev
     last_print, last_key = time.perf_counter(), None
     points = list(points)
     while True:
+        if getattr(master, "error", None) is not None:  # a configuration error ended the master: no retry fixes it
+            raise master.error
         codes = [p.poll() for p in procs]
         bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if bad:
