@@ -79,9 +79,11 @@ def _read_progress_timed(path: Path) -> list[tuple[int, float, float | None]]:
     return out
 
 
-def _progress_line(rdir: Path, workers: int, total: int, elapsed: float) -> tuple[str, tuple]:
+def _progress_line(rdir: Path, workers: int, total: int, elapsed: float, since: float | None = None) -> tuple[str, tuple]:
     """``[  42s] w0 step 30/160 loss 6.53 (0.3 s/step, ~39 s left) | w1 ...`` (``total``: the steps
-    each worker trains) and a key that changes with news."""
+    each worker trains) and a key that changes with news. The rate is this launch's: only the lines
+    written at or after ``since`` (the launch's start, ``time.time()``) count, so the time between a
+    run's launches (``progress.jsonl`` is appended by each) never slows it down."""
     from diloco_lightning.util.waiting import format_duration
 
     parts, key = [], []
@@ -94,7 +96,7 @@ def _progress_line(rdir: Path, workers: int, total: int, elapsed: float) -> tupl
         step, loss, t = prog[-1]
         key.append(step)
         text = f"{node_id(i)} step {step}/{total} loss {loss:.3f}"
-        first = next(((s, tt) for s, _, tt in prog if tt is not None), None)
+        first = next(((s, tt) for s, _, tt in prog if tt is not None and (since is None or tt >= since)), None)
         if first and t is not None and step > first[0] and t > first[1]:
             rate = (t - first[1]) / (step - first[0])
             text += f" ({rate:.2g} s/step, ~{format_duration(rate * (total - step))} left)"
@@ -218,7 +220,8 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
                 _start_worker(config_path, rdir, i, threads, devices[i % len(devices)] if devices else None,
                               procs, logs)
             failed = _watch(rdir, procs, master, evaluator, eval_points(cfg), eval_curve, started,
-                            timeout=float(cfg.launch.timeout), max_steps=int(cfg.trainer.max_steps))
+                            timeout=float(cfg.launch.timeout), max_steps=int(cfg.trainer.max_steps),
+                            since=launches.started)
     except (KeyboardInterrupt, Signal) as e:
         interrupted = e.signum if isinstance(e, Signal) else int(signal.SIGINT)
     except Exception as e:  # the master's configuration error (never retried), or a bug: the workers stop too
@@ -384,10 +387,12 @@ def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launc
 
 
 def _watch(rdir: Path, procs: list[subprocess.Popen], master: Any, evaluator: Evaluator, points: list[int],
-           eval_curve: list[list[float]], started: float, *, timeout: float, max_steps: int) -> tuple[int, Any] | None:
+           eval_curve: list[list[float]], started: float, *, timeout: float, max_steps: int,
+           since: float | None = None) -> tuple[int, Any] | None:
     """Poll the workers until all are done (None) or one failed (``(index, exit code)``; index -1:
-    ``timeout`` seconds since ``started`` passed); print progress lines; evaluate the global model
-    at the outer steps in ``points``."""
+    ``timeout`` seconds since ``started`` passed); print progress lines (their rates from the
+    progress written since ``since``, this launch's start); evaluate the global model at the outer
+    steps in ``points``. A configuration error that ended the master is raised."""
     last_print, last_key = time.perf_counter(), None
     points = list(points)
     while True:
@@ -407,7 +412,7 @@ def _watch(rdir: Path, procs: list[subprocess.Popen], master: Any, evaluator: Ev
             while points and points[0] <= step:
                 points.pop(0)
             eval_curve.append([step, evaluator.loss(state)])
-        line, key = _progress_line(rdir, len(procs), max_steps, now - started)
+        line, key = _progress_line(rdir, len(procs), max_steps, now - started, since)
         first = any(k >= 0 for k in key) and not (last_key and any(k >= 0 for k in last_key))
         if first or (key != last_key and now - last_print >= PROGRESS_EVERY) or now - last_print >= HEARTBEAT_EVERY:
             print(line, flush=True)  # the first progress at once, news every 10 s, a heartbeat every minute
