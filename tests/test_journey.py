@@ -165,10 +165,16 @@ def test_sigterm_before_the_rounds_start_ends_diloco_master_in_one_line(monkeypa
 
     monkeypatch.setattr(master, "_hydra_entry", entry)
     monkeypatch.setattr(sys, "argv", ["diloco-master", "hub.url=/tmp/nowhere"])
-    previous = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as e:
-        master.main()
-    assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) == previous
+    def unhandled(signum, frame):  # the command left SIGTERM to its default: it would kill the test's process
+        raise AssertionError("diloco-master does not handle SIGTERM while it starts")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        with pytest.raises(SystemExit) as e:
+            master.main()
+        assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["diloco-master: stopped by SIGTERM before its work started"]
 
