@@ -152,6 +152,19 @@ def test_the_master_thread_ends_on_a_configuration_error_and_keeps_it(tmp_path):
     m.stop()
 
 
+def test_a_whole_run_ends_when_its_master_meets_a_configuration_error(tmp_path):
+    """``role=all``: the run's watcher raises the error that ended the master's thread (the command
+    reports it in two lines) rather than waiting on workers that no master serves."""
+    from types import SimpleNamespace
+
+    from diloco_lightning.app.local import _watch
+
+    error = MasterConfigError("the hub's run uses outer optimizer 'cgad'; ... (outer=cgad)")
+    with pytest.raises(MasterConfigError, match="outer=cgad"):
+        _watch(tmp_path, [], SimpleNamespace(error=error), None, [], [], time.perf_counter(), timeout=60.0,
+               max_steps=8)
+
+
 def test_sigterm_before_the_rounds_start_ends_diloco_master_in_one_line(monkeypatch, capsys):
     """SIGTERM while the command starts (before the rounds install their own handler): one line, 143."""
     import os
