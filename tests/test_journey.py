@@ -189,7 +189,7 @@ def test_sigterm_before_the_rounds_start_ends_diloco_master_in_one_line(monkeypa
     finally:
         signal.signal(signal.SIGTERM, previous)
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["diloco-master: stopped by SIGTERM before its work started"]
+    assert err == ["diloco-master: stopped by SIGTERM"]
 
 
 # ----------------------------------------------------------------------------- 3. paths with '=' paste back

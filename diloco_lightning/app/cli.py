@@ -333,7 +333,7 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
         if isinstance(e, SystemExit):
             raise
         if isinstance(e, Signal):  # SIGTERM where the command turns it into an exception (terminate_as_exception)
-            print(f"{prog}: stopped by {e} before its work started", file=sys.stderr)
+            print(f"{prog}: stopped by {e}", file=sys.stderr)
             sys.exit(128 + e.signum)
         if isinstance(e, KeyboardInterrupt):
             first = caught[0] if caught and isinstance(caught[0], Interrupted) else None
