@@ -135,7 +135,7 @@ def test_diloco_master_averages_every_live_workers_delta_by_default():
     cfg = _compose("master", ["hub.url=/tmp/hub"])
     config = master_config(cfg, cfg.outer)
     assert (config.outer_optimizer, config.optimizer_options(), config.min_deltas) == (
-        "nesterov", {"lr": 1.0, "momentum": 0.0}, 1.0)
+        "fedavg", {"lr": 1.0, "momentum": 0.0}, 1.0)
     cfg = _compose("master", ["hub.url=/tmp/hub", "outer=nesterov", "min_deltas=2"])
     config = master_config(cfg, cfg.outer)
     assert (config.optimizer_options(), config.min_deltas) == ({"lr": 0.7, "momentum": 0.9}, 2)

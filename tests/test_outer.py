@@ -762,7 +762,7 @@ def test_options_are_json_and_rebuild_the_same_optimizer():
 
 
 def test_registry_names():
-    assert ALL_NAMES == ["adam", "adam_decay", "cgad", "dc_asgd", "delayed_nesterov", "gap_aware", "nesterov", "pa_cgad",
+    assert ALL_NAMES == ["adam", "adam_decay", "cgad", "dc_asgd", "delayed_nesterov", "fedavg", "gap_aware", "nesterov", "pa_cgad",
                          "poly_nesterov", "staleness_sgd"]
     assert OUTER_OPTIMIZERS["cgad"] is CGAD and OUTER_OPTIMIZERS["poly_nesterov"] is PolyNesterov
 

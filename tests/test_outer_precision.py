@@ -17,6 +17,7 @@ from diloco_lightning.outer.precision import stochastic_round_
 
 OPTIONS = {
     "nesterov": {"lr": 0.7, "momentum": 0.9},
+    "fedavg": {},  # its defaults: lr 1, momentum 0
     "poly_nesterov": {"lr": 0.7, "momentum": 0.9},
     "staleness_sgd": {"lr": 0.7, "momentum": 0.5},
     "gap_aware": {"lr": 0.7, "momentum": 0.5, "history": 2},

@@ -34,6 +34,21 @@ def test_constraints_pin_cpu_torch():
     assert pins == ["torch==2.13.0"]
 
 
+def test_the_readme_says_how_to_install_without_cuda_torch():
+    """A CPU machine installs torch's CPU build before ``pip install .`` or a wheel (the package asks for
+    any torch: pip alone fetches the default build and its CUDA libraries)."""
+    text = ROOT.joinpath("README.md").read_text()
+    install = text.split("Not editing the code?", 1)[1].split("\n## ", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in install.splitlines() if line.startswith("    pip install")]
+    assert commands == [
+        "pip install -c constraints-cpu.txt torch==2.13.0",
+        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+        "pip install .",
+        "pip install diloco_lightning-*.whl",
+    ]
+    assert "CUDA" in install
+
+
 def test_the_readme_accelerate_example_runs(tmp_path):
     text = ROOT.joinpath("README.md").read_text()
     section = text.split("## Using it in a plain Accelerate loop", 1)[1].split("\n## ", 1)[0]

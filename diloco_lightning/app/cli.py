@@ -11,6 +11,9 @@
   traceback of every error.
 * **Signals**: :class:`~diloco_lightning.app.errors.Interrupted` (Ctrl-C, SIGTERM) ends with one
   line and status ``128 + signal`` (130, 143).
+* **Values with a further ``=``** (``hub.url=runs/recipe=tiny/hub``, the run folders this command
+  names after its overrides) are quoted for Hydra before it parses them
+  (:func:`~diloco_lightning.app.keys.quote_values`): a printed path pastes back as printed.
 * **--help** lists the command's groups (with their options) and one line per key: its
   current value (with the overrides given) and what it does, from the schema
   (:mod:`diloco_lightning.app.config`), the same text as ``docs/configuration.md``.
@@ -171,6 +174,7 @@ def _key_lines(config_name: str, cfg) -> list[tuple[str, str, str]]:
 def help_text(config_name: str, prog: str, overrides: list[str] | None = None) -> str:
     """``--help`` of a command: its groups (with options) and one line per key."""
     from diloco_lightning.app.config import group_options
+    from diloco_lightning.app.keys import plain_override
 
     _, groups, about = _COMMANDS[config_name]
     cfg = _compose(config_name, list(overrides or []))
@@ -184,7 +188,8 @@ def help_text(config_name: str, prog: str, overrides: list[str] | None = None) -
                 lines.append(f"      {name:<18} {desc}")
     rows = _key_lines(config_name, cfg)
     width = max(len(k) + len(v) for k, v, _ in rows) + 3
-    lines += ["", "Keys (KEY=VALUE; the value below is the current one" + (f", with {' '.join(overrides)}" if overrides else "") + "):"]
+    given = " ".join(plain_override(o) for o in overrides or [])
+    lines += ["", "Keys (KEY=VALUE; the value below is the current one" + (f", with {given}" if given else "") + "):"]
     for key, value, help in rows:
         left = f"{key}={value}"
         if len(left) > 48:
@@ -277,12 +282,13 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
     import hydra
 
     from diloco_lightning.app.config import CONFIG_DIR, register_configs
+    from diloco_lightning.app.keys import quote_values
 
     args = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in _VERBOSE_FLAGS for a in args) or os.environ.get("HYDRA_FULL_ERROR") == "1"
     args = [a for a in args if a not in _VERBOSE_FLAGS]
     try:
-        args = _checked_args(config_name, args)
+        args = _checked_args(config_name, quote_values(args))
     except Exception as e:  # noqa: BLE001 - an unknown key: refused before Hydra creates anything
         if verbose or not is_user_error(e):
             raise
@@ -298,7 +304,7 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
         return
     sys.argv = [sys.argv[0]] + args
     register_configs()
-    from diloco_lightning.app.errors import Interrupted
+    from diloco_lightning.app.errors import Interrupted, Signal
 
     caught: list[BaseException] = []
 
@@ -326,6 +332,9 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
     except BaseException as e:  # noqa: BLE001 - sorted below
         if isinstance(e, SystemExit):
             raise
+        if isinstance(e, Signal):  # SIGTERM where the command turns it into an exception (terminate_as_exception)
+            print(f"{prog}: stopped by {e}", file=sys.stderr)
+            sys.exit(128 + e.signum)
         if isinstance(e, KeyboardInterrupt):
             first = caught[0] if caught and isinstance(caught[0], Interrupted) else None
             print(f"{prog}: {first if first is not None else 'interrupted (Ctrl-C)'}", file=sys.stderr)

@@ -193,7 +193,7 @@ class OuterConf:
     each command's ``outer`` group default chooses the optimizer, configs/outer/<name>.yaml)."""
 
     name: str = opt(default_of(MasterConfig, "outer_optimizer"),
-                    "outer optimizer: nesterov | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | poly_nesterov | "
+                    "outer optimizer: nesterov | fedavg | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | poly_nesterov | "
                     "staleness_sgd | gap_aware | dc_asgd")
     lr: float = opt(default_of(MasterConfig, "outer_lr"), "outer learning rate")
     options: Dict[str, Any] = opt(help="the optimizer's other options (momentum, alpha, tau_cut, betas, eps ...)", factory=dict)

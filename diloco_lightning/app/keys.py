@@ -11,6 +11,11 @@ are Hydra's.
 ``diloco-master`` is the ``master``, ``hub`` and ``outer`` sections of a training run laid out at
 the top level: :func:`master_aliases` maps ``train.py``'s names (``master.poll_interval=1``) onto
 its own (``poll_interval=1``), so the README's form works in both commands.
+
+A value with a further ``=`` (``hub.url=runs/recipe=tiny/hub``: the run folders ``train.py``
+names after its overrides) is not a value Hydra's grammar takes unquoted; :func:`quote_values`
+quotes it before Hydra parses the command line, so every path a command prints can be pasted
+back as printed, and :func:`plain_override` writes it back unquoted in a command it prints.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 from diloco_lightning.app.checks import ConfigError
 
-__all__ = ["known_keys", "check_override_keys", "master_aliases", "split_override"]
+__all__ = ["known_keys", "check_override_keys", "master_aliases", "split_override", "quote_values", "plain_override"]
 
 
 def _is_free_form(t: Any) -> bool:
@@ -113,3 +118,38 @@ def master_aliases(args: list[str], master_keys: set[str]) -> list[str]:
                 continue
         out.append(arg)
     return out
+
+
+_QUOTES = ("'", '"')
+
+
+def _needs_quotes(value: str) -> bool:
+    """A value Hydra would refuse for its ``=`` and that means one string: not already quoted, not a
+    list, a dict or an interpolation of Hydra's grammar."""
+    return "=" in value and value[:1] not in _QUOTES + ("[", "{", "$") and not (set(value) >= set(_QUOTES))
+
+
+def quote_values(args: list[str]) -> list[str]:
+    """``args`` with each ``key=value`` whose value holds a further ``=`` quoted for Hydra
+    (``hub.url=runs/recipe=tiny/hub`` -> ``hub.url='runs/recipe=tiny/hub'``); everything else as given."""
+    out = []
+    for arg in args:
+        parts = split_override(arg)
+        if parts is not None and "=" in arg and _needs_quotes(parts[2]):
+            sign, key, value = parts
+            q = '"' if "'" in value else "'"
+            arg = f"{sign}{key}={q}{value}{q}"
+        out.append(arg)
+    return out
+
+
+def plain_override(arg: str) -> str:
+    """The form of ``arg`` a user types: a value :func:`quote_values` quoted, unquoted again."""
+    parts = split_override(arg)
+    if parts is None or "=" not in arg:
+        return arg
+    sign, key, value = parts
+    if len(value) >= 2 and value[0] in _QUOTES and value[-1] == value[0] and _needs_quotes(value[1:-1]) \
+            and value[0] not in value[1:-1]:
+        return f"{sign}{key}={value[1:-1]}"
+    return arg

@@ -81,9 +81,11 @@ def _read_progress_timed(path: Path) -> list[tuple[int, float, float | None]]:
     return out
 
 
-def _progress_line(rdir: Path, workers: int, total: int, elapsed: float) -> tuple[str, tuple]:
+def _progress_line(rdir: Path, workers: int, total: int, elapsed: float, since: float | None = None) -> tuple[str, tuple]:
     """``[  42s] w0 step 30/160 loss 6.53 (0.3 s/step, ~39 s left) | w1 ...`` (``total``: the steps
-    each worker trains) and a key that changes with news."""
+    each worker trains) and a key that changes with news. The rate is this launch's: only the lines
+    written at or after ``since`` (the launch's start, ``time.time()``) count, so the time between a
+    run's launches (``progress.jsonl`` is appended by each) never slows it down."""
     from diloco_lightning.util.waiting import format_duration
 
     parts, key = [], []
@@ -96,7 +98,7 @@ def _progress_line(rdir: Path, workers: int, total: int, elapsed: float) -> tupl
         step, loss, t = prog[-1]
         key.append(step)
         text = f"{node_id(i)} step {step}/{total} loss {loss:.3f}"
-        first = next(((s, tt) for s, _, tt in prog if tt is not None), None)
+        first = next(((s, tt) for s, _, tt in prog if tt is not None and (since is None or tt >= since)), None)
         if first and t is not None and step > first[0] and t > first[1]:
             rate = (t - first[1]) / (step - first[0])
             text += f" ({rate:.2g} s/step, ~{format_duration(rate * (total - step))} left)"
@@ -124,18 +126,49 @@ def finished_results(cfg: DictConfig, rdir: Path) -> dict[str, Any] | None:
     return None
 
 
-def finished_message(cfg: DictConfig, rdir: Path, done: dict[str, Any]) -> str:
-    """What a finished run's command says: its results, and the exact command that trains it further."""
+def _same_folder(cfg: DictConfig) -> dict[str, str]:
+    """The overrides that bring a command without ``-m`` back to this job's folder: none outside a sweep
+    (the run folder is named after the overrides, less the ones that extend a run); in a sweep, whose
+    job folders are ``<hydra.sweep.dir>/<run_id>`` and whose ids keep ``trainer.max_steps``, the job's
+    ``run_id`` and the folder it is in (``run_root``, or ``hydra.run.dir`` for another layout)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode != RunMode.MULTIRUN or not hc.runtime.output_dir:
+            return {}
+        out = Path(hc.runtime.output_dir).resolve()
+    except (ValueError, ImportError):
+        return {}
+
+    def shown(path: Path) -> str:  # as short as it stays right: relative to where the command runs
+        try:
+            return str(path.relative_to(Path.cwd().resolve()))
+        except ValueError:
+            return str(path)
+
+    if out.name == str(cfg.run_id):
+        return {"run_id": str(cfg.run_id), "run_root": shown(out.parent)}
+    return {"run_id": str(cfg.run_id), "hydra.run.dir": shown(out)}
+
+
+def finished_message(cfg: DictConfig, rdir: Path, done: dict[str, Any], *, resumes: bool = True) -> str:
+    """What a finished run's command says: its results, and the exact command that trains it further in
+    the same folder (a sweep's job too). ``resumes``: the run continues from its checkpoints (the
+    simulator's starts again from step 0, in the same folder)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = list(HydraConfig.get().overrides.task)
     except (ValueError, ImportError):
         overrides = []
-    more = resume_command(overrides, invoked_as(), **{"trainer.max_steps": 2 * int(cfg.trainer.max_steps)})
+    more = resume_command(overrides, invoked_as(), **{"trainer.max_steps": 2 * int(cfg.trainer.max_steps)},
+                          **_same_folder(cfg))
+    how = "train it further (it resumes)" if resumes else "run it longer in the same folder (the simulator starts again)"
     return (f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {_loss(done):.3f} "
             f"after {done.get('outer_steps')} outer steps, {done.get('max_steps')} steps per worker). Nothing to do. To "
-            f"train it further (it resumes), raise trainer.max_steps:\n    {more}\nTo start again, use another "
+            f"{how}, raise trainer.max_steps:\n    {more}\nTo start again, use another "
             f"run_id=... or delete {rdir}.")
 
 
@@ -182,21 +215,26 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     eval_curve: list[list[float]] = []
     interrupted: int | None = None
     failed: tuple[int, Any] | None = None
+    error: BaseException | None = None
     try:
         with terminate_as_exception():
             for i in range(cfg.workers):
                 _start_worker(config_path, rdir, i, threads, devices[i % len(devices)] if devices else None,
                               procs, logs)
             failed = _watch(rdir, procs, master, evaluator, eval_points(cfg), eval_curve, started,
-                            timeout=float(cfg.launch.timeout), max_steps=int(cfg.trainer.max_steps))
+                            timeout=float(cfg.launch.timeout), max_steps=int(cfg.trainer.max_steps),
+                            since=launches.started)
     except (KeyboardInterrupt, Signal) as e:
         interrupted = e.signum if isinstance(e, Signal) else int(signal.SIGINT)
+    except Exception as e:  # the master's configuration error (never retried), or a bug: the workers stop too
+        error = e
+        raise
     finally:
-        if failed or interrupted:
+        if failed or interrupted or error is not None:
             _stop_workers(procs)
         for fh, _ in logs:
             fh.close()
-        master.stop(drain=not (failed or interrupted))
+        master.stop(drain=not (failed or interrupted or error is not None))
     if failed or interrupted:
         launches.end("interrupted" if interrupted else "failed", max_steps=int(cfg.trainer.max_steps),
                       outer_step=master.outer_step if master.has_state else None)
@@ -353,13 +391,17 @@ def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launc
 
 
 def _watch(rdir: Path, procs: list[subprocess.Popen], master: Any, evaluator: Evaluator, points: list[int],
-           eval_curve: list[list[float]], started: float, *, timeout: float, max_steps: int) -> tuple[int, Any] | None:
+           eval_curve: list[list[float]], started: float, *, timeout: float, max_steps: int,
+           since: float | None = None) -> tuple[int, Any] | None:
     """Poll the workers until all are done (None) or one failed (``(index, exit code)``; index -1:
-    ``timeout`` seconds since ``started`` passed); print progress lines; evaluate the global model
-    at the outer steps in ``points``."""
+    ``timeout`` seconds since ``started`` passed); print progress lines (their rates from the
+    progress written since ``since``, this launch's start); evaluate the global model at the outer
+    steps in ``points``. A configuration error that ended the master is raised."""
     last_print, last_key = time.perf_counter(), None
     points = list(points)
     while True:
+        if getattr(master, "error", None) is not None:  # a configuration error ended the master: no retry fixes it
+            raise master.error
         codes = [p.poll() for p in procs]
         bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if bad:
@@ -374,7 +416,7 @@ def _watch(rdir: Path, procs: list[subprocess.Popen], master: Any, evaluator: Ev
             while points and points[0] <= step:
                 points.pop(0)
             eval_curve.append([step, evaluator.loss(state)])
-        line, key = _progress_line(rdir, len(procs), max_steps, now - started)
+        line, key = _progress_line(rdir, len(procs), max_steps, now - started, since)
         first = any(k >= 0 for k in key) and not (last_key and any(k >= 0 for k in last_key))
         if first or (key != last_key and now - last_print >= PROGRESS_EVERY) or now - last_print >= HEARTBEAT_EVERY:
             print(line, flush=True)  # the first progress at once, news every 10 s, a heartbeat every minute

@@ -16,7 +16,10 @@ SIGTERM stops it after a final round (``drain_on_exit``); ``max_rounds`` / ``max
 end it without one. Exit status: 0 when it reached ``max_rounds`` / ``max_seconds``;
 ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM) when a signal stopped it, after its final
 round (a master's work is never done while workers may still send deltas, and a scheduler
-must not take a stopped master for a finished job); 1 when that final round failed.
+must not take a stopped master for a finished job); 1 when that final round failed. SIGTERM
+before the rounds start (while it imports, composes its configuration or reads the hub) ends it
+with one line and status 143 too. A configuration that does not match the hub's run (another
+outer optimizer, another model) ends it at once, in two lines naming the override that fixes it.
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ def _hydra_entry(cfg) -> None:
 def main() -> None:
     """The ``diloco-master`` console script."""
     from diloco_lightning.app.cli import run_app
+    from diloco_lightning.app.errors import terminate_as_exception
 
-    run_app("diloco-master", "master", _hydra_entry)
+    with terminate_as_exception():  # SIGTERM before the rounds start (they handle it themselves): one line, 143
+        run_app("diloco-master", "master", _hydra_entry)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from diloco_lightning.app.build import (
 )
 from diloco_lightning.app.config import sim_options
 from diloco_lightning.app.console import log_to_file
-from diloco_lightning.app.local import _loss, _mean_curve, finished_results, print_round
+from diloco_lightning.app.local import _mean_curve, finished_message, finished_results, print_round
 
 __all__ = ["build_simulator", "run_sim"]
 
@@ -191,8 +191,7 @@ def run_sim(cfg: DictConfig) -> dict[str, Any]:
     label = recipe_name()
     done = finished_results(cfg, rdir)
     if done is not None:
-        print(f"run {cfg.run_id} is already finished: {rdir / RESULTS_FILE} (eval loss {_loss(done):.3f}). "
-              f"Nothing to do: use another run_id=... or delete {rdir}.", flush=True)
+        print(finished_message(cfg, rdir, done, resumes=False), flush=True)
         return done
     rdir.mkdir(parents=True, exist_ok=True)
     log_to_file(rdir / "train.log")

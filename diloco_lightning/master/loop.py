@@ -99,6 +99,7 @@ from diloco_lightning.master.publication import Publisher
 from diloco_lightning.master.rounds import Rounds
 from diloco_lightning.master.runstate import RunState, check_state, cpu_clone
 from diloco_lightning.master.validation import DeltaValidator
+from diloco_lightning.util.errors import ConfigError
 from diloco_lightning.wire.names import parse_delta_path
 from diloco_lightning.wire.signing import RunKey, load_run_key
 
@@ -245,6 +246,8 @@ class MasterOuterLoop:
         self._thread_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
+        #: the configuration error that ended the background thread (:meth:`start`), None while none did
+        self.error: ConfigError | None = None
         self._last_metrics: RoundMetrics | None = None
         #: ``until_finished``: the run is not over before this many workers were seen (a run of known size)
         self.expected_nodes = 1
@@ -367,10 +370,12 @@ class MasterOuterLoop:
             return m.published > 0
 
     def start(self) -> None:
-        """Run rounds every ``poll_interval`` seconds in one daemon thread (errors are logged and retried)."""
+        """Run rounds every ``poll_interval`` seconds in one daemon thread (errors are logged and retried;
+        a configuration error, which no retry fixes, ends the thread and is kept in :attr:`error`)."""
         with self._thread_lock:
             if self._thread is not None and self._thread.is_alive():
                 return
+            self.error = None
             self._stop_event = threading.Event()
             self._thread = threading.Thread(target=self._run, name=f"diloco-master-{self.holder}", daemon=True)
             self._thread.start()
@@ -394,6 +399,8 @@ class MasterOuterLoop:
         if drain:
             try:
                 self.sync_once(force=True)
+            except ConfigError as e:  # a run this master does not match: one line, no traceback
+                log.error("the final round of stop(drain=True) failed: %s", e)
             except Exception:  # noqa: BLE001
                 log.exception("the final round of stop(drain=True) failed")
         if self._lease is not None:
@@ -429,7 +436,11 @@ class MasterOuterLoop:
     def _run(self) -> None:
         from diloco_lightning.master.serve import serve
 
-        serve(self, stop=self._stop_event)  # the one serve loop (errors reported, retried with backoff)
+        try:
+            serve(self, stop=self._stop_event)  # the one serve loop (errors reported, retried with backoff)
+        except ConfigError as e:  # never retried: the thread ends, and the run watching it reads error
+            self.error = e
+            log.error("the master stopped: %s", e)
 
     # ================================================================== one round
 

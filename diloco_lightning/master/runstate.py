@@ -285,11 +285,16 @@ class RunState:
 
     def check_published(self, hm: Manifest, where: str) -> None:
         """Refuse a version of another optimizer or (when a state was given) another model."""
+        from diloco_lightning.outer import same_step
+
         name = (hm.optimizer or {}).get("name")
-        if name is not None and name != self.config.outer_optimizer:
+        if name is not None and not same_step(name, self.config.outer_optimizer):
+            lr = ((hm.optimizer or {}).get("options") or {}).get("lr")
+            fix = f"outer={name}" + (f" outer.lr={lr:g}" if isinstance(lr, (int, float)) and not isinstance(lr, bool) else "")
             raise MasterConfigError(
                 f"{where} uses outer optimizer {name!r} (outer_step {hm.outer_step}); "
-                f"this master is configured for {self.config.outer_optimizer!r}"
+                f"this master is configured for {self.config.outer_optimizer!r}: give it the run's ({fix}; "
+                f"in Python, MasterOuterLoop(outer_optimizer={name!r}))"
             )
         ours, theirs = fragment_count(self.config.fragments), len(hm.fragments or []) or 1
         if theirs > 1 and ours != theirs:
@@ -451,8 +456,10 @@ class RunState:
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         if not isinstance(sd, Mapping) or sd.get("format") != STATE_DICT_FORMAT:
             raise ValueError(f"state_dict must be a {STATE_DICT_FORMAT!r} mapping from MasterOuterLoop.state_dict()")
+        from diloco_lightning.outer import same_step
+
         name = sd.get("outer_optimizer")
-        if name != self.config.outer_optimizer:
+        if not same_step(name, self.config.outer_optimizer):
             raise ValueError(f"state_dict is for outer optimizer {name!r}, this master runs {self.config.outer_optimizer!r}")
         step = sd.get("outer_step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:

@@ -11,7 +11,10 @@ With ``until_finished`` (``MasterConfig``) the loop also ends, status 0, once ev
 has finished and its last delta is applied (:mod:`diloco_lightning.master.finish`), saying where
 the final model is and the ``diloco-export`` command that writes it out.
 
-A failed round is reported and retried after ``poll_interval * 2**(failures - 1)`` seconds, at
+A configuration error (:class:`~diloco_lightning.util.errors.ConfigError`: a ``MasterConfigError``
+when the hub's run was made with another optimizer or model) is never retried: it ends the loop
+and is raised to the caller. Any other failed round is reported and retried after
+``poll_interval * 2**(failures - 1)`` seconds, at
 most ``retry_max_delay``, jittered to 50-100 % (a fleet of masters never retries in step).
 """
 
@@ -147,10 +150,14 @@ def _install_handlers(handler: Callable) -> dict[int, Any]:
 def _attempt(master: Any, failures: int, speak: Callable[[str], Any] | None) -> tuple[int, float]:
     """One round; the failures in a row after it and the pause before the next one. A failure is
     logged with its traceback when nobody hears ``speak`` (the library's thread), else said in a line."""
+    from diloco_lightning.util.errors import ConfigError
+
     delay = float(master.config.poll_interval)
     try:
         master.sync_once()
         return 0, delay
+    except ConfigError:
+        raise  # a configuration (this master's, or the hub's run it does not match) no retry can change
     except Exception as e:  # noqa: BLE001 - reported, retried with backoff
         failures += 1
         delay = backoff_delay(failures, delay, master.config.retry_max_delay)

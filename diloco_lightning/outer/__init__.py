@@ -4,6 +4,7 @@
 name                   class                           reference
 =====================  ==============================  ============================================
 ``nesterov``           :class:`NesterovOuterOptimizer`  DiLoCo, arXiv 2311.08105 (Speedtronic's step)
+``fedavg``             :class:`FedAvg`                 ``nesterov`` with lr 1, momentum 0: FedAvg's mean
 ``poly_nesterov``      :class:`PolyNesterov`           "Poly", Liu et al. 2024, arXiv 2401.09135
 ``staleness_sgd``      :class:`StalenessSGD`           Zhang et al. 2016, arXiv 1511.05950 (lr / staleness)
 ``gap_aware``          :class:`GapAware`               Barkai et al. 2020, arXiv 1909.10802
@@ -21,6 +22,9 @@ Every optimizer takes the global state (``dict[str, Tensor]``) and offers ``gate
 :func:`build_outer_optimizer` builds one by name, so configs can pick it; every one also takes
 ``state_dtype`` (``"float32"`` or ``"bfloat16"`` buffers) and ``stochastic_rounding``
 (:meth:`OuterOptimizer.set_state_precision`).
+
+``fedavg`` is ``nesterov`` under the name a user chose, with its own defaults: the same step and
+state, so a run published under one name resumes under the other (:func:`same_step`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from diloco_lightning.outer.base import OuterOptimizer
 from diloco_lightning.outer.delayed_nesterov import DelayedNesterov
 from diloco_lightning.outer.gap import DelayCompensated, GapAware
 from diloco_lightning.outer.gates import cgad_gate, check_staleness, exp_gate, poly_gate
-from diloco_lightning.outer.nesterov import NesterovOuterOptimizer, PolyNesterov, StalenessSGD
+from diloco_lightning.outer.nesterov import FedAvg, NesterovOuterOptimizer, PolyNesterov, StalenessSGD
 from diloco_lightning.outer.pacgad import PACGAD
 
 __all__ = [
@@ -49,11 +53,13 @@ __all__ = [
     "AdamDecay",
     "DelayCompensated",
     "DelayedNesterov",
+    "FedAvg",
     "GapAware",
     "NesterovOuterOptimizer",
     "OuterAdam",
     "OuterOptimizer",
     "PolyNesterov",
+    "SAME_STEP",
     "StalenessSGD",
     "build_outer_optimizer",
     "cgad_gate",
@@ -61,16 +67,27 @@ __all__ = [
     "exp_gate",
     "outer_optimizer_options",
     "poly_gate",
+    "same_step",
 ]
 
 #: Registry name -> class (read-only).
 OUTER_OPTIMIZERS: Mapping[str, type[OuterOptimizer]] = MappingProxyType(
     {
         cls.name: cls
-        for cls in (NesterovOuterOptimizer, CGAD, AdamDecay, OuterAdam, DelayedNesterov, PACGAD, PolyNesterov,
+        for cls in (NesterovOuterOptimizer, FedAvg, CGAD, AdamDecay, OuterAdam, DelayedNesterov, PACGAD, PolyNesterov,
                     StalenessSGD, GapAware, DelayCompensated)
     }
 )
+
+
+#: A name registered for another's step and state, with defaults of its own -> that other name.
+SAME_STEP: Mapping[str, str] = MappingProxyType({"fedavg": "nesterov"})
+
+
+def same_step(a: Any, b: Any) -> bool:
+    """Whether the outer optimizers named ``a`` and ``b`` are one step with one state (equal names, or
+    ``fedavg`` and ``nesterov``): a run published by one resumes with the other."""
+    return SAME_STEP.get(a, a) == SAME_STEP.get(b, b)
 
 
 #: Options every outer optimizer takes (:meth:`OuterOptimizer.set_state_precision`): the buffers' dtype

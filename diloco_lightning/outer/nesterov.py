@@ -14,7 +14,8 @@ fed ``g * (1 + tau) ** -0.5``. :class:`StalenessSGD` is the same step fed ``g * 
 with ``momentum`` 0 by default: with ``power = 1`` and no momentum it is Zhang et al.'s
 staleness-aware SGD (2016, arXiv 1511.05950: the learning rate divided by the staleness, here
 ``1 + tau`` so that a fresh delta keeps the full rate); ``power=0.5, momentum=0.9`` is Poly and
-``power=0`` is DiLoCo's Nesterov.
+``power=0`` is DiLoCo's Nesterov. :class:`FedAvg` is DiLoCo's Nesterov under its own name with
+FedAvg's server step as its defaults (lr 1, no momentum: the plain mean of the deltas).
 
 All run as one fused SGD call (``kernels.nesterov_step_``) per batch of tensors (memory-bandwidth speed). The gate
 is folded into the kernel's scalars rather than applied to the delta: the momentum buffer is kept
@@ -40,7 +41,7 @@ from diloco_lightning.outer.gates import check_staleness, poly_gate
 from diloco_lightning.outer.kernels import nesterov_step_
 from diloco_lightning.outer.work import Item, Work
 
-__all__ = ["NesterovOuterOptimizer", "PolyNesterov", "StalenessSGD"]
+__all__ = ["FedAvg", "NesterovOuterOptimizer", "PolyNesterov", "StalenessSGD"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,33 @@ class NesterovOuterOptimizer(_NesterovBase):
             tensors[key if key.startswith("momentum.absmax/") else f"momentum/{key}"] = value
         self._set_buffers(self._parse_buffers(tensors))
         self._rounding_step = rounding_step
+
+
+class FedAvg(NesterovOuterOptimizer):
+    """Plain averaging, FedAvg's server step (McMahan et al. 2017, arXiv 1602.05629): the Nesterov step
+    of :class:`NesterovOuterOptimizer` with ``lr=1`` and ``momentum=0`` as defaults, so each update
+    moves the state by the (weighted) mean of its deltas.
+
+    The same step and state as ``nesterov``: a run published as ``nesterov`` resumes as ``fedavg``
+    and back (:data:`diloco_lightning.outer.SAME_STEP`); only the name a user chose, which logs,
+    ``results.json`` and the master's publications show, differs.
+
+    Args:
+        state: the global state.
+        lr: outer learning rate (default 1: the mean of the deltas).
+        momentum: Nesterov momentum in ``[0, 1)`` (default 0: none, and no buffer kept).
+    """
+
+    name = "fedavg"
+    STATE_KINDS = ("fedavg", "nesterov")
+
+    def __init__(self, state: Mapping[str, Tensor], lr: float = 1.0, momentum: float = 0.0) -> None:
+        super().__init__(state, lr, momentum)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if isinstance(state_dict, Mapping) and state_dict.get("optimizer") in self.STATE_KINDS:
+            state_dict = {k: v for k, v in state_dict.items() if k != "optimizer"}
+        super().load_state_dict(state_dict)
 
 
 class PolyNesterov(_NesterovBase):

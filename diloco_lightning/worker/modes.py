@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 
+from diloco_lightning.util.errors import ConfigError
 from diloco_lightning.worker.install import Installer
 from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.rebase import WorkerOwnDeltas
@@ -101,6 +102,8 @@ class LockstepMode:
             m = None
             try:
                 m = installer.read_manifest()
+            except ConfigError:
+                raise  # a configuration no retry fixes
             except Exception as e:
                 if first:
                     log.warning("node %s: cannot read the manifest (%s: %s); retrying", node_id, type(e).__name__, e)
