@@ -22,6 +22,8 @@ the first 256 windows of the held-out split, whatever the batch size). The arms,
   (DiLoCo's; its lr bracketed) and ``nesterov_m`` with momentum 0.6;
 * ``async``: K equal asynchronous workers (``diloco.sync=async``, every delta its own outer step),
   the product's async worker (rebase on), outer lr bracketed;
+* ``async_round``: K equal asynchronous workers and a master whose round takes every live worker's
+  delta (what the plugin's ``DiLoCo(...)`` workers and ``diloco-master`` do by default), outer SGD;
 * ``default``: the shipped defaults, nothing overridden but K (what a user gets).
 
 ``G = (L_one - L) / (L_one - L_dp)`` per seed (same seed: same initialisation and data order), then
@@ -100,6 +102,9 @@ ARMS: dict[str, Arm] = {
                       "synchronous DiLoCo, outer Nesterov 0.6"),
     "async": Arm(("workers={k}", "diloco=async", "master.aggregation=arrival"), "outer.lr", 0.5, 0, False,
                  "asynchronous DiLoCo, K equal workers (the product's async worker, the default outer step)"),
+    "async_round": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg"), "outer.lr", 1.0, 0,
+                       False, "asynchronous workers, the master's round of every live worker's delta (a plugin user's "
+                       "DiLoCo(...) workers and diloco-master's min_deltas=1.0), outer SGD"),
     "default": Arm(("workers={k}",), None, 1.0, 0, False, "the shipped defaults (nothing overridden but K)"),
 }
 MAX_EXTEND = 4

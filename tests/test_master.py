@@ -134,7 +134,8 @@ class Workers:
 
 
 def make_master(hub, tmp: Path, name: str = "m", state=s0, **kw) -> MasterOuterLoop:
-    opts = dict(outer_lr=1.0, outer_momentum=0.0, lease_ttl=30.0, norm_ratio=None, norm_global_ratio=None, poll_interval=0.02)
+    # the library's default until the scaling study (fedavg now), named: these tests' hubs say nesterov
+    opts = dict(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0, lease_ttl=30.0, norm_ratio=None, norm_global_ratio=None, poll_interval=0.02)
     opts.update(kw)
     st = state() if callable(state) else state
     return MasterOuterLoop(hub, st, node_state_dir=tmp / name, **opts)

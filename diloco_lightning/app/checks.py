@@ -76,9 +76,12 @@ def outer_options(o: DictConfig, prefix: str = "outer.") -> dict[str, Any]:
     group's options); a :class:`ConfigError` naming the key."""
     from diloco_lightning.outer.options import outer_options as checked
 
+    from diloco_lightning.master.config import default_lr
+
     raw = OmegaConf.to_container(o.options, resolve=True) if isinstance(o.options, DictConfig) else o.options
+    lr = o.lr if o.lr is not None else default_lr(str(o.name))
     try:
-        return checked(o.name, o.lr, {} if raw is None else raw, state_dtype=o.get("state_dtype", "float32"),
+        return checked(o.name, lr, {} if raw is None else raw, state_dtype=o.get("state_dtype", "float32"),
                        stochastic_rounding=o.get("stochastic_rounding", False), where=prefix)
     except OptionError as e:
         raise ConfigError(f"{prefix}{e.option}", e.detail) from None

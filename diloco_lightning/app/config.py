@@ -195,7 +195,8 @@ class OuterConf:
     name: str = opt(default_of(MasterConfig, "outer_optimizer"),
                     "outer optimizer: nesterov | fedavg | cgad | adam_decay | adam | delayed_nesterov | pa_cgad | poly_nesterov | "
                     "staleness_sgd | gap_aware | dc_asgd")
-    lr: float = opt(default_of(MasterConfig, "outer_lr"), "outer learning rate")
+    lr: Optional[float] = opt(default_of(MasterConfig, "outer_lr"), "outer learning rate (null: the optimizer's own "
+                              "default: fedavg 1, else Speedtronic's 0.7)")
     options: Dict[str, Any] = opt(help="the optimizer's other options (momentum, alpha, tau_cut, betas, eps ...)", factory=dict)
     state_dtype: str = opt("float32", "the outer optimizer's buffers (m, v, momentum): float32 (fp32) | bfloat16 (bf16: "
                                       "half the memory; the math runs in FP32, the buffers are rounded back once per step) | "

@@ -27,7 +27,23 @@ ARRIVAL_PUBLISH = ("pass", "each")
 WEIGHTINGS = ("equal", "tokens")
 #: ``speedtronic``: also speak Speedtronic 2.0's hub layout (diloco_lightning.master.compat)
 COMPAT_MODES = ("speedtronic",)
-_MOMENTUM_OPTIMIZERS = ("nesterov", "poly_nesterov", "delayed_nesterov")
+_MOMENTUM_OPTIMIZERS = ("nesterov", "poly_nesterov", "delayed_nesterov", "fedavg")
+#: Speedtronic's Nesterov lr and momentum: what ``outer_lr`` / ``outer_momentum`` left null mean for an
+#: optimizer whose signature has no default of its own (and for the Nesterov family, as before)
+SPEEDTRONIC_LR, SPEEDTRONIC_MOMENTUM = 0.7, 0.9
+#: optimizers whose own signature defaults (lr, momentum) a null outer_lr / outer_momentum means
+_OWN_DEFAULTS = ("fedavg",)
+
+
+def default_lr(name: str) -> float:
+    """The lr an outer optimizer gets when none is given: its own default (``fedavg``: 1), else Speedtronic's 0.7."""
+    if name in _OWN_DEFAULTS:
+        import inspect
+
+        from diloco_lightning.outer import OUTER_OPTIMIZERS
+
+        return float(inspect.signature(OUTER_OPTIMIZERS[name]).parameters["lr"].default)
+    return SPEEDTRONIC_LR
 
 
 class MasterConfigError(ConfigError):
@@ -45,10 +61,19 @@ class MasterConfig:
     takes it from its own ``outer`` group instead.
     """
 
-    outer_optimizer: str = option("nesterov", "outer optimizer by name (diloco_lightning.outer)")
+    outer_optimizer: str = option(
+        "fedavg", "outer optimizer by name (diloco_lightning.outer); fedavg, the mean of the deltas at lr 1: the "
+        "scaling study's pick (docs/scaling.md), the one default of the library, train.py and diloco-master"
+    )
     outer_options: dict[str, Any] = option(help="the outer optimizer's options (override outer_lr/outer_momentum)", factory=dict)
-    outer_lr: float = option(0.7, "the outer optimizer's lr (Speedtronic's Nesterov lr)")
-    outer_momentum: float = option(0.9, "the momentum of the Nesterov family")
+    outer_lr: float | None = option(
+        None, "the outer optimizer's lr (null: its own default: fedavg 1; Speedtronic's 0.7 for nesterov and every "
+        "optimizer without a default of its own)"
+    )
+    outer_momentum: float | None = option(
+        None, "the momentum of the Nesterov family (null: its own default: fedavg 0; Speedtronic's 0.9 for nesterov, "
+        "poly_nesterov and delayed_nesterov)"
+    )
     fragments: Any = option(
         None, "Streaming DiLoCo fragments, as the workers' (F, or a list of parameter-name pattern groups; null: "
         "the workers' diloco.fragments in a training run, else none)"
@@ -126,8 +151,8 @@ class MasterConfig:
             raise OptionError("until_finished", f"must be True or False, got {self.until_finished!r}")
         if not isinstance(self.lease, bool):
             raise OptionError("lease", f"must be True or False, got {self.lease!r}")
-        check_number(self, "outer_lr", low=0.0, strict=True)
-        check_number(self, "outer_momentum", low=0.0)
+        check_number(self, "outer_lr", low=0.0, strict=True, optional=True)
+        check_number(self, "outer_momentum", low=0.0, optional=True)
         check_number(self, "poll_interval", low=0.0, strict=True)
         if is_fraction(self.min_deltas):
             if not 0.0 < self.min_deltas <= 1.0:
@@ -185,11 +210,17 @@ class MasterConfig:
             raise OptionError("outer_options", str(e), f"outer_options: {e}") from None
 
     def optimizer_options(self) -> dict[str, Any]:
-        """``outer_lr`` (and ``outer_momentum`` for the Nesterov family), overridden by ``outer_options``."""
-        opts: dict[str, Any] = {"lr": self.outer_lr}
-        if self.outer_optimizer in _MOMENTUM_OPTIMIZERS:
-            opts["momentum"] = self.outer_momentum
+        """``outer_lr`` (and ``outer_momentum`` for the Nesterov family), overridden by ``outer_options``;
+        a null one is the optimizer's own default (``fedavg``: lr 1, momentum 0), else Speedtronic's (0.7, 0.9)."""
+        own = self.outer_optimizer in _OWN_DEFAULTS
+        opts: dict[str, Any] = {}
+        if self.outer_lr is not None or not own:
+            opts["lr"] = default_lr(self.outer_optimizer) if self.outer_lr is None else self.outer_lr
+        if self.outer_optimizer in _MOMENTUM_OPTIMIZERS and (self.outer_momentum is not None or not own):
+            opts["momentum"] = SPEEDTRONIC_MOMENTUM if self.outer_momentum is None else self.outer_momentum
         opts.update(dict(self.outer_options))
+        if "lr" in opts:  # lr first, as it always printed
+            opts = {"lr": opts.pop("lr"), **opts}
         return opts
 
     def effective_lease_ttl(self, rate_limited_writes: bool = False) -> float:
