@@ -127,7 +127,7 @@ class NesterovOuterOptimizer(_NesterovBase):
     """
 
     name = "nesterov"
-    STATE_KINDS = ("nesterov",)
+    STATE_KINDS: ClassVar[tuple[str, ...]] = ("nesterov",)
 
     def gate(self, staleness: float) -> float:
         check_staleness(staleness)
