@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from study import _child_init, _prepare_data, run_job  # noqa: E402 - benchmarks/study.py, beside this file
+from study import _child_init, _prepare_data, final_loss, read_results, run_job  # noqa: E402 - benchmarks/study.py, beside this file
 from study_report import T95, fmt, mean_ci  # noqa: E402
 from tuning import bracket  # noqa: E402
 
@@ -106,6 +106,12 @@ ARMS: dict[str, Arm] = {
                        False, "asynchronous workers, the master's round of every live worker's delta (a plugin user's "
                        "DiLoCo(...) workers and diloco-master's min_deltas=1.0), outer SGD"),
     "default": Arm(("workers={k}",), None, 1.0, 0, False, "the shipped defaults (nothing overridden but K)"),
+    # levers (the issue's item 4), each against ``sgd``: the workers' inner lr at outer lr 1; the inner state
+    # cleared at every install instead of kept
+    "sgd_inner": Arm(("workers={k}", "outer=fedavg", *SYNC), "optim.lr", 0.004, 0, False,
+                     "synchronous DiLoCo, outer SGD lr 1, the workers' inner lr tuned"),
+    "sgd_reset": Arm(("workers={k}", "outer=fedavg", "diloco.reset_inner_optimizer=true", *SYNC), "outer.lr", 1.0, 0,
+                     False, "synchronous DiLoCo, outer SGD, the inner AdamW state cleared at every install"),
 }
 MAX_EXTEND = 4
 POINTS = 3  # the first grid: the prior's centre and one point either side
@@ -140,16 +146,10 @@ class Scaling:
         return {"id": f"{arm}-k{k}{lr}-s{seed}-{ident}", "arm": arm, "k": k, "i": i, "seed": seed, "overrides": ov}
 
     def results(self, j: dict) -> dict | None:
-        try:
-            return json.loads((self.root / "runs" / j["id"] / "results.json").read_text())
-        except (OSError, ValueError):
-            return None
+        return read_results(self.root, j)
 
     def loss(self, j: dict) -> float:
-        r = self.results(j)
-        if r is None:
-            return math.nan
-        return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else float(r["eval_loss"])
+        return final_loss(self.results(j))
 
     def k_of(self, arm: str, k: int) -> int:
         """The K an arm's run stands for: ``one`` is the same run at every K."""

@@ -198,6 +198,21 @@ def job(setting: str, method: str, k: int, seed: int, extra: tuple[str, ...] = (
             "lr": lr, "seed": seed, "block": block, "overrides": ov}
 
 
+def read_results(root: Path, j: dict) -> dict | None:
+    """The ``results.json`` of job ``j`` under ``root`` (None: not run, or unreadable)."""
+    try:
+        return json.loads((root / "runs" / j["id"] / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def final_loss(r: dict | None) -> float:
+    """Final eval loss; inf when the run diverged (above chance, not finite, stopped early); nan if not run."""
+    if r is None:
+        return math.nan
+    return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else float(r["eval_loss"])
+
+
 @dataclass
 class Cell:
     setting: str
@@ -228,17 +243,10 @@ class Study:
 
     # ------------------------------------------------------------------ bookkeeping
     def results(self, j: dict) -> dict | None:
-        try:
-            return json.loads((self.root / "runs" / j["id"] / "results.json").read_text())
-        except (OSError, ValueError):
-            return None
+        return read_results(self.root, j)
 
     def loss(self, j: dict) -> float:
-        """Final eval loss; inf when the run diverged (above chance, not finite, stopped early); nan if not run."""
-        r = self.results(j)
-        if r is None:
-            return math.nan
-        return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else float(r["eval_loss"])
+        return final_loss(self.results(j))
 
     def failed(self) -> set[str]:
         p = self.root / "failures.jsonl"

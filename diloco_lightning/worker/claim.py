@@ -333,11 +333,7 @@ class ClaimKeeper:
         (``info.finished``) and is already expired, so the master's ``until_finished`` counts this
         node as done and a later worker may take the id at once. True when it was written (else the
         claim is released as usual by :meth:`release`)."""
-        self._stop.set()
-        self._poke.set()
-        t, self._thread = self._thread, None
-        if t is not None:
-            t.join(timeout=10.0)
+        self._stop_heartbeat()
         with self._lock:
             mine = self._claim
             if mine is None or self._lost or not self.supported:
@@ -357,13 +353,17 @@ class ClaimKeeper:
             self._claim = None
             return True
 
-    def release(self) -> None:
-        """Stop the heartbeat and remove the claim (best effort: an unreachable hub lets it expire)."""
+    def _stop_heartbeat(self) -> None:
+        """Stop the heartbeat thread (it renews nothing after this returns, or within 10 s)."""
         self._stop.set()
         self._poke.set()
         t, self._thread = self._thread, None
         if t is not None:
             t.join(timeout=10.0)
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the claim (best effort: an unreachable hub lets it expire)."""
+        self._stop_heartbeat()
         with self._lock:
             mine, self._claim = self._claim, None
             if mine is None or self._lost or not self.supported:
