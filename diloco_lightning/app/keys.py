@@ -26,6 +26,7 @@ import typing
 from typing import Any
 
 from diloco_lightning.app.checks import ConfigError
+from diloco_lightning.app.overrides import plain_override, quote_values, split_override
 
 __all__ = ["known_keys", "check_override_keys", "master_aliases", "split_override", "quote_values", "plain_override"]
 
@@ -59,15 +60,6 @@ def known_keys(schema: type, prefix: str = "") -> tuple[set[str], set[str]]:
         elif _is_free_form(hints.get(f.name, f.type)):
             free.add(key)
     return keys, free
-
-
-def split_override(arg: str) -> tuple[str, str, str] | None:
-    """``("+", "outer.lr", "0.1")`` for ``+outer.lr=0.1``; None for a flag or a bare word."""
-    if arg.startswith("-") or "=" not in arg and not arg.startswith("~"):
-        return None
-    head, _, value = arg.partition("=")
-    sign = head[: len(head) - len(head.lstrip("+~"))]
-    return sign, head[len(sign):], value
 
 
 def _closest(key: str, keys: set[str]) -> str | None:
@@ -118,38 +110,3 @@ def master_aliases(args: list[str], master_keys: set[str]) -> list[str]:
                 continue
         out.append(arg)
     return out
-
-
-_QUOTES = ("'", '"')
-
-
-def _needs_quotes(value: str) -> bool:
-    """A value Hydra would refuse for its ``=`` and that means one string: not already quoted, not a
-    list, a dict or an interpolation of Hydra's grammar."""
-    return "=" in value and value[:1] not in _QUOTES + ("[", "{", "$") and not (set(value) >= set(_QUOTES))
-
-
-def quote_values(args: list[str]) -> list[str]:
-    """``args`` with each ``key=value`` whose value holds a further ``=`` quoted for Hydra
-    (``hub.url=runs/recipe=tiny/hub`` -> ``hub.url='runs/recipe=tiny/hub'``); everything else as given."""
-    out = []
-    for arg in args:
-        parts = split_override(arg)
-        if parts is not None and "=" in arg and _needs_quotes(parts[2]):
-            sign, key, value = parts
-            q = '"' if "'" in value else "'"
-            arg = f"{sign}{key}={q}{value}{q}"
-        out.append(arg)
-    return out
-
-
-def plain_override(arg: str) -> str:
-    """The form of ``arg`` a user types: a value :func:`quote_values` quoted, unquoted again."""
-    parts = split_override(arg)
-    if parts is None or "=" not in arg:
-        return arg
-    sign, key, value = parts
-    if len(value) >= 2 and value[0] in _QUOTES and value[-1] == value[0] and _needs_quotes(value[1:-1]) \
-            and value[0] not in value[1:-1]:
-        return f"{sign}{key}={value[1:-1]}"
-    return arg

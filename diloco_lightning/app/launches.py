@@ -89,7 +89,7 @@ def resume_command(overrides: list[str], prog: str, **changes: Any) -> str:
     replaced or added), quoted for a POSIX shell: what a user pastes to resume."""
     import shlex
 
-    from diloco_lightning.app.keys import plain_override
+    from diloco_lightning.app.overrides import plain_override
 
     out = [plain_override(o) for o in overrides if o.lstrip("+~").split("=", 1)[0] not in changes]
     out += [f"{k}={v}" for k, v in changes.items()]

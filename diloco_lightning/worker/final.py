@@ -32,17 +32,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.wire.manifest import Manifest
 from diloco_lightning.worker.results import InstallResult
 from diloco_lightning.worker.sync import WorkerStopped
 
-if TYPE_CHECKING:
-    from diloco_lightning.worker.core import DiLoCoWorker
-
 __all__ = ["finish_training", "master_gone"]
+
+# ``worker`` below is the :class:`~diloco_lightning.worker.core.DiLoCoWorker` that calls in (typed Any:
+# core imports this module, and a layer never imports back, not even for typing)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def master_gone(hub: Hub, manifest: Manifest | None, now: float | None = None) -
     return lease is None or lease.unreadable is not None or lease.expired(time.time() if now is None else now)
 
 
-def _refused(worker: "DiLoCoWorker", last: int) -> bool:
+def _refused(worker: Any, last: int) -> bool:
     """Whether the master refused this node's delta ``last`` (too stale, a norm bound ...): it is gone
     from the hub (a master deletes what it processed with its next publication) and the ledger,
     read after the listing (the publication comes before the deletion), still lacks it."""
@@ -78,7 +78,7 @@ def _refused(worker: "DiLoCoWorker", last: int) -> bool:
     return manifest is not None and manifest.ledger.get(worker.node_id, -1) < last
 
 
-def finish_training(worker: "DiLoCoWorker", *, trailing_steps: int = 0) -> InstallResult | None:
+def finish_training(worker: Any, *, trailing_steps: int = 0) -> InstallResult | None:
     """The end of ``worker``'s training (module docstring); the install made, or None when the model
     keeps its weights (``trailing_steps``: optimizer steps trained since the last boundary)."""
     if not worker.started:
@@ -112,7 +112,7 @@ def finish_training(worker: "DiLoCoWorker", *, trailing_steps: int = 0) -> Insta
     return None
 
 
-def _install_final(worker: "DiLoCoWorker", last: int | None, deadline: float, trailing_steps: int) -> InstallResult | None:
+def _install_final(worker: Any, last: int | None, deadline: float, trailing_steps: int) -> InstallResult | None:
     node, url = worker.node_id, worker.hub.url
     what = "the newest global version" if last is None else f"the global version that contains its last delta " \
                                                             f"(local_step {last})"
