@@ -27,7 +27,7 @@ def load_example():
     return module
 
 
-def test_the_default_char_gpt_has_about_241k_parameters():
+def test_the_default_char_gpt_has_about_255k_parameters():
     ex = load_example()
     n = sum(p.numel() for p in ex.CharGPT().parameters())
     assert 230_000 < n < 260_000, n

@@ -1,6 +1,6 @@
 """A whole DiLoCo run on your own module, on one machine: a master, two workers, an export.
 
-    python docs/examples/char_gpt_journey.py --out journey          # about 241k parameters, 512 steps per worker
+    python docs/examples/char_gpt_journey.py --out journey          # about 255k parameters, 512 steps per worker
 
 What it does, in order (docs/plugin.md, "A whole run on your own module"):
 
@@ -152,7 +152,7 @@ def worker(args) -> None:
 
     # Start fit once every worker is up. The master's until_finished ends the run when every worker it
     # KNOWS (by its claim on the hub, made at the start of fit) has finished: a worker that starts
-    # after the others are done would find no master. Your own launcher (SLURM, a job per node)
+    # after the others are done would train alone, its deltas applied by no master. Your launcher (SLURM, ...)
     # starts them together; here one file per worker says "ready".
     ready = out / "ready"
     ready.mkdir(parents=True, exist_ok=True)
@@ -194,7 +194,7 @@ def journey(args) -> int:
     # 1. the master: creates the hub, ends by itself once every worker finished and its last delta is applied
     master_cmd = [sys.executable, "-m", "diloco_lightning.app.master", f"hub.url={hub}", "hub.create=true",
                   "until_finished=true", *poll]
-    print("$", " ".join(master_cmd[1:]), f"> {logs / 'master.log'}", flush=True)
+    print("$", " ".join(["python", *master_cmd[1:]]), f"> {logs / 'master.log'}", flush=True)
     master = run(master_cmd, logs / "master.log")
     deadline = time.monotonic() + 120
     while not hub.is_dir() and master.poll() is None and time.monotonic() < deadline:
@@ -239,7 +239,7 @@ def journey(args) -> int:
     # 4. the export, and the global model in a fresh module of yours
     final = out / "final_model"
     export_cmd = [sys.executable, "-m", "diloco_lightning.app.export", f"hub.url={hub}", f"out={final}"]
-    print("$", " ".join(export_cmd[1:]), flush=True)
+    print("$", " ".join(["python", *export_cmd[1:]]), flush=True)
     subprocess.run(export_cmd, check=True)
     exported = load_file(str(final / "model.safetensors"))
     model = build(args)
