@@ -58,19 +58,19 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "reduced": {"overrides": ["model.d_model=64", "model.n_layers=2", "model.ffn_hidden=172", "model.n_heads=4",
                               "model.n_kv_heads=2", "data.seq_len=64", "data.batch_size=8", "diloco.inner_steps=4",
                               "trainer.max_steps=384", "optim.warmup_steps=10", "data.max_bytes=4000000"],
-                "batch": 8, "steps": 384, "h": 4, "ks": [1, 2, 4, 8],
-                "curves": {"h": [1, 2, 4, 8, 16], "steps": [96, 192, 384, 768], "size": ["64x2", "96x3", "128x4"]}},
+                "batch": 8, "steps": 384, "h": 4, "size": "64x2", "ks": [1, 2, 4, 8],
+                "curves": {"h": [1, 4, 16], "steps": [96, 384, 768], "size": ["64x2", "96x3"]}},
     # the issue's "question is real" setting, as large as the 2-core machine allows: 0.8 M parameters,
     # H = 16 for 50 outer steps (800 inner steps), warmup 50 + cosine, no window seen twice
     "main": {"overrides": ["model.d_model=128", "model.n_layers=4", "model.ffn_hidden=344", "model.n_heads=4",
                            "model.n_kv_heads=2", "data.seq_len=128", "data.batch_size=8", "diloco.inner_steps=16",
                            "trainer.max_steps=800", "optim.warmup_steps=50", "data.max_bytes=12000000"],
-             "batch": 8, "steps": 800, "h": 16, "ks": [1, 2, 4, 8],
+             "batch": 8, "steps": 800, "h": 16, "size": "128x4", "ks": [1, 2, 4, 8],
              "curves": {"h": [16, 64], "steps": [400, 800], "size": ["96x3", "128x4"]}},
     "quick": {"overrides": ["model.d_model=32", "model.n_layers=1", "model.ffn_hidden=64", "model.n_heads=2",
                             "model.n_kv_heads=1", "data.seq_len=32", "data.batch_size=4", "diloco.inner_steps=2",
                             "trainer.max_steps=16", "optim.warmup_steps=2", "data.max_bytes=300000", "data.val_windows=16"],
-              "batch": 4, "steps": 16, "h": 2, "ks": [1, 2],
+              "batch": 4, "steps": 16, "h": 2, "size": "32x1", "ks": [1, 2],
               "curves": {"h": [1, 2], "steps": [8, 16], "size": ["32x1"]}},
 }
 COMMON = ["recipe=tiny", "launch=sim", "data.tokenizer=byte", "optim.lr=0.004", "trainer.log_every_n_steps=8",
@@ -113,6 +113,8 @@ ARMS: dict[str, Arm] = {
     "sgd_reset": Arm(("workers={k}", "outer=fedavg", "diloco.reset_inner_optimizer=true", *SYNC), "outer.lr", 1.0, 0,
                      False, "synchronous DiLoCo, outer SGD, the inner AdamW state cleared at every install"),
 }
+#: the arms of the curves (one worker and data-parallel first: G's ends)
+CURVE_ARMS = ("one", "dp", "sgd")
 MAX_EXTEND = 4
 POINTS = 3  # the first grid: the prior's centre and one point either side
 
@@ -207,13 +209,18 @@ class Scaling:
         j = self.job("one", 1, i, seed, (f"trainer.max_steps={k * self.setting['steps']}",))
         return {**j, "id": j["id"].replace("one-k1", f"one_tokens-k{k}"), "arm": "one_tokens", "k": k}
 
+    def curve_extra_of(self, arm: str, axis: str, point: Any) -> tuple[str, ...]:
+        """The overrides of ``arm`` at a curve's point: one worker alone and data-parallel take no H
+        (a single worker's run is the same at every H), so on the H curve they are the main grid's runs."""
+        return () if axis == "h" and arm in ("one", "dp") else self.curve_extra(axis, point)
+
     def curve_jobs(self, axis: str) -> list[dict]:
-        """G against ``axis`` at K = 4 (h: H; steps: the run length; size: d_model x layers): one, dp,
-        sgd and nesterov, each tuned at each point, 3 seeds."""
+        """G against ``axis`` at K = 4 (h: H; steps: the run length; size: d_model x layers): one, dp and
+        the best synchronous arm (sgd), each tuned at each point, 3 seeds."""
         out: list[dict] = []
         for point in self.setting["curves"][axis]:
-            extra = self.curve_extra(axis, point)
-            for arm in ("one", "dp", "sgd", "nesterov"):
+            for arm in CURVE_ARMS:
+                extra = self.curve_extra_of(arm, axis, point)
                 k = 1 if arm == "one" else 4
                 out += [self.job(arm, k, i, 0, extra) for i in self.grid(arm, k, extra)]
                 i = self.best(arm, k, extra)
@@ -222,6 +229,10 @@ class Scaling:
         return out
 
     def curve_extra(self, axis: str, point: Any) -> tuple[str, ...]:
+        """The overrides of a curve's point; none at the setting's own value (the main grid's runs)."""
+        own = {"h": self.setting["h"], "steps": self.setting["steps"], "size": self.setting.get("size")}[axis]
+        if str(point) == str(own):
+            return ()
         if axis == "h":
             return (f"diloco.inner_steps={point}",)
         if axis == "steps":
@@ -278,7 +289,8 @@ class Scaling:
     def losses(self, arm: str, k: int, extra: tuple[str, ...] = ()) -> dict[int, float]:
         if arm == "one_tokens":
             i = self.best("one", 1)
-            return {} if i is None else {s: self.loss(self.tokens_job(k, i, s)) for s in self.seeds}
+            out = {} if i is None else {s: self.loss(self.tokens_job(k, i, s)) for s in self.seeds}
+            return {s: x for s, x in out.items() if not math.isnan(x)}
         i = self.best(arm, k, extra)
         if ARMS[arm].key is not None and i is None:
             return {}
@@ -298,6 +310,7 @@ class Scaling:
 
 def gain(one: dict[int, float], dp: dict[int, float], m: dict[int, float]) -> tuple[float, float, int]:
     """G = (L_one - L) / (L_one - L_dp) per seed; its mean, 95 % half-width and the seeds."""
+    m = {s: x for s, x in m.items() if not math.isnan(x)}
     gs = [(one[s] - m[s]) / (one[s] - dp[s]) for s in m if s in one and s in dp and one[s] != dp[s]]
     gs = [g if math.isfinite(g) else -math.inf for g in gs]
     if any(math.isinf(g) for g in gs):
@@ -345,13 +358,14 @@ def report(sc: Scaling) -> str:
             lines.append(f"| {arm} | {tuned} | {ci(m, h, 3)} | {ci(g[0], g[1])} ({g[2]}) | {ci(d[0], d[1], 3)} ({d[2]}) | {div} |")
         lines.append("")
     for axis in sc.args.curves.split(",") if sc.args.curves else []:
-        lines += [f"## G against {axis} (K = 4)", "", f"| {axis} | L_one | L_dp | sgd: G [95 % CI] | nesterov: G [95 % CI] |",
-                  "|---|---|---|---|---|"]
+        lines += [f"## G against {axis} (K = 4)", "", f"| {axis} | L_one | L_dp | "
+                  + " | ".join(f"{a}: G [95 % CI] (tuned lr)" for a in CURVE_ARMS[2:]) + " |",
+                  "|---|---|---|" + "---|" * len(CURVE_ARMS[2:])]
         for point in sc.setting["curves"][axis]:
-            extra = sc.curve_extra(axis, point)
-            o, dp = sc.losses("one", 1, extra), sc.losses("dp", 4, extra)
+            o, dp = (sc.losses(a, k, sc.curve_extra_of(a, axis, point)) for a, k in (("one", 1), ("dp", 4)))
             row = [str(point), fmt(mean_ci(list(o.values()))[0]), fmt(mean_ci(list(dp.values()))[0])]
-            for arm in ("sgd", "nesterov"):
+            for arm in CURVE_ARMS[2:]:
+                extra = sc.curve_extra_of(arm, axis, point)
                 g = gain(o, dp, sc.losses(arm, 4, extra))
                 i = sc.best(arm, 4, extra)
                 row.append(f"{ci(g[0], g[1])} (lr {value(arm, i):g})" if i is not None else "—")
