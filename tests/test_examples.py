@@ -73,3 +73,16 @@ def test_the_char_gpt_journey_runs_as_documented(tmp_path):
         else:
             assert line.group(2).startswith("global version "), line.group(0)
     assert finals, text
+
+
+def test_plugin_md_says_how_to_choose_inner_steps_and_how_many_workers_end_the_run():
+    """Issue 41's last two points for a plugin user: advice on ``inner_steps``, and a master that knows
+    how many workers make the run (``diloco-master expected_nodes=2 until_finished=true``)."""
+    from diloco_lightning.master.config import MasterConfig
+    from diloco_lightning.util.options import OptionError
+
+    text = (ROOT / "docs" / "plugin.md").read_text()
+    assert "## Choosing inner_steps" in text and "expected_nodes=" in text
+    assert MasterConfig(until_finished=True, expected_nodes=2).validate().expected_nodes == 2
+    with pytest.raises(OptionError, match="expected_nodes"):
+        MasterConfig(expected_nodes=0).validate()

@@ -101,6 +101,11 @@ def test_diloco_master_from_a_foreign_folder(venv):
     """)], cwd, env))
     proc = _ok(_run([str(bin_dir / "diloco-master"), "hub.url=hub", "max_seconds=3", "poll_interval=0.1"], cwd, env))
     assert "[master] outer_step 0" in proc.stdout and (cwd / "hub" / "global" / "manifest.json").is_file()
+    # the export the master's last lines print, from the same foreign folder: the global as a plain file
+    _ok(_run([str(bin_dir / "diloco-export"), "hub.url=hub", "out=final"], cwd, env))
+    loaded = _ok(_run([str(bin_dir / "python"), "-c", "from safetensors.torch import load_file; "
+                       "print(load_file('final/model.safetensors')['w'].tolist())"], cwd, env)).stdout
+    assert loaded.strip() == "[[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]" and (cwd / "final" / "diloco_global.json").is_file()
     bad = _run([str(bin_dir / "diloco-master"), "hub.url=hubb"], cwd, env)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 2 and "hub.create=true" in bad.stderr
 

@@ -219,11 +219,12 @@ def build_master(cfg: DictConfig, hub, *, on_round=None, in_thread: bool = False
     config = run_master_config(cfg)
     if in_thread and config.until_finished:  # role=all: the parent stops its master once the workers exited (app/local.py)
         config = dataclasses.replace(config, until_finished=False)
+    # until_finished: the run is over once all of its workers finished
+    config = dataclasses.replace(config, expected_nodes=config.expected_nodes or int(cfg.workers))
     master = MasterOuterLoop(
         hub, None, node_state_dir=str(run_dir(cfg) / "master"), config=config, holder=cfg.master.holder,
         metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"), logger=on_round,
     )
-    master.expected_nodes = int(cfg.workers)  # until_finished: the run is over once all of them finished
     return master
 
 

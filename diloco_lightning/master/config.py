@@ -122,6 +122,10 @@ class MasterConfig:
         "applied, saying where the final model is and how to export it (master/finish.py); max_rounds / max_seconds "
         "still end it sooner"
     )
+    expected_nodes: int | None = option(
+        None, "with until_finished: the run is not over before this many workers were seen, each finished (null: "
+        "the first finished worker may end it; train.py: its workers)"
+    )
     compat: str | None = option(
         None, "speedtronic: also take Speedtronic's deltas, write its global/latest.safetensors + step_count.json, "
         "and adopt a run its master served (null: off)"
@@ -149,6 +153,7 @@ class MasterConfig:
         check_choice(self, "arrival_publish", ARRIVAL_PUBLISH)
         if not isinstance(self.until_finished, bool):
             raise OptionError("until_finished", f"must be True or False, got {self.until_finished!r}")
+        check_number(self, "expected_nodes", low=1, integer=True, optional=True)
         if not isinstance(self.lease, bool):
             raise OptionError("lease", f"must be True or False, got {self.lease!r}")
         check_number(self, "outer_lr", low=0.0, strict=True, optional=True)

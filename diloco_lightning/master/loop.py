@@ -250,7 +250,7 @@ class MasterOuterLoop:
         self.error: ConfigError | None = None
         self._last_metrics: RoundMetrics | None = None
         #: ``until_finished``: the run is not over before this many workers were seen (a run of known size)
-        self.expected_nodes = 1
+        self.expected_nodes = self.config.expected_nodes or 1
         self._claims_read_at: float | None = None
 
         if state is not None:
