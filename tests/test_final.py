@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -45,7 +46,8 @@ def weights(module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module_state(module).items()}
 
 
-def test_fit_ends_with_the_hubs_newest_global_and_the_master_ends_with_its_run(tmp_path, caplog):
+def test_fit_ends_with_the_hubs_newest_global_and_the_master_ends_with_its_run(tmp_path, caplog, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     root = tmp_path / "hub"
     root.mkdir()
     m = master(root, tmp_path / "master", until_finished=True)
@@ -75,9 +77,11 @@ def test_fit_ends_with_the_hubs_newest_global_and_the_master_ends_with_its_run(t
     claim = json.loads((root / "nodes" / "w0" / "claim.json").read_text())
     assert claim["info"]["finished"] is True and claim["info"]["local_step"] == 3
 
-    # the one-command export: a plain safetensors file the user's module loads, bit for bit the global
-    out = tmp_path / "export"
-    export_main([f"hub.url={root}", f"out={out}"])
+    # the one-command export, followed exactly as the master printed it (from the user's folder): a plain
+    # safetensors file the user's module loads, bit for bit the global
+    printed = next(line[line.index("diloco-export "):].strip() for line in text.splitlines() if "diloco-export hub.url=" in line)
+    export_main(shlex.split(printed)[1:])
+    out = tmp_path / "final_model"
     exported = load_file(str(out / "model.safetensors"))
     fresh = BoringModel()
     fresh.load_state_dict(exported)
