@@ -2,7 +2,7 @@
 
     python benchmarks/scaling.py                     # the reduced setting at K = 1, 2, 4, 8 into scaling_reduced/ (resumable)
     python benchmarks/scaling.py --jobs 2            # two runs at a time (one core each; results do not depend on it)
-    python benchmarks/scaling.py --setting main      # H = 16, 50 outer steps, 0.8 M parameters (hours a grid on 2 cores)
+    python benchmarks/scaling.py --setting main      # H = 16, 50 outer steps, 1.1 M parameters (hours a grid on 2 cores)
     python benchmarks/scaling.py --k 4 --arms one,dp,sgd   # a slice
     python benchmarks/scaling.py --curves h          # G against H at K = 4 (h, steps, size: the curves)
     python benchmarks/scaling.py --plan              # every run as a train.py command line, done or not
@@ -60,13 +60,13 @@ SETTINGS: dict[str, dict[str, Any]] = {
                               "trainer.max_steps=384", "optim.warmup_steps=10", "data.max_bytes=4000000"],
                 "batch": 8, "steps": 384, "h": 4, "size": "64x2", "ks": [1, 2, 4, 8],
                 "curves": {"h": [1, 4, 16], "steps": [96, 384, 768], "size": ["64x2", "96x3"]}},
-    # the "question is real" setting, as large as the 2-core machine allows: 0.8 M parameters,
+    # the "question is real" setting, as large as the 2-core machine allows: 1.1 M parameters,
     # H = 16 for 50 outer steps (800 inner steps), warmup 50 + cosine, no window seen twice
-    "main": {"overrides": ["model.d_model=128", "model.n_layers=4", "model.ffn_hidden=344", "model.n_heads=4",
+    "main": {"overrides": ["model.d_model=128", "model.n_layers=6", "model.ffn_hidden=344", "model.n_heads=4",
                            "model.n_kv_heads=2", "data.seq_len=128", "data.batch_size=8", "diloco.inner_steps=16",
                            "trainer.max_steps=800", "optim.warmup_steps=50", "data.max_bytes=12000000"],
-             "batch": 8, "steps": 800, "h": 16, "size": "128x4", "ks": [1, 2, 4, 8],
-             "curves": {"h": [16, 64], "steps": [400, 800], "size": ["96x3", "128x4"]}},
+             "batch": 8, "steps": 800, "h": 16, "size": "128x6", "ks": [1, 2, 4, 8],
+             "curves": {"h": [16, 64], "steps": [400, 800], "size": ["96x3", "128x6"]}},
     "quick": {"overrides": ["model.d_model=32", "model.n_layers=1", "model.ffn_hidden=64", "model.n_heads=2",
                             "model.n_kv_heads=1", "data.seq_len=32", "data.batch_size=4", "diloco.inner_steps=2",
                             "trainer.max_steps=16", "optim.warmup_steps=2", "data.max_bytes=300000", "data.val_windows=16"],
