@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -621,6 +622,158 @@ def test_an_oversize_lease_or_claim_is_expired_or_no_claim(transport, tmp_path, 
     messages = [r.getMessage() for r in caplog.records]
     assert any("lease.json is not a valid lease" in s and "bytes, more than" in s for s in messages)
     assert any("evil" in s and "claim" in s and "bytes, more than" in s for s in messages)
+    m.close()
+
+
+# ============================================================================ special files on a folder hub
+
+#: what a writer of a folder hub can put where a file should be: a FIFO (a reader's open blocks until someone
+#: writes), a link to ``/dev/zero`` (endless zeros)
+SPECIAL = ["fifo", "dev_zero"]
+
+
+def _plant(path: Path, kind: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "sparse":  # 256 MiB of nothing on disk
+        with open(path, "wb") as f:
+            f.truncate(256 << 20)
+    else:
+        path.symlink_to("/dev/zero")
+    return path
+
+
+def _within(call, *fifos: Path, seconds: float = 2.0):
+    """``call()``'s result (or exception) if it returns within ``seconds``; else the test fails (the call,
+    in its own thread, is freed first: each FIFO opened for writing and closed, so a reader stalled on it
+    reads an end of file and no thread stays blocked)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        for f in fifos:
+            try:
+                os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        t.join(5.0)
+        pytest.fail(f"{getattr(call, '__name__', call)} did not return within {seconds} s (stalled on a special file)")
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+@pytest.mark.parametrize("kind", [*SPECIAL, "sparse"])
+def test_a_special_file_as_manifest_is_replaced_without_a_stall(tmp_path, kind, caplog):
+    """A FIFO as ``global/manifest.json`` stalled the master's round indefinitely; a link to ``/dev/zero``
+    and a sparse 256 MiB file were read 16 MiB deep (the sparse one added 768 MiB to the master's peak
+    memory, ``/dev/zero`` ended in a MemoryError). Each is refused before a byte is read: a malformed
+    manifest, replaced by the master's last version."""
+    from diloco_lightning.wire.manifest import ManifestError
+
+    root = tmp_path / "hub"
+    m = small_master(FileHub(root), tmp_path)
+    assert m.sync_once()
+    f = _plant(root / "global" / "manifest.json", kind)
+    reader = FileHub(root)
+    why = "268435456 bytes, more than" if kind == "sparse" else "not a regular file"
+    with pytest.raises(ManifestError, match=f"manifest.json is (a FIFO, |a symbolic link, )?{why}"):
+        _within(reader.read_manifest, f)
+    assert len(_within(reader.read_manifest_bytes, f)) < 1000  # a stand-in, never the file's content
+    with caplog.at_level(logging.WARNING):
+        assert _within(m.sync_once, f) is True  # the round goes on: the manifest is replaced
+    assert any("manifest.json is not a valid manifest" in r.getMessage() and why in r.getMessage()
+               for r in caplog.records)
+    assert not f.is_symlink() and f.is_file() and reader.read_manifest().outer_step == 0
+    m.close()
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_a_special_file_as_lease_counts_as_expired_without_a_stall(tmp_path, kind, caplog):
+    root = tmp_path / "hub"
+    hub = FileHub(root)
+    f = _plant(root / "global" / "lease.json", kind)
+    with caplog.at_level(logging.WARNING):
+        lease = _within(hub.read_lease, f)
+    assert lease.unreadable and lease.expired()
+    assert any("lease.json is not a valid lease" in r.getMessage() and "not a regular file" in r.getMessage()
+               for r in caplog.records)
+    m = small_master(hub, tmp_path)
+    assert _within(m.sync_once, f) and m.is_leader  # taken over as an expired lease
+    assert not f.is_symlink() and hub.read_lease().holder == m.holder
+    m.close()
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_a_special_file_as_another_nodes_claim_is_no_claim_without_a_stall(tmp_path, kind, caplog):
+    root = tmp_path / "hub"
+    hub = FileHub(root)
+    hub.write_claim("a", _claim("a", "elsewhere:1:a"), expected=None)
+    f = _plant(root / "nodes" / "evil" / "claim.json", kind)
+    with caplog.at_level(logging.WARNING):
+        assert _within(lambda: hub.read_claim("evil"), f) is None
+    assert sorted(_within(hub.list_claims, f)) == ["a"]
+    assert any("nodes/evil/claim.json" in r.getMessage() and "not a regular file" in r.getMessage()
+               for r in caplog.records)
+    m = small_master(hub, tmp_path, min_deltas=1.0)
+    assert _within(m.sync_once, f)
+    assert m.membership.live() == ["a"]
+    m.close()
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_a_special_file_as_a_workers_own_claim_never_freezes_it(tmp_path, kind):
+    """A FIFO put over a running worker's ``claim.json`` froze its training: the heartbeat blocked reading it
+    while holding the keeper's lock, which the training thread takes at each boundary. The heartbeat now
+    finds no claim there and claims its id again."""
+    root = tmp_path / "hub"
+    hub = FileHub(root)
+    keeper = ClaimKeeper(hub, "w0", ttl=60)
+    keeper.acquire()
+    f = _plant(root / "nodes" / "w0" / "claim.json", kind)
+    assert _within(keeper.renew, f) is True
+    assert not f.is_symlink() and f.is_file() and hub.read_claim("w0").holder == keeper.holder
+    _within(lambda: keeper.set_info({"local_step": 1}), f)  # what the training thread does at a boundary
+    keeper.release()
+    assert not f.exists()
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_a_special_file_as_a_delta_is_rejected_without_a_stall(tmp_path, kind, monkeypatch, caplog):
+    """A listing skips what is not a regular file, but a writer can swap a delta for a FIFO after the listing
+    (or after ``download``'s look at it): the read blocked on it. It is refused at once, with a reason."""
+    from diloco_lightning.hub.base import DeltaRef, HubError
+    from diloco_lightning.wire.delta import UnreadableDeltaError, read_delta
+
+    root = tmp_path / "hub"
+    hub = FileHub(root)
+    m = small_master(hub, tmp_path)
+    assert m.sync_once()
+    hub_path = "nodes/evil/delta_5.safetensors"
+    f = _plant(root / hub_path, kind)
+    with pytest.raises(UnreadableDeltaError, match="not a regular file"):
+        _within(lambda: read_delta(f, reference={"w": torch.zeros(4)}, hub_path=hub_path), f)
+    with pytest.raises(HubError, match="FIFO, not a regular file" if kind == "fifo" else "symbolic link"):
+        _within(lambda: hub.download(hub_path), f)
+    # the round's listing saw a regular file there, and download's look too: swapped just before the read
+    monkeypatch.setattr(hub, "list_deltas", lambda after=None: [DeltaRef("evil", 5, hub_path, 100, "swapped")])
+    monkeypatch.setattr(hub, "download", lambda path, max_bytes=None: root / path)
+    with caplog.at_level(logging.WARNING):
+        assert _within(lambda: m.sync_once(force=True), f) is not None
+    assert any("rejecting " + hub_path in r.getMessage() and "not a regular file" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert m.outer_step == 0
     m.close()
 
 

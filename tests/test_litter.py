@@ -183,3 +183,92 @@ def test_a_process_started_while_the_store_is_down_waits_and_says_so(transport, 
     assert ("retrying" in said or "round failed" in said) and ("unreachable" in said or "failed after" in said), said
     m.close()
 
+
+
+# ============================================================================ the sweep stays inside the hub
+
+class _SwapAfterListing:
+    """``os.scandir`` that, the first time a listing shows ``name``, swaps that folder for a symbolic link
+    to ``target`` right after the listing: a writer racing the master's sweep."""
+
+    def __init__(self, folder: Path, name: str, target: Path) -> None:
+        self.folder, self.name, self.target, self.done = folder, name, target, False
+        self.real = os.scandir
+
+    def __call__(self, path=None):
+        it = self.real(path) if path is not None else self.real()
+        with it:
+            entries = list(it)
+        if not self.done and any(e.name == self.name for e in entries):
+            self.done = True
+            victim = self.folder / self.name
+            for f in victim.iterdir():
+                f.unlink()
+            victim.rmdir()
+            victim.symlink_to(self.target, target_is_directory=True)
+        return _Listing(entries)
+
+
+class _Listing:
+    """What ``os.scandir`` returns (an iterator and a context manager), over a listing made already."""
+
+    def __init__(self, entries: list) -> None:
+        self.it = iter(entries)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.it)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def _old_litter(folder: Path, tag: str) -> list[Path]:
+    """Temporaries of another host's writer, two hours old: what a sweep removes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    made = [folder / f".delta_7.safetensors.dl-otherhost-4242-{tag}.tmp",
+            folder / f".weights_000000003_ab.safetensors.{tag}.part"]
+    for f in made:
+        f.write_bytes(b"x")
+        os.utime(f, (time.time() - 7200, time.time() - 7200))
+    return made
+
+
+@pytest.mark.parametrize("level", ["global", "nodes", "node"])
+def test_the_sweep_never_follows_a_symbolic_link_out_of_the_hub(tmp_path, level, monkeypatch, caplog):
+    """With ``global/``, ``nodes/`` or a node folder (swapped after the listing) a symbolic link to a folder
+    outside the hub, the master's sweep removed the old ``.tmp`` / ``.part`` files there (3 of 3). They stay;
+    the hub's own litter is still swept, and the link is named in a warning."""
+    from diloco_lightning.hub.local import FileHub
+
+    hub = FileHub(tmp_path / "hub", cache_dir=tmp_path / "cache")
+    outside = tmp_path / "outside"
+    theirs = _old_litter(outside, "out") + _old_litter(outside / "w1", "outnode")
+    ours: list[Path] = []
+    if level == "global":
+        (tmp_path / "hub" / "global").rmdir()
+        (tmp_path / "hub" / "global").symlink_to(outside, target_is_directory=True)
+        ours = _old_litter(tmp_path / "hub" / "nodes" / "w0", "ours")
+    elif level == "nodes":
+        (tmp_path / "hub" / "nodes").rmdir()
+        (tmp_path / "hub" / "nodes").symlink_to(outside, target_is_directory=True)
+        ours = _old_litter(tmp_path / "hub" / "global", "ours")
+    else:
+        ours = _old_litter(tmp_path / "hub" / "global", "ours") + _old_litter(tmp_path / "hub" / "nodes" / "w0", "ours")
+        (tmp_path / "hub" / "nodes" / "evil").mkdir()
+        monkeypatch.setattr(os, "scandir", _SwapAfterListing(tmp_path / "hub" / "nodes", "evil", outside))
+    with caplog.at_level(logging.WARNING):
+        removed = hub.sweep(3600.0)
+    monkeypatch.undo()
+    assert [str(f) for f in theirs if not f.exists()] == []
+    assert [str(f) for f in ours if f.exists()] == [] and len(removed) == len(ours), removed
+    linked = {"global": "global", "nodes": "nodes", "node": "nodes/evil"}[level]
+    assert any(linked in r.getMessage() and "symbolic link" in r.getMessage() for r in caplog.records), caplog.text

@@ -13,6 +13,10 @@ operation fail (``HubError``), never reach outside.
 * :meth:`HubFolder.write_temp` copies a file (``sendfile``, else a plain copy) or bytes, fsynced;
   with ``link``, it hard-links a file that never changes again instead, when both are on one
   filesystem.
+* :meth:`HubFolder.sweep` removes the temporary files of dead writers in ``global/`` and every node
+  folder, each folder opened the same way: a link where a folder should be (``global/``, ``nodes/``,
+  a node folder, even one swapped for a link after the listing) is skipped with a warning naming it,
+  and nothing outside the hub is ever looked at or removed.
 * :meth:`HubFolder.locked` is the exclusive ``flock`` on ``global/.lock`` that publications and
   deletions of global files take; it dies with its process.
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import secrets
 import shutil
@@ -31,11 +36,14 @@ from pathlib import Path
 from typing import Iterator
 
 from diloco_lightning.util import faults
-from diloco_lightning.util.fileio import temp_prefix
+from diloco_lightning.util.fileio import sweep_temporaries_at, temp_prefix
+from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import HubError
-from diloco_lightning.wire.names import GLOBAL_DIR
+from diloco_lightning.wire.names import GLOBAL_DIR, NODE_ID_RE, NODES_DIR
 
 __all__ = ["HubFolder"]
+
+log = logging.getLogger(__name__)
 
 _LOCK_NAME = ".lock"
 
@@ -46,6 +54,7 @@ class HubFolder:
     def __init__(self, root: Path, url: str) -> None:
         self.root = root
         self.url = url
+        self._warned = WarnOnce(log)  # bounded: the links are any hub writer's
 
     def open_dir(self, parts: list[str], *, create: bool) -> int:
         """A descriptor of the folder ``root/<parts...>``, opened one component at a time
@@ -158,6 +167,57 @@ class HubFolder:
                 os.unlink(name, dir_fd=dfd)  # a link itself is removed, never what it points to
         finally:
             os.close(dfd)
+
+    def _open_to_sweep(self, parts: list[str]) -> int | None:
+        """:meth:`open_dir` for a sweep: None (with a warning naming it, once) where a component is a
+        symbolic link or not a folder, or where the folder is missing."""
+        try:
+            return self.open_dir(parts, create=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except HubError:
+            where = "/".join(parts)
+            self._warned.warn(f"sweep:{where}", "not sweeping %s on %s: it is a symbolic link or not a folder",
+                              where, self.url)
+            return None
+
+    def sweep(self, max_age: float) -> list[str]:
+        """Remove the temporary files of dead writers (``fileio.sweep_temporaries_at``) in ``global/``
+        and every node folder, each opened without following a symbolic link (see the module
+        docstring). Returns the removed paths."""
+        removed: list[str] = []
+        fd = self._open_to_sweep([GLOBAL_DIR])
+        if fd is not None:
+            try:
+                removed += sweep_temporaries_at(fd, os.path.join(self.root, GLOBAL_DIR), max_age)
+            finally:
+                os.close(fd)
+        nodes_fd = self._open_to_sweep([NODES_DIR])
+        if nodes_fd is None:
+            return removed
+        try:
+            with os.scandir(nodes_fd) as it:
+                names = [e.name for e in it if NODE_ID_RE.fullmatch(e.name) is not None
+                         and (e.is_dir(follow_symlinks=False) or e.is_symlink())]
+            for name in names:
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=nodes_fd)
+                except FileNotFoundError:  # removed since the listing
+                    continue
+                except OSError as e:
+                    if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    where = f"{NODES_DIR}/{name}"
+                    self._warned.warn(f"sweep:{where}", "not sweeping %s on %s: it is a symbolic link or not a folder",
+                                      where, self.url)
+                    continue
+                try:
+                    removed += sweep_temporaries_at(fd, os.path.join(self.root, NODES_DIR, name), max_age)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(nodes_fd)
+        return removed
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:

@@ -19,7 +19,12 @@ honours ``flock`` (NFSv4, Lustre, local disks).
   written under temporary names (the weights hard-linked to the staged file) before the lock,
   then renamed over their fixed names, in order, under the lock right after the manifest swap.
 * ``download`` returns files in place (every file is immutable once visible) and
-  refuses symbolic links and anything resolving outside the hub folder.
+  refuses symbolic links, anything but a regular file (a FIFO, a device) and anything
+  resolving outside the hub folder.
+* The manifest, the lease and the claims are read with ``fileio.read_document``: a link, a
+  FIFO, a device or a file over its bound is refused before a byte is read (never followed,
+  waited on or read whole): a malformed manifest (replaced by the master), an expired lease,
+  no claim, each with a warning naming the file.
 * Nothing is ever written or deleted through a symbolic link (:mod:`diloco_lightning.hub.folder`:
   folder descriptors opened with ``O_NOFOLLOW``), so a node folder swapped for a link to
   elsewhere (by any writer, at any moment) makes the operation fail, never reach outside.
@@ -37,12 +42,13 @@ import hmac
 import logging
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 from urllib.parse import quote
 
 from diloco_lightning.util import faults
-from diloco_lightning.util.fileio import atomic_write_bytes, read_at_most, sweep_temporaries, temp_prefix
+from diloco_lightning.util.fileio import RefusedFile, atomic_write_bytes, file_kind, read_document, temp_prefix
 from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import (
     ClaimConflictError,
@@ -59,7 +65,7 @@ from diloco_lightning.hub.base import (
     default_cache_dir,
 )
 from diloco_lightning.hub.folder import HubFolder
-from diloco_lightning.wire.manifest import MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease, Manifest
+from diloco_lightning.wire.manifest import MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease, Manifest, ManifestError
 from diloco_lightning.wire.claims import MAX_CLAIM_BYTES, ClaimError, NodeClaim
 from diloco_lightning.wire.names import (
     CLAIM_NAME,
@@ -242,17 +248,22 @@ class FileHub(Hub):
     # ------------------------------------------------------------------ reading
 
     def download(self, hub_path: str, *, max_bytes: int | None = None) -> Path:
-        """The file itself (no copy): hub files are immutable once visible. Refuses a symlink
-        or anything that resolves outside the hub folder."""
+        """The file itself (no copy): hub files are immutable once visible. Refuses a symlink,
+        anything but a regular file (a FIFO, a device) and anything that resolves outside the hub
+        folder."""
         p = self._abs(hub_path)
-        if p.is_symlink() or p.parent.is_symlink():
+        try:
+            st = p.lstat()
+        except (FileNotFoundError, NotADirectoryError):
+            raise HubNotFoundError(f"{hub_path} not found on {self.url}") from None
+        if stat.S_ISLNK(st.st_mode) or p.parent.is_symlink():
             raise HubError(f"refusing {hub_path} on {self.url}: it is a symbolic link")
-        if not p.is_file():
-            raise HubNotFoundError(f"{hub_path} not found on {self.url}")
+        if not stat.S_ISREG(st.st_mode):
+            raise HubError(f"refusing {hub_path} on {self.url}: it is {file_kind(st.st_mode)}, not a regular file")
         if not p.resolve().is_relative_to(self.root.resolve()):
             raise HubError(f"refusing {hub_path} on {self.url}: it resolves outside the hub folder")
         if max_bytes is not None:
-            size = p.stat().st_size
+            size = st.st_size
             if size > max_bytes:
                 raise HubFileTooLargeError(f"{hub_path} on {self.url} is {size} bytes, more than the {max_bytes} allowed")
         return p
@@ -260,13 +271,25 @@ class FileHub(Hub):
     def release(self, local_path: str | os.PathLike) -> None:
         """Downloads are the hub's own files, returned in place: nothing to release."""
 
-    def read_manifest_bytes(self) -> bytes | None:
-        """Read up to one byte past the largest manifest: a larger file is refused by its size, its
-        first bytes standing for it (a replacement compares their digest), never read whole."""
+    def _read_document(self, hub_path: str, max_bytes: int) -> bytes | None:
+        """``fileio.read_document`` of ``hub_path`` (None if absent): a link, a FIFO, a device or a
+        file over ``max_bytes`` is a ``RefusedFile`` stand-in, read from nowhere."""
         try:
-            return read_at_most(self.root / MANIFEST_PATH, MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
+            return read_document(self.root / hub_path, max_bytes, name=f"{self.url}/{hub_path}")
+        except (FileNotFoundError, NotADirectoryError):
             return None
+
+    def read_manifest_bytes(self) -> bytes | None:
+        """The manifest as stored, read up to one byte past the largest manifest; a file that is not
+        a regular one or is over that size is refused unread, a ``RefusedFile`` standing for it (a
+        replacement compares its digest)."""
+        return self._read_document(MANIFEST_PATH, MAX_MANIFEST_BYTES)
+
+    def read_manifest(self) -> Manifest | None:
+        data = self.read_manifest_bytes()
+        if isinstance(data, RefusedFile):  # malformed, as any document over its size: replaced by the master
+            raise ManifestError(data.reason)
+        return None if data is None else Manifest.from_json(data, source=f"{self.url}/{MANIFEST_PATH}")
 
     # ------------------------------------------------------------------ publishing
 
@@ -349,19 +372,18 @@ class FileHub(Hub):
                 self._folder.unlink(hub_path)
 
     def sweep(self, max_age: float) -> list[str]:
-        """Temporary files of dead writers in ``global/``, every node folder and the cache."""
-        removed = sweep_temporaries(self.root / GLOBAL_DIR, max_age)
-        for nd in self._node_dirs():
-            removed += sweep_temporaries(nd.path, max_age)
-        return removed + super().sweep(max_age)
+        """Temporary files of dead writers in ``global/``, every node folder and the cache; never
+        through a symbolic link (:meth:`HubFolder.sweep`)."""
+        return self._folder.sweep(max_age) + super().sweep(max_age)
 
     # ------------------------------------------------------------------ lease
 
     def read_lease(self) -> Lease | None:
-        try:
-            text = read_at_most(self.root / LEASE_PATH, MAX_LEASE_BYTES + 1)  # a larger one: expired
-        except FileNotFoundError:
+        text = self._read_document(LEASE_PATH, MAX_LEASE_BYTES)
+        if text is None:
             return None
+        if isinstance(text, RefusedFile):  # a link, a FIFO, a device, a file over its size: expired
+            return Lease.unreadable_stand_in(text, f"{self.url}/{LEASE_PATH}", text.reason)
         return Lease.from_hub_bytes(text, source=f"{self.url}/{LEASE_PATH}")
 
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
@@ -370,8 +392,7 @@ class FileHub(Hub):
             if current != expected:
                 raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {current}")
             if lease is None:
-                with contextlib.suppress(FileNotFoundError):
-                    (self.root / LEASE_PATH).unlink()
+                self._folder.unlink(LEASE_PATH)  # never through a symbolic link
             else:
                 atomic_write_bytes(self.root / LEASE_PATH, lease.to_json().encode())
 
@@ -386,16 +407,13 @@ class FileHub(Hub):
     def _read_claim_file(self, node_id: str) -> NodeClaim | None:
         p = self._claim_file(node_id)
         try:
-            fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except FileNotFoundError:
+            data = read_document(p, MAX_CLAIM_BYTES, name=claim_path(node_id))
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        except OSError as e:  # ELOOP: a symbolic link
-            self._warn_once(str(p), "ignoring the claim %s on %s: %s", claim_path(node_id), self.url, e)
+        if isinstance(data, RefusedFile):  # a link, a FIFO, a device, a file over its size: no claim
+            self._warn_once(f"{p}:{bytes(data)!r}", "ignoring the claim %s on %s: %s", claim_path(node_id), self.url,
+                            data.reason)
             return None
-        try:
-            data = os.read(fd, MAX_CLAIM_BYTES + 1)
-        finally:
-            os.close(fd)
         try:
             return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{claim_path(node_id)}")
         except ClaimError as e:
@@ -429,8 +447,7 @@ class FileHub(Hub):
             if current != expected:
                 raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
             if text is None:
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+                self._folder.unlink(claim_path(node_id))  # never through a symbolic link
             else:
                 atomic_write_bytes(p, text)
         finally:

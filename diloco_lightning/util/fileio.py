@@ -9,12 +9,20 @@ Temporary files and folders carry their owner in their name (:func:`owner_tag`:
 ``dl-<host>-<pid>``), so what a killed process left behind can be swept
 (:func:`sweep_temporaries`) without ever touching a live writer's file: a temporary of
 this host whose process is gone is removed at once, one of another host (or of an old
-version, without a tag) only once it has not changed for ``max_age`` seconds.
+version, without a tag) only once it has not changed for ``max_age`` seconds. A hub's folders
+are swept through folder descriptors (:func:`sweep_temporaries_at`), never through a link.
+
+A file any writer may have made is opened so that it can neither stall nor flood the reader:
+:func:`read_document` (a small document: a manifest, a lease, a claim) refuses, before reading a
+byte, anything that is not a regular file or is over its bound (a :class:`RefusedFile` stand-in),
+and :func:`open_regular` (a delta) anything that is not a regular file; neither ever blocks on a
+FIFO or reads a device.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -22,10 +30,11 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +88,33 @@ def is_dead_or_old(name: str, mtime: float, max_age: float, now: float) -> bool:
     return now - mtime > max_age
 
 
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is a temporary file's (``.<name>...tmp`` / ``.part``): what a sweep looks at."""
+    return name.startswith(".") and (name.endswith(".tmp") or name.endswith(".part"))
+
+
+def sweep_temporaries_at(dir_fd: int, where: str, max_age: float) -> list[str]:
+    """:func:`sweep_temporaries` of the folder open as ``dir_fd`` (``where`` names it in what is
+    returned), not recursive: every name is listed, looked at and removed relative to the descriptor,
+    so nothing outside that folder is ever touched, whatever a writer swaps for a link meanwhile (a
+    link itself is removed, never what it points to). Returns the removed paths."""
+    removed: list[str] = []
+    now = time.time()
+    with os.scandir(dir_fd) as it:
+        names = [e.name for e in it if is_temporary(e.name)]
+    for name in names:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode) or not is_dead_or_old(name, st.st_mtime, max_age, now):
+                continue
+            os.unlink(name, dir_fd=dir_fd)
+            removed.append(os.path.join(where, name))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.debug("could not sweep %s: %s", os.path.join(where, name), e)
+    return removed
+
 
 def sweep_temporaries(folder: str | os.PathLike, max_age: float, *, recursive: bool = False) -> list[str]:
     """Remove temporary files (``.<name>...tmp`` / ``.part``) under ``folder`` whose owner is
@@ -90,7 +126,7 @@ def sweep_temporaries(folder: str | os.PathLike, max_age: float, *, recursive: b
         if not recursive:
             dirs.clear()
         for name in files:
-            if not (name.startswith(".") and (name.endswith(".tmp") or name.endswith(".part"))):
+            if not is_temporary(name):
                 continue
             path = os.path.join(root, name)
             try:
@@ -214,14 +250,87 @@ def atomic_write_json(dest: str | os.PathLike, obj: object) -> Path:
     return atomic_write_bytes(dest, text.encode("utf-8"))
 
 
-def read_at_most(path: str | os.PathLike, limit: int) -> bytes:
-    """The first ``limit`` bytes of a file (all of a shorter one): what a reader of hub documents
-    takes of a file any writer may have made of any size (``FileNotFoundError`` if absent)."""
-    with open(path, "rb") as f:
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words (``"a FIFO"``)."""
+    for test, kind in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return f"a file of mode {mode:o}"
+
+
+class RefusedFile(bytes):
+    """What :func:`read_document` returns for a file it refused unread (not a regular file, or over
+    its bound): not its content but a short text naming its path, kind, size, inode and last change,
+    so that two reads of the same file compare equal and hash alike (a compare-and-swap over it works
+    as over any bytes), and that no parser takes it for a document (it starts with a NUL byte).
+    ``reason`` says what is wrong with it. The readers of documents check for it first: a refused
+    manifest is a malformed one (replaced), a refused lease an expired one, a refused claim no claim."""
+
+    reason: str
+
+    def __new__(cls, name: str, st: os.stat_result, reason: str) -> "RefusedFile":
+        self = super().__new__(cls, (f"\0{name}: {file_kind(st.st_mode)}, {st.st_size} bytes, inode {st.st_ino}, "
+                                     f"changed {st.st_mtime_ns}").encode())
+        self.reason = reason
+        return self
+
+
+_DOCUMENT_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def read_document(path: str | os.PathLike, max_bytes: int, *, name: str | None = None) -> bytes:
+    """A small document any writer may have made (a hub's manifest, lease, claim): the bytes of a
+    regular file of at most ``max_bytes``, read up to one byte past it (a file that grew since it was
+    looked at is then refused by its parser). Anything else is refused before a byte is read, with a
+    :class:`RefusedFile` stand-in: a symbolic link (never followed), a FIFO (never waited on: opened
+    non-blocking), a device (``/dev/zero`` is never read), a file over ``max_bytes`` (by its size).
+    ``name`` names the file in the reason (default: ``path``). ``FileNotFoundError`` if absent."""
+    name = os.fspath(path) if name is None else name
+    try:
+        fd = os.open(path, _DOCUMENT_FLAGS)
+    except OSError as e:  # ELOOP: a symbolic link; ENXIO: a socket; ...
+        if isinstance(e, FileNotFoundError):
+            raise
+        st = os.lstat(path)  # FileNotFoundError if it went meanwhile
+        if stat.S_ISREG(st.st_mode):
+            raise
+        return RefusedFile(name, st, f"{name} is {file_kind(st.st_mode)}, not a regular file")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return RefusedFile(name, st, f"{name} is {file_kind(st.st_mode)}, not a regular file")
+        if st.st_size > max_bytes:
+            return RefusedFile(name, st, f"{name} is {st.st_size} bytes, more than the {max_bytes} it may have")
+        os.set_blocking(fd, True)
         out = bytearray()
-        while len(out) < limit and (chunk := f.read(min(_CHUNK, limit - len(out)))):
+        while len(out) <= max_bytes and (chunk := os.read(fd, min(_CHUNK, max_bytes + 1 - len(out)))):
             out += chunk
-    return bytes(out)
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+class NotRegularFileError(OSError):
+    """:func:`open_regular` met a FIFO, a device, a folder or a socket."""
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """``open(path, "rb")`` for a file any writer may have made (a delta read in place): what is not a
+    regular file (a FIFO, ``/dev/zero``) raises :class:`NotRegularFileError` at once, never blocks the
+    reader nor feeds it without end. The open file is the one checked (no race between a check and
+    the open)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(errno.EINVAL, f"{file_kind(mode)}, not a regular file", os.fspath(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator
 
 from diloco_lightning.util.errors import DiLoCoError
+from diloco_lightning.util.fileio import open_regular
 from diloco_lightning.util.jsondoc import load_json
 
 __all__ = [
@@ -116,7 +117,7 @@ def read_layout(
     file larger than ``max_file_bytes`` or a header larger than ``max_header_bytes``.
     """
     if isinstance(source, (str, os.PathLike)):
-        with open(source, "rb") as opened:
+        with open_regular(source) as opened:  # a FIFO or a device: refused at once (OSError)
             return read_layout(opened, max_header_bytes=max_header_bytes, max_file_bytes=max_file_bytes)
     f = source
     f.seek(0)

@@ -47,6 +47,7 @@ from diloco_lightning.wire.delta.header import (
     synced_keys,
 )
 from diloco_lightning.encoding import EncodedTensor, EncodingError, check_layout, part_name, split_part_name
+from diloco_lightning.util.fileio import open_regular
 from diloco_lightning.wire.names import parse_delta_path
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.wire.layout import LayoutError, OversizeError, map_tensors, read_layout, read_tensor
@@ -180,7 +181,9 @@ def read_delta(
         want = None
         max_header = 100 << 20
     try:
-        f = open(path_str, "rb")  # one open file for the checks and the read: what is checked is what is read
+        # one open file for the checks and the read: what is checked is what is read; a FIFO or a device
+        # (a link to /dev/zero) is refused at once, never waited on nor read without end
+        f = open_regular(path_str)
     except OSError as e:
         raise UnreadableDeltaError(path, f"cannot open ({type(e).__name__}: {e.strerror or e})") from None
     with f:
