@@ -13,6 +13,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import threading
 import time
@@ -35,6 +37,7 @@ from diloco_lightning.hub import (
     open_hub,
 )
 from diloco_lightning.hub.local import FileHub
+from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.manifest import GlobalVersion, Lease, ManifestError
 from diloco_lightning.wire.names import InvalidNameError
 from support.racers import run_racers  # noqa: E402
@@ -731,3 +734,131 @@ def test_one_cache_variable_moves_every_cache(tmp_path, monkeypatch):
     assert hub_cache("hf://org/run").parent == tmp_path / "old"
     assert data_cache() == tmp_path / "c"
     assert data_cache(tmp_path / "given") == tmp_path / "given"
+
+
+# ----------------------------------------------------------------------------- symbolic links below the hub folder
+
+
+def _hub_with_everything(tmp_path: Path) -> tuple[FileHub, Lease, NodeClaim]:
+    """A hub with a version, a delta, a lease and a claim of node ``a``."""
+    hub = FileHub(tmp_path / "hub", cache_dir=tmp_path / "cache")
+    _publish_v0(hub, tmp_path)
+    src, _ = _delta_file(tmp_path / "d1.safetensors", "a", 1, 1)
+    hub.upload_delta(src, "a", 1)
+    lease = Lease("host:1:m", 1, time.time() + 30, time.time())
+    hub.write_lease(lease, expected=None)
+    now = time.time()
+    claim = NodeClaim("a", "host:2:w", 1, now, now, now + 60, {})
+    hub.write_claim("a", claim, expected=None)
+    return hub, lease, claim
+
+
+def _link_out(hub: FileHub, tmp_path: Path, which: str) -> tuple[Path, str]:
+    """``which`` (``global``, ``nodes`` or the node folder ``nodes/a``) replaced by a symbolic link to a
+    copy outside the hub: a link that were followed would find the hub's own (valid) documents."""
+    rel = {"global": "global", "nodes": "nodes", "node": "nodes/a"}[which]
+    outside = tmp_path / "outside"
+    shutil.copytree(hub.root / rel, outside)
+    shutil.rmtree(hub.root / rel)
+    (hub.root / rel).symlink_to(outside, target_is_directory=True)
+    return outside, rel
+
+
+@pytest.mark.parametrize("which", ["global", "nodes", "node"])
+def test_no_write_ever_goes_through_a_symbolic_link_below_the_hub(tmp_path, which, caplog):
+    """A master publication, a lease write, a claim write and a delta upload write nothing outside the hub
+    when ``global/``, ``nodes/`` or ``nodes/a/`` is a link to a folder outside: each writes inside the hub
+    when its folder is not the link, else fails with a ``HubError`` naming the link. Before, each wrote
+    through the link (the manifest, the lease, the claim, ``.lock`` / ``.claim.lock``, the delta)."""
+    hub, lease, claim = _hub_with_everything(tmp_path)
+    outside, rel = _link_out(hub, tmp_path, which)
+    before = _snapshot(outside)
+    in_global = which == "global"
+
+    def attempt(write, through_link: bool) -> None:
+        if through_link:
+            with pytest.raises(HubError, match=f"{rel} on .* is a symbolic link"):
+                write()
+        else:
+            write()
+
+    s1 = stage_global(tmp_path / "stage1", 1, _state(1))
+    m1 = s1.manifest(ledger={"a": 1})
+    attempt(lambda: hub.publish(m1, s1.files, expected_outer_step=0), in_global)
+    attempt(lambda: hub.write_lease(Lease("host:1:m", 2, time.time() + 30, time.time()), expected=lease), in_global)
+    now = time.time()
+    attempt(lambda: hub.write_claim("a", NodeClaim("a", "host:2:w", 1, now, now + 1, now + 61, {}), expected=claim),
+            not in_global)
+    attempt(lambda: hub.write_claim("b", NodeClaim("b", "host:3:w", 1, now, now, now + 60, {}), expected=None),
+            which == "nodes")
+    src, _ = _delta_file(tmp_path / "d2.safetensors", "a", 2, 2)
+    attempt(lambda: hub.upload_delta(src, "a", 2), not in_global)
+    attempt(lambda: hub.upload_delta(src, "b", 2), which == "nodes")
+    hub.sweep(0.0)
+    assert _snapshot(outside) == before  # nothing written, renamed, created or removed outside
+
+
+@pytest.mark.parametrize("which", ["global", "nodes", "node"])
+def test_no_read_or_listing_ever_goes_through_a_symbolic_link_below_the_hub(tmp_path, which, caplog):
+    """The manifest, the lease and the claims read through a linked folder are refused like an unreadable
+    file (a malformed manifest, an expired lease, no claim, each with a warning naming the link), and a
+    listing skips the link with a warning: never the outside copy. Before, each returned the outside file."""
+    hub, lease, claim = _hub_with_everything(tmp_path)
+    outside, rel = _link_out(hub, tmp_path, which)
+    with caplog.at_level(logging.WARNING):
+        if which == "global":
+            with pytest.raises(ManifestError, match="reached through global, a symbolic link"):
+                hub.read_manifest()
+            assert hub.read_lease() != lease and hub.read_lease().holder == ""  # expired stand-in
+            assert hub.list_global() == []
+            with pytest.raises(HubError, match="symbolic link"):
+                hub.download("global/manifest.json")
+            assert hub.list_claims() == {"a": claim}  # the rest of the hub is read as usual
+        else:
+            assert hub.read_manifest() is not None and hub.read_lease() == lease
+            assert hub.list_deltas() == [] and hub.list_inits() == []
+            assert hub.read_claim("a") is None and hub.list_claims() == {}
+            with pytest.raises(HubError, match="symbolic link"):
+                hub.download("nodes/a/delta_1.safetensors")
+    assert any(rel in r.getMessage() and "symbolic link" in r.getMessage() for r in caplog.records), caplog.text
+    assert (outside / ("manifest.json" if which == "global" else "a/delta_1.safetensors" if which == "nodes"
+                       else "delta_1.safetensors")).is_file()  # the outside copy was there to be found
+
+
+def test_the_publication_lock_is_never_a_link_nor_a_fifo(tmp_path):
+    """``global/.lock`` made a link to a path outside the hub: the lock is refused with a ``HubError`` naming
+    it (before, it was created outside the hub). Made a FIFO: refused at once, never waited on (a thread with
+    a timeout, so that a regression fails rather than hangs); the same for a node's ``.claim.lock``."""
+    hub = FileHub(tmp_path / "hub", cache_dir=tmp_path / "cache")
+    target = tmp_path / "outside" / "made-by-the-lock"
+    target.parent.mkdir()
+    (hub.root / "global" / ".lock").symlink_to(target)
+    lease = Lease("host:1:m", 1, time.time() + 30, time.time())
+    with pytest.raises(HubError, match=r"global/\.lock on .*: it is a symbolic link"):
+        hub.write_lease(lease, expected=None)
+    assert not target.exists() and list(target.parent.iterdir()) == []
+
+    (hub.root / "global" / ".lock").unlink()
+    os.mkfifo(hub.root / "global" / ".lock")
+    (hub.root / "nodes" / "a").mkdir()
+    os.mkfifo(hub.root / "nodes" / "a" / ".claim.lock")
+    now = time.time()
+    for write, where in ((lambda: hub.write_lease(lease, expected=None), r"global/\.lock"),
+                         (lambda: hub.write_claim("a", NodeClaim("a", "h:2:w", 1, now, now, now + 60, {}), expected=None),
+                          r"nodes/a/\.claim\.lock")):
+        box: list = []
+
+        def run() -> None:
+            try:
+                write()
+                box.append(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                box.append(e)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(5)
+        assert not t.is_alive(), f"stalled on the FIFO {where}"
+        assert isinstance(box[0], HubError), box
+        assert re.search(f"{where} on .*: it is a FIFO, not a regular file", str(box[0])), box[0]
+    assert sorted(os.listdir(hub.root / "global")) == [".lock"] and hub.read_lease() is None

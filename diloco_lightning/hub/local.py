@@ -19,15 +19,18 @@ honours ``flock`` (NFSv4, Lustre, local disks).
   written under temporary names (the weights hard-linked to the staged file) before the lock,
   then renamed over their fixed names, in order, under the lock right after the manifest swap.
 * ``download`` returns files in place (every file is immutable once visible) and
-  refuses symbolic links, anything but a regular file (a FIFO, a device) and anything
-  resolving outside the hub folder.
+  refuses symbolic links (the file, or a folder on the way), anything but a regular file
+  (a FIFO, a device) and anything resolving outside the hub folder.
 * The manifest, the lease and the claims are read with ``fileio.read_document``: a link, a
   FIFO, a device or a file over its bound is refused before a byte is read (never followed,
   waited on or read whole): a malformed manifest (replaced by the master), an expired lease,
   no claim, each with a warning naming the file.
-* Nothing is ever written or deleted through a symbolic link (:mod:`diloco_lightning.hub.folder`:
-  folder descriptors opened with ``O_NOFOLLOW``), so a node folder swapped for a link to
-  elsewhere (by any writer, at any moment) makes the operation fail, never reach outside.
+* Nothing is ever read, listed, written, renamed, locked or deleted through a symbolic link
+  (:mod:`diloco_lightning.hub.folder`: folder descriptors opened one component at a time with
+  ``O_NOFOLLOW`` from the hub's folder), so ``global/``, ``nodes/`` or a node folder swapped for a
+  link to elsewhere (by any writer, at any moment) makes a write fail with a ``HubError`` naming
+  the link, a read refused as an unreadable file and a listing skip it, each with a warning; never
+  reach outside.
 * Temporary files carry their owner (``fileio.owner_tag``); :meth:`FileHub.sweep` removes
   those of dead writers (and untagged ones past an age), never a live writer's.
 * ``FileHub.fault`` is a test hook called between the writes of a publication.
@@ -36,7 +39,6 @@ honours ``flock`` (NFSv4, Lustre, local disks).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import hmac
 import logging
@@ -44,11 +46,11 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Mapping
 from urllib.parse import quote
 
 from diloco_lightning.util import faults
-from diloco_lightning.util.fileio import RefusedFile, atomic_write_bytes, file_kind, read_document, temp_prefix
+from diloco_lightning.util.fileio import RefusedFile, file_kind, temp_prefix
 from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import (
     ClaimConflictError,
@@ -64,7 +66,7 @@ from diloco_lightning.hub.base import (
     check_publication,
     default_cache_dir,
 )
-from diloco_lightning.hub.folder import HubFolder
+from diloco_lightning.hub.folder import HubFolder, HubLinkError
 from diloco_lightning.wire.manifest import MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease, Manifest, ManifestError
 from diloco_lightning.wire.claims import MAX_CLAIM_BYTES, ClaimError, NodeClaim
 from diloco_lightning.wire.names import (
@@ -86,6 +88,8 @@ from diloco_lightning.wire.names import (
 
 log = logging.getLogger(__name__)
 
+_CLAIM_LOCK = ".claim.lock"
+
 
 class FileHub(Hub):
     """A hub in a folder. See the module docstring for the guarantees."""
@@ -99,15 +103,21 @@ class FileHub(Hub):
         self.root = root
         self.local_root = root
         if create:
-            (root / NODES_DIR).mkdir(parents=True, exist_ok=True)
-            (root / GLOBAL_DIR).mkdir(parents=True, exist_ok=True)
+            root.mkdir(parents=True, exist_ok=True)  # the hub's folder itself is the user's: it may be a link
         elif not root.is_dir():
             raise HubNotFoundError(f"hub folder {root} does not exist (create=False)")
         # RFC 3986 allows '=', ',' and '+' in a path: keep them readable (runs/recipe=tiny/hub)
         self.url = "file://" + quote(str(root), safe="/=,+:@~!$&'()*;")
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(self.url)
         self._warned = WarnOnce(log)
-        self._folder = HubFolder(root, self.url)  # placing, removing and locking, never through a symbolic link
+        # every read, listing, write, removal and lock goes through it: never through a symbolic link
+        self._folder = HubFolder(root, self.url)
+        if create:
+            for sub in (NODES_DIR, GLOBAL_DIR):
+                try:
+                    os.close(self._folder.open_dir([sub], create=True))
+                except HubLinkError as e:  # every operation through it fails or is refused, naming it
+                    log.warning("%s", e)
 
     # ------------------------------------------------------------------ helpers
 
@@ -189,54 +199,80 @@ class FileHub(Hub):
 
     # ------------------------------------------------------------------ listing
 
-    def _node_dirs(self) -> Iterator[os.DirEntry]:
+    def _node_ids(self) -> list[str]:
+        """The valid node ids under ``nodes/`` that are folders (a symbolic link is skipped with a
+        warning naming it: nothing below it is ever looked at)."""
+        nodes_fd = self._folder.open_or_skip([NODES_DIR], "listing")
+        if nodes_fd is None:
+            return []
+        out: list[str] = []
         try:
-            entries = list(os.scandir(self.root / NODES_DIR))
-        except FileNotFoundError:
-            return
-        for e in entries:
-            if not e.is_dir(follow_symlinks=False):
-                continue
-            if NODE_ID_RE.fullmatch(e.name) is None:
-                self._warn_once(e.name, "ignoring %s/%s on %s: not a valid node id", NODES_DIR, e.name, self.url)
-                continue
-            yield e
+            with os.scandir(nodes_fd) as it:
+                for e in it:
+                    if e.is_symlink():
+                        self._warn_once(f"link:{e.name}", "ignoring %s/%s on %s: it is a symbolic link", NODES_DIR, e.name,
+                                        self.url)
+                        continue
+                    if not e.is_dir(follow_symlinks=False):
+                        continue
+                    if NODE_ID_RE.fullmatch(e.name) is None:
+                        self._warn_once(e.name, "ignoring %s/%s on %s: not a valid node id", NODES_DIR, e.name, self.url)
+                        continue
+                    out.append(e.name)
+        finally:
+            os.close(nodes_fd)
+        return out
 
     def list_deltas(self, after: Mapping[str, int] | None = None) -> list[DeltaRef]:
         after = after or {}
         out: list[DeltaRef] = []
-        for nd in self._node_dirs():
-            floor = after.get(nd.name, -1)
-            try:
-                entries = list(os.scandir(nd.path))
-            except FileNotFoundError:  # removed while listing
+        for node in self._node_ids():
+            floor = after.get(node, -1)
+            # each folder opened from the hub's own, never through a link (one swapped in since the listing)
+            dfd = self._folder.open_or_skip([NODES_DIR, node], "listing")
+            if dfd is None:  # removed while listing, or a link now
                 continue
-            for f in entries:
-                if f.name.startswith(".") or f.name in ("init.safetensors", CLAIM_NAME):
-                    continue
-                hub_path = f"{NODES_DIR}/{nd.name}/{f.name}"
-                ident = parse_delta_path(hub_path)
-                if ident is None:
-                    self._warn_once(hub_path, "ignoring %s on %s: not a delta path", hub_path, self.url)
-                    continue
-                if ident.local_step <= floor or not f.is_file(follow_symlinks=False):
-                    continue
-                try:
-                    st = f.stat(follow_symlinks=False)
-                except FileNotFoundError:  # collected between scandir and stat
-                    continue
-                out.append(DeltaRef(ident.node_id, ident.local_step, hub_path, st.st_size, f"{st.st_ino}-{st.st_mtime_ns}"))
+            try:
+                with os.scandir(dfd) as it:
+                    for f in it:
+                        if f.name.startswith(".") or f.name in ("init.safetensors", CLAIM_NAME):
+                            continue
+                        hub_path = f"{NODES_DIR}/{node}/{f.name}"
+                        ident = parse_delta_path(hub_path)
+                        if ident is None:
+                            self._warn_once(hub_path, "ignoring %s on %s: not a delta path", hub_path, self.url)
+                            continue
+                        if ident.local_step <= floor or not f.is_file(follow_symlinks=False):
+                            continue
+                        try:
+                            st = f.stat(follow_symlinks=False)
+                        except FileNotFoundError:  # collected between scandir and stat
+                            continue
+                        out.append(DeltaRef(ident.node_id, ident.local_step, hub_path, st.st_size,
+                                            f"{st.st_ino}-{st.st_mtime_ns}"))
+            finally:
+                os.close(dfd)
         out.sort()
         return out
 
     def list_inits(self) -> list[str]:
-        return sorted(nd.name for nd in self._node_dirs() if os.path.isfile(os.path.join(nd.path, "init.safetensors")))
+        out = []
+        for node in self._node_ids():
+            try:
+                if self._folder.is_file(init_path(node)):
+                    out.append(node)
+            except HubError:  # the node folder became a symbolic link meanwhile
+                continue
+        return sorted(out)
 
     def list_global(self) -> list[str]:
-        try:
-            names = os.listdir(self.root / GLOBAL_DIR)
-        except FileNotFoundError:
+        dfd = self._folder.open_or_skip([GLOBAL_DIR], "listing")
+        if dfd is None:
             return []
+        try:
+            names = os.listdir(dfd)
+        finally:
+            os.close(dfd)
         out = []
         for name in sorted(names):
             try:
@@ -253,10 +289,12 @@ class FileHub(Hub):
         folder."""
         p = self._abs(hub_path)
         try:
-            st = p.lstat()
-        except (FileNotFoundError, NotADirectoryError):
-            raise HubNotFoundError(f"{hub_path} not found on {self.url}") from None
-        if stat.S_ISLNK(st.st_mode) or p.parent.is_symlink():
+            st = self._folder.stat(hub_path)  # every folder on the way opened without following a link
+        except HubLinkError as e:
+            raise HubError(f"refusing {hub_path} on {self.url}: {e.where} is a symbolic link or not a folder") from None
+        if st is None:
+            raise HubNotFoundError(f"{hub_path} not found on {self.url}")
+        if stat.S_ISLNK(st.st_mode):
             raise HubError(f"refusing {hub_path} on {self.url}: it is a symbolic link")
         if not stat.S_ISREG(st.st_mode):
             raise HubError(f"refusing {hub_path} on {self.url}: it is {file_kind(st.st_mode)}, not a regular file")
@@ -272,12 +310,10 @@ class FileHub(Hub):
         """Downloads are the hub's own files, returned in place: nothing to release."""
 
     def _read_document(self, hub_path: str, max_bytes: int) -> bytes | None:
-        """``fileio.read_document`` of ``hub_path`` (None if absent): a link, a FIFO, a device or a
-        file over ``max_bytes`` is a ``RefusedFile`` stand-in, read from nowhere."""
-        try:
-            return read_document(self.root / hub_path, max_bytes, name=f"{self.url}/{hub_path}")
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+        """``fileio.read_document`` of ``hub_path`` through folder descriptors (None if absent): a link
+        (there or in place of a folder on the way), a FIFO, a device or a file over ``max_bytes`` is a
+        ``RefusedFile`` stand-in, read from nowhere."""
+        return self._folder.read_document(hub_path, max_bytes, name=f"{self.url}/{hub_path}")
 
     def read_manifest_bytes(self) -> bytes | None:
         """The manifest as stored, read up to one byte past the largest manifest; a file that is not
@@ -310,7 +346,7 @@ class FileHub(Hub):
         )
         mirrors = check_mirrors(mirrors, files, delete)
         for p in manifest.files():
-            if p not in files and not (self.root / p).is_file():
+            if p not in files and not self._folder.is_file(p):
                 raise HubError(f"manifest names {p} but it is neither uploaded now nor on {self.url}")
         written: list[str] = []
         staged_mirrors: list[tuple[str, str]] = []
@@ -337,10 +373,10 @@ class FileHub(Hub):
                     if found != expected_outer_step:
                         raise PublishConflictError(expected_outer_step, found)
                 # deletions of global files take the lock too, so this check cannot go stale
-                gone = [p for p in manifest.files() if not (self.root / p).is_file()]
+                gone = [p for p in manifest.files() if not self._folder.is_file(p)]
                 if gone:
                     raise HubError(f"manifest names {gone} but they vanished from {self.url} before the swap")
-                atomic_write_bytes(self.root / MANIFEST_PATH, manifest.to_json().encode())
+                self._folder.replace_bytes(MANIFEST_PATH, manifest.to_json().encode())  # never through a link
                 ok = True
                 self._fault("manifest")
                 self._install_mirrors(staged_mirrors)
@@ -394,30 +430,22 @@ class FileHub(Hub):
             if lease is None:
                 self._folder.unlink(LEASE_PATH)  # never through a symbolic link
             else:
-                atomic_write_bytes(self.root / LEASE_PATH, lease.to_json().encode())
+                self._folder.replace_bytes(LEASE_PATH, lease.to_json().encode())  # never through a link
 
     # ------------------------------------------------------------------ node claims
 
-    def _claim_file(self, node_id: str) -> Path:
-        p = self.root / claim_path(node_id)
-        if p.parent.is_symlink():
-            raise HubError(f"refusing {NODES_DIR}/{node_id} on {self.url}: it is a symbolic link")
-        return p
-
     def _read_claim_file(self, node_id: str) -> NodeClaim | None:
-        p = self._claim_file(node_id)
-        try:
-            data = read_document(p, MAX_CLAIM_BYTES, name=claim_path(node_id))
-        except (FileNotFoundError, NotADirectoryError):
+        path = claim_path(node_id)
+        data = self._folder.read_document(path, MAX_CLAIM_BYTES, name=path)
+        if data is None:
             return None
         if isinstance(data, RefusedFile):  # a link, a FIFO, a device, a file over its size: no claim
-            self._warn_once(f"{p}:{bytes(data)!r}", "ignoring the claim %s on %s: %s", claim_path(node_id), self.url,
-                            data.reason)
+            self._warn_once(f"{path}:{bytes(data)!r}", "ignoring the claim %s on %s: %s", path, self.url, data.reason)
             return None
         try:
-            return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{claim_path(node_id)}")
+            return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{path}")
         except ClaimError as e:
-            self._warn_once(f"{p}:{len(data)}", "ignoring an unreadable claim: %s", e)
+            self._warn_once(f"{path}:{len(data)}", "ignoring an unreadable claim: %s", e)
             return None
 
     def read_claim(self, node_id: str) -> NodeClaim | None:
@@ -425,30 +453,23 @@ class FileHub(Hub):
 
     def list_claims(self) -> dict[str, NodeClaim]:
         out: dict[str, NodeClaim] = {}
-        for nd in self._node_dirs():
-            try:
-                claim = self._read_claim_file(nd.name)
-            except HubError:  # the node folder became a symbolic link meanwhile
-                continue
+        for node in self._node_ids():
+            claim = self._read_claim_file(node)  # a folder that became a link meanwhile: no claim
             if claim is not None:
-                out[nd.name] = claim
+                out[node] = claim
         return out
 
     def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
         if claim is not None and claim.node_id != node_id:
             raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
-        p = self._claim_file(node_id)
+        path = claim_path(node_id)  # validates node_id
         text = None if claim is None else claim.to_json().encode()
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p.parent / ".claim.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        # the lock, the read and the write each go through folder descriptors: never through a link
+        with self._folder.locked([NODES_DIR, node_id], _CLAIM_LOCK):
             current = self._read_claim_file(node_id)
             if current != expected:
                 raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
             if text is None:
-                self._folder.unlink(claim_path(node_id))  # never through a symbolic link
+                self._folder.unlink(path)
             else:
-                atomic_write_bytes(p, text)
-        finally:
-            os.close(fd)  # releases the flock
+                self._folder.replace_bytes(path, text)

@@ -280,20 +280,21 @@ class RefusedFile(bytes):
 _DOCUMENT_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def read_document(path: str | os.PathLike, max_bytes: int, *, name: str | None = None) -> bytes:
+def read_document(path: str | os.PathLike, max_bytes: int, *, name: str | None = None, dir_fd: int | None = None) -> bytes:
     """A small document any writer may have made (a hub's manifest, lease, claim): the bytes of a
     regular file of at most ``max_bytes``, read up to one byte past it (a file that grew since it was
     looked at is then refused by its parser). Anything else is refused before a byte is read, with a
     :class:`RefusedFile` stand-in: a symbolic link (never followed), a FIFO (never waited on: opened
     non-blocking), a device (``/dev/zero`` is never read), a file over ``max_bytes`` (by its size).
-    ``name`` names the file in the reason (default: ``path``). ``FileNotFoundError`` if absent."""
+    ``name`` names the file in the reason (default: ``path``); ``dir_fd``: ``path`` is relative to that
+    open folder (a hub's folder opened without following links). ``FileNotFoundError`` if absent."""
     name = os.fspath(path) if name is None else name
     try:
-        fd = os.open(path, _DOCUMENT_FLAGS)
+        fd = os.open(path, _DOCUMENT_FLAGS, dir_fd=dir_fd)
     except OSError as e:  # ELOOP: a symbolic link; ENXIO: a socket; ...
         if isinstance(e, FileNotFoundError):
             raise
-        st = os.lstat(path)  # FileNotFoundError if it went meanwhile
+        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)  # FileNotFoundError if it went meanwhile
         if stat.S_ISREG(st.st_mode):
             raise
         return RefusedFile(name, st, f"{name} is {file_kind(st.st_mode)}, not a regular file")
