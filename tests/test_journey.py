@@ -261,4 +261,4 @@ def test_the_command_printed_for_a_finished_sweep_job_continues_it(tmp_path):
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["multirun"]  # no new run folder
     assert sorted(p.name for p in (tmp_path / "runs" / "multirun").iterdir() if p.is_dir()) == [job.name]
     results = json.loads((job / "results.json").read_text())
-    assert results["max_steps"] == 16 and results["outer"] == "staleness_sgd"
+    assert results["max_steps"] == 16 and results["outer"] == "fedavg"
