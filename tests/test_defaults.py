@@ -163,3 +163,14 @@ def test_the_sparseloco_preset_is_what_its_docs_say():
     outer = build_outer_optimizer(cfg.outer.name, state, lr=cfg.outer.lr, **cfg.outer.options)
     outer.step(state, {"w": torch.ones(3)}, staleness=3)
     assert torch.equal(state["w"], torch.full((3,), -0.5))  # theta -= lr * g / (1 + tau)
+
+
+def test_the_library_default_outer_step_is_fedavg_and_nesterov_by_name_keeps_speedtronics():
+    """One outer default (docs/scaling.md): the library's MasterConfig builds fedavg (lr 1, momentum 0), as
+    train.py and diloco-master do; Nesterov chosen by name keeps Speedtronic's lr 0.7 and momentum 0.9 (SPEC)."""
+    assert MasterConfig().outer_optimizer == "fedavg"
+    assert MasterConfig().optimizer_options() == {"lr": 1.0, "momentum": 0.0}
+    assert MasterConfig(outer_optimizer="nesterov").optimizer_options() == {"lr": 0.7, "momentum": 0.9}
+    assert MasterConfig(outer_optimizer="fedavg", outer_lr=0.5).optimizer_options() == {"lr": 0.5, "momentum": 0.0}
+    for path in ("configs/train.yaml", "configs/master.yaml"):
+        assert "outer: fedavg" in (Path(__file__).resolve().parents[1] / path).read_text()

@@ -35,15 +35,20 @@ SPEEDTRONIC_LR, SPEEDTRONIC_MOMENTUM = 0.7, 0.9
 _OWN_DEFAULTS = ("fedavg",)
 
 
+def _own_default(name: str, option: str, otherwise: float) -> float:
+    """``option``'s default in the signature of an optimizer with defaults of its own (``fedavg``), else ``otherwise``."""
+    if name not in _OWN_DEFAULTS:
+        return otherwise
+    import inspect
+
+    from diloco_lightning.outer import OUTER_OPTIMIZERS
+
+    return float(inspect.signature(OUTER_OPTIMIZERS[name]).parameters[option].default)
+
+
 def default_lr(name: str) -> float:
     """The lr an outer optimizer gets when none is given: its own default (``fedavg``: 1), else Speedtronic's 0.7."""
-    if name in _OWN_DEFAULTS:
-        import inspect
-
-        from diloco_lightning.outer import OUTER_OPTIMIZERS
-
-        return float(inspect.signature(OUTER_OPTIMIZERS[name]).parameters["lr"].default)
-    return SPEEDTRONIC_LR
+    return _own_default(name, "lr", SPEEDTRONIC_LR)
 
 
 class MasterConfigError(ConfigError):
@@ -217,12 +222,10 @@ class MasterConfig:
     def optimizer_options(self) -> dict[str, Any]:
         """``outer_lr`` (and ``outer_momentum`` for the Nesterov family), overridden by ``outer_options``;
         a null one is the optimizer's own default (``fedavg``: lr 1, momentum 0), else Speedtronic's (0.7, 0.9)."""
-        own = self.outer_optimizer in _OWN_DEFAULTS
-        opts: dict[str, Any] = {}
-        if self.outer_lr is not None or not own:
-            opts["lr"] = default_lr(self.outer_optimizer) if self.outer_lr is None else self.outer_lr
-        if self.outer_optimizer in _MOMENTUM_OPTIMIZERS and (self.outer_momentum is not None or not own):
-            opts["momentum"] = SPEEDTRONIC_MOMENTUM if self.outer_momentum is None else self.outer_momentum
+        opts: dict[str, Any] = {"lr": default_lr(self.outer_optimizer) if self.outer_lr is None else self.outer_lr}
+        if self.outer_optimizer in _MOMENTUM_OPTIMIZERS:
+            momentum = _own_default(self.outer_optimizer, "momentum", SPEEDTRONIC_MOMENTUM)
+            opts["momentum"] = momentum if self.outer_momentum is None else self.outer_momentum
         opts.update(dict(self.outer_options))
         if "lr" in opts:  # lr first, as it always printed
             opts = {"lr": opts.pop("lr"), **opts}
