@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
+from diloco_lightning.util.errors import DiLoCoError
+
 log = logging.getLogger(__name__)
 
 _CHUNK = 8 << 20
@@ -313,7 +315,7 @@ def read_document(path: str | os.PathLike, max_bytes: int, *, name: str | None =
         os.close(fd)
 
 
-class NotRegularFileError(OSError):
+class NotRegularFileError(DiLoCoError, OSError):
     """:func:`open_regular` met a FIFO, a device, a folder or a socket."""
 
 
