@@ -221,11 +221,10 @@ def build_master(cfg: DictConfig, hub, *, on_round=None, in_thread: bool = False
         config = dataclasses.replace(config, until_finished=False)
     # until_finished: the run is over once all of its workers finished
     config = dataclasses.replace(config, expected_nodes=config.expected_nodes or int(cfg.workers))
-    master = MasterOuterLoop(
+    return MasterOuterLoop(
         hub, None, node_state_dir=str(run_dir(cfg) / "master"), config=config, holder=cfg.master.holder,
         metrics_path=str(run_dir(cfg) / "master" / "metrics.jsonl"), logger=on_round,
     )
-    return master
 
 
 class Evaluator:

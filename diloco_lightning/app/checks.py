@@ -74,9 +74,8 @@ def outer_options(o: DictConfig, prefix: str = "outer.") -> dict[str, Any]:
     """``{"lr": o.lr, **o.options}`` for the named optimizer (:func:`diloco_lightning.outer.options.outer_options`:
     options it does not take are dropped with a warning, so ``outer.name=X`` works on top of another
     group's options); a :class:`ConfigError` naming the key."""
-    from diloco_lightning.outer.options import outer_options as checked
-
     from diloco_lightning.master.config import default_lr
+    from diloco_lightning.outer.options import outer_options as checked
 
     raw = OmegaConf.to_container(o.options, resolve=True) if isinstance(o.options, DictConfig) else o.options
     lr = o.lr if o.lr is not None else default_lr(str(o.name))
