@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, List
 
 from diloco_lightning.util import faults
-from diloco_lightning.util.fileio import atomic_path, is_dead_or_old, owner_tag
+from diloco_lightning.util.fileio import UnreadDocument, atomic_path, is_dead_or_old, owner_tag
 from diloco_lightning.hub.base import HubAuthError, HubError, HubFileTooLargeError, HubNotFoundError, HubUnavailableError
 from diloco_lightning.hub.s3_client import (  # noqa: F401 - re-exported: the store's names, importable from here
     ADDRESSING_STYLES,
@@ -72,21 +72,14 @@ _MD5_ETAG_RE = re.compile(r"[0-9a-f]{32}")
 _MULTIPART_ETAG_RE = re.compile(r"[0-9a-f]{32}-[0-9]+")
 
 
-class TooLarge(bytes):
-    """What :meth:`S3Store.read_small` returns for an object above :data:`SMALL_LIMIT`, whose body
-    is never read: not its content, but a short text naming its path, size and ETag, so that two
-    reads of the same object compare equal and hash alike (a compare-and-swap over it, by digest or
-    by ETag, works as over any bytes), and that no parser takes it for a document (it starts with a
-    NUL byte). ``reason`` says what is wrong with it. The readers of documents check for it first:
-    an oversize manifest is a malformed one (replaced), an oversize lease an expired one, an
-    oversize claim no claim; a plain ``HubError`` here once made every round of a master raise."""
-
-    reason: str
+class TooLarge(UnreadDocument):
+    """What :meth:`S3Store.read_small` returns for an object above :data:`SMALL_LIMIT`, whose body is
+    never read (:class:`~diloco_lightning.util.fileio.UnreadDocument`), named by its path, size and
+    ETag; a plain ``HubError`` here once made every round of a master raise."""
 
     def __new__(cls, path: str, url: str, size: int, etag: str | None) -> "TooLarge":
-        self = super().__new__(cls, f"\0{path} on {url}: {size} bytes, ETag {etag}".encode())
-        self.reason = f"{path} on {url} is {size} bytes, more than the {SMALL_LIMIT} a hub document is read up to"
-        return self
+        return super().__new__(cls, f"{path} on {url}: {size} bytes, ETag {etag}",  # type: ignore[return-value]
+                               f"{path} on {url} is {size} bytes, more than the {SMALL_LIMIT} a hub document is read up to")
 
 
 class S3Store(S3Client):

@@ -262,21 +262,29 @@ def file_kind(mode: int) -> str:
     return f"a file of mode {mode:o}"
 
 
-class RefusedFile(bytes):
-    """What :func:`read_document` returns for a file it refused unread (not a regular file, or over
-    its bound): not its content but a short text naming its path, kind, size, inode and last change,
-    so that two reads of the same file compare equal and hash alike (a compare-and-swap over it works
-    as over any bytes), and that no parser takes it for a document (it starts with a NUL byte).
-    ``reason`` says what is wrong with it. The readers of documents check for it first: a refused
-    manifest is a malformed one (replaced), a refused lease an expired one, a refused claim no claim."""
+class UnreadDocument(bytes):
+    """A hub document refused unread, on any transport: not its content but a short text naming it
+    (``text``: its path and what identifies this version of it), so that two reads of the same file
+    compare equal and hash alike (a compare-and-swap over it works as over any bytes), and that no
+    parser takes it for a document (it starts with a NUL byte). ``reason`` says what is wrong with it.
+    The readers of documents check for it first: a refused manifest is a malformed one (replaced), a
+    refused lease an expired one, a refused claim no claim."""
 
     reason: str
 
-    def __new__(cls, name: str, st: os.stat_result, reason: str) -> "RefusedFile":
-        self = super().__new__(cls, (f"\0{name}: {file_kind(st.st_mode)}, {st.st_size} bytes, inode {st.st_ino}, "
-                                     f"changed {st.st_mtime_ns}").encode())
+    def __new__(cls, text: str, reason: str) -> "UnreadDocument":
+        self = super().__new__(cls, f"\0{text}".encode())
         self.reason = reason
         return self
+
+
+class RefusedFile(UnreadDocument):
+    """What :func:`read_document` returns for a file it refused unread (not a regular file, or over its
+    bound), named by its path, kind, size, inode and last change."""
+
+    def __new__(cls, name: str, st: os.stat_result, reason: str) -> "RefusedFile":
+        return super().__new__(cls, f"{name}: {file_kind(st.st_mode)}, {st.st_size} bytes, inode {st.st_ino}, "
+                                    f"changed {st.st_mtime_ns}", reason)  # type: ignore[return-value]
 
 
 _DOCUMENT_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
