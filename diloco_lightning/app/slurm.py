@@ -41,6 +41,9 @@ RESUBMITS = 3
 #: SLURM states of a job that ended without finishing its work (it resumes when submitted again)
 UNFINISHED = ("CANCELLED", "PREEMPTED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "REVOKED")
 _POLL = 2.0
+#: seconds the worker jobs may take to end after the master job ended by itself (``until_finished``: it ends
+#: once every worker marked its claim finished, a moment before their jobs exit)
+_WORKER_GRACE = 120.0
 
 
 def _submitit():
@@ -156,6 +159,7 @@ def run_submitit(cfg: DictConfig) -> dict[str, Any]:
     seen = _line_count(metrics)  # rounds of earlier launches are not this launch's
     rounds: list[dict] = []
     outcome = "failed"
+    master_done: float | None = None  # when the master job was first seen COMPLETED
     try:
         while True:
             seen = _print_new_rounds(metrics, seen, rounds, print_round)
@@ -171,12 +175,17 @@ def run_submitit(cfg: DictConfig) -> dict[str, Any]:
                           f"{workers[i].job_id} (it resumes from its checkpoint)", flush=True)
                 elif state in ("FAILED", "OUT_OF_MEMORY") or (state == "COMPLETED" and not _job_result(job)[0]):
                     raise RunError(f"worker {node_id(i)} job {job.job_id} {state.lower()}: {_job_result(job)[1]}")
-            master_state = _state(master_job)
-            if master_state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "UNKNOWN"):
-                raise RunError(f"the master job {master_job.job_id} ended {master_state} before the workers: "
-                               f"{_job_result(master_job)[1] or 'see ' + str(rdir / 'slurm')}")
             if all(s == "COMPLETED" for s in [_state(j) for j in workers]):
                 break
+            master_state = _state(master_job)
+            if master_state == "COMPLETED" and master_done is None:
+                # until_finished: the master ends once every worker marked its claim finished, a moment
+                # before their jobs end (the final install, the process exit); wait for them, bounded
+                master_done = time.monotonic()
+            if master_state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "UNKNOWN", "COMPLETED") or (
+                    master_done is not None and time.monotonic() - master_done > _WORKER_GRACE):
+                raise RunError(f"the master job {master_job.job_id} ended {master_state} before the workers: "
+                               f"{_job_result(master_job)[1] or 'see ' + str(rdir / 'slurm')}")
             time.sleep(_POLL)
         # the workers are done: the master's final round (SIGTERM drains what is pending), then results
         subprocess.run(["scancel", "--signal=TERM", "--full", str(master_job.job_id)], capture_output=True)
