@@ -106,6 +106,12 @@ ARMS: dict[str, Arm] = {
                        False, "asynchronous workers, the master's round of every live worker's delta (a plugin user's "
                        "DiLoCo(...) workers and diloco-master's min_deltas=1.0), outer SGD"),
     "default": Arm(("workers={k}",), None, 1.0, 0, False, "the shipped defaults (nothing overridden but K)"),
+    # the look-ahead start (diloco.lookahead: each own delta in flight stands for one of every node's)
+    "async_la": Arm(("workers={k}", "diloco=async", "master.aggregation=arrival", "diloco.lookahead=true"), "outer.lr",
+                    0.5, 0, False, "asynchronous DiLoCo as `async`, the look-ahead start on"),
+    "async_round_la": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg",
+                           "diloco.lookahead=true"), "outer.lr", 1.0, 0, False,
+                          "asynchronous workers as `async_round`, the look-ahead start on"),
     # levers (the issue's item 4), each against ``sgd``: the workers' inner lr at outer lr 1; the inner state
     # cleared at every install instead of kept
     "sgd_inner": Arm(("workers={k}", "outer=fedavg", *SYNC), "optim.lr", 0.004, 0, False,

@@ -59,6 +59,24 @@ def test_without_a_published_scale_the_fallback_is_one_over_the_nodes():
     assert torch.allclose(start["a"], torch.full((1,), -1.0))
 
 
+def test_with_lookahead_each_delta_in_flight_stands_for_one_of_every_nodes():
+    """``lookahead``: the published scale times the ledger's nodes (this one included): with fedavg's
+    1/3 in a round of three nodes the start is the version minus the whole own delta."""
+    own = WorkerOwnDeltas("w0", lookahead=True)
+    own.sent(4, {"a": torch.full((2,), 3.0)})
+    start = own.start(manifest({"w0": 3, "w1": 9, "w2": 1}, {"w0": 1 / 3, "w1": 1 / 3, "w2": 1 / 3}),
+                      {"a": torch.ones(2)})
+    assert torch.allclose(start["a"], torch.full((2,), -2.0), atol=0, rtol=1e-6)  # 1 - 3 * (1/3) * 3
+    # a node not in the ledger yet counts itself: two nodes, scale 0.25 -> factor 0.5
+    own = WorkerOwnDeltas("w0", lookahead=True)
+    own.sent(1, {"a": torch.full((1,), 4.0)})
+    assert torch.equal(own.start(manifest({"w1": 2}, {"w0": 0.25}), {"a": torch.zeros(1)})["a"], torch.full((1,), -2.0))
+    # without a published scale: 1/nodes times nodes, the whole delta
+    own = WorkerOwnDeltas("w0", lookahead=True)
+    own.sent(1, {"a": torch.full((1,), 3.0)})
+    assert torch.equal(own.start(manifest({"w1": 5, "w2": 2}), {"a": torch.zeros(1)})["a"], torch.full((1,), -3.0))
+
+
 def test_a_refused_delta_counts_until_a_later_one_of_the_node_is_accepted_and_the_keep_is_bounded():
     own = WorkerOwnDeltas("w0", limit=2)
     own.sent(5, {"a": torch.ones(1)})  # refused by the master: the ledger never reaches 5 through it
@@ -131,14 +149,14 @@ def _publish(hub, tmp_path, step, state, ledger, scales, prev=None):
     return m
 
 
-def _started(tmp_path, rebase: bool):
+def _started(tmp_path, rebase: bool, lookahead: bool = False):
     """A folder hub holding version 0 (the params' values) and a worker started on it:
     ``(hub, params, version 0, worker)``."""
     hub = FileHub(tmp_path / "hub", cache_dir=tmp_path / "cache")
     params = _params()
     v0 = {k: v.detach().clone() for k, v in params.items()}
     _publish(hub, tmp_path, 0, v0, {}, {})
-    w = DiLoCoWorker(hub, "w0", params, rebase=rebase, **FAST)
+    w = DiLoCoWorker(hub, "w0", params, rebase=rebase, lookahead=lookahead, **FAST)
     w.start()
     return hub, params, v0, w
 
@@ -175,6 +193,23 @@ def test_an_async_worker_installs_the_version_minus_its_pending_deltas_and_ancho
     assert w.flush()
     last = max(hub.list_deltas(), key=lambda r: r.local_step)
     assert all(torch.count_nonzero(t) == 0 for t in read_delta(hub.download(last.path)).tensors.values())
+    w.close()
+
+
+def test_a_lookahead_worker_installs_the_version_minus_its_delta_times_the_nodes(tmp_path):
+    """The product's async worker with ``lookahead=True``: version 1 lacks its phase (-1 on the bias),
+    published with scale 0.25 for w0 and a ledger of w0 and w1: the start is 3 - 2 * 0.25 * (-1)."""
+    hub, params, v0, w = _started(tmp_path, rebase=True, lookahead=True)
+    with torch.no_grad():
+        params["layer.bias"].add_(1.0)
+    w.boundary()
+    assert w.flush()
+    _publish(hub, tmp_path, 1, {k: v + 3 if v.is_floating_point() else v for k, v in v0.items()}, {"w1": 4},
+             {"w0": 0.25, "w1": 0.25}, prev=0)
+    assert _install_next(w) is not None
+    assert torch.equal(params["layer.bias"], torch.full((3,), 3.5))
+    assert torch.equal(params["layer.weight"], torch.full((4, 3), 3.0))  # nothing trained there
+    assert torch.equal(w.anchor["layer.bias"], torch.full((3,), 3.5))
     w.close()
 
 
@@ -215,6 +250,8 @@ def test_rebase_is_an_option_checked_like_the_others(tmp_path):
 
     with pytest.raises(OptionError, match="rebase"):
         WorkerOptions(rebase="yes").validate()
+    with pytest.raises(OptionError, match="lookahead"):
+        WorkerOptions(lookahead=1).validate()
     assert WorkerOptions(rebase=True, sync="lockstep").validate().rebase  # accepted; a lockstep worker never rebases
 
 

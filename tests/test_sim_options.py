@@ -88,6 +88,43 @@ def test_the_products_rebase_runs_with_a_momentum_step_at_the_product_workers_fa
                   options=SimOptions(rebase=True))
 
 
+def test_lookahead_multiplies_each_missing_own_delta_by_the_workers_with_a_delta_applied():
+    """The simulator's rebase with ``lookahead``: a delta not applied yet counts with the worker's last
+    scale times the workers with a delta applied (this one included), as the product's ledger does."""
+    from diloco_lightning.sim.rebase import SimOwnDeltas
+
+    own = SimOwnDeltas(3, lr=1.0, lookahead=True)
+    for w in range(3):
+        own.sent(w, f"d{w}", {"a": torch.full((1,), float(w + 1))})
+    own.published(1, {"d0": 1 / 3, "d1": 1 / 3, "d2": 1 / 3})
+    own.sent(0, "e0", {"a": torch.full((1,), 6.0)})  # in flight: last scale 1/3, times 3 workers
+    start = own.start(0, base=1, state={"a": torch.zeros(1)}, floor=0)
+    assert torch.allclose(start["a"], torch.full((1,), -6.0), atol=0, rtol=1e-6)
+    plain = SimOwnDeltas(3, lr=1.0)
+    for w in range(3):
+        plain.sent(w, f"d{w}", {"a": torch.full((1,), float(w + 1))})
+    plain.published(1, {"d0": 1 / 3, "d1": 1 / 3, "d2": 1 / 3})
+    plain.sent(0, "e0", {"a": torch.full((1,), 6.0)})
+    assert torch.allclose(plain.start(0, base=1, state={"a": torch.zeros(1)}, floor=0)["a"], torch.full((1,), -2.0))
+
+
+def test_launch_sim_honours_diloco_lookahead_where_the_workers_rebase(tmp_path):
+    """``diloco.lookahead=true`` reaches the simulator's rebase (async workers), and ``results.json`` says so;
+    two async workers in round mode end differently with it than without."""
+    from diloco_lightning.app.sim import run_sim
+
+    losses = {}
+    for la in (False, True):
+        cfg = _compose(*SMALL, "diloco=async", "workers=2", "master.aggregation=round", "outer=fedavg",
+                       "diloco.inner_steps=2", "trainer.max_steps=8", "data.batch_size=2", "data.val_windows=4",
+                       f"diloco.lookahead={str(la).lower()}", f"run_root={tmp_path}", f"run_id=la{la}")
+        validate(cfg)
+        res = run_sim(cfg)
+        assert res["sim"]["lookahead"] is la and res["sim"]["rebase"] is True
+        losses[la] = res["eval_loss"]
+    assert losses[True] != losses[False]
+
+
 def test_the_held_out_set_is_the_same_windows_whatever_the_batch_size(tmp_path):
     """The fixed set: 64 windows by default, scored the same at training batch 8 and 32 (the old
     evaluation read 8 batches of the training batch size: 64 windows against 256)."""

@@ -118,6 +118,7 @@ class DiLoCo:
         fragments: int | list | None = DEFAULTS.fragments,
         optimizer: Any = None,
         rebase: bool = DEFAULTS.rebase,
+        lookahead: bool = DEFAULTS.lookahead,
         reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
         create: bool = False,
@@ -138,7 +139,7 @@ class DiLoCo:
             dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
             topk_values=topk_values, topk_chunk=topk_chunk, error_feedback=error_feedback,
             error_feedback_decay=error_feedback_decay, fragments=fragments,
-            rebase=rebase, reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout,
+            rebase=rebase, lookahead=lookahead, reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout,
             poll_interval=poll_interval,
             claim_ttl=claim_ttl, final_install=final_install, final_wait=final_wait, wait_for_hub=wait_for_hub,
         )

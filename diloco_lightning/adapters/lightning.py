@@ -158,6 +158,8 @@ class DiLoCo(Callback):
             worker's own deltas it does not contain yet, each times the factor the master applies
             it with (``diloco_lightning/worker/rebase.py``), so the worker never relearns its last
             phase. Lockstep workers and fragments do not use it.
+        lookahead: with ``rebase``, each own delta the installed version lacks stands for one
+            delta of every node (the eager update of arXiv 2502.12996; ``worker/rebase.py``).
         reset_inner_optimizer: clear the inner optimizers' state after each install (default
             False: keep it, as DiLoCo does).
         hub_options: options for ``open_hub`` (``token=``, ``endpoint=``, ``cache_dir=`` ...).
@@ -211,6 +213,7 @@ class DiLoCo(Callback):
         error_feedback_decay: float = DEFAULTS.error_feedback_decay,
         fragments: int | list | None = DEFAULTS.fragments,
         rebase: bool = DEFAULTS.rebase,
+        lookahead: bool = DEFAULTS.lookahead,
         reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
         create: bool = False,
@@ -233,7 +236,7 @@ class DiLoCo(Callback):
             dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
             topk_values=topk_values, topk_chunk=topk_chunk, error_feedback=error_feedback,
             error_feedback_decay=error_feedback_decay, fragments=fragments,
-            rebase=rebase, reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout,
+            rebase=rebase, lookahead=lookahead, reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout,
             poll_interval=poll_interval,
             claim_ttl=claim_ttl, final_install=final_install, final_wait=final_wait, wait_for_hub=wait_for_hub,
         )

@@ -53,7 +53,7 @@ SIM_WORKER_OPTIONS: dict[str, str] = {
     "inner_steps": "honoured", "dylu_steps": "honoured", "dylu_min_steps": "honoured", "dylu_seconds": "honoured",
     "sync": "honoured", "delay": "honoured", "delta_dtype": "honoured", "topk": "honoured", "topk_values": "honoured",
     "topk_chunk": "honoured", "error_feedback": "honoured", "error_feedback_decay": "honoured", "fragments": "honoured",
-    "rebase": "honoured", "reset_inner_optimizer": "honoured",
+    "rebase": "honoured", "lookahead": "honoured", "reset_inner_optimizer": "honoured",
     "throttle": "refused: the simulated clock's speeds are sim.speeds (or sim.speed_law, sim.traces)",
     "wait_timeout": "no hub", "poll_interval": "no hub", "claim_ttl": "no hub", "wait_for_hub": "no hub",
     # a simulated run's model is the master's global already (results.json scores it): nothing to install
@@ -180,6 +180,7 @@ def build_simulator(cfg: DictConfig, *, evaluator: Evaluator | None = None, on_v
         evaluate=evaluator.loss if evaluator else None,
         eval_points=points, on_version=on_version, parallel=parallel, seed=int(cfg.seed), eval_times=times,
         dylu=dylu_option(cfg), rebase=sim_rebase(cfg), reset_inner_optimizer=bool(cfg.diloco.reset_inner_optimizer),
+        lookahead=bool(cfg.diloco.lookahead),
     )
 
 
@@ -312,6 +313,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
             "lost_phases": result.lost_phases,
             "stopped_early": result.stopped_early,
             "rebase": sim_rebase(cfg),
+            "lookahead": bool(cfg.diloco.lookahead) and sim_rebase(cfg),
             "max_time": sim_options(cfg).max_time,
             # tokens of the deltas delivered to the master by each eval_curve point: [tokens, eval loss]
             "eval_curve_tokens": [[n, loss] for n, (_, loss) in zip(result.eval_tokens, result.eval_curve)],

@@ -125,6 +125,8 @@ class Simulator(Transfers):
             of ``eval_points``; the ones past the end are taken on the final state).
         rebase: the product's ``diloco.rebase`` (async workers, no fragments): as ``options.rebase``,
             with the product's fallback scales when the outer step publishes none.
+        lookahead: the product's ``diloco.lookahead``: each own delta a start lacks stands for one
+            delta of every worker (sim/rebase.py; only where the workers rebase).
         reset_inner_optimizer: clear a worker's inner optimizer state when its phase starts from a
             version its last phase did not (the product's ``diloco.reset_inner_optimizer``).
         dylu: Dynamic Local Updates: ``{"max_steps": H_max, "min_steps": H_min or None,
@@ -152,6 +154,7 @@ class Simulator(Transfers):
         dylu: Mapping[str, Any] | None = None,
         rebase: bool = False,
         reset_inner_optimizer: bool = False,
+        lookahead: bool = False,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -175,7 +178,8 @@ class Simulator(Transfers):
         check_fragments(self.workers, self.master.plan, self.dylu is not None)
         #: sim.rebase: each worker's own deltas, to start its phases from (sim/rebase.py)
         # or the product's diloco.rebase (``rebase``: an async worker's rule, with its fallback scales)
-        self.rebase = (SimOwnDeltas.build(master.opt, n, master.plan is not None, fallback=not self.options.rebase)
+        self.rebase = (SimOwnDeltas.build(master.opt, n, master.plan is not None, fallback=not self.options.rebase,
+                                          lookahead=lookahead)
                        if self.options.rebase or rebase else None)
         self.reset_inner_optimizer = bool(reset_inner_optimizer)
         self._phase_base: dict[int, int] = {}  # each worker's last phase's version (reset_inner_optimizer)

@@ -25,6 +25,10 @@ phase begins: a delta still travelling then is not known yet and is not subtract
 refused after it was subtracted stays subtracted. Asynchronously with instant transfers a worker's
 own delta is always in the version it starts from, so the rebase changes nothing there.
 
+With ``lookahead`` (the product's ``diloco.lookahead``) each missing delta stands for one delta of
+every worker with a delta applied so far (this one included): its scale is multiplied by their
+number, as the product worker's ``WorkerOwnDeltas.scale`` does with its ledger's nodes.
+
 The product's async worker has the same rule (``worker/rebase.py``, the scales from the manifest's
 ``master.delta_scales``); this one lets the study measure it under imposed delays. Only the
 bookkeeping is the simulator's own: the start is computed by the worker's
@@ -63,17 +67,20 @@ class SimOwnDeltas:
         lr: the outer step's rate (``OuterOptimizer.linear_rate``); None: the step is not a
             momentum-free SGD and publishes no scales, so each delta counts with the product
             worker's fallback, ``1 / nodes`` of the ledger (:func:`~diloco_lightning.worker.rebase.fallback_scale`).
+        lookahead: each missing delta stands for one of every node's (module docstring).
     """
 
-    def __init__(self, workers: int, lr: float | None) -> None:
+    def __init__(self, workers: int, lr: float | None, *, lookahead: bool = False) -> None:
         self.lr = None if lr is None else float(lr)
+        self.lookahead = bool(lookahead)
         self._nodes: set[int] = set()  # workers with a delta applied so far (the ledger's nodes)
         self._own: list[list[_Own]] = [[] for _ in range(workers)]
         self._last: list[float] = [0.0] * workers  # each worker's last applied scale
         self._open: dict[str, tuple[int, _Own]] = {}  # reached the master, neither applied nor refused
 
     @classmethod
-    def build(cls, opt: Any, workers: int, fragments: bool, *, fallback: bool = False) -> SimOwnDeltas:
+    def build(cls, opt: Any, workers: int, fragments: bool, *, fallback: bool = False,
+              lookahead: bool = False) -> SimOwnDeltas:
         """The rebase of a run whose master steps with ``opt``; an OptionError naming ``rebase`` when
         the run has fragments, or its step is not momentum-free SGD and ``fallback`` is False
         (``sim.rebase``); with ``fallback`` (the product's ``diloco.rebase``) such a step gets the
@@ -84,7 +91,7 @@ class SimOwnDeltas:
                               f"poly_nesterov with momentum 0); this run's is {opt.name} {dict(opt.options)}")
         if fragments:
             raise OptionError("rebase", "is not composed with fragments (each fragment would need its own scales)")
-        return cls(workers, lr)
+        return cls(workers, lr, lookahead=lookahead)
 
     def sent(self, worker: int, ident: str, tensors: Mapping[str, Tensor]) -> None:
         """Worker ``worker``'s delta ``ident`` reached the master, which will apply or refuse it."""
@@ -122,7 +129,8 @@ class SimOwnDeltas:
         missing = [o for o in own if o.version is None or o.version > base]
         if not missing:
             return state
-        return rebase_start(state, [(o.scale if o.scale is not None else self._last[worker], o.tensors)
+        nodes = len(self._nodes | {worker}) if self.lookahead else 1
+        return rebase_start(state, [((o.scale if o.scale is not None else self._last[worker]) * nodes, o.tensors)
                                     for o in missing])
 
     def held(self, worker: int) -> int:

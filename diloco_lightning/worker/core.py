@@ -294,7 +294,8 @@ class DiLoCoWorker:
                 signing_key=self.signing_key,
             )
             self._mode = AsyncMode(self._installer, self._outbox, self._fetcher,  # rebase: worker/rebase.py
-                                   WorkerOwnDeltas(self.node_id) if self.options.rebase and plan is None else None)
+                                   WorkerOwnDeltas(self.node_id, lookahead=self.options.lookahead)
+                                   if self.options.rebase and plan is None else None)
         else:
             self._mode = LockstepMode(self._installer, self._outbox, self._waits, self.delay)
         self._started = True

@@ -147,6 +147,12 @@ class WorkerOptions:
         "contain yet, each times the factor the master applies it with (the manifest's delta_scales; else 1/nodes), "
         "so the worker never relearns its last phase (lockstep and fragments: not used)"
     )
+    lookahead: bool = option(
+        False, "sync=async with rebase: each own delta the installed version lacks stands for one delta of every "
+        "node of the ledger (its factor times the nodes): the phase starts where the global will be once the round "
+        "in flight lands, if the others moved as this worker did (the eager update of arXiv 2502.12996; "
+        "worker/rebase.py)"
+    )
     reset_inner_optimizer: bool = option(False, "clear the inner optimizer state after each install")
     wait_timeout: float = option(1200.0, "seconds a worker waits for the master (bootstrap, lockstep) before giving up")
     poll_interval: float = option(1.0, "seconds between a worker's reads of the hub while waiting")
@@ -215,6 +221,8 @@ class WorkerOptions:
         self._check_fragments()
         if not isinstance(self.rebase, bool):
             raise OptionError("rebase", f"must be True or False, got {self.rebase!r}")
+        if not isinstance(self.lookahead, bool):
+            raise OptionError("lookahead", f"must be True or False, got {self.lookahead!r}")
         if not isinstance(self.reset_inner_optimizer, bool):
             raise OptionError("reset_inner_optimizer", f"must be True or False, got {self.reset_inner_optimizer!r}")
         check_number(self, "wait_timeout", low=0.0, strict=True)

@@ -31,6 +31,18 @@ accepted; a worker resumed from a checkpoint starts with none pending (nothing i
 :meth:`WorkerOwnDeltas.state_dict` holds the counters only). Lockstep workers and runs with fragments do
 not rebase (a lockstep worker installs exact versions; a fragment's delta has its own base).
 
+**Look-ahead** (``WorkerOptions.lookahead``; the eager update of "Eager Updates For Overlapped
+Communication and Computation in DiLoCo", arXiv 2502.12996, on an async worker): a delta the version
+lacks is rarely the only one in flight. With it, each kept delta stands for one delta of every node
+of the ledger (this one included), so its factor is multiplied by ``nodes``:
+
+    start = version_b - nodes * sum_j scale_j * delta_j
+
+(with ``fedavg`` in a round of every node, ``scale_j = 1 / nodes``: the start is the version minus
+the worker's whole last pseudo-gradient, where the global lands if the others moved as this worker
+did). Nothing is counted twice either way: the anchor is the start, and once ``b``'s successor holds
+the round, the real mean replaces the guess (the delta is dropped from the kept ones).
+
 The subtraction itself is :func:`rebase_start`, which the simulator's rebase
 (``diloco_lightning/sim/rebase.py: SimOwnDeltas``) uses too: the two differ only in how they learn
 which deltas a version lacks and with what scale (here the ledger and the manifest; there the
@@ -118,10 +130,10 @@ class WorkerOwnDeltas:
     """The product's worker's deltas that a version it may install might not contain yet, learnt from
     each version's ledger and scales (module docstring)."""
 
-    def __init__(self, node_id: str, limit: int = MAX_PENDING) -> None:
+    def __init__(self, node_id: str, limit: int = MAX_PENDING, *, lookahead: bool = False) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be an integer >= 1, got {limit!r}")
-        self.node_id, self.limit = node_id, limit
+        self.node_id, self.limit, self.lookahead = node_id, limit, bool(lookahead)
         self._pending: list[_Own] = []  # oldest first
         self.rebased = 0  # installs that started from a rebased state
         self.forgotten = 0  # deltas dropped by the limit, not by a version
@@ -146,9 +158,11 @@ class WorkerOwnDeltas:
                       own.local_step, self.limit)
 
     def scale(self, manifest: Manifest) -> float:
-        """The factor ``manifest``'s master applies this node's deltas with (or the fallback)."""
+        """The factor ``manifest``'s master applies this node's deltas with (or the fallback); with
+        :attr:`lookahead`, times the nodes of its ledger with this one (module docstring)."""
         s = manifest.delta_scale(self.node_id)
-        return fallback_scale(manifest, self.node_id) if s is None else s
+        s = fallback_scale(manifest, self.node_id) if s is None else s
+        return s * len(set(manifest.ledger) | {self.node_id}) if self.lookahead else s
 
     def start(self, manifest: Manifest, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """The start from version ``manifest.outer_step`` (``state``): ``state`` itself when it contains
