@@ -143,3 +143,45 @@ def test_a_supervised_role_worker_survives_a_kill9_of_its_worker_process(tmp_pat
     rounds = [json.loads(line) for line in (tmp_path / "master" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["accepted"] for r in rounds) == 4 and sum(r["rejected"] for r in rounds) == 0  # each phase once
     assert master.returncode == 0, master_out[-3000:]
+
+
+@pytest.mark.slow  # an S3 server, a master, a worker command, its worker process and its restarts
+def test_a_supervised_worker_outlives_a_hub_outage_at_its_start(tmp_path, s3_endpoint, s3_bucket, s3_proxy):
+    """The store is unreachable when ``train.py role=worker`` starts (an outage: the proxy cuts every
+    connection): the worker process gives up on the hub (status 75) and is restarted with back-off until
+    the store is back; then it trains to the end, every phase applied by the master."""
+    url = f"s3://{s3_bucket}/run"
+    hub_args = [f"hub.url={url}", f"hub.endpoint_url={s3_proxy.endpoint}", "hub.addressing_style=path"]
+    env = repo_env(tmp_path)
+    s3_proxy.down = True
+    cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "role=worker", "workers=1", "hub=s3", *hub_args,
+           "trainer.max_steps=16", *SMALL, "supervise.backoff=0.2", "supervise.max_backoff=1", "supervise.restarts=20",
+           "run_id=x", f"run_root={tmp_path / 'runs'}"]
+    worker = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    master = None
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = worker.stdout.readline()
+            lines.append(line)
+            if not line or line.startswith("[supervise] worker w0 exited with status 75"):
+                break
+        assert lines and lines[-1].startswith("[supervise] worker w0 exited with status 75"), "".join(lines)[-4000:]
+        s3_proxy.down = False
+        master = subprocess.Popen([sys.executable, "-m", "diloco_lightning.app.master", *hub_args, "min_deltas=1",
+                                   "until_finished=true", "expected_nodes=1", "poll_interval=0.2",
+                                   f"node_state_dir={tmp_path / 'master'}", f"hub.cache_dir={tmp_path / 'mc'}"],
+                                  cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, _ = worker.communicate(timeout=400)
+        lines.append(out)
+        assert worker.returncode == 0, "".join(lines)[-4000:]
+        master_out, _ = master.communicate(timeout=120)
+        assert master.returncode == 0, master_out[-3000:]
+    finally:
+        s3_proxy.down = False
+        for p in (worker, master):
+            if p is not None and p.poll() is None:
+                p.kill()
+    rounds = [json.loads(line) for line in (tmp_path / "master" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["accepted"] for r in rounds) == 2 and sum(r["rejected"] for r in rounds) == 0

@@ -170,6 +170,7 @@ def supervise_worker(cfg: Any, *, say: Callable[[str], Any] | None = None) -> di
     from diloco_lightning.app.build import node_id, run_dir
     from diloco_lightning.app.errors import RunError, Signal, terminate_as_exception
     from diloco_lightning.app.worker import _refuse_a_running_node_id, worker_command
+    from diloco_lightning.hub.base import HubUnavailableError
 
     speak = say or (lambda line: print(line, file=sys.stderr, flush=True))
     options = SuperviseOptions(**{k: cfg.supervise[k] for k in SuperviseOptions.names()}).validate()
@@ -177,7 +178,10 @@ def supervise_worker(cfg: Any, *, say: Callable[[str], Any] | None = None) -> di
     nid = node_id(index)
     # what the worker refuses first (a missing hub, a node id another live worker holds) is refused here, as an
     # unsupervised worker's: the command's own lines, and no run folder left
-    _refuse_a_running_node_id(cfg, nid)
+    try:
+        _refuse_a_running_node_id(cfg, nid)
+    except HubUnavailableError as e:  # an outage is not the user's to fix: the worker (restarted as needed) waits
+        speak(f"[supervise] worker {nid}: the hub is unreachable now ({type(e).__name__}); starting the worker anyway")
     out = run_dir(cfg) / "nodes" / nid
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "worker-config.yaml"
