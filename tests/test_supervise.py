@@ -34,6 +34,14 @@ def test_the_restart_policy_backs_off_is_bounded_and_never_retries_a_user_error(
         SuperviseOptions(backoff=5.0, max_backoff=1.0).validate()
 
 
+def test_supervise_keys_leave_the_run_id_alone():
+    """``supervise.*`` says how a run is kept alive, not what it trains: the same command with another value
+    resumes the same run folder."""
+    from diloco_lightning.app.config import run_id_from_overrides
+
+    assert run_id_from_overrides(["recipe=tiny", "supervise.restarts=0"]) == run_id_from_overrides(["recipe=tiny"])
+
+
 def test_a_bad_supervise_value_is_one_line_naming_the_key(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "recipe=tiny", "supervise.restarts=-1",
                            f"run_root={tmp_path / 'runs'}"], cwd=tmp_path, env=repo_env(tmp_path), capture_output=True,
