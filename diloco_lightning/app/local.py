@@ -433,10 +433,11 @@ def _watch(rdir: Path, procs: list[subprocess.Popen], master: Any, evaluator: Ev
         for i, c in enumerate(codes):
             if c in (None, 0) or i in due:
                 continue
-            delay = policies[i].decide(c) if policies is not None and restart is not None else None
-            if delay is None:
+            policy = policies[i] if policies is not None and restart is not None else None
+            delay = policy.decide(c) if policy is not None else None
+            if policy is None or delay is None:
                 return (i, c)
-            line = policies[i].line(c, delay)
+            line = policy.line(c, delay)
             print(line, flush=True)
             due[i] = (time.perf_counter() + delay, line)
         for i, (when, line) in list(due.items()):

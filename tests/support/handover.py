@@ -141,7 +141,7 @@ def handover(tmp: Path, *, lease_ttl: float = 2.0, poll_interval: float = 0.1, b
         _wait("B standing by", lambda: "standing by" in (tmp / "B.log").read_text(errors="replace"), 120, procs)
         for i, (node, step) in enumerate(deltas[:before]):
             _put(hub, tmp / "w", i, node, step)
-            _wait(f"delta {node}/{step} applied", lambda: (_manifest(hub) or None) and _manifest(hub).outer_step == i + 1,
+            _wait(f"delta {node}/{step} applied", lambda n=i + 1: (m := _manifest(hub)) is not None and m.outer_step == n,
                   30, procs)
         _wait(f"B holding outer_step {before} warm",
               lambda: f"holding outer_step {before} warm" in (tmp / "B.log").read_text(errors="replace"), 30, procs)
@@ -157,7 +157,7 @@ def handover(tmp: Path, *, lease_ttl: float = 2.0, poll_interval: float = 0.1, b
         assert (hm.master or {}).get("holder") == "B", hm.master
         for i, (node, step) in enumerate(deltas[before + 1:], start=before + 1):
             _put(hub, tmp / "w", i, node, step)
-            _wait(f"delta {node}/{step} applied", lambda: (m := _manifest(hub)) is not None and m.outer_step == i + 1,
+            _wait(f"delta {node}/{step} applied", lambda n=i + 1: (m := _manifest(hub)) is not None and m.outer_step == n,
                   30, procs)
         b.send_signal(signal.SIGTERM)
         b.wait(60)
