@@ -253,11 +253,12 @@ def test_signals_stop_train_py_workers_and_master_cleanly(tmp_path, sig):
 def test_a_killed_worker_is_named_with_how_it_ended(tmp_path):
     """The reported `worker w6 failed (-9)` with an empty worker.log: now the line names the worker, says it
     was killed by SIGKILL (what the out-of-memory killer sends), that the others were stopped, and shows the
-    end of its log."""
+    end of its log. (Unsupervised: ``supervise.restarts=0``; a supervised run restarts it, tests/test_supervise.py.)"""
     import psutil
 
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "trainer.max_steps=800", "data.max_bytes=300000",
-           "data.seq_len=32", "data.vocab_size=512", "launch.eval_points=0", f"run_root={tmp_path / 'runs'}"]
+           "data.seq_len=32", "data.vocab_size=512", "launch.eval_points=0", "supervise.restarts=0",
+           f"run_root={tmp_path / 'runs'}"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=repo_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240

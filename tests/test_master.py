@@ -762,10 +762,13 @@ def test_second_master_stands_by_then_takes_over_bit_exact(all_hubs, tmp_path):
         if i < 2:
             assert m1.sync_once()
             assert m2.sync_once() is False and m2.last_metrics["standby"]
+            assert m2.last_metrics["warm"] == m1.outer_step  # a warm standby: m1's version loaded (warm_standby)
         else:
             if i == 2:  # m1 dies without releasing its lease; m2 takes over once it expires
                 time.sleep(ttl + 0.1)
             assert m2.sync_once()
+            if i == 2:  # ... with nothing to load
+                assert m2.last_metrics["took_over"] == 2 and m2.last_metrics["adopted"] is None
     assert m2.outer_step == 4
     lease = hubs.open().read_lease()
     assert lease.holder == "two" and lease.epoch == 2

@@ -118,12 +118,18 @@ def test_serve_refuses_negative_limits():
 
 
 def test_a_standby_master_says_it_is_standby_and_who_holds_the_lease(tmp_path):
-    """A standby master answered ``snapshot()`` with "nothing published on the hub", which was false."""
+    """A standby master answered ``snapshot()`` with "nothing published on the hub", which was false. (A
+    cold one: a warm standby, the default, holds the published version and gives it, below.)"""
     root = tmp_path / "hub"
     a = MasterOuterLoop(FileHub(root), {"w": torch.zeros(2)}, node_state_dir=tmp_path / "a", poll_interval=0.01,
                         lease_ttl=60, holder="host:1:a")
     assert a.sync_once()
-    b = MasterOuterLoop(FileHub(root), None, node_state_dir=tmp_path / "b", poll_interval=0.01, lease_ttl=60)
+    warm = MasterOuterLoop(FileHub(root), None, node_state_dir=tmp_path / "w", poll_interval=0.01, lease_ttl=60)
+    warm.sync_once()
+    assert not warm.is_leader and warm.snapshot()[0] == 0 and torch.equal(warm.snapshot()[1]["w"], torch.zeros(2))
+    warm.close()
+    b = MasterOuterLoop(FileHub(root), None, node_state_dir=tmp_path / "b", poll_interval=0.01, lease_ttl=60,
+                        warm_standby=False)
     b.sync_once()
     assert not b.is_leader
     with pytest.raises(StandbyError, match=r"standby: host:1:a holds the master lease .* \(epoch 1"):

@@ -159,6 +159,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     validate_outer(cfg.outer, "outer.")
     validate_master_section(cfg.master, "master.")
     validate_hub(cfg.hub, "hub.")
+    validate_supervise_section(cfg)
     t = cfg.trainer
     _check(t.accelerator in ACCELERATORS, "trainer.accelerator", f"must be one of {list(ACCELERATORS)}, got {t.accelerator!r}")
     _check(t.precision in PRECISIONS, "trainer.precision", f"must be one of {list(PRECISIONS)}, got {t.precision!r}")
@@ -206,6 +207,18 @@ def _check_reaches_a_boundary(cfg: DictConfig) -> None:
     _check(cfg.trainer.max_steps >= first, "trainer.max_steps",
            f"is {cfg.trainer.max_steps}, fewer than the {first} inner steps before a worker's first boundary ({what}"
            f"{' / diloco.fragments' if f > 1 else ''}): no delta would ever be sent. Raise trainer.max_steps or lower {what}")
+
+
+def validate_supervise_section(cfg: DictConfig) -> None:
+    """``supervise.*``: :meth:`SuperviseOptions.validate`, with the key's full name in the error."""
+    from diloco_lightning.app.supervise import SuperviseOptions
+
+    if cfg.get("supervise") is None:
+        return
+    try:
+        SuperviseOptions(**_section(cfg.supervise, SuperviseOptions.names())).validate()
+    except OptionError as e:
+        raise ConfigError(f"supervise.{e.option}", e.detail) from None
 
 
 def validate_sim_section(cfg: DictConfig) -> None:

@@ -59,6 +59,7 @@ from diloco_lightning.app.checks import (
 )
 from diloco_lightning.hub.options import HubOptions
 from diloco_lightning.master.config import AGGREGATIONS, WEIGHTINGS, MasterConfig
+from diloco_lightning.app.supervise import SuperviseOptions
 from diloco_lightning.sim.options import SimOptions
 from diloco_lightning.util.options import default_of
 from diloco_lightning.worker.options import SYNC_MODES, WorkerOptions
@@ -245,6 +246,12 @@ HubConf = compose_section(
 )
 
 
+SuperviseConf = compose_section(
+    "SuperviseConf", SuperviseOptions,
+    doc="How a run's crashed worker processes are restarted (diloco_lightning.app.supervise.SuperviseOptions).",
+)
+
+
 @dataclass
 class TrainerConf:
     accelerator: str = opt("cpu", "cpu | gpu | cuda | auto")
@@ -290,6 +297,7 @@ class TrainConf:
     hub: HubConf = opt(help="", factory=HubConf)  # type: ignore[valid-type]
     trainer: TrainerConf = opt(help="", factory=TrainerConf)
     launch: LaunchConf = opt(help="", factory=LaunchConf)
+    supervise: SuperviseConf = opt(help="", factory=SuperviseConf)  # type: ignore[valid-type]
     sim: SimConf = opt(help="", factory=SimConf)  # type: ignore[valid-type]
 
 
@@ -346,7 +354,7 @@ def describe(schema: type, cfg: DictConfig | None = None, prefix: str = "") -> l
 _SECTION_TYPES = {
     "ModelConf": ModelConf, "DataConf": DataConf, "OptimConf": OptimConf, "DiLoCoConf": DiLoCoConf,
     "OuterConf": OuterConf, "MasterConf": MasterConf, "HubConf": HubConf, "TrainerConf": TrainerConf,
-    "LaunchConf": LaunchConf, "SimConf": SimConf,
+    "LaunchConf": LaunchConf, "SimConf": SimConf, "SuperviseConf": SuperviseConf,
 }
 
 
@@ -398,7 +406,8 @@ def run_id_from_overrides(overrides: List[str], *, sweep: bool = False) -> str:
     """
     from diloco_lightning.app.launches import EXTENDING_KEYS
 
-    skip: tuple[str, ...] = ("role=", "node_index=", "run_id=", "run_root=", "launch.", "hub.", "+role=", "trainer.num_threads=")
+    skip: tuple[str, ...] = ("role=", "node_index=", "run_id=", "run_root=", "launch.", "hub.", "+role=", "trainer.num_threads=",
+                             "supervise.")
     if not sweep:
         skip += tuple(k + "=" for k in EXTENDING_KEYS)
     kept = sorted(o.lstrip("+~") for o in overrides if not o.lstrip("+~").startswith(skip))

@@ -7,7 +7,10 @@ writes ``results.json`` in the run folder.
 A run whose ``results.json`` says it is finished says so and keeps its results (an interrupted
 one resumes from its checkpoints). Ctrl-C or SIGTERM stops the workers (each uploads what is
 pending) and the master, and ends with :class:`~diloco_lightning.app.errors.Interrupted`; a
-failed worker ends the run with :class:`~diloco_lightning.app.errors.RunError`.
+worker that crashed (a signal, an exception) is restarted from its checkpoint with back-off, one line
+each (``supervise.*``, :mod:`diloco_lightning.app.supervise`); one that ended with a configuration
+error, or crashed once more than ``supervise.restarts`` allows, ends the run with
+:class:`~diloco_lightning.app.errors.RunError`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from diloco_lightning.app.build import (
 from diloco_lightning.app.console import log_to_file
 from diloco_lightning.app.launches import Launches, invoked_as, read_jsonl, resume_command, round_counts
 from diloco_lightning.app.errors import Interrupted, RunError, Signal, terminate_as_exception
+from diloco_lightning.app.supervise import Restarts, SuperviseOptions, describe_exit
 from diloco_lightning.app.worker import worker_command
 
 log = logging.getLogger(__name__)
@@ -172,12 +176,7 @@ def finished_message(cfg: DictConfig, rdir: Path, done: dict[str, Any], *, resum
             f"run_id=... or delete {rdir}.")
 
 
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
-        hint = " (the kernel's out-of-memory killer sends SIGKILL: see `dmesg`)" if -code == signal.SIGKILL else ""
-        return f"was killed by {name}{hint}"
-    return f"exited with status {code}"
+_describe_exit = describe_exit
 
 
 def run_all(cfg: DictConfig) -> dict[str, Any]:
@@ -216,6 +215,12 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     interrupted: int | None = None
     failed: tuple[int, Any] | None = None
     error: BaseException | None = None
+    supervise = SuperviseOptions(**{k: cfg.supervise[k] for k in SuperviseOptions.names()}).validate()
+    policies = [Restarts(supervise, f"worker {node_id(i)}") for i in range(cfg.workers)]
+
+    def restart(i: int, line: str) -> None:
+        _restart_worker(config_path, rdir, i, threads, devices[i % len(devices)] if devices else None, procs, logs, line)
+
     try:
         with terminate_as_exception():
             for i in range(cfg.workers):
@@ -223,7 +228,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
                               procs, logs)
             failed = _watch(rdir, procs, master, evaluator, eval_points(cfg), eval_curve, started,
                             timeout=float(cfg.launch.timeout), max_steps=int(cfg.trainer.max_steps),
-                            since=launches.started)
+                            since=launches.started, policies=policies, restart=restart)
     except (KeyboardInterrupt, Signal) as e:
         interrupted = e.signum if isinstance(e, Signal) else int(signal.SIGINT)
     except Exception as e:  # the master's configuration error (never retried), or a bug: the workers stop too
@@ -242,7 +247,8 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
         if interrupted:
             raise _interrupted(interrupted, master.outer_step, len(procs), rdir)
         assert failed is not None
-        raise _failure(str(cfg.run_id), failed, [path for _, path in logs], rdir)
+        note = policies[failed[0]].spent(failed[1]) if failed[0] >= 0 and isinstance(failed[1], int) else None
+        raise _failure(str(cfg.run_id), failed, [path for _, path in logs], rdir, note)
     return finish_run(cfg, rdir, hub, dm, evaluator, launches, rounds, eval_curve)
 
 
@@ -262,6 +268,14 @@ def _start_worker(config_path: Path, rdir: Path, index: int, threads: int, devic
     """Start worker ``index`` (``train.py role=worker`` on the saved config), its output in
     ``nodes/<node>/worker.log``; appended to ``procs`` and ``logs`` as soon as it exists (an
     interrupted start stops the ones already started)."""
+    log_path = rdir / "nodes" / node_id(index) / "worker.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(log_path, "ab")
+    logs.append((fh, log_path))
+    procs.append(_spawn(config_path, index, threads, device, fh))
+
+
+def _spawn(config_path: Path, index: int, threads: int, device: str | None, fh: Any) -> subprocess.Popen:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
     # the package is importable in workers even when train.py runs from a checkout without install
@@ -269,11 +283,17 @@ def _start_worker(config_path: Path, rdir: Path, index: int, threads: int, devic
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = device
-    log_path = rdir / "nodes" / node_id(index) / "worker.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(log_path, "ab")
-    logs.append((fh, log_path))
-    procs.append(subprocess.Popen(worker_command(config_path, index), env=env, stdout=fh, stderr=subprocess.STDOUT))
+    return subprocess.Popen(worker_command(config_path, index), env=env, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def _restart_worker(config_path: Path, rdir: Path, index: int, threads: int, device: str | None,
+                    procs: list[subprocess.Popen], logs: list[tuple[Any, Path]], line: str) -> None:
+    """Start worker ``index`` again (it resumes from its checkpoint), in place in ``procs``; its log goes
+    on, after ``line`` (the restart's)."""
+    fh, log_path = logs[index]
+    fh.write(f"\n{line}\n".encode())
+    fh.flush()
+    procs[index] = _spawn(config_path, index, threads, device, fh)
 
 
 def _stop_workers(procs: list[subprocess.Popen], timeout: float = 40.0) -> None:
@@ -301,14 +321,16 @@ def _interrupted(signum: int, outer_step: int | None, workers: int, rdir: Path) 
     )
 
 
-def _failure(run_id: str, failed: tuple[int, Any], log_paths: list[Path], rdir: Path) -> RunError:
-    """A failed run: the worker that failed (index -1: the run's timeout) and its log's last lines."""
+def _failure(run_id: str, failed: tuple[int, Any], log_paths: list[Path], rdir: Path, note: str | None = None) -> RunError:
+    """A failed run: the worker that failed (index -1: the run's timeout) and its log's last lines (``note``:
+    why it was not restarted, when its restarts are spent)."""
     i, code = failed
     if i < 0:
         return RunError(f"run {run_id} {code}; see the worker logs in {rdir / 'nodes'}")
     tail = "\n".join("    " + line for line in log_paths[i].read_text(errors="replace").splitlines()[-25:])
     return RunError(
-        f"worker {node_id(i)} {_describe_exit(code)}; the other workers were stopped. Last lines of "
+        f"worker {node_id(i)} {_describe_exit(code)}{' (' + note + ')' if note else ''}; the other workers were "
+        f"stopped. Last lines of "
         f"{log_paths[i]}:\n{tail or '    (empty)'}"
     )
 
@@ -392,21 +414,39 @@ def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launc
 
 def _watch(rdir: Path, procs: list[subprocess.Popen], master: Any, evaluator: Evaluator, points: list[int],
            eval_curve: list[list[float]], started: float, *, timeout: float, max_steps: int,
-           since: float | None = None) -> tuple[int, Any] | None:
+           since: float | None = None, policies: list[Restarts] | None = None,
+           restart: Any = None) -> tuple[int, Any] | None:
     """Poll the workers until all are done (None) or one failed (``(index, exit code)``; index -1:
     ``timeout`` seconds since ``started`` passed); print progress lines (their rates from the
     progress written since ``since``, this launch's start); evaluate the global model at the outer
-    steps in ``points``. A configuration error that ended the master is raised."""
+    steps in ``points``. A configuration error that ended the master is raised. With ``policies``
+    (one :class:`~diloco_lightning.app.supervise.Restarts` per worker), a worker that crashed is
+    restarted by ``restart(index, line)`` after its back-off, the line printed; it fails the run
+    only when its policy says no."""
     last_print, last_key = time.perf_counter(), None
     points = list(points)
+    due: dict[int, tuple[float, str]] = {}  # workers waiting for their restart: when, and the line
     while True:
         if getattr(master, "error", None) is not None:  # a configuration error ended the master: no retry fixes it
             raise master.error
         codes = [p.poll() for p in procs]
-        bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if bad:
-            return bad[0]
-        if all(c == 0 for c in codes):
+        for i, c in enumerate(codes):
+            if c in (None, 0) or i in due:
+                continue
+            policy = policies[i] if policies is not None and restart is not None else None
+            delay = policy.decide(c) if policy is not None else None
+            if policy is None or delay is None:
+                return (i, c)
+            line = policy.line(c, delay)
+            print(line, flush=True)
+            due[i] = (time.perf_counter() + delay, line)
+        for i, (when, line) in list(due.items()):
+            if time.perf_counter() >= when:
+                del due[i]
+                policies[i].started()  # type: ignore[index]
+                restart(i, line)  # type: ignore[misc]
+                codes[i] = None
+        if not due and all(c == 0 for c in codes):
             return None
         now = time.perf_counter()
         if now - started > timeout:

@@ -3,7 +3,9 @@
 ``role=all`` (default): :mod:`diloco_lightning.app.local` (or one SLURM job per worker with
 ``launch=submitit``: :mod:`diloco_lightning.app.slurm`). ``role=worker`` / ``role=master`` run
 one part against a shared hub (``hub=hf hub.url=hf://org/run``) for multi-machine runs; a
-multi-GPU worker is one ``torchrun`` (or SLURM) job running ``train.py role=worker ...``.
+multi-GPU worker is one ``torchrun`` (or SLURM) job running ``train.py role=worker ...``. Workers
+are supervised (``supervise.*``, :mod:`diloco_lightning.app.supervise`): one that crashed is
+restarted from its checkpoint, with back-off.
 
 Before anything heavy starts, :func:`run` refuses a run this machine cannot hold
 (:mod:`diloco_lightning.app.resources`), unless the run is already finished.
@@ -56,7 +58,9 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
 
         return run_submitit(cfg)
     if cfg.role == "worker":
-        return run_worker(cfg)
+        from diloco_lightning.app.supervise import supervise_worker, supervised
+
+        return supervise_worker(cfg) if supervised(cfg) else run_worker(cfg)
     if cfg.role == "master":
         code = run_master(cfg)
         if code:

@@ -166,7 +166,10 @@ def worker_command(config_path: Path, index: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """``python -m diloco_lightning.app.worker --config run_dir/config.yaml --node-index i``: one worker.
 
-    Exit status 143 when SIGTERM stopped it (after uploading what was pending)."""
+    Exit status 143 when SIGTERM stopped it (after uploading what was pending); 2 or 3 after a
+    user error (a configuration error; another one, e.g. a missing hub) and 75 when the hub or the
+    master stayed away past ``diloco.wait_timeout``, in one line (:func:`~diloco_lightning.app.supervise.exit_status`:
+    what a supervisor restarts)."""
     ap = argparse.ArgumentParser(description="run one DiLoCo worker from a resolved run config")
     ap.add_argument("--config", required=True)
     ap.add_argument("--node-index", type=int, required=True)
@@ -176,7 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     assert isinstance(cfg, DictConfig), f"{args.config} must hold a mapping"
     cfg.role = "worker"
     cfg.node_index = args.node_index
-    run_worker(cfg)
+    try:
+        run_worker(cfg)
+    except Exception as e:
+        from diloco_lightning.app.cli import short_message
+        from diloco_lightning.app.supervise import exit_status
+
+        code = exit_status(e)
+        if code is None:  # a bug: its traceback, status 1 (a crash: a supervisor restarts it)
+            raise
+        # what to fix, in one line, and the status a supervisor reads (app/supervise.py: restarted or not)
+        print(f"worker {node_id(args.node_index)}: error: {short_message(e)}", file=sys.stderr, flush=True)
+        return code
     return 0
 
 

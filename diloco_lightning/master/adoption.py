@@ -102,6 +102,40 @@ class Adoption:
         run.hub_manifest = hm
         return True
 
+    def follow(self) -> int | None:
+        """A standby's round (``warm_standby``): load the hub's newest version when it is newer than the
+        one held (weights, optimizer state, ledger, norm window), so that the round which takes the lease
+        over finds its state current (:meth:`reconcile` then adopts nothing). Read-only: a standby never
+        publishes, and a manifest it cannot trust or read now is left to the lease holder (or to the
+        takeover's :meth:`reconcile`). Returns the outer step held (None: none yet). A version of
+        another optimizer or model is a :class:`~diloco_lightning.master.config.MasterConfigError`, raised
+        at once rather than at takeover."""
+        from diloco_lightning.master.config import MasterConfigError
+
+        run = self.run
+        try:
+            hm = self.hub.read_manifest()
+            if hm is None or hm.outer_step > MAX_ADOPTED_STEP:
+                return run.outer_step if run.state is not None else None
+            verify_manifest(hm, self.signing_key, self.hub.url)
+            current = (run.state is not None and run.manifest is not None and hm.outer_step == run.outer_step
+                       and hm.weights == run.manifest.weights)
+            if not current and (run.state is None or hm.outer_step >= run.outer_step):
+                self.discard()
+                payload = run.adopt(hm)
+                self.validator.load_state_dict(payload)
+                self.publisher.collect_soon()
+                log.info("standby: holding outer_step %d warm (weights, optimizer state, ledger of %d node(s))",
+                         hm.outer_step, len(hm.ledger))
+            else:
+                run.hub_manifest = hm
+        except MasterConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a version collected mid-read, an outage: the next poll tries again
+            log.debug("standby: could not load the hub's newest version (%s: %s); trying at the next poll",
+                      type(e).__name__, e)
+        return run.outer_step if run.state is not None else None
+
     def _bootstrap(self) -> bool:
         if self.run.bootstrap_from_init():
             return True

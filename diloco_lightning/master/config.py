@@ -114,6 +114,11 @@ class MasterConfig:
         "skip numbers); each = one published version per delta (what a worker that installs a given version needs)")
     keep_globals: int = option(4, "older global versions kept on the hub (lockstep with delay d needs d + 2)")
     lease: bool = option(True, "one master at a time: a second one stands by")
+    warm_standby: bool = option(
+        True, "a master standing by (another holds the lease) keeps the newest published version loaded (weights, "
+        "optimizer state, ledger) as it is published, so when the lease expires it takes over with its first "
+        "round and no download (false: it loads the version at takeover)"
+    )
     lease_ttl: float | None = option(
         None, "seconds the master's lease lives without renewal (null: max(3 x poll_interval, 30); on hf://, where "
         "each renewal is a commit, max(3 x poll_interval, 900))"
@@ -161,6 +166,8 @@ class MasterConfig:
         check_number(self, "expected_nodes", low=1, integer=True, optional=True)
         if not isinstance(self.lease, bool):
             raise OptionError("lease", f"must be True or False, got {self.lease!r}")
+        if not isinstance(self.warm_standby, bool):
+            raise OptionError("warm_standby", f"must be True or False, got {self.warm_standby!r}")
         check_number(self, "outer_lr", low=0.0, strict=True, optional=True)
         check_number(self, "outer_momentum", low=0.0, optional=True)
         check_number(self, "poll_interval", low=0.0, strict=True)

@@ -5,7 +5,11 @@ holds a live lease; every round checks it, and renews it (a write, which on the 
 Hub is a commit) once less than half of ``ttl`` is left, as does every publication; a second master started on the same hub finds
 a live lease held by someone else and stands by, polling, until the lease expires (its
 holder died or hung) or is released (a clean ``stop()``), then takes it over with
-``epoch + 1`` and continues from the newest published version, optimizer state included.
+``epoch + 1`` and continues from the newest published version, optimizer state included. A
+standby with ``warm_standby`` (the default) loads each version as it is published while it waits
+(``Adoption.follow``), so its takeover round starts at once, with nothing to load: the run goes
+without a master for at most one ``ttl`` plus a poll after its holder dies
+(``benchmarks/handover.py`` measures it).
 
 The lease is a liveness device, not the safety one: publication itself compares-and-swaps
 on the manifest's ``outer_step``, so even a master that kept working after losing its lease

@@ -320,8 +320,9 @@ class MasterOuterLoop:
         """``(outer_step, cloned full state)`` of the last published version.
 
         Never waits for network I/O: rounds compute on a second buffer and only swap it in
-        under the lock. A standby master (another holds the lease) that never held a version
-        raises :class:`~diloco_lightning.master.lease.StandbyError` saying so and who holds the lease.
+        under the lock. A warm standby (``warm_standby``, the default) gives the newest published
+        version it has loaded. A standby master that never held a version (a cold one, or before
+        its first poll) raises :class:`~diloco_lightning.master.lease.StandbyError` saying so and who holds the lease.
         """
         other = self._lease.other if self._lease is not None else None
         if self.run.state is None and other is not None:
@@ -451,7 +452,11 @@ class MasterOuterLoop:
             if not self._lease.acquire(min_epoch=self._published_epoch):
                 m.standby = True
                 self.rounds.discard()
+                if self.config.warm_standby:
+                    m.warm = self.adoption.follow()
                 return
+            if self._lease.took_over:
+                m.took_over = self._lease.epoch
         if not self.adoption.reconcile(m):
             return
         if self.config.aggregation == "round":

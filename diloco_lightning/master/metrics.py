@@ -42,6 +42,10 @@ class RoundMetrics:
     standby: bool = False
     conflict: bool = False
     adopted: int | None = None
+    #: a standby's round (``warm_standby``): the outer step it holds loaded, ready for a takeover
+    warm: int | None = None
+    #: the round that took the lease over from another master (or a fresh hub's first): its epoch
+    took_over: int | None = None
     aggregation: str = "round"
     optimizer: str = ""
     holder: str = ""

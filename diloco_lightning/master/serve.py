@@ -110,7 +110,7 @@ def serve(
         while not stop.is_set():
             failures, delay = _attempt(master, failures, speak if say is not None else None)
             m = master.last_metrics or {}
-            lines.standby(bool(m.get("standby")))
+            lines.standby(bool(m.get("standby")), m)
             if _eventful(m):
                 if say is not None:
                     speak(f"[master] {format_progress(m)}")
@@ -213,9 +213,17 @@ class _Lines:
         self._standby_shown = False
         self._waiting: tuple[str, Patience] | None = None
 
-    def standby(self, standing_by: bool) -> None:
+    def standby(self, standing_by: bool, m: dict | None = None) -> None:
+        """Standing by (once per spell; with ``warm_standby``, the outer step held loaded), and the round
+        that ends a spell by taking the lease over."""
+        m = m or {}
         if standing_by and not self._standby_shown:
-            self.speak("[master] standing by: another master holds the lease")
+            warm = m.get("warm")
+            self.speak("[master] standing by: another master holds the lease"
+                       + (f"; outer_step {warm} held warm" if warm is not None else ""))
+        elif not standing_by and self._standby_shown and m.get("took_over") is not None:
+            self.speak(f"[master] took over the lease (epoch {m['took_over']}) at outer_step {m.get('outer_step')}"
+                       + (", state held warm" if m.get("adopted") is None else f", adopted outer_step {m['adopted']}"))
         self._standby_shown = standing_by
 
     def waiting(self, what: str | None, at_once: bool = False) -> None:
