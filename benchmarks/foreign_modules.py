@@ -80,6 +80,9 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
                                    "aggregation=arrival", "min_deltas=1"], {}),
     # diloco-master with no outer options at all: whatever its defaults are
     "default": ([], {}),
+    # the same with the look-ahead start set either way (diloco.lookahead; "default" follows the shipped value)
+    "default_la": ([], {"lookahead": True}),
+    "default_no_la": ([], {"lookahead": False}),
 }
 
 

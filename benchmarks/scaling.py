@@ -112,6 +112,20 @@ ARMS: dict[str, Arm] = {
     "async_round_la": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg",
                            "diloco.lookahead=true"), "outer.lr", 1.0, 0, False,
                           "asynchronous workers as `async_round`, the look-ahead start on"),
+    # a plugin user's run as shipped: DiLoCo(...) async workers, diloco-master's round of every live worker's delta
+    # at fedavg's lr 1 (nothing tuned), with the look-ahead start off and on
+    "plugin": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg", "diloco.lookahead=false"),
+                  None, 1.0, 0, False, "the plugin's async workers and diloco-master as shipped, look-ahead off"),
+    "plugin_la": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg",
+                      "diloco.lookahead=true"), None, 1.0, 0, False,
+                     "the plugin's async workers and diloco-master as shipped, look-ahead on"),
+    # the same with the staleness-gated SGD at lr 1 (lr / (1 + tau) per delta: fedavg itself at tau 0)
+    "plugin_gate": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=staleness_sgd",
+                        "outer.lr=1.0", "outer.options.momentum=0.0", "diloco.lookahead=false"), None, 1.0, 0, False,
+                       "the plugin's async workers, diloco-master with staleness_sgd lr 1, look-ahead off"),
+    "plugin_gate_la": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=staleness_sgd",
+                           "outer.lr=1.0", "outer.options.momentum=0.0", "diloco.lookahead=true"), None, 1.0, 0, False,
+                          "the plugin's async workers, diloco-master with staleness_sgd lr 1, look-ahead on"),
     # levers (the issue's item 4), each against ``sgd``: the workers' inner lr at outer lr 1; the inner state
     # cleared at every install instead of kept
     "sgd_inner": Arm(("workers={k}", "outer=fedavg", *SYNC), "optim.lr", 0.004, 0, False,

@@ -103,6 +103,9 @@ METHODS: dict[str, Method] = {
     "sgd_p2": Method("staleness_sgd", {"momentum": 0.0, "power": 2.0}, "sgd0", 2, "staleness-scaled SGD, lr / (1 + tau)^2"),
     "sgd_rb": Method("staleness_sgd", {"momentum": 0.0}, "sgd0", 0,
                      "staleness-scaled SGD, each worker rebased onto its own deltas (sim.rebase)", ("sim.rebase=true",)),
+    "sgd_rb_la": Method("staleness_sgd", {"momentum": 0.0}, "sgd0", 0,
+                        "the rebase with the look-ahead start: each own delta in flight stands for one of every "
+                        "worker's (diloco.lookahead)", ("sim.rebase=true", "diloco.lookahead=true")),
     "sgd_m0.5": Method("staleness_sgd", {"momentum": 0.5}, "sgd0.5", 0, "the same, Nesterov momentum 0.5"),
     "sgd_mneg": Method("staleness_sgd", {"momentum": -0.5}, "sgd0", 0, "the same, momentum -0.5 (asynchrony begets momentum)"),
     "sgd_m0.9": Method("staleness_sgd", {"momentum": 0.9}, "sgd0.9", 0, "the same, Nesterov momentum 0.9"),
@@ -127,12 +130,12 @@ METHODS: dict[str, Method] = {
 PLAN: dict[str, list[str]] = {
     "sync": ["sgd", "sgd_m0.9", "sgd_m0.5"],  # sgd_m0.9 at tau = 0 is DiLoCo's Nesterov step exactly
     "async": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_m0.5"],
-    "arr4": ["sgd", "gap", "cgad", "nesterov", "sgd_rb", "sgd_m0.5"],
-    "arr8": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_rb", "sgd_p2", "sgd_mneg", "sgd_m0.5"],
-    "arr16": ["sgd", "gap", "cgad", "nesterov", "sgd_rb"],
+    "arr4": ["sgd", "gap", "cgad", "nesterov", "sgd_rb", "sgd_rb_la", "sgd_m0.5"],
+    "arr8": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_rb", "sgd_rb_la", "sgd_p2", "sgd_mneg", "sgd_m0.5"],
+    "arr16": ["sgd", "gap", "cgad", "nesterov", "sgd_rb", "sgd_rb_la"],
     "heavy": ["sgd", "sgd_rb"],
     "arr6": ["sgd"],  # 6 deltas missing from a base, as at 8 arrivals after the rebase (MISSING_SETTINGS)
-    "rnd2": ["sgd", "sgd_rb"],  # 2 rounds of 4 (the unit the recipes' tau counts): about 8 arrivals
+    "rnd2": ["sgd", "sgd_rb", "sgd_rb_la"],  # 2 rounds of 4 (the unit the recipes' tau counts): about 8 arrivals
 }
 #: --full: the rest of the grid (momentum for the SGD family, the other Adam and Nesterov variants,
 #: the heavy tail, round-mode delays)
