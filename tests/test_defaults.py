@@ -171,6 +171,10 @@ def test_the_library_default_outer_step_is_fedavg_and_nesterov_by_name_keeps_spe
     assert MasterConfig().outer_optimizer == "fedavg"
     assert MasterConfig().optimizer_options() == {"lr": 1.0, "momentum": 0.0}
     # the library's fedavg gates a stale delta as the CLI's configs/outer/fedavg.yaml says (power 1)
+    import torch
+
+    from diloco_lightning.outer import build_outer_optimizer
+
     assert build_outer_optimizer("fedavg", {"w": torch.zeros(1)}, **MasterConfig().optimizer_options()).power == 1.0
     assert MasterConfig(outer_optimizer="nesterov").optimizer_options() == {"lr": 0.7, "momentum": 0.9}
     assert MasterConfig(outer_optimizer="fedavg", outer_lr=0.5).optimizer_options() == {"lr": 0.5, "momentum": 0.0}
