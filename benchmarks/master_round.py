@@ -156,6 +156,51 @@ def child(args: argparse.Namespace) -> None:
                       "bytes": m.get("bytes_downloaded", 0)}))
 
 
+def child_speedtronic(args: argparse.Namespace) -> None:
+    """Speedtronic 2.0.0's master (``speedtronic.distributed.outer.MasterOuterLoop``) on the same delta
+    files, measured as :func:`child` measures ours: its ``HubClient`` on a folder (``FolderHfApi`` of
+    tests/support/speedtronic_side.py: a download copies the file, as the Hub client would), outer
+    step 0 published, one warm-up round, then one timed ``sync_once()`` over the N deltas. Our master
+    deletes the deltas it processed; Speedtronic never does (it re-reads every file every round), so
+    the warm-up delta is removed before the timed round: both read exactly the N files."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support import speedtronic_side as st
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)  # as ours (torch_threads): a fair thread count on a shared machine
+    work = Path(args.workdir)
+    hub_dir = work / "hub"
+    hub_dir.mkdir(parents=True, exist_ok=True)
+    hub = st.client(hub_dir, work / "cache")
+    state = make_state()
+    master = st.speedtronic_master(hub, state, work / "state", outer_lr=0.7, outer_momentum=0.9)
+    del state
+
+    def arrive(name: str, node_id: str) -> Path:
+        node = hub_dir / "nodes" / node_id
+        node.mkdir(parents=True, exist_ok=True)
+        os.link(Path(args.pool) / f"delta_{name}.safetensors", node / "delta_0.safetensors")
+        return node / "delta_0.safetensors"
+
+    warm = arrive("warmup", "warmup")
+    assert master.sync_once() == 1
+    warm.unlink()
+    for i in range(args.n):
+        arrive(str(i), f"w{i:02d}")
+    gc.collect()
+    base_rss = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    t0 = time.perf_counter()
+    step = master.sync_once()
+    seconds = time.perf_counter() - t0
+    peak = _status("VmHWM")
+    assert step == 2, step
+    print(json.dumps({"n": args.n, "seconds": seconds, "peak_rss_mb": peak, "base_rss_mb": base_rss}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[1, 4, 8, 16, 32], help="numbers of deltas per round")
@@ -169,11 +214,12 @@ def main() -> None:
                     help="comma-separated delta encodings (float32, bfloat16, int8, int4, topk, topk+int4, ctopk+int2); the first is the "
                          "reference")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--speedtronic-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pool", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         args.n = args.n[0]
-        child(args)
+        (child_speedtronic if args.speedtronic_child else child)(args)
         return
 
     encodings = [e.strip() for e in args.encodings.split(",") if e.strip()]

@@ -175,14 +175,15 @@ class Rounds:
         return delta_gates(run.opt, self.config.outer_optimizer, run.plan,
                            {n: c for n, (c, _) in run.fragment_steps.items()})
 
-    def check(self, ref: DeltaRef, path: Path, outer_step: int) -> tuple[Delta, Accepted]:
-        """Validate the downloaded delta ``path`` as applied at ``outer_step`` (raises ``DeltaRejected``)."""
+    def check(self, ref: DeltaRef, path: Path, outer_step: int, *, reuse: bool = False) -> tuple[Delta, Accepted]:
+        """Validate the downloaded delta ``path`` as applied at ``outer_step`` (raises ``DeltaRejected``).
+        ``reuse``: read it into the validator's reused buffer (valid until the next such check)."""
         run = self.run
         # rounds run only once the run has a global state (given, adopted or installed at start)
         assert run.state is not None and run.fingerprint is not None
         gate, view = self._gates()
         return self.validator.check(ref, path, state=run.state, fingerprint=run.fingerprint, outer_step=outer_step,
-                                           gate=gate, fragments=view)
+                                    gate=gate, fragments=view, arena=self.validator.arena if reuse else None)
 
     # ------------------------------------------------------------------ round mode
 
@@ -205,7 +206,8 @@ class Rounds:
         for ref, path in self.intake.fetch(refs, blocked, max_bytes, m):
             try:
                 try:
-                    delta, acc = self.check(ref, path, rnd.outer_step)
+                    # one delta at a time, folded into the sum before the next is read: one reused buffer
+                    delta, acc = self.check(ref, path, rnd.outer_step, reuse=True)
                 except DeltaRejected as e:
                     self.intake.refuse(ref, e.reason, e.detail, m)
                     continue
@@ -227,6 +229,8 @@ class Rounds:
                 self._heard(ref.node_id, now)
             finally:
                 self.intake.release(path)
+        # the read buffer goes before the step's buffer comes (round peak: state, optimizer, sum and one of them)
+        self.validator.arena.release()
         faults.point("downloaded", self.owner)
         m.pending = len(rnd.accepted)
         if not rnd.accepted:
@@ -467,12 +471,22 @@ class Rounds:
         return True
 
 
+#: elements per slice of :func:`_distance` (4 MiB of FP32): its temporaries stay that small
+_DISTANCE_SLICE = 1 << 20
+
+
 def _distance(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> float:
-    """``|new - old|`` over the synced keys (the outer update's L2 norm), one key at a time."""
+    """``|new - old|`` over the synced keys (the outer update's L2 norm), a slice of a key at a
+    time: ``torch.dist`` of a whole key makes a temporary of its size (71 MB for a 25M model's
+    embedding), which was the round's peak memory."""
     total = 0.0
     with torch.no_grad():
         for k, t in new.items():
             o = old.get(k)
-            if o is not None and is_synced(t) and o.shape == t.shape:
-                total += float(torch.dist(t.float(), o.float())) ** 2
+            if o is None or not is_synced(t) or o.shape != t.shape:
+                continue
+            a, b = t.reshape(-1), o.reshape(-1)
+            for i in range(0, a.numel(), _DISTANCE_SLICE):
+                j = i + _DISTANCE_SLICE
+                total += float(torch.dist(a[i:j].float(), b[i:j].float())) ** 2
     return math.sqrt(total)
