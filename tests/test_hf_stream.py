@@ -1,7 +1,7 @@
 """The hf:// transport's HTTP branches for each client ``huggingface_hub`` may share (issue 42, item 3).
 
 The pinned range (``huggingface_hub>=0.34``) includes 0.34-0.x, whose shared client is a
-``requests.Session``; the installed one (1.0 and later) shares an ``httpx`` client. Both branches
+``requests.Session``; the installed one (1.0 and later) shares an ``httpx`` client (``httpx2`` in 2.x). Both branches
 of ``hub/hf_stream.py`` (streamed GET, capped read, chunked body) and of the guard
 (``hf_guard.guard_client``) run here with a real client of each library against the loopback Hub
 server, so the branch the installed ``huggingface_hub`` does not take is tested too.
@@ -26,8 +26,13 @@ def _requests_session():
 
 
 def _httpx_client():
-    httpx = pytest.importorskip("httpx")
-    return httpx.Client()
+    """The kind of client the installed ``huggingface_hub`` shares (``httpx``, or its fork ``httpx2``)."""
+    from huggingface_hub.utils import get_session
+
+    shared = get_session()
+    if is_requests_session(shared):  # huggingface_hub < 1.0: take httpx itself if it is there
+        return pytest.importorskip("httpx").Client()
+    return type(shared)()
 
 
 CLIENTS = {"requests": _requests_session, "httpx": _httpx_client}

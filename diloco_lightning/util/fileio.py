@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 from diloco_lightning.util.errors import DiLoCoError
+from diloco_lightning.util.heldfile import is_held, reopen
 
 log = logging.getLogger(__name__)
 
@@ -331,8 +332,12 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
     """``open(path, "rb")`` for a file any writer may have made (a delta read in place): what is not a
     regular file (a FIFO, ``/dev/zero``) raises :class:`NotRegularFileError` at once, never blocks the
     reader nor feeds it without end. The open file is the one checked (no race between a check and
-    the open)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    the open). A :class:`~diloco_lightning.util.heldfile.HeldFile` (the folder hub's downloads) opens the
+    file its checks were made on, whatever its path names now (a file renamed over it, a link)."""
+    if is_held(path):  # never by its path, even once released (EBADF then)
+        fd = reopen(path)  # type: ignore[arg-type]
+    else:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -345,9 +350,9 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file, read in 8 MiB chunks."""
+    """Hex SHA-256 of a file, read in 8 MiB chunks (:func:`open_regular`: a held hub file is the one read)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()

@@ -189,7 +189,7 @@ def read_delta(
     try:
         # one open file for the checks and the read: what is checked is what is read; a FIFO or a device
         # (a link to /dev/zero) is refused at once, never waited on nor read without end
-        f = open_regular(path_str)
+        f = open_regular(path)  # a held hub file (the folder hub's download): the inode that was checked
     except OSError as e:
         raise UnreadableDeltaError(path, f"cannot open ({type(e).__name__}: {e.strerror or e})") from None
     with f:
