@@ -486,7 +486,9 @@ def _distance(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> flo
             if o is None or not is_synced(t) or o.shape != t.shape:
                 continue
             a, b = t.reshape(-1), o.reshape(-1)
+            real = not a.is_complex()  # FP32 arithmetic for half precision; a complex key keeps its imaginary part
             for i in range(0, a.numel(), _DISTANCE_SLICE):
                 j = i + _DISTANCE_SLICE
-                total += float(torch.dist(a[i:j].float(), b[i:j].float())) ** 2
+                x, y = (a[i:j].float(), b[i:j].float()) if real else (a[i:j], b[i:j])
+                total += float(torch.dist(x, y)) ** 2
     return math.sqrt(total)

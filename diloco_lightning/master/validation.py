@@ -443,7 +443,10 @@ class DeltaValidator:
             header_parser=parser,
             arena=arena,
         )
-        norm = delta_norm(delta.by_key()) * scale
+        # summed as the reader read it (a reused buffer), else one pass now
+        sumsq = delta.sumsq if delta.encoded is None else None
+        norm = (math.sqrt(sumsq) if sumsq is not None and math.isfinite(sumsq) else
+                sumsq if sumsq is not None else delta_norm(delta.by_key())) * scale
         if self._global_for != (id(state), outer_step):  # the global-relative bound: once per version
             self.norms.set_global(*state_norm(state))
             self._global_for = (id(state), outer_step)

@@ -246,13 +246,13 @@ def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_by
                 f"key {name[:80]!r} has dtype {_stored_dtype(info.dtype)}, "
                 f"expected one of {[str(d).removeprefix('torch.') for d in allowed]}",
             )
-    tensors, nbytes = _read_tensors(f, path, layout, names, raw_md, signing_key, copy, arena)
+    tensors, nbytes, sumsq = _read_tensors(f, path, layout, names, raw_md, signing_key, copy, arena)
     _check_fingerprint(path, header, expected_fingerprint)
     if check_finite:
         for name in names:
             if not bool(torch.isfinite(tensors[name]).all()):
                 raise NonFiniteError(path, f"key {name!r} contains NaN or inf")
-    return Delta(header=header, tensors=tensors, path=path_str, nbytes=nbytes)
+    return Delta(header=header, tensors=tensors, path=path_str, nbytes=nbytes, sumsq=sumsq)
 
 
 def _arena_slots(layout, names, arena: ReadArena | None) -> dict[str, torch.Tensor]:
@@ -269,11 +269,39 @@ def _arena_slots(layout, names, arena: ReadArena | None) -> dict[str, torch.Tens
             if i.nbytes and (i.start - base) % DTYPE_SIZES[i.dtype] == 0}
 
 
+#: bytes of a tensor read before the squares of its values are summed, while they are in cache
+_SUM_CHUNK = 1 << 20
+
+
+def _read_summing(f, info, slot: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """:func:`read_tensor` into ``slot`` a chunk at a time, and the sum of the squares of its values,
+    each chunk's taken right after it is read (in cache: the norm costs no second pass over memory).
+    Half-precision values are squared in FP32, as ``validation.delta_norm`` does."""
+    dtype = _ST_DTYPES[info.dtype]
+    t = slot.view(dtype)
+    size = DTYPE_SIZES[info.dtype]
+    acc = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+    buf = memoryview(slot.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+    f.seek(info.start)
+    got, done, total = 0, 0, 0.0
+    while got < info.nbytes:
+        n = f.readinto(buf[got:min(info.nbytes, got + _SUM_CHUNK)])
+        if not n:
+            raise LayoutError(f"file ended inside tensor {info.name[:80]!r} (changed while it was read?)")
+        got += n
+        end = got // size
+        if end > done:
+            part = float(torch.linalg.vector_norm(t[done:end], dtype=acc))
+            total += part * part
+            done = end
+    return t.reshape(info.shape), total
+
+
 def _read_tensors(f, path, layout, names, raw_md, signing_key, copy,
-                  arena: ReadArena | None = None) -> tuple[dict[str, torch.Tensor], int]:
+                  arena: ReadArena | None = None) -> tuple[dict[str, torch.Tensor], int, float | None]:
     """Every tensor of the checked ``layout``, from the one open file ``f``, the signature (a
     signed run) verified over exactly the bytes read; with ``arena`` (and ``copy``), into its
-    reused buffer."""
+    reused buffer, the sum of the squares of the values taken as they are read (else None)."""
     mac = None
     if signing_key is not None:
         # authenticity next: an unsigned file is rejected as such before a tensor byte is read
@@ -287,10 +315,17 @@ def _read_tensors(f, path, layout, names, raw_md, signing_key, copy,
     except (OSError, ValueError) as e:
         raise UnreadableDeltaError(path, f"cannot map the file ({type(e).__name__}: {e})") from None
     slots = _arena_slots(layout, names, arena) if mapped is None else {}
+    sumsq: float | None = 0.0 if slots else None
     for name in names:
         info = layout.tensors[name]
         try:
-            t = read_tensor(f, info, slots.get(name)) if mapped is None else mapped[name]
+            slot = slots.get(name)
+            if slot is not None and info.dtype in _ST_DTYPES:
+                t, sq = _read_summing(f, info, slot)
+                sumsq = None if sumsq is None else sumsq + sq
+            else:
+                t = read_tensor(f, info, slot) if mapped is None else mapped[name]
+                sumsq = None if info.nbytes else sumsq  # an empty tensor adds nothing
         except (OSError, LayoutError) as e:
             raise UnreadableDeltaError(path, f"cannot read tensor {name[:80]!r} ({type(e).__name__}: {e})") from None
         if mac is not None:
@@ -299,7 +334,7 @@ def _read_tensors(f, path, layout, names, raw_md, signing_key, copy,
         tensors[name] = t
     if mac is not None and not signing_key.finish_verify(mac, raw_md["signature"]):
         raise SignatureError(path, "signature does not match (wrong run key, or the file was altered)")
-    return tensors, nbytes
+    return tensors, nbytes, sumsq
 
 
 def _check_keys(path, present, want) -> None:
@@ -341,7 +376,7 @@ def _read_encoded(f, path, path_str, layout, header, spec, want, reference, sign
             check_layout(found, reference[key].shape, spec, complex=reference[key].is_complex(), key=key[:80])
         except EncodingError as e:
             raise EncodingFileError(path, str(e)[:400]) from None
-    tensors, nbytes = _read_tensors(f, path, layout, sorted(layout.tensors), layout.metadata, signing_key, copy, arena)
+    tensors, nbytes, _ = _read_tensors(f, path, layout, sorted(layout.tensors), layout.metadata, signing_key, copy, arena)
     _check_fingerprint(path, header, expected_fingerprint)
     encoded: dict[str, EncodedTensor] = {}
     for key in want:
