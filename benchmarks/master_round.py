@@ -308,7 +308,7 @@ def main() -> None:
     if speedtronic:
         print("# Speedtronic 2.0.0's master, measured side by side, and ours over it (issue 42's targets: "
               f"<= {TARGET_TIME}x its time, <= {TARGET_RSS}x its memory)")
-        print(f"{'N':>4} {'its best s':>11} {'its median s':>13} {'its peak MB':>12} {'x time (best)':>14} "
+        print(f"{'':3}{'N':>4} {'its best s':>11} {'its median s':>13} {'its peak MB':>12} {'x time (best)':>14} "
               f"{'x time (median)':>16} {'x peak RSS':>11}")
         ref = encodings[0]
         for n in args.n:
@@ -318,8 +318,8 @@ def main() -> None:
             o_peak = max(x["peak_rss_mb"] for x in ours)
             tb, tm = theirs[0]["seconds"], theirs[len(theirs) // 2]["seconds"]
             ob, om = ours[0]["seconds"], ours[len(ours) // 2]["seconds"]
-            print(f"{n:>4} {tb:>11.3f} {tm:>13.3f} {t_peak:>12.0f} {ob / tb:>14.3f} {om / tm:>16.3f} "
-                  f"{o_peak / t_peak:>11.3f}", flush=True)
+            print(f"ST {n:>4} {tb:>11.3f} {tm:>13.3f} {t_peak:>12.0f} {ob / tb:>14.3f} {om / tm:>16.3f} "
+                  f"{o_peak / t_peak:>11.3f}", flush=True)  # "ST": not a row of ours (run_all.py parses those)
             pairs = [f"{o['seconds']:.2f}/{t['seconds']:.2f}" for o, t in zip(results[(ref, n)], results[("speedtronic", n)])]
             cpu_o = min(x.get("cpu_seconds", float("nan")) for x in ours)
             cpu_t = min(x.get("cpu_seconds", float("nan")) for x in theirs)

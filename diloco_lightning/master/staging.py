@@ -66,6 +66,10 @@ def _raw(t: torch.Tensor):
     return t.view(torch.uint8).numpy()
 
 
+#: bytes written then hashed at a time (the hash reads them from the cache the write left them in)
+_PIECE = 1 << 20
+
+
 def write_safetensors_hashed(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> str:
     """Write a safetensors file at ``path`` (no fsync) and return its SHA-256 hex digest.
 
@@ -89,20 +93,17 @@ def write_safetensors_hashed(path: str | os.PathLike, tensors: Mapping[str, torc
     h = hashlib.sha256()
     prefix = len(hjson).to_bytes(8, "little") + hjson
     h.update(prefix)
-    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-sha256") as hasher:
+    with open(path, "wb") as f:
         f.write(prefix)
-        pending = []
         for name in names:
             t = tensors[name]
             if t.numel() == 0:
                 continue
-            buf = _raw(t)
-            pending.append(hasher.submit(h.update, buf))  # one worker: updates run in order
-            f.write(buf)
-            if len(pending) > 8:
-                pending.pop(0).result()
-        for p in pending:
-            p.result()
+            buf = memoryview(_raw(t))
+            for i in range(0, len(buf), _PIECE):  # each piece hashed right after it is written: still in cache
+                piece = buf[i:i + _PIECE]
+                f.write(piece)
+                h.update(piece)
     return h.hexdigest()
 
 
