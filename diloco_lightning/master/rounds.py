@@ -229,8 +229,6 @@ class Rounds:
                 self._heard(ref.node_id, now)
             finally:
                 self.intake.release(path)
-        # the read buffer goes before the step's buffer comes (round peak: state, optimizer, sum and one of them)
-        self.validator.arena.release()
         faults.point("downloaded", self.owner)
         m.pending = len(rnd.accepted)
         if not rnd.accepted:
@@ -272,6 +270,8 @@ class Rounds:
         # the only reference to the mean is popped by the step, so it is freed before the
         # optimizer state is copied for publication (the round's peak stays one buffer lower)
         box = [mean]
+        # its memory is the next round's read buffer (wire/arena.py): held by the arena once the step used it
+        spent = {k: t for k, t in mean.items() if _owns_its_memory(t)}
         del mean
         stepper = round_step(self.run.opt, self.config.outer_optimizer, legacy=legacy, tau_max=tau_max)
 
@@ -282,8 +282,10 @@ class Rounds:
         # what each node's delta entered the state with (a fragment's delta or PA-CGAD's rule: not said)
         scales = None if legacy or updated else delta_scales(
             self.run.opt.linear_rate(), [(a.ref.node_id, a.weight, a.gate) for a in accepted])
-        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted, updated,
-                                   scales=scales):
+        published = self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted,
+                                            updated, scales=scales)
+        self.validator.arena.adopt(spent)  # after the step (published or not): nothing else uses the mean
+        if published:
             for a in accepted:
                 m.apply(a.ident, a.staleness)
 
@@ -405,7 +407,10 @@ class Rounds:
     def take_buffer(self) -> tuple[dict[str, torch.Tensor], Any]:
         """The spare buffer a step is taken on, and what rolls the optimizer back (None: its committed file)."""
         run = self.run
-        return run.spare_buffer(), None if run.committed_outer_file is not None else run.opt.state_dict()
+        assert run.state is not None
+        # the round's read buffer becomes the state buffer stepped on (no memory faulted in; wire/arena.py)
+        storage = self.validator.arena.give(run.state)
+        return run.spare_buffer(storage), None if run.committed_outer_file is not None else run.opt.state_dict()
 
     def roll_back(self, buf: dict[str, torch.Tensor], backup: Any) -> None:
         """Undo steps taken on ``buf`` and forget what was processed but not published."""
@@ -469,6 +474,12 @@ class Rounds:
         m.published += 1
         self.on_published()
         return True
+
+
+def _owns_its_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the whole of its storage, contiguous (not a view into a larger buffer)."""
+    return (t.is_contiguous() and t.data_ptr() == t.untyped_storage().data_ptr()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 #: elements per slice of :func:`_distance` (4 MiB of FP32): its temporaries stay that small

@@ -226,15 +226,19 @@ class RunState:
 
     # ------------------------------------------------------------------ the working buffer
 
-    def spare_buffer(self) -> dict[str, torch.Tensor]:
+    def spare_buffer(self, storage: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """A second state buffer holding a copy of the current state (allocated once, reused): a
-        round steps on it and swaps it in after publishing, so readers never wait."""
+        round steps on it and swaps it in after publishing, so readers never wait. ``storage``:
+        tensors of some keys' shapes and dtypes to use when there is no spare (the round's read
+        buffer, memory already in place)."""
         assert self.state is not None
         spare = self._spare
         if spare is None or spare.keys() != self.state.keys() or any(
             spare[k].shape != v.shape or spare[k].dtype != v.dtype for k, v in self.state.items()
         ):
-            spare = {k: torch.empty_like(v) for k, v in self.state.items()}
+            have = storage or {}
+            spare = {k: have[k] if k in have and have[k].shape == v.shape and have[k].dtype == v.dtype
+                     else torch.empty_like(v) for k, v in self.state.items()}
         for k, v in self.state.items():
             spare[k].copy_(v)
         self._spare = None

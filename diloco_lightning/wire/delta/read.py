@@ -263,38 +263,28 @@ def _arena_slots(layout, names, arena: ReadArena | None) -> dict[str, torch.Tens
     infos = [layout.tensors[n] for n in names]
     if arena is None or not infos:
         return {}
+    by_key = arena.slots({i.name: i.nbytes for i in infos})  # the adopted per-key tensors, if they fit
+    if by_key is not None:
+        return {n: s for n, s in by_key.items() if s.numel() and s.numel() % DTYPE_SIZES[layout.tensors[n].dtype] == 0}
     base = min(i.start for i in infos)
     data = arena.take(max(i.start + i.nbytes for i in infos) - base)
     return {i.name: data[i.start - base:i.start - base + i.nbytes] for i in infos
             if i.nbytes and (i.start - base) % DTYPE_SIZES[i.dtype] == 0}
 
 
-#: bytes of a tensor read before the squares of its values are summed, while they are in cache
-_SUM_CHUNK = 1 << 20
-
-
 def _read_summing(f, info, slot: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """:func:`read_tensor` into ``slot`` a chunk at a time, and the sum of the squares of its values,
-    each chunk's taken right after it is read (in cache: the norm costs no second pass over memory).
+    """:func:`read_tensor` into ``slot``, and the sum of the squares of its values, each chunk's
+    taken right after it is read (in cache: the norm costs no second pass over memory).
     Half-precision values are squared in FP32, as ``validation.delta_norm`` does."""
-    dtype = _ST_DTYPES[info.dtype]
-    t = slot.view(dtype)
-    size = DTYPE_SIZES[info.dtype]
-    acc = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
-    buf = memoryview(slot.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
-    f.seek(info.start)
-    got, done, total = 0, 0, 0.0
-    while got < info.nbytes:
-        n = f.readinto(buf[got:min(info.nbytes, got + _SUM_CHUNK)])
-        if not n:
-            raise LayoutError(f"file ended inside tensor {info.name[:80]!r} (changed while it was read?)")
-        got += n
-        end = got // size
-        if end > done:
-            part = float(torch.linalg.vector_norm(t[done:end], dtype=acc))
-            total += part * part
-            done = end
-    return t.reshape(info.shape), total
+    acc = torch.float32 if info.dtype in ("BF16", "F16") else None
+    total = [0.0]
+
+    def add(values: torch.Tensor) -> None:
+        part = float(torch.linalg.vector_norm(values, dtype=acc))
+        total[0] += part * part
+
+    t = read_tensor(f, info, slot, on_values=add)
+    return t, total[0]
 
 
 def _read_tensors(f, path, layout, names, raw_md, signing_key, copy,
