@@ -37,10 +37,12 @@ Measured (2 cores shared with other jobs, load average 3.6-5.0, ``--n 8 --repeat
 torch_threads 1; issue 42): before (commit 321ca8f, each delta read into fresh tensors) ours
 1.46 s best / 2.08 s median, 691 MB; Speedtronic 2.91 / 4.47 s, 1697 MB: 0.50x time (best),
 0.41x memory, CPU 1.21 s against 1.63 s (0.74x). After (one reused read buffer, norms summed as
-read, the four state buffers rotating, staging hashed from cache on two threads): see the
-commit that records it in this docstring and ``docs/performance`` notes; the memory target is met
-(<= 0.4x), the time target is not on this shared machine: our round is ~0.9 s of CPU
-(SHA-256 of the 200 MB published, 805 MB read, the sum, the step), Speedtronic's ~1.7 s.
+read, the four state buffers rotating, staging hashed from cache on two threads; load 4.6-5.2)
+ours 2.45 s best / 2.46 s median, 625 MB (flat: the round allocates nothing); Speedtronic
+4.81 / 5.14 s, 1692 MB: 0.51x time (best; 0.48x median), 0.37x memory, CPU 0.91 s against
+1.88 s (0.48x). The memory target is met; the time target is not on this shared machine: our
+round is ~0.9 s of CPU (SHA-256 of the 200 MB published, 805 MB read into owned memory, the
+sum, the step, the durable writes), Speedtronic's 1.6-1.9 s, and both wait for the CPU alike.
 With torch's default 2 threads on the busy machine, N=8 took 2.7-3.9 s: OpenMP barriers
 stall when the cores are shared, hence ``torch_threads=1`` for a dedicated master.
 """
