@@ -126,3 +126,21 @@ def test_the_checks_are_made_on_the_open_file(hub, tmp_path):
     os.symlink(tmp_path / "nowhere", hub.root / PATH)
     with pytest.raises(HubError, match="symbolic link"):
         hub.download(PATH)
+
+
+def test_an_adopted_copy_is_the_promised_bytes_whatever_was_swapped_in(hub, tmp_path):
+    """What a master copies into its own state folder when it adopts a version (runstate.py,
+    ``fileio.copy_checked``): the held file, checked against the manifest's digest on the way."""
+    from diloco_lightning.util.fileio import copy_checked
+
+    honest = _delta(hub.root / PATH, 1.0)
+    local = hub.download(PATH)
+    _swap_rename(hub, tmp_path)
+    dest = tmp_path / "state" / "copy.safetensors"
+    dest.parent.mkdir()
+    copy_checked(local, dest, hashlib.sha256(honest).hexdigest())
+    assert dest.read_bytes() == honest
+    forged = (hub.root / PATH).read_bytes()
+    with pytest.raises(OSError, match="SHA-256"):  # bytes other than the promised ones are never kept
+        copy_checked(hub.root / PATH, tmp_path / "state" / "other.safetensors", hashlib.sha256(honest).hexdigest())
+    assert forged != honest and not (tmp_path / "state" / "other.safetensors").exists()

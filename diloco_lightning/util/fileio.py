@@ -244,6 +244,23 @@ def atomic_write(dest: str | os.PathLike, write: Callable[[Path], None]) -> Path
     return Path(dest)
 
 
+def copy_checked(src: str | os.PathLike, dest: str | os.PathLike, sha256: str | None = None) -> Path:
+    """Copy ``src`` to ``dest`` atomically, hashing the bytes as they are copied: read through
+    :func:`open_regular` (a held hub file is the file copied, whatever its path names now), and with
+    ``sha256`` a copy of any other bytes raises ``OSError`` (EIO) and leaves ``dest`` as it was."""
+    def write(tmp: Path) -> None:
+        h = hashlib.sha256()
+        with open_regular(src) as f, open(tmp, "wb") as out:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+        if sha256 is not None and h.hexdigest() != sha256:
+            raise OSError(errno.EIO, f"SHA-256 {h.hexdigest()[:12]}... is not the {str(sha256)[:12]}... promised",
+                          os.fspath(src))
+
+    return atomic_write(dest, write)
+
+
 def atomic_write_bytes(dest: str | os.PathLike, data: bytes) -> Path:
     return atomic_write(dest, lambda p: None if p.write_bytes(data) else None)
 
