@@ -167,6 +167,24 @@ class HubFolder:
         finally:
             os.close(dfd)
 
+    def open_file(self, hub_path: str) -> int:
+        """A read-only descriptor of the file ``hub_path``, every folder on the way opened without
+        following a link (:class:`HubLinkError`), the file itself neither a link (``OSError`` ELOOP)
+        nor waited on (non-blocking open: a FIFO opens at once; the caller checks ``fstat``).
+        ``FileNotFoundError`` if it is missing."""
+        *folders, leaf = hub_path.split("/")
+        dfd = self.open_dir(folders, create=False)
+        try:
+            fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        try:
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def is_file(self, hub_path: str) -> bool:
         """Whether ``hub_path`` is a regular file, every folder on the way a real one (see :meth:`stat`)."""
         st = self.stat(hub_path)

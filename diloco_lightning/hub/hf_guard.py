@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco_lightning.util.errors import DiLoCoError
+from diloco_lightning.hub.hf_stream import is_requests_session
 from diloco_lightning.hub.pacing import retry_after
 
 log = logging.getLogger(__name__)
@@ -130,15 +131,17 @@ def _make_requests_guard_adapter(requests_mod: Any, inner: Any) -> Any:
     return _GuardAdapter(inner)
 
 
-def _is_requests_session(session: Any) -> bool:
-    return type(session).__module__.split(".")[0] == "requests"
-
-
 def _ensure_guard() -> None:
     """Wrap the transport(s) of ``huggingface_hub``'s shared client once (see the module docstring)."""
     from huggingface_hub.utils import get_session
 
-    client: Any = get_session()  # requests.Session or an httpx client: duck-typed below
+    guard_client(get_session())
+
+
+def guard_client(client: Any) -> None:
+    """Wrap the transport(s) of ``client`` (a ``requests.Session``: ``huggingface_hub < 1.0``; an
+    ``httpx`` client: 1.0 and later) once: while a call of ours runs (``_GUARD`` set), a retryable
+    answer or a network error raises ``_TransientError``."""
     if getattr(client, "_diloco_guarded", False):
         return
     with _GUARD_LOCK:
@@ -146,7 +149,7 @@ def _ensure_guard() -> None:
             return
         try:
             mod = importlib.import_module(type(client).__module__.split(".")[0])
-            if _is_requests_session(client):
+            if is_requests_session(client):
                 for prefix, adapter in list(client.adapters.items()):
                     if not getattr(adapter, "_diloco_guard", False):
                         client.adapters[prefix] = _make_requests_guard_adapter(mod, adapter)

@@ -37,11 +37,11 @@ from diloco_lightning.hub.hf_guard import (
     _RETRY_STATUS,
     _ensure_guard,
     _GuardOptions,
-    _is_requests_session,
     _plain_transient_types,
     _retry_after,
     _TransientError,
 )
+from diloco_lightning.hub.hf_stream import iter_body, read_capped, stream_get
 from diloco_lightning.hub.pacing import CommitBudget
 from diloco_lightning.wire.manifest import MAX_MANIFEST_BYTES
 from diloco_lightning.wire.names import validate_hub_path
@@ -240,22 +240,11 @@ class HFRequests:
     def _get_small(self, hub_path: str, revision: str) -> tuple[bytes, str | None]:
         from huggingface_hub.utils import get_session, hf_raise_for_status
 
-        session: Any = get_session()  # requests.Session or an httpx client
-        url = self._file_url(hub_path, revision)
-        cm: Any
-        if _is_requests_session(session):  # huggingface_hub < 1.0
-            cm = contextlib.closing(session.get(url, headers=self._headers(), stream=True, allow_redirects=True))
-        else:  # httpx / httpx2
-            cm = session.stream("GET", url, headers=self._headers(), follow_redirects=True)
-        with cm as r:
+        session: Any = get_session()  # requests.Session or an httpx client (hf_stream.py)
+        with stream_get(session, self._file_url(hub_path, revision), self._headers()) as r:
             hf_raise_for_status(r)
-            data = bytearray()
-            chunks = r.iter_bytes(_CHUNK) if hasattr(r, "iter_bytes") else r.iter_content(_CHUNK)
-            for chunk in chunks:
-                data += chunk[: SMALL_READ_LIMIT - len(data)]
-                if len(data) >= SMALL_READ_LIMIT:  # SMALL_READ_LIMIT module comment
-                    break
-            return bytes(data), r.headers.get("X-Repo-Commit")
+            # SMALL_READ_LIMIT module comment
+            return read_capped(r, SMALL_READ_LIMIT, _CHUNK), r.headers.get("X-Repo-Commit")
 
     def _head_commit(self) -> str:
         info = self._call("read the branch head", self._api.repo_info, self.repo_id, revision=self.revision)
@@ -328,14 +317,8 @@ class HFRequests:
         os.close(fd)
         try:
             headers = {**self._headers(), "Accept-Encoding": "identity"}
-            session: Any = get_session()  # requests.Session or an httpx client
-            url = self._file_url(hub_path, revision)
-            cm: Any
-            if _is_requests_session(session):  # huggingface_hub < 1.0
-                cm = contextlib.closing(session.get(url, headers=headers, stream=True, allow_redirects=True))
-            else:  # httpx / httpx2
-                cm = session.stream("GET", url, headers=headers, follow_redirects=True)
-            with cm as r:
+            session: Any = get_session()  # requests.Session or an httpx client (hf_stream.py)
+            with stream_get(session, self._file_url(hub_path, revision), headers) as r:
                 hf_raise_for_status(r)
                 length = r.headers.get("Content-Length")
                 expected = int(length) if length and length.isdigit() and len(length) <= 18 else None
@@ -350,9 +333,8 @@ class HFRequests:
                 sha256 = hashlib.sha256()
                 sha1 = hashlib.sha1(b"blob %d\0" % expected) if expected is not None else None
                 n = 0
-                chunks = r.iter_bytes(_CHUNK) if hasattr(r, "iter_bytes") else r.iter_content(_CHUNK)
                 with open(tmp, "wb") as f:
-                    for chunk in chunks:
+                    for chunk in iter_body(r, _CHUNK):
                         n += len(chunk)
                         if max_bytes is not None and n > max_bytes:
                             raise HubFileTooLargeError(

@@ -39,6 +39,7 @@ honours ``flock`` (NFSv4, Lustre, local disks).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import logging
@@ -51,6 +52,8 @@ from urllib.parse import quote
 
 from diloco_lightning.util import faults
 from diloco_lightning.util.fileio import RefusedFile, file_kind, temp_prefix
+from diloco_lightning.util.heldfile import HeldFile
+from diloco_lightning.util.heldfile import release as release_held
 from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import (
     ClaimConflictError,
@@ -284,30 +287,38 @@ class FileHub(Hub):
     # ------------------------------------------------------------------ reading
 
     def download(self, hub_path: str, *, max_bytes: int | None = None) -> Path:
-        """The file itself (no copy): hub files are immutable once visible. Refuses a symlink,
-        anything but a regular file (a FIFO, a device) and anything that resolves outside the hub
-        folder."""
+        """The file itself (no copy): hub files are immutable once visible. Refuses a symlink (there or
+        in place of a folder on the way), anything but a regular file (a FIFO, a device) and a file
+        over ``max_bytes``. The path returned holds the file those checks were made on open
+        (:class:`~diloco_lightning.util.heldfile.HeldFile`): a reader (``fileio.open_regular``) reads
+        that file, even if a hub writer renames another file (or a link) over the path meanwhile;
+        :meth:`release` closes it."""
         p = self._abs(hub_path)
         try:
-            st = self._folder.stat(hub_path)  # every folder on the way opened without following a link
+            fd = self._folder.open_file(hub_path)  # every folder on the way opened without following a link
         except HubLinkError as e:
             raise HubError(f"refusing {hub_path} on {self.url}: {e.where} is a symbolic link or not a folder") from None
-        if st is None:
-            raise HubNotFoundError(f"{hub_path} not found on {self.url}")
-        if stat.S_ISLNK(st.st_mode):
-            raise HubError(f"refusing {hub_path} on {self.url}: it is a symbolic link")
-        if not stat.S_ISREG(st.st_mode):
-            raise HubError(f"refusing {hub_path} on {self.url}: it is {file_kind(st.st_mode)}, not a regular file")
-        if not p.resolve().is_relative_to(self.root.resolve()):
-            raise HubError(f"refusing {hub_path} on {self.url}: it resolves outside the hub folder")
-        if max_bytes is not None:
-            size = st.st_size
-            if size > max_bytes:
-                raise HubFileTooLargeError(f"{hub_path} on {self.url} is {size} bytes, more than the {max_bytes} allowed")
-        return p
+        except (FileNotFoundError, NotADirectoryError):
+            raise HubNotFoundError(f"{hub_path} not found on {self.url}") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise HubError(f"refusing {hub_path} on {self.url}: it is a symbolic link") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise HubError(f"refusing {hub_path} on {self.url}: it is {file_kind(st.st_mode)}, not a regular file")
+            if max_bytes is not None and st.st_size > max_bytes:
+                raise HubFileTooLargeError(
+                    f"{hub_path} on {self.url} is {st.st_size} bytes, more than the {max_bytes} allowed")
+        except BaseException:
+            os.close(fd)
+            raise
+        return HeldFile.holding(p, fd)
 
     def release(self, local_path: str | os.PathLike) -> None:
-        """Downloads are the hub's own files, returned in place: nothing to release."""
+        """Downloads are the hub's own files, returned in place: the file held open is closed."""
+        release_held(local_path)
 
     def _read_document(self, hub_path: str, max_bytes: int) -> bytes | None:
         """``fileio.read_document`` of ``hub_path`` through folder descriptors (None if absent): a link

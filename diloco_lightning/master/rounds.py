@@ -175,14 +175,15 @@ class Rounds:
         return delta_gates(run.opt, self.config.outer_optimizer, run.plan,
                            {n: c for n, (c, _) in run.fragment_steps.items()})
 
-    def check(self, ref: DeltaRef, path: Path, outer_step: int) -> tuple[Delta, Accepted]:
-        """Validate the downloaded delta ``path`` as applied at ``outer_step`` (raises ``DeltaRejected``)."""
+    def check(self, ref: DeltaRef, path: Path, outer_step: int, *, reuse: bool = False) -> tuple[Delta, Accepted]:
+        """Validate the downloaded delta ``path`` as applied at ``outer_step`` (raises ``DeltaRejected``).
+        ``reuse``: read it into the validator's reused buffer (valid until the next such check)."""
         run = self.run
         # rounds run only once the run has a global state (given, adopted or installed at start)
         assert run.state is not None and run.fingerprint is not None
         gate, view = self._gates()
         return self.validator.check(ref, path, state=run.state, fingerprint=run.fingerprint, outer_step=outer_step,
-                                           gate=gate, fragments=view)
+                                    gate=gate, fragments=view, arena=self.validator.arena if reuse else None)
 
     # ------------------------------------------------------------------ round mode
 
@@ -205,7 +206,8 @@ class Rounds:
         for ref, path in self.intake.fetch(refs, blocked, max_bytes, m):
             try:
                 try:
-                    delta, acc = self.check(ref, path, rnd.outer_step)
+                    # one delta at a time, folded into the sum before the next is read: one reused buffer
+                    delta, acc = self.check(ref, path, rnd.outer_step, reuse=True)
                 except DeltaRejected as e:
                     self.intake.refuse(ref, e.reason, e.detail, m)
                     continue
@@ -268,6 +270,8 @@ class Rounds:
         # the only reference to the mean is popped by the step, so it is freed before the
         # optimizer state is copied for publication (the round's peak stays one buffer lower)
         box = [mean]
+        # its memory is the next round's read buffer (wire/arena.py): held by the arena once the step used it
+        spent = {k: t for k, t in mean.items() if _owns_its_memory(t)}
         del mean
         stepper = round_step(self.run.opt, self.config.outer_optimizer, legacy=legacy, tau_max=tau_max)
 
@@ -278,8 +282,10 @@ class Rounds:
         # what each node's delta entered the state with (a fragment's delta or PA-CGAD's rule: not said)
         scales = None if legacy or updated else delta_scales(
             self.run.opt.linear_rate(), [(a.ref.node_id, a.weight, a.gate) for a in accepted])
-        if self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted, updated,
-                                   scales=scales):
+        published = self._apply_and_publish(step, new_ledger, processed, [a.norm for a in accepted], m, accepted,
+                                            updated, scales=scales)
+        self.validator.arena.adopt(spent)  # after the step (published or not): nothing else uses the mean
+        if published:
             for a in accepted:
                 m.apply(a.ident, a.staleness)
 
@@ -401,7 +407,10 @@ class Rounds:
     def take_buffer(self) -> tuple[dict[str, torch.Tensor], Any]:
         """The spare buffer a step is taken on, and what rolls the optimizer back (None: its committed file)."""
         run = self.run
-        return run.spare_buffer(), None if run.committed_outer_file is not None else run.opt.state_dict()
+        assert run.state is not None
+        # the round's read buffer becomes the state buffer stepped on (no memory faulted in; wire/arena.py)
+        storage = self.validator.arena.give(run.state)
+        return run.spare_buffer(storage), None if run.committed_outer_file is not None else run.opt.state_dict()
 
     def roll_back(self, buf: dict[str, torch.Tensor], backup: Any) -> None:
         """Undo steps taken on ``buf`` and forget what was processed but not published."""
@@ -467,12 +476,30 @@ class Rounds:
         return True
 
 
+def _owns_its_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the whole of its storage, contiguous (not a view into a larger buffer)."""
+    return (t.is_contiguous() and t.data_ptr() == t.untyped_storage().data_ptr()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+#: elements per slice of :func:`_distance` (4 MiB of FP32): its temporaries stay that small
+_DISTANCE_SLICE = 1 << 20
+
+
 def _distance(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> float:
-    """``|new - old|`` over the synced keys (the outer update's L2 norm), one key at a time."""
+    """``|new - old|`` over the synced keys (the outer update's L2 norm), a slice of a key at a
+    time: ``torch.dist`` of a whole key makes a temporary of its size (71 MB for a 25M model's
+    embedding), which was the round's peak memory."""
     total = 0.0
     with torch.no_grad():
         for k, t in new.items():
             o = old.get(k)
-            if o is not None and is_synced(t) and o.shape == t.shape:
-                total += float(torch.dist(t.float(), o.float())) ** 2
+            if o is None or not is_synced(t) or o.shape != t.shape:
+                continue
+            a, b = t.reshape(-1), o.reshape(-1)
+            real = not a.is_complex()  # FP32 arithmetic for half precision; a complex key keeps its imaginary part
+            for i in range(0, a.numel(), _DISTANCE_SLICE):
+                j = i + _DISTANCE_SLICE
+                x, y = (a[i:j].float(), b[i:j].float()) if real else (a[i:j], b[i:j])
+                total += float(torch.dist(x, y)) ** 2
     return math.sqrt(total)

@@ -13,7 +13,6 @@ run, SHA-256, fingerprint), then keeps a local copy so a restart needs no downlo
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 from dataclasses import asdict
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from diloco_lightning.util.fileio import copy_checked
 from diloco_lightning.wire.delta import is_synced, model_fingerprint
 from diloco_lightning.wire.fragments import (
     FragmentError,
@@ -226,15 +226,19 @@ class RunState:
 
     # ------------------------------------------------------------------ the working buffer
 
-    def spare_buffer(self) -> dict[str, torch.Tensor]:
+    def spare_buffer(self, storage: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """A second state buffer holding a copy of the current state (allocated once, reused): a
-        round steps on it and swaps it in after publishing, so readers never wait."""
+        round steps on it and swaps it in after publishing, so readers never wait. ``storage``:
+        tensors of some keys' shapes and dtypes to use when there is no spare (the round's read
+        buffer, memory already in place)."""
         assert self.state is not None
         spare = self._spare
         if spare is None or spare.keys() != self.state.keys() or any(
             spare[k].shape != v.shape or spare[k].dtype != v.dtype for k, v in self.state.items()
         ):
-            spare = {k: torch.empty_like(v) for k, v in self.state.items()}
+            have = storage or {}
+            spare = {k: have[k] if k in have and have[k].shape == v.shape and have[k].dtype == v.dtype
+                     else torch.empty_like(v) for k, v in self.state.items()}
         for k, v in self.state.items():
             spare[k].copy_(v)
         self._spare = None
@@ -357,12 +361,14 @@ class RunState:
             return
         self.committed_outer_file = None
         try:
+            # the copies are the bytes the manifest promises (a file swapped on the hub since it was
+            # loaded is not copied; a held download is read as it was checked: util/heldfile.py)
             dst_w = self.node_state_dir / Path(hm.weights).name
-            shutil.copyfile(src_w, dst_w)
+            copy_checked(src_w, dst_w, hm.weights_sha256)
             dst_o = None
             if src_o is not None and hm.outer_state:
                 dst_o = self.node_state_dir / Path(hm.outer_state).name
-                shutil.copyfile(src_o, dst_o)
+                copy_checked(src_o, dst_o, hm.outer_state_sha256)
             self.record = localstate.save_record(self.node_state_dir, self.hub.url, hm, dst_w, dst_o)
             self.committed_outer_file = dst_o
         except OSError as e:

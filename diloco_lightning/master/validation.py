@@ -99,6 +99,7 @@ from diloco_lightning.wire.delta import (
 )
 from diloco_lightning.encoding import EncodedTensor, sum_of_squares
 from diloco_lightning.util.errors import DeltaRejected
+from diloco_lightning.wire.arena import ReadArena
 from diloco_lightning.wire.signing import RunKey
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -320,6 +321,8 @@ class DeltaValidator:
                                config.norm_global_ratio)
         self._global_for: tuple[int, int] | None = None  # (id of the state, outer_step) the global bound is for
         self._limits: tuple[str, int, int] | None = None
+        #: the round's reused read buffer (``check(..., arena=)``): one delta's bytes, never a map of the file
+        self.arena = ReadArena()
 
     # ------------------------------------------------------------------ state
 
@@ -376,20 +379,23 @@ class DeltaValidator:
         outer_step: int,
         gate: Callable[[int], float],
         fragments: "FragmentView | None" = None,
+        arena: ReadArena | None = None,
     ) -> tuple[Delta, Accepted]:
         """Validate the downloaded delta ``path`` (hub path ``ref.path``) against ``state`` at
         ``outer_step``: ``(Delta, Accepted)``, or raises :class:`DeltaRejected` (the reader's
         ``DeltaFileError`` is one) with its ``reason``. Any other error from the file's content is a
-        rejection too (``invalid``): one delta's content can never make a round fail."""
+        rejection too (``invalid``): one delta's content can never make a round fail. With ``arena``
+        (a file read in place, as on a folder hub) the tensors are read into that reused buffer: the
+        returned delta is valid until the next check with the same arena."""
         try:
-            return self._check(ref, path, state, fingerprint, outer_step, gate, fragments)
+            return self._check(ref, path, state, fingerprint, outer_step, gate, fragments, arena)
         except DeltaRejected:
             raise
         except Exception as e:  # noqa: BLE001 - a last line of defence: one delta never fails a round
             log.exception("unexpected error while checking %s", ref.path)
             raise DeltaRejected("invalid", f"{type(e).__name__}: {str(e)[:300]}") from None
 
-    def _check(self, ref, path, state, fingerprint, outer_step, gate, fragments=None) -> tuple[Delta, Accepted]:
+    def _check(self, ref, path, state, fingerprint, outer_step, gate, fragments=None, arena=None) -> tuple[Delta, Accepted]:
         max_bytes, max_header = self.size_limits(state, fingerprint)
         header = read_delta_header(path, max_header=max_header, header_parser=self.header_parser)
         if header.node_id != ref.node_id or header.local_step != ref.local_step:
@@ -435,8 +441,12 @@ class DeltaValidator:
             # process's own download of a remote hub's file is mapped (no copy)
             copy=not self.private_downloads,
             header_parser=parser,
+            arena=arena,
         )
-        norm = delta_norm(delta.by_key()) * scale
+        # summed as the reader read it (a reused buffer), else one pass now
+        sumsq = delta.sumsq if delta.encoded is None else None
+        norm = (math.sqrt(sumsq) if sumsq is not None and math.isfinite(sumsq) else
+                sumsq if sumsq is not None else delta_norm(delta.by_key())) * scale
         if self._global_for != (id(state), outer_step):  # the global-relative bound: once per version
             self.norms.set_global(*state_norm(state))
             self._global_for = (id(state), outer_step)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 from diloco_lightning.util.errors import DiLoCoError
+from diloco_lightning.util.heldfile import is_held, reopen
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +244,23 @@ def atomic_write(dest: str | os.PathLike, write: Callable[[Path], None]) -> Path
     return Path(dest)
 
 
+def copy_checked(src: str | os.PathLike, dest: str | os.PathLike, sha256: str | None = None) -> Path:
+    """Copy ``src`` to ``dest`` atomically, hashing the bytes as they are copied: read through
+    :func:`open_regular` (a held hub file is the file copied, whatever its path names now), and with
+    ``sha256`` a copy of any other bytes raises ``OSError`` (EIO) and leaves ``dest`` as it was."""
+    def write(tmp: Path) -> None:
+        h = hashlib.sha256()
+        with open_regular(src) as f, open(tmp, "wb") as out:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+        if sha256 is not None and h.hexdigest() != sha256:
+            raise OSError(errno.EIO, f"SHA-256 {h.hexdigest()[:12]}... is not the {str(sha256)[:12]}... promised",
+                          os.fspath(src))
+
+    return atomic_write(dest, write)
+
+
 def atomic_write_bytes(dest: str | os.PathLike, data: bytes) -> Path:
     return atomic_write(dest, lambda p: None if p.write_bytes(data) else None)
 
@@ -331,8 +349,12 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
     """``open(path, "rb")`` for a file any writer may have made (a delta read in place): what is not a
     regular file (a FIFO, ``/dev/zero``) raises :class:`NotRegularFileError` at once, never blocks the
     reader nor feeds it without end. The open file is the one checked (no race between a check and
-    the open)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    the open). A :class:`~diloco_lightning.util.heldfile.HeldFile` (the folder hub's downloads) opens the
+    file its checks were made on, whatever its path names now (a file renamed over it, a link)."""
+    if is_held(path):  # never by its path, even once released (EBADF then)
+        fd = reopen(path)  # type: ignore[arg-type]
+    else:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -345,9 +367,9 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file, read in 8 MiB chunks."""
+    """Hex SHA-256 of a file, read in 8 MiB chunks (:func:`open_regular`: a held hub file is the one read)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()

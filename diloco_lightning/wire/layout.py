@@ -184,8 +184,12 @@ def torch_dtype(code: str):
     return getattr(torch, name, None) if name else None
 
 
-def read_tensor(f: BinaryIO, info: TensorInfo):
-    """One tensor's bytes read from the open file into a fresh CPU tensor that owns its memory.
+def read_tensor(f: BinaryIO, info: TensorInfo, out=None, on_values=None):
+    """One tensor's bytes read from the open file into a fresh CPU tensor that owns its memory,
+    or into ``out`` (a 1-D ``uint8`` tensor of exactly ``info.nbytes`` bytes, aligned for the
+    dtype: a slice of a reused buffer, :class:`~diloco_lightning.wire.arena.ReadArena`), the
+    tensor then being a view of it. ``on_values``: called with each run of values (a 1-D view)
+    right after it is read, :data:`_READ_CHUNK` bytes at a time (while they are in cache).
 
     No memory map: a file truncated or rewritten under the reader can only make this read
     short (``LayoutError``), never crash the process with SIGBUS; and reading from the one
@@ -196,16 +200,27 @@ def read_tensor(f: BinaryIO, info: TensorInfo):
     dtype = torch_dtype(info.dtype)
     if dtype is None:
         raise LayoutError(f"tensor {info.name[:80]!r}: dtype {info.dtype} is not supported by this torch")
-    t = torch.empty(info.shape, dtype=dtype)
+    if out is None:
+        t = torch.empty(info.shape, dtype=dtype)
+    else:
+        if out.dtype != torch.uint8 or out.numel() != info.nbytes:
+            raise ValueError(f"out must be {info.nbytes} uint8 bytes, got {out.numel()} {out.dtype}")
+        t = out.view(dtype).reshape(info.shape)
     if info.nbytes:
-        buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+        flat = t.reshape(-1)
+        buf = memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+        step = info.nbytes if on_values is None else _READ_CHUNK
+        size = DTYPE_SIZES[info.dtype]
         f.seek(info.start)
-        got = 0
+        got = done = 0
         while got < info.nbytes:
-            n = f.readinto(buf[got:])  # type: ignore[attr-defined]  # a binary file opened for reading
+            n = f.readinto(buf[got:min(info.nbytes, got + step)])  # type: ignore[attr-defined]  # a binary file
             if not n:
                 raise LayoutError(f"file ended inside tensor {info.name[:80]!r} (changed while it was read?)")
             got += n
+            if on_values is not None and got // size > done:
+                on_values(flat[done:got // size])
+                done = got // size
     return t
 
 

@@ -54,6 +54,7 @@ from typing import Any, Mapping
 import torch
 
 from diloco_lightning.wire.layout import TORCH_DTYPE_NAMES, Layout, iter_tensor_bytes
+from diloco_lightning.util.fileio import open_regular
 
 SIGNATURE_SCHEME = "diloco-sig/1"
 DOCUMENT_SCHEME = "diloco-doc-sig/1"
@@ -131,7 +132,7 @@ class RunKey:
         if not isinstance(signature, str) or _HEX64.fullmatch(signature) is None:
             return False
         mac = self.start_message(layout.metadata)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a held hub file: the one whose layout was read
             for name in sorted(layout.tensors):
                 info = layout.tensors[name]
                 shape = ",".join(str(d) for d in info.shape)

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from diloco_lightning.util.errors import DiLoCoError
-from diloco_lightning.util.fileio import atomic_write
+from diloco_lightning.util.fileio import atomic_write, open_regular
 from diloco_lightning.util.jsondoc import MAX_INT_DIGITS, load_json
 from diloco_lightning.wire.layout import LayoutError, read_layout, read_tensor
 
@@ -50,7 +50,7 @@ def read_tensors(path: str | Path, expect_sha256: str | None = None) -> tuple[di
     replaced meanwhile (``DigestMismatchError``). Malformed files raise ``StateFileError``;
     a missing one ``FileNotFoundError``.
     """
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a held hub file: the one checked, whatever its path names now
         if expect_sha256 is not None:
             h = hashlib.sha256()
             while chunk := f.read(8 << 20):

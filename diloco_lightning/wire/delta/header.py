@@ -209,6 +209,9 @@ class Delta:
     path: str
     nbytes: int = 0
     encoded: dict[str, EncodedTensor] | None = None
+    #: the sum of the squares of the plain tensors' values, when the reader summed them as it read
+    #: them (a reused buffer: ``read_delta(arena=)``), else None; NaN/inf propagate
+    sumsq: float | None = None
 
     def by_key(self) -> dict[str, torch.Tensor | EncodedTensor]:
         """Per key of the global state: the plain tensor, or its encoding (``decode_add_`` it)."""

@@ -50,7 +50,8 @@ from diloco_lightning.encoding import EncodedTensor, EncodingError, check_layout
 from diloco_lightning.util.fileio import open_regular
 from diloco_lightning.wire.names import parse_delta_path
 from diloco_lightning.wire.signing import RunKey
-from diloco_lightning.wire.layout import LayoutError, OversizeError, map_tensors, read_layout, read_tensor
+from diloco_lightning.wire.arena import ReadArena
+from diloco_lightning.wire.layout import DTYPE_SIZES, LayoutError, OversizeError, map_tensors, read_layout, read_tensor
 
 __all__ = ["max_header_bytes", "max_delta_bytes", "read_delta", "read_delta_header"]
 
@@ -123,6 +124,7 @@ def read_delta(
     max_file_bytes: int | None = None,
     copy: bool = True,
     header_parser: HeaderParser | None = None,
+    arena: ReadArena | None = None,
 ) -> Delta:
     """Read and validate a delta file, checking everything it can before reading tensor data.
 
@@ -169,6 +171,10 @@ def read_delta(
             another process can write; see above).
         header_parser: parses and checks the header (default :func:`parse_header`); the dtypes
             its :class:`DeltaHeader` allows (``dtypes``) replace float32/bfloat16/float16.
+        arena: with ``copy``, read the tensors into this reused buffer (owned memory, no page
+            faults after the first read): the returned tensors are then views of it, valid
+            until the next read into the same arena (the master's round, which folds each delta
+            into its sum before it reads the next).
     """
     del clone
     path_str = str(path)
@@ -183,16 +189,17 @@ def read_delta(
     try:
         # one open file for the checks and the read: what is checked is what is read; a FIFO or a device
         # (a link to /dev/zero) is refused at once, never waited on nor read without end
-        f = open_regular(path_str)
+        f = open_regular(path)  # a held hub file (the folder hub's download): the inode that was checked
     except OSError as e:
         raise UnreadableDeltaError(path, f"cannot open ({type(e).__name__}: {e.strerror or e})") from None
     with f:
         return _read_open_delta(f, path, path_str, want, reference, max_header, max_file_bytes, hub_path,
-                                expected_fingerprint, signing_key, check_finite, copy, header_parser or _parse_header)
+                                expected_fingerprint, signing_key, check_finite, copy, header_parser or _parse_header,
+                                arena if copy else None)
 
 
 def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_bytes, hub_path,
-                     expected_fingerprint, signing_key, check_finite, copy, header_parser) -> Delta:
+                     expected_fingerprint, signing_key, check_finite, copy, header_parser, arena=None) -> Delta:
     layout = _layout(f, path, max_header=max_header, max_file=max_file_bytes)
     raw_md = layout.metadata
     header = header_parser(path, raw_md)
@@ -216,7 +223,7 @@ def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_by
     spec = header.encoding
     if spec is not None and spec.value_encoding is not None:
         return _read_encoded(f, path, path_str, layout, header, spec, want, reference, signing_key, expected_fingerprint,
-                             copy)
+                             copy, arena)
     if want is not None:
         _check_keys(path, names, want)
     cast = None if spec is None else _ST_CODE_OF[spec.name]  # a header naming a cast fixes the dtype
@@ -239,18 +246,52 @@ def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_by
                 f"key {name[:80]!r} has dtype {_stored_dtype(info.dtype)}, "
                 f"expected one of {[str(d).removeprefix('torch.') for d in allowed]}",
             )
-    tensors, nbytes = _read_tensors(f, path, layout, names, raw_md, signing_key, copy)
+    tensors, nbytes, sumsq = _read_tensors(f, path, layout, names, raw_md, signing_key, copy, arena)
     _check_fingerprint(path, header, expected_fingerprint)
     if check_finite:
         for name in names:
             if not bool(torch.isfinite(tensors[name]).all()):
                 raise NonFiniteError(path, f"key {name!r} contains NaN or inf")
-    return Delta(header=header, tensors=tensors, path=path_str, nbytes=nbytes)
+    return Delta(header=header, tensors=tensors, path=path_str, nbytes=nbytes, sumsq=sumsq)
 
 
-def _read_tensors(f, path, layout, names, raw_md, signing_key, copy) -> tuple[dict[str, torch.Tensor], int]:
+def _arena_slots(layout, names, arena: ReadArena | None) -> dict[str, torch.Tensor]:
+    """Where each tensor of ``names`` lands in ``arena``: at its offset in the file's data area (the
+    layout checked that the tensors tile it, so the arena holds exactly the data, at most the file's
+    bounded size). A tensor whose offset is not a multiple of its item size (no honest writer's) or
+    that is empty gets no slot: it is read into a fresh tensor."""
+    infos = [layout.tensors[n] for n in names]
+    if arena is None or not infos:
+        return {}
+    by_key = arena.slots({i.name: i.nbytes for i in infos})  # the adopted per-key tensors, if they fit
+    if by_key is not None:
+        return {n: s for n, s in by_key.items() if s.numel() and s.numel() % DTYPE_SIZES[layout.tensors[n].dtype] == 0}
+    base = min(i.start for i in infos)
+    data = arena.take(max(i.start + i.nbytes for i in infos) - base)
+    return {i.name: data[i.start - base:i.start - base + i.nbytes] for i in infos
+            if i.nbytes and (i.start - base) % DTYPE_SIZES[i.dtype] == 0}
+
+
+def _read_summing(f, info, slot: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """:func:`read_tensor` into ``slot``, and the sum of the squares of its values, each chunk's
+    taken right after it is read (in cache: the norm costs no second pass over memory).
+    Half-precision values are squared in FP32, as ``validation.delta_norm`` does."""
+    acc = torch.float32 if info.dtype in ("BF16", "F16") else None
+    total = [0.0]
+
+    def add(values: torch.Tensor) -> None:
+        part = float(torch.linalg.vector_norm(values, dtype=acc))
+        total[0] += part * part
+
+    t = read_tensor(f, info, slot, on_values=add)
+    return t, total[0]
+
+
+def _read_tensors(f, path, layout, names, raw_md, signing_key, copy,
+                  arena: ReadArena | None = None) -> tuple[dict[str, torch.Tensor], int, float | None]:
     """Every tensor of the checked ``layout``, from the one open file ``f``, the signature (a
-    signed run) verified over exactly the bytes read."""
+    signed run) verified over exactly the bytes read; with ``arena`` (and ``copy``), into its
+    reused buffer, the sum of the squares of the values taken as they are read (else None)."""
     mac = None
     if signing_key is not None:
         # authenticity next: an unsigned file is rejected as such before a tensor byte is read
@@ -263,10 +304,18 @@ def _read_tensors(f, path, layout, names, raw_md, signing_key, copy) -> tuple[di
         mapped = None if copy else map_tensors(f, layout)
     except (OSError, ValueError) as e:
         raise UnreadableDeltaError(path, f"cannot map the file ({type(e).__name__}: {e})") from None
+    slots = _arena_slots(layout, names, arena) if mapped is None else {}
+    sumsq: float | None = 0.0 if slots else None
     for name in names:
         info = layout.tensors[name]
         try:
-            t = read_tensor(f, info) if mapped is None else mapped[name]
+            slot = slots.get(name)
+            if slot is not None and info.dtype in _ST_DTYPES:
+                t, sq = _read_summing(f, info, slot)
+                sumsq = None if sumsq is None else sumsq + sq
+            else:
+                t = read_tensor(f, info, slot) if mapped is None else mapped[name]
+                sumsq = None if info.nbytes else sumsq  # an empty tensor adds nothing
         except (OSError, LayoutError) as e:
             raise UnreadableDeltaError(path, f"cannot read tensor {name[:80]!r} ({type(e).__name__}: {e})") from None
         if mac is not None:
@@ -275,7 +324,7 @@ def _read_tensors(f, path, layout, names, raw_md, signing_key, copy) -> tuple[di
         tensors[name] = t
     if mac is not None and not signing_key.finish_verify(mac, raw_md["signature"]):
         raise SignatureError(path, "signature does not match (wrong run key, or the file was altered)")
-    return tensors, nbytes
+    return tensors, nbytes, sumsq
 
 
 def _check_keys(path, present, want) -> None:
@@ -298,7 +347,7 @@ def _check_fingerprint(path, header: DeltaHeader, expected: str | None) -> None:
 
 
 def _read_encoded(f, path, path_str, layout, header, spec, want, reference, signing_key, expected_fingerprint,
-                  copy) -> Delta:
+                  copy, arena: ReadArena | None = None) -> Delta:
     """An encoded delta: every key's parts checked against the model's shapes from the header (so
     the file is exactly the honest size of this encoding) before any data is read, then read and
     authenticated like a plain delta, then each key's parts validated (``EncodingFileError``)."""
@@ -317,7 +366,7 @@ def _read_encoded(f, path, path_str, layout, header, spec, want, reference, sign
             check_layout(found, reference[key].shape, spec, complex=reference[key].is_complex(), key=key[:80])
         except EncodingError as e:
             raise EncodingFileError(path, str(e)[:400]) from None
-    tensors, nbytes = _read_tensors(f, path, layout, sorted(layout.tensors), layout.metadata, signing_key, copy)
+    tensors, nbytes, _ = _read_tensors(f, path, layout, sorted(layout.tensors), layout.metadata, signing_key, copy, arena)
     _check_fingerprint(path, header, expected_fingerprint)
     encoded: dict[str, EncodedTensor] = {}
     for key in want:
