@@ -31,6 +31,10 @@ and the manifest's ledger, read again *after* the listing (a delta the master pr
 deleted meanwhile is in the ledger by then). Every replayed boundary up to that step was
 delivered before the crash: its pseudo-gradient is not sent again (the anchor moves on as
 usual), and undelivered work from the checkpoint that the hub already covers is dropped.
+A worker restarted *without* a checkpoint replays nothing: it installs the global (which holds
+what it delivered) and resumes at the hub's step, its boundary count set to it
+(:attr:`DiLoCoWorker.resumed_boundaries`: the Lightning adapter moves the trainer on by that many
+phases), so every boundary it trains from there is sent (issue 38).
 """
 
 from __future__ import annotations
@@ -206,6 +210,14 @@ class DiLoCoWorker:
     def totals(self) -> dict[str, Any]:
         """Running totals (uploads, bytes, installs, waits), kept across a resume."""
         return self.progress.totals
+
+    @property
+    def resumed_boundaries(self) -> int:
+        """Boundaries a start without a checkpoint skipped to resume at the hub's step (0 otherwise):
+        the node's earlier life delivered them, so the caller's training loop should move on by that
+        many phases (the Lightning adapter advances the trainer's step) rather than train them again
+        (``worker/startup.py``, :meth:`Startup.fresh`)."""
+        return self.progress.resumed
 
     @property
     def next_local_step(self) -> int:
