@@ -67,6 +67,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from diloco_lightning.util import timeline
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.adapters.shared import (
@@ -228,6 +229,7 @@ class DiLoCo(Callback):
         seed_per_node: bool = True,
     ) -> None:
         super().__init__()
+        self._first_step_seen = False  # the first training step of this fit (a timeline mark)
         check_connection(hub, hub_options, signing_key)
         self.node_id, self.delay, self.options, self.pacing = check_worker_args(
             node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
@@ -301,6 +303,7 @@ class DiLoCo(Callback):
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._restored_anchor = checkpoint.get(CHECKPOINT_KEY)
+        timeline.mark("checkpoint_loaded")
         if self._restored_anchor is None and trainer.is_global_zero:
             log.warning(
                 "DiLoCo: this checkpoint has no DiLoCo anchor (it was saved without the callback); the worker "
@@ -386,6 +389,8 @@ class DiLoCo(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        timeline.mark("train_start")
+        self._first_step_seen = False
         self._sigterm.install()
         self._params = module_state(pl_module)
         # a resumed fit continues the checkpoint's boundary count; any other fit counts from its first step
@@ -419,6 +424,7 @@ class DiLoCo(Callback):
         self._after_install(trainer, installed)
         if trainer.is_global_zero:
             self._show(trainer.global_step, {})
+        timeline.mark("worker_started")
 
     def _skip_ahead(self, trainer: Trainer, pl_module: LightningModule, boundaries: int) -> None:
         """A restart without a checkpoint resumed at the hub's step (``boundaries`` phases its earlier
@@ -479,6 +485,9 @@ class DiLoCo(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if not self._first_step_seen:
+            self._first_step_seen = True
+            timeline.mark("first_step")
         self._count(batch)
         self._loss.add(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
         step = trainer.global_step

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from diloco_lightning.util import faults
+from diloco_lightning.util import faults, timeline
 from diloco_lightning.encoding.feedback import ErrorFeedback
 from diloco_lightning.util.fileio import make_owned_dir, sweep_owned_dirs
 from diloco_lightning.wire.fragments import FragmentPlan
@@ -271,6 +271,7 @@ class DiLoCoWorker:
         if self._claim_keeper is not None and self._claim_keeper.claim is None and self._claim_keeper.supported:
             # before anything is offered or sent: a second live worker with this node_id stops here
             self._waits.retry("claim the node id", self._claim_keeper.acquire, deadline)
+            timeline.mark("claimed")
         sweep_owned_dirs(self._spool_parent, "diloco-", SPOOL_MAX_AGE)
         try:  # what an earlier life killed mid-download left in the download cache
             swept = self.hub.sweep_cache(CACHE_MAX_AGE)
@@ -287,6 +288,7 @@ class DiLoCoWorker:
             self._startup.settle_restart(deadline, self._outbox, self._feedback)
         else:
             installed = self._startup.fresh(manifest, deadline, lockstep_delay=self.delay if self.sync == "lockstep" else None)
+        timeline.mark("global_installed")
         self._spool = make_owned_dir(self._spool_parent, f"diloco-{self.node_id}-")
         plan = self.model.plan
         uploader = self._uploader = Uploader(
