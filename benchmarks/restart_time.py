@@ -14,7 +14,9 @@ from the moment the process is spawned to its first training step:
 * ``torch+lightning``: importing them (and the callback); ``data``, ``model``, ``trainer``: building;
 * ``fit_setup``: Lightning's set-up before training (checkpoint read included: ``checkpoint``);
 * ``hub_open``, ``claim``, ``global``: the worker's start (hub, claim, the global downloaded and
-  installed or the hub settled after a checkpoint); ``first_step``: the rest up to the first step.
+  installed or the hub settled after a checkpoint); ``first_step``: the rest up to the first step;
+* ``total``: spawn to the first step (wall); ``cpu_total``: the process's CPU seconds by then (all its
+  threads; steadier than wall time on a shared machine).
 
 Then ``python -X importtime`` of the same command with a configuration error
 (``diloco.inner_steps=oops``) prints what such an error costs and which packages it imports.
@@ -84,16 +86,28 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """The CPU seconds (user + system, all threads) process ``pid`` has used (Linux), None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _restart(cwd: Path, args: list[str], timeline: Path, timeout: float) -> dict[str, float]:
-    """One worker process from spawn to its first training step (then SIGKILL): its marks."""
+    """One worker process from spawn to its first training step (then SIGKILL): its marks, and its
+    CPU seconds then (``cpu``: steadier than wall time on a shared machine)."""
     log = open(cwd / "restart.log", "ab")  # noqa: SIM115 - the child's output, for a failed start
     spawn = time.time()
     proc = subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=cwd, env=_env(timeline), stdout=log, stderr=log)
+    cpu = None
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             marks = _marks(timeline, proc.pid)
             if "first_step" in marks or proc.poll() is not None:
+                cpu = _cpu_seconds(proc.pid)
                 break
             time.sleep(0.05)
     finally:
@@ -103,6 +117,8 @@ def _restart(cwd: Path, args: list[str], timeline: Path, timeout: float) -> dict
     if "first_step" not in marks:
         raise RuntimeError(f"the restarted worker reached no training step (see {cwd / 'restart.log'}): {marks}")
     marks["spawn"] = spawn
+    if cpu is not None:
+        marks["cpu"] = cpu
     return marks
 
 
@@ -111,6 +127,8 @@ def _phases(marks: dict[str, float]) -> dict[str, float]:
     if "checkpoint_loaded" in marks and "trainer" in marks:
         out["checkpoint"] = marks["checkpoint_loaded"] - marks["trainer"]
     out["total"] = marks["first_step"] - marks["spawn"]
+    if "cpu" in marks:
+        out["cpu_total"] = marks["cpu"]
     return out
 
 
@@ -154,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
                               stdout=open(cwd / "master.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
     results: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     try:
+        deadline = time.monotonic() + args.timeout
+        while not (run / "hub" / "global").is_dir():  # the master creates the hub
+            if master.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the master did not create the hub (see {cwd / 'master.log'})")
+            time.sleep(0.2)
         # the first life: until it has a checkpoint and its first delta applied, then kill -9
         first = subprocess.Popen([sys.executable, str(TRAIN), *worker], cwd=cwd, env=_env(None),
                                  stdout=open(cwd / "first.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
@@ -190,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             _kill(master)
     wall, imports = _import_profile(cwd, [*common, "diloco.inner_steps=oops"])
     load = os.getloadavg()
-    names = [name for name, _, _ in PHASES] + ["checkpoint", "total"]
+    names = [name for name, _, _ in PHASES] + ["checkpoint", "total", "cpu_total"]
     print(f"\nrestart to first training step, recipe=tiny, median of {args.repeats} (seconds; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs)")
     print(f"{'phase':<18}" + "".join(f"{k:>10}" for k in kinds))

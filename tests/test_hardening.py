@@ -490,6 +490,10 @@ def test_worker_progress_is_applied_exactly_once_across_kill_9(crash_hubs, tmp_p
     assert torch.equal(m.snapshot()[1]["p"], torch.full((8,), 30.0)), m.snapshot()[1]["p"]
     if point == "worker.uploaded":
         assert "will not be sent again" in second.stderr
+        # the replayed boundary 3 was trained and dropped: reported with its reason, to the master too
+        assert "this replay of it is dropped" in second.stderr
+        assert m.membership.nodes["w0"].report.replayed == 1
+        assert m.last_metrics["replayed"] == {"w0": 1}, m.last_metrics
 
 
 @pytest.mark.parametrize("resumed", [False, True])

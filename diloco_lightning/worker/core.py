@@ -373,8 +373,9 @@ class DiLoCoWorker:
         progress.boundaries = r
         inner_steps = self._pace(num_tokens)
         if progress.delivered(r):  # reached the hub before a crash (module docstring)
-            log.info("node %s: boundary %d was delivered before the restart (delta_%d on the hub); not sending it "
-                     "again", self.node_id, r, r + progress.offset())
+            log.warning("node %s: boundary %d was delivered before the restart (delta_%d on the hub): this replay of it "
+                        "is dropped, not sent again (reported as replayed)", self.node_id, r, r + progress.offset())
+            self.totals["phases_replayed_total"] += 1
             part = None
         assert self._mode is not None  # made at start
         installed, wait, more = self._mode.boundary(part, r, fragment, reports)
@@ -405,8 +406,9 @@ class DiLoCoWorker:
         peers = keeper.peer_reports() if keeper is not None and keeper.watch_peers else {}
         h = self.pacing.end_phase(num_tokens, [p.step_rate for p in peers.values()])
         if keeper is not None:
+            replayed = int(self.totals.get("phases_replayed_total", 0))
             report = dataclasses.replace(self.pacing.report(self.boundaries + self.progress.offset()),
-                                         train_loss=self._train_loss)
+                                         train_loss=self._train_loss, replayed=replayed or None)
             keeper.set_info(report.to_info(), urgent=not self._reported)
             self._reported = True
         return h

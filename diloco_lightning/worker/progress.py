@@ -45,6 +45,7 @@ def new_totals() -> dict[str, Any]:
         "installs_total": 0,
         "wait_seconds_total": 0.0,
         "boundaries_total": 0,
+        "phases_replayed_total": 0,  # boundaries trained again after a restart and not sent: the hub had them
         "boundary_seconds_total": 0.0,  # training-thread time spent in boundary() (waits included)
     }
 
