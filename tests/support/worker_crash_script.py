@@ -14,9 +14,10 @@ Config: ``hub`` (a URL), ``hub_options``, ``ckpt_dir``, ``max_steps``, ``inner_s
 ``signing_key`` (optional); for the elasticity tests (tests/test_elastic.py) also ``node_id``
 (default w0), ``throttle`` (seconds slept per step) and ``claim_ttl``; for the fragment tests
 (tests/test_fragments.py) ``fragments`` (then the model has a second vector ``q``, the same rule); for
-benchmarks/chaos.py ``step_log`` (a file each executed step appends ``<monotonic time> <global step>`` to). Prints ``started <outer_step> step <global step>``
-once the worker has installed its starting version (a restart without a checkpoint resumes past the
-phases the hub has), and ``done <steps>`` at the end. ``sync`` / ``delay``: the sync mode (default async).
+benchmarks/chaos.py ``step_log`` (a file each executed step appends ``<monotonic time> <global step>`` to).
+Prints ``started <outer_step> step <global step>`` once the worker has installed its starting version (a
+restart without a checkpoint resumes past the phases the hub has), and ``done <steps>`` at the end.
+``sync`` / ``delay``: the sync mode (default async).
 """
 
 from __future__ import annotations
