@@ -12,22 +12,27 @@ shows at once.
   manifest's ledger says it was applied. A worker that believed the listing merged it into its
   next delta: applied twice.
 * A *restart without a checkpoint*: a worker killed (``kill -9``, a real process) after its first
-  deltas reached the hub but before its first checkpoint starts again from step 0: it is
-  restarting, not starting fresh, and must not send the replayed phases again.
+  deltas reached the hub but before its first checkpoint starts again: it is restarting, not
+  starting fresh. It resumes at the hub's step (the trainer moves on past the phases the hub has),
+  so it trains nothing twice and every phase it trains is sent; also while the master is in the
+  middle of publishing one of its earlier deltas (issue 38: the restart race).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from diloco_lightning.master import MasterOuterLoop
+from diloco_lightning.util import faults
 from diloco_lightning.worker import DiLoCoWorker
 
 TESTS = Path(__file__).resolve().parent
@@ -143,9 +148,10 @@ def crash_transport(request, tmp_path):
 @pytest.mark.parametrize("checkpoints", ["none", pytest.param("every_8H", marks=SLOW)])
 def test_a_worker_killed_before_its_first_checkpoint_restarts_without_replaying(crash_transport, tmp_path, checkpoints):
     """A real Lightning worker is killed (SIGKILL) right after its 3rd delta reached the hub, before any
-    checkpoint (none at all, or one every 8 boundaries); its next life starts from step 0 with the same
-    node id. A master applies everything meanwhile. Exactly the run's 40 inner steps must be applied:
-    the replayed phases up to the hub's delta_3 are not sent again (48, 56 or 64 of 40 before).
+    checkpoint (none at all, or one every 8 boundaries); its next life, with the same node id, resumes
+    at the hub's step (step 3H: it does not train the delivered phases again). A master applies
+    everything meanwhile. Exactly the run's 40 inner steps must be applied (48, 56 or 64 of 40 before
+    the restart read the hub).
     Two subprocess lives of a Lightning worker each: the folder case without checkpoints runs by
     default, the others with ``-m slow``."""
     transport = crash_transport
@@ -162,8 +168,115 @@ def test_a_worker_killed_before_its_first_checkpoint_restarts_without_replaying(
         second = _run_worker(cfg, None)
         assert second.returncode == 0 and f"done {10 * H}" in second.stdout, second.stderr[-3000:]
         assert "restarting without a checkpoint" in second.stderr
+        resumed = re.search(r"resumes at boundary (\d+)", second.stderr)  # the hub's step (uploads may merge phases)
+        assert resumed and f"step {int(resumed.group(1)) * H}" in second.stdout, second.stdout  # the trainer moved on
     finally:
         m.stop()
     drain(m, hub)
     assert applied(m) == 10 * H, f"{applied(m)} of {10 * H} inner steps applied"
     assert m.ledger["w0"] == 10
+
+
+# ============================================================================ 3. the restart race (issue 38)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["async", "lockstep"])
+def test_a_restart_while_the_master_publishes_an_earlier_delta_loses_no_phase(crash_transport, tmp_path, sync):
+    """Issue 38, item 5, tried as an outside check would: a 5-phase run; the worker (a real Lightning
+    process) is killed (SIGKILL) right after its delta_3 reached the hub, while the master is in the
+    middle of publishing an earlier delta of it (async: delta_2, its files written and the manifest not
+    yet swapped; lockstep, where delta_3 waits for version 2: delta_3 itself), and restarted without a
+    checkpoint while that publication is still held. It must resume at local_step 4 (the trainer at step
+    3H: nothing trained twice), and every phase it trains must be applied: 5 of 5, the executed steps of
+    both lives equal to the applied ones (before the fix the second life trained 5 phases and sent 2:
+    3 phases of work dropped, as an outside check counts them, or lost for a loop that does not replay)."""
+    transport = crash_transport
+    hub = transport.open("m")
+    m = counter_master(hub, tmp_path)
+    assert m.sync_once()
+    held, release = threading.Event(), threading.Event()
+    publishing = 1 if sync == "async" else 2  # the master's ledger when the held publication starts
+
+    def hook(label: str) -> None:
+        if label == "files" and m.run.ledger.get("w0") == publishing and not held.is_set():
+            held.set()
+            release.wait(120)
+
+    faults.install(hub, hook)
+    m.start()
+    steps = tmp_path / "steps.log"
+    cfg = dict(hub=transport.url, hub_options=transport.options("worker"), ckpt_dir=str(tmp_path / "ckpt"),
+               max_steps=5 * H, inner_steps=H, ckpt_every=0, sync=sync, step_log=str(steps),
+               throttle=0.05)  # slow steps: one delta per phase (an async upload still in flight merges phases)
+    try:
+        first = _run_worker(cfg, "worker.uploaded:3")
+        assert first.returncode == -9, first.stderr[-3000:]
+        assert held.wait(30), "the master never reached the publication to hold"
+        assert hub.read_manifest().ledger == {"w0": publishing}  # still publishing: the restart reads the hub now
+        env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_DISABLE_TELEMETRY="1")
+        env.pop("DILOCO_FAULTS", None)
+        second = subprocess.Popen([sys.executable, str(TESTS / "support" / "worker_crash_script.py"), json.dumps(cfg)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        err: list[str] = []
+
+        def read_err() -> None:
+            for line in second.stderr:
+                err.append(line)
+                if "restarting without a checkpoint" in line:
+                    release.set()  # the restart has read the hub during the publication: let it finish
+
+        reader = threading.Thread(target=read_err, daemon=True)
+        reader.start()
+        out = second.stdout.read()
+        second.wait(240)
+        reader.join(10)
+        release.set()
+        stderr = "".join(err)
+        assert second.returncode == 0 and f"done {5 * H}" in out, stderr[-3000:]
+        assert "resumes at boundary 3 (next delta delta_4)" in stderr, stderr[-3000:]
+        assert f"step {3 * H}" in out, out  # the trainer resumed at the hub's step
+    finally:
+        release.set()
+        m.stop()
+        faults.install(hub, None)
+    drain(m, hub)
+    assert applied(m) == 5 * H, f"{applied(m) / H:g} of 5 phases applied"
+    assert m.ledger["w0"] == 5
+    # every step of both lives (the first may die before logging its last one): none trained twice
+    executed = [int(line.split()[1]) for line in steps.read_text().splitlines()]
+    assert len(executed) == len(set(executed)) and set(range(3 * H + 1, 5 * H + 1)) <= set(executed), executed
+
+
+def test_a_loop_that_does_not_replay_loses_nothing_after_a_restart(tmp_path):
+    """The other face of the race: a worker restarted without a checkpoint whose loop goes on from
+    where the hub's work ends (an Accelerate loop, a DiLoCoWorker caller) instead of replaying from step
+    0. Each boundary it reaches is new work on the installed global and must be sent: before the fix
+    its first 3 were taken for replays and dropped (3 of 5 phases applied, restarting at local_step 3)."""
+    from diloco_lightning.hub.local import FileHub
+
+    root = tmp_path / "hub"
+    m = counter_master(FileHub(root, create=True), tmp_path)
+    assert m.sync_once()
+    params = {"p": torch.nn.Parameter(torch.full((8,), 10.0))}
+    w = DiLoCoWorker(FileHub(root), "w0", params, poll_interval=0.01, wait_timeout=30, claim=False)
+    w.start()
+    for _ in range(3):
+        phase(params)
+        w.boundary()
+    assert w.flush()
+    w.close(flush=False)  # the process dies: no checkpoint
+    assert m.sync_once(force=True) and m.ledger == {"w0": 3}
+    params = {"p": torch.nn.Parameter(torch.full((8,), 10.0))}
+    w2 = DiLoCoWorker(FileHub(root), "w0", params, poll_interval=0.01, wait_timeout=30, claim=False)
+    w2.start()
+    assert w2.next_local_step == 4 and w2.resumed_boundaries == 3 and w2.boundaries == 3
+    assert params["p"][0].item() == 10.0 + 3 * H  # the global holds the delivered phases
+    for _ in range(2):
+        phase(params)
+        w2.boundary()
+    assert w2.flush()
+    w2.close()
+    drain(m, m.hub)
+    assert applied(m) == 5 * H, f"{applied(m) / H:g} of 5 phases applied"
+    assert m.ledger == {"w0": 5}

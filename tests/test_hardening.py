@@ -490,6 +490,10 @@ def test_worker_progress_is_applied_exactly_once_across_kill_9(crash_hubs, tmp_p
     assert torch.equal(m.snapshot()[1]["p"], torch.full((8,), 30.0)), m.snapshot()[1]["p"]
     if point == "worker.uploaded":
         assert "will not be sent again" in second.stderr
+        # the replayed boundary 3 was trained and dropped: reported with its reason, to the master too
+        assert "this replay of it is dropped" in second.stderr
+        assert m.membership.nodes["w0"].report.replayed == 1
+        assert m.last_metrics["replayed"] == {"w0": 1}, m.last_metrics
 
 
 @pytest.mark.parametrize("resumed", [False, True])
@@ -531,8 +535,10 @@ def test_a_restart_during_a_publication_never_reuses_a_processed_step(tmp_path, 
         w2.load_anchor_state(anchor)
     w2.start()
     assert m.ledger == {"w0": 2} and w2.next_local_step == 3
-    for _ in range(1 if resumed else 2):
-        w2.boundary()  # the replay of boundary 2 (and 1, without a checkpoint): already applied, not sent again
+    if resumed:
+        w2.boundary()  # the replay of boundary 2 since the checkpoint: already applied, not sent again
+    else:  # without a checkpoint it resumes at the hub's step: nothing to replay (issue 38)
+        assert w2.boundaries == 2 and w2.resumed_boundaries == 2
     with torch.no_grad():
         w2.params["w"].add_(1.0)
     w2.boundary()  # new work

@@ -293,16 +293,15 @@ def test_ambiguous_failure_that_landed_is_not_sent_twice(tmp_path):
 
 def test_a_node_the_hub_knows_restarts_without_sending_what_the_hub_has(hub, pub):
     """Without a checkpoint, a node with history on the hub (its ledger entry, or its deltas) is
-    restarting: its training replays the phases the hub has, which are not sent again, and numbering
-    goes on after them."""
+    restarting: it resumes at the hub's step (its boundary count is the hub's, so the adapter moves its
+    trainer on), nothing is sent again, and every boundary it trains from there is sent (issue 38)."""
     params = make_params()
     pub.publish(snapshot(params), ledger={"w0": 7})
     with DiLoCoWorker(hub, "w0", params, **FAST) as w:
         assert w.next_local_step == 8 and w.progress.delivered_until == 7  # after the ledger
-        for _ in range(7):
-            w.boundary()  # replayed: on the hub already
-        assert w.flush() and not hub.list_deltas()
-        w.boundary()
+        assert w.boundaries == 7 and w.resumed_boundaries == 7
+        _train_phase(params, 1.0)
+        w.boundary()  # new work on the installed global: sent
         assert w.flush()
     assert [r.local_step for r in hub.list_deltas()] == [8]
     with DiLoCoWorker(hub, "w0", params, **FAST) as w:  # again, after its delta_8 reached the hub

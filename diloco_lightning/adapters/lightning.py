@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -66,6 +67,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from diloco_lightning.util import timeline
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.adapters.shared import (
@@ -230,6 +232,7 @@ class DiLoCo(Callback):
         seed_per_node: bool = True,
     ) -> None:
         super().__init__()
+        self._first_step_seen = False  # the first training step of this fit (a timeline mark)
         check_connection(hub, hub_options, signing_key)
         self.node_id, self.delay, self.options, self.pacing = check_worker_args(
             node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
@@ -303,6 +306,7 @@ class DiLoCo(Callback):
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._restored_anchor = checkpoint.get(CHECKPOINT_KEY)
+        timeline.mark("checkpoint_loaded")
         if self._restored_anchor is None and trainer.is_global_zero:
             log.warning(
                 "DiLoCo: this checkpoint has no DiLoCo anchor (it was saved without the callback); the worker "
@@ -388,6 +392,8 @@ class DiLoCo(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        timeline.mark("train_start")
+        self._first_step_seen = False
         self._sigterm.install()
         self._params = module_state(pl_module)
         # a resumed fit continues the checkpoint's boundary count; any other fit counts from its first step
@@ -408,16 +414,54 @@ class DiLoCo(Callback):
                 self.worker = self._start.worker
             if installed is not None:
                 self.metrics[self.log_prefix + "installed_outer_step"] = float(installed.outer_step)
-            return installed is not None
+            resumed = self.worker.resumed_boundaries if self.worker is not None else 0
+            return installed is not None, resumed
 
         try:
-            installed = self._rank0(trainer, start)
+            installed, resumed = self._rank0(trainer, start)
         except WorkerStopped as e:
             raise self._stopped(e) from None
         self._restored_anchor = None
+        if resumed and restored is None:
+            self._skip_ahead(trainer, pl_module, resumed)
         self._after_install(trainer, installed)
         if trainer.is_global_zero:
             self._show(trainer.global_step, {})
+        timeline.mark("worker_started")
+
+    def _skip_ahead(self, trainer: Trainer, pl_module: LightningModule, boundaries: int) -> None:
+        """A restart without a checkpoint resumed at the hub's step (``boundaries`` phases its earlier
+        life delivered): move the trainer's step on by those phases, so it trains only what the run
+        still lacks (``max_steps`` counts the whole run, as after a checkpoint) instead of training
+        phases again whose work is already in the global it installed. Step-wise LR schedulers are
+        stepped on as many times. The data loader starts over (no checkpoint holds its position).
+        With Dynamic Local Updates the phases' lengths are not known: each counts as the nominal H."""
+        h = self.pacing.fixed if self.pacing.fixed is not None else self.pacing.inner_steps
+        if not h:
+            return
+        per = max(1, h // self.pacing.fragments)
+        skip = boundaries * per - trainer.global_step
+        if skip <= 0:
+            return
+        loop = trainer.fit_loop.epoch_loop
+        if pl_module.automatic_optimization:
+            total = loop.automatic_optimization.optim_progress.optimizer.step.total
+        else:
+            total = loop.manual_optimization.optim_step_progress.total
+        total.ready += skip
+        total.completed += skip
+        loop._batches_that_stepped += skip
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose here
+            warnings.simplefilter("ignore")
+            for config in trainer.lr_scheduler_configs:
+                if config.interval == "step":
+                    for _ in range(skip // max(1, int(config.frequency or 1))):
+                        config.scheduler.step()
+        self._last_synced_step = self._last_seen_step = trainer.global_step
+        if trainer.is_global_zero:
+            log.warning("DiLoCo %s: restarted without a checkpoint; the hub has this node's first %d phase(s): the "
+                        "trainer resumes at step %d instead of training them again", self.node_id, boundaries,
+                        trainer.global_step)
 
     # ------------------------------------------------------------------ boundaries
 
@@ -444,6 +488,9 @@ class DiLoCo(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if not self._first_step_seen:
+            self._first_step_seen = True
+            timeline.mark("first_step")
         self._count(batch)
         self._loss.add(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
         step = trainer.global_step

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from diloco_lightning.util import timeline
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.wire.names import InvalidNameError, validate_node_id
@@ -260,6 +261,7 @@ class WorkerStart:
         opts = self.options
         hub = open_worker_hub(self.hub, self.hub_options, self.create, poll_interval=opts.poll_interval,
                               wait=opts.wait_timeout if opts.wait_for_hub else None, stop=stopped or (lambda: stop))
+        timeline.mark("hub_open")
         self.worker = DiLoCoWorker(
             hub, self.node_id, params, self.options,
             node_index=self.node_index, signing_key=self.signing_key, pacing=self.pacing,

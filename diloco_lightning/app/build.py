@@ -19,7 +19,6 @@ from omegaconf import DictConfig, OmegaConf
 from diloco_lightning.app.config import hub_options as _section_hub_options
 from diloco_lightning.app.config import master_config, open_configured_hub, to_container
 from diloco_lightning.app.config import outer_options as _section_outer_options
-from diloco_lightning.worker.params import copy_into, module_state
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +235,8 @@ class Evaluator:
 
     def loss(self, state: Mapping[str, Any]) -> float:
         import torch
+
+        from diloco_lightning.worker.params import copy_into, module_state
 
         if self.module is None:
             self.module = build_module(self.cfg, self.dm.vocab_size)

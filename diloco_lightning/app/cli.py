@@ -279,6 +279,9 @@ def _drop_refused_run(cfg: Any) -> None:
 
 def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[str] | None = None) -> None:
     """Run ``task`` as the Hydra app ``config_name`` with this module's error, signal and help handling."""
+    from diloco_lightning.util import timeline
+
+    timeline.mark("cli")
     import hydra
 
     from diloco_lightning.app.config import CONFIG_DIR, register_configs

@@ -22,13 +22,18 @@ from diloco_lightning.app.build import recipe_name, resolve_run_dir, run_dir
 from diloco_lightning.app.config import validate
 from diloco_lightning.app.console import configure_console
 from diloco_lightning.app.errors import Interrupted, RunError
-from diloco_lightning.app.local import finished_results, run_all
-from diloco_lightning.app.serving import run_master
-from diloco_lightning.app.worker import run_worker
 
 __all__ = ["run", "run_master", "Interrupted", "RunError"]
 
 log = logging.getLogger(__name__)
+
+
+def run_master(cfg: DictConfig) -> int:
+    """``role=master`` (:func:`diloco_lightning.app.serving.run_master`; imported when used, so a
+    configuration error is reported before torch is imported)."""
+    from diloco_lightning.app.serving import run_master as serve
+
+    return serve(cfg)
 
 
 def _quiet_hub_logs() -> None:
@@ -40,7 +45,9 @@ def _quiet_hub_logs() -> None:
 
 def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Validate, refuse what this machine cannot run, then dispatch on ``cfg.role``."""
-    validate(cfg)
+    validate(cfg)  # before anything imports torch: a configuration error is reported in about a second
+    from diloco_lightning.app.local import finished_results, run_all
+
     resolve_run_dir(cfg)
     configure_console(whole_run=cfg.role == "all")
     finished = cfg.role == "all" and cfg.launch.kind in ("local", "sim", "submitit") and finished_results(cfg, run_dir(cfg)) is not None
@@ -59,6 +66,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         return run_submitit(cfg)
     if cfg.role == "worker":
         from diloco_lightning.app.supervise import supervise_worker, supervised
+        from diloco_lightning.app.worker import run_worker
 
         return supervise_worker(cfg) if supervised(cfg) else run_worker(cfg)
     if cfg.role == "master":

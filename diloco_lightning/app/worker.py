@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from diloco_lightning.util import timeline
 from diloco_lightning.util.jsondoc import dumps_json
 from diloco_lightning.app.build import (
     build_datamodule,
@@ -100,7 +101,9 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
     """Train one worker to ``trainer.max_steps`` with the DiLoCo callback; returns its summary."""
     index = cfg.node_index if index is None else index
     nid = node_id(index)
+    timeline.mark("config")
     _refuse_a_running_node_id(cfg, nid)  # at once: before Lightning is imported, the data or the model built
+    timeline.mark("node_checked")
 
     import lightning as L
     import torch
@@ -109,13 +112,16 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
 
     from diloco_lightning import DiLoCo
 
+    timeline.mark("imports")
     out = run_dir(cfg) / "nodes" / nid
     out.mkdir(parents=True, exist_ok=True)
     if cfg.trainer.num_threads:
         torch.set_num_threads(int(cfg.trainer.num_threads))
     L.seed_everything(cfg.seed + 1000 * index, workers=True, verbose=False)
     dm = build_datamodule(cfg, node_rank=index, num_nodes=cfg.workers)
+    timeline.mark("data")
     module = build_module(cfg, dm.vocab_size)
+    timeline.mark("model")
     d = cfg.diloco
     callback = DiLoCo(hub=hub_url(cfg), node_id=nid, hub_options=hub_options(cfg),
                       **{**worker_options(d), "delay": worker_delay(cfg, index)})
@@ -134,6 +140,7 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
         callbacks=[callback, checkpoint, ProgressFile(out / "progress.jsonl", t.log_every_n_steps).callback(), start],
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
     )
+    timeline.mark("trainer")
     last = ckpt_dir / "last.ckpt"
     started = time.perf_counter()
     trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.is_file() else None)

@@ -3,31 +3,67 @@
 ``bits`` (fixed-width codes in a bitstream) -> ``chunked`` (the chunked top-k, SparseLoCo's) ->
 ``format`` (the spec, the parts' layout, the checks of an untrusted file) -> ``kernels`` (blockwise
 int8/int4 codes, the top-k selection) -> ``codec`` (encode, decode, decode into a sum) ->
-``feedback`` (what a worker sends: the encoding with error feedback). Depends on torch only.
+``feedback`` (what a worker sends: the encoding with error feedback); ``spec`` (the encodings' names,
+limits and :class:`EncodingSpec`) needs no torch. Depends on torch only.
 """
 
-from diloco_lightning.encoding.codec import decode, decode_add_, encode, encode_with_residual, sum_of_squares
-from diloco_lightning.encoding.format import (
-    BLOCK_SIZES,
-    CHUNK,
-    CHUNK_SIZES,
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_CHUNK_SIZE,
-    ENCODINGS,
-    LEVELS,
-    PAGE_SIZE,
-    PART_SEP,
-    VALUE_BITS,
-    EncodedTensor,
-    EncodingError,
-    EncodingSpec,
-    check_layout,
-    expected_parts,
-    part_name,
-    split_part_name,
-    topk_count,
-    validate_parts,
-)
+from typing import TYPE_CHECKING
+
+from diloco_lightning.util.lazy import lazy_exports
+
+if TYPE_CHECKING:  # the names, for type checkers; at run time each is imported on first use
+    from diloco_lightning.encoding.spec import BLOCK_SIZES
+    from diloco_lightning.encoding.spec import CHUNK
+    from diloco_lightning.encoding.spec import CHUNK_SIZES
+    from diloco_lightning.encoding.spec import DEFAULT_BLOCK_SIZE
+    from diloco_lightning.encoding.spec import DEFAULT_CHUNK_SIZE
+    from diloco_lightning.encoding.spec import ENCODINGS
+    from diloco_lightning.encoding.spec import LEVELS
+    from diloco_lightning.encoding.spec import PAGE_SIZE
+    from diloco_lightning.encoding.spec import PART_SEP
+    from diloco_lightning.encoding.spec import VALUE_BITS
+    from diloco_lightning.encoding.spec import EncodingError
+    from diloco_lightning.encoding.spec import EncodingSpec
+    from diloco_lightning.encoding.codec import decode
+    from diloco_lightning.encoding.codec import decode_add_
+    from diloco_lightning.encoding.codec import encode
+    from diloco_lightning.encoding.codec import encode_with_residual
+    from diloco_lightning.encoding.codec import sum_of_squares
+    from diloco_lightning.encoding.format import EncodedTensor
+    from diloco_lightning.encoding.format import check_layout
+    from diloco_lightning.encoding.format import expected_parts
+    from diloco_lightning.encoding.format import part_name
+    from diloco_lightning.encoding.format import split_part_name
+    from diloco_lightning.encoding.format import topk_count
+    from diloco_lightning.encoding.format import validate_parts
+
+#: each name imported on first use: the spec's without torch (``spec.py``), the others with it
+__getattr__, __dir__ = lazy_exports(__name__, {
+    'BLOCK_SIZES': 'diloco_lightning.encoding.spec',
+    'CHUNK': 'diloco_lightning.encoding.spec',
+    'CHUNK_SIZES': 'diloco_lightning.encoding.spec',
+    'DEFAULT_BLOCK_SIZE': 'diloco_lightning.encoding.spec',
+    'DEFAULT_CHUNK_SIZE': 'diloco_lightning.encoding.spec',
+    'ENCODINGS': 'diloco_lightning.encoding.spec',
+    'LEVELS': 'diloco_lightning.encoding.spec',
+    'PAGE_SIZE': 'diloco_lightning.encoding.spec',
+    'PART_SEP': 'diloco_lightning.encoding.spec',
+    'VALUE_BITS': 'diloco_lightning.encoding.spec',
+    'EncodingError': 'diloco_lightning.encoding.spec',
+    'EncodingSpec': 'diloco_lightning.encoding.spec',
+    'decode': 'diloco_lightning.encoding.codec',
+    'decode_add_': 'diloco_lightning.encoding.codec',
+    'encode': 'diloco_lightning.encoding.codec',
+    'encode_with_residual': 'diloco_lightning.encoding.codec',
+    'sum_of_squares': 'diloco_lightning.encoding.codec',
+    'EncodedTensor': 'diloco_lightning.encoding.format',
+    'check_layout': 'diloco_lightning.encoding.format',
+    'expected_parts': 'diloco_lightning.encoding.format',
+    'part_name': 'diloco_lightning.encoding.format',
+    'split_part_name': 'diloco_lightning.encoding.format',
+    'topk_count': 'diloco_lightning.encoding.format',
+    'validate_parts': 'diloco_lightning.encoding.format',
+})
 
 __all__ = [
     "BLOCK_SIZES", "CHUNK", "CHUNK_SIZES", "DEFAULT_BLOCK_SIZE", "DEFAULT_CHUNK_SIZE", "ENCODINGS", "LEVELS",

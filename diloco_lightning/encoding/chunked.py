@@ -33,14 +33,11 @@ import torch
 from torch import Tensor
 
 from diloco_lightning.encoding.bits import pack_bits, packed_bytes, unpack_bits
+from diloco_lightning.encoding.spec import CHUNK_SIZES, VALUE_BITS
 
 __all__ = ["CHUNK_SIZES", "VALUE_BITS", "ChunkLayout", "chunk_layout", "decoded_groups", "encode_ctopk",
            "validate_ctopk"]
 
-#: value codes of the chunked top-k -> bits per value
-VALUE_BITS = {"int8": 8, "int4": 4, "int2": 2, "sign": 1}
-#: allowed chunk sizes: powers of two, 16 to 65536 (positions of 4 to 16 bits)
-CHUNK_SIZES = tuple(2**i for i in range(4, 17))
 
 
 class ChunkLayout:

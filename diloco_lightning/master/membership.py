@@ -191,6 +191,10 @@ class Membership:
             st.finished, st.finished_step = finished, report.local_step if finished else None
             st.live = st.live and not finished
             st.ttl = claim_ttl(claim)
+            if (report.replayed or 0) > (st.report.replayed or 0):
+                log.warning("node %s: %d inner phase(s) it trained again after a restart from an older checkpoint "
+                            "were dropped, not sent (the hub already had them: replays of delivered work)", node_id,
+                            report.replayed)
             st.report = report
             for p in problems:
                 self._warned.warn(f"{node_id}:{p.split('=')[0]}", "node %s: ignoring part of its heartbeat: %s", node_id, p)

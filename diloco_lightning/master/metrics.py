@@ -53,6 +53,9 @@ class RoundMetrics:
     round_seconds: float = 0.0
     #: the live nodes (claims with a recent heartbeat), the quorum they made, the deadline (seconds)
     live_nodes: int | None = None
+    #: per node, the inner phases it reported trained and dropped (replays of delivered work after a
+    #: restart from an older checkpoint; its heartbeat's ``replayed``), when any
+    replayed: dict[str, int] = field(default_factory=dict)
     quorum: int | None = None
     deadline: float | None = None
     time: float = field(default_factory=time.time)

@@ -146,6 +146,7 @@ class Rounds:
         have = quorum_count(cfg.min_deltas, nodes)
         limit = self._wait_limit()
         m.live_nodes, m.quorum, m.deadline = len(live), need, limit
+        m.replayed = {n: st.report.replayed for n, st in self.membership.nodes.items() if st.report.replayed}
         timed_out = limit is not None and waited >= limit
         if not (force or have >= need or timed_out):
             log.debug("waiting for the quorum: %d of %d %s (%d live)", have, need,

@@ -86,6 +86,7 @@ REPORT_BOUNDS: dict[str, tuple[type, float]] = {
     "local_step": (int, 10**18 - 1),
     "inner_steps": (int, 10**9),
     "train_loss": (float, 1e6),
+    "replayed": (int, 10**9),
 }
 
 
@@ -192,8 +193,10 @@ class NodeReport:
     compute; ``local_step``: its last delta's ``local_step``; ``inner_steps``: the H it uses now;
     ``train_loss``: the mean training loss of its last inner phase (the master watches it for
     divergence, :mod:`diloco_lightning.master.health`); ``finished``: true in the claim a worker
-    leaves when its training ended (its last delta's ``local_step`` beside it). Any may be None
-    (not measured yet).
+    leaves when its training ended (its last delta's ``local_step`` beside it); ``replayed``: inner
+    phases it trained and did not send because the hub already had them (after a restart from a
+    checkpoint older than its last delta: replays of delivered work, dropped so that nothing is applied
+    twice; the master reports them per node). Any may be None (not measured yet).
     Untrusted on the reading side: see :meth:`from_info`.
     """
 
@@ -205,6 +208,7 @@ class NodeReport:
     #: the worker ended its training and every delta it exported is on the hub (its last one is
     #: ``local_step``): written once, in the claim it leaves behind (``ClaimKeeper.finish``)
     finished: bool | None = None
+    replayed: int | None = None
 
     def to_info(self) -> dict[str, Any]:
         """The heartbeat's ``info`` object (keys of None values left out)."""

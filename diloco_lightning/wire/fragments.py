@@ -53,12 +53,12 @@ import fnmatch
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from diloco_lightning.util.errors import DiLoCoError
-from diloco_lightning.wire.delta import synced_keys
+
+if TYPE_CHECKING:  # torch is imported where a plan meets tensors: checking the option needs none
+    import torch
 
 __all__ = ["FragmentPlan", "FragmentError", "HEADER_KEYS", "build_plan", "check_fragments_option", "fragment_count",
            "block_index", "keys_digest", "parse_fragment_header", "piece_name"]
@@ -253,6 +253,8 @@ def split_optimizer_state(plan: FragmentPlan, saved: Mapping[str, Any]) -> dict[
     tensors, per-key ``keys`` lists), given per piece of ``plan``: a split key's buffers cut into its row ranges
     (exact: the buffers are elementwise) and its per-key counters repeated for each piece. What a
     master that splits rows needs to continue a run that had no fragments."""
+    import torch
+
     pieces: dict[str, list[tuple[str, int, int]]] = {}
     for piece, (key, start, stop) in plan.rows.items():
         pieces.setdefault(key, []).append((piece, start, stop))
@@ -286,6 +288,8 @@ def build_plan(value: Any, state: Mapping[str, torch.Tensor]) -> FragmentPlan | 
     v = check_fragments_option(value)
     if v is None or v == 1 or (isinstance(v, list) and len(v) == 1):
         return None
+    from diloco_lightning.wire.delta import synced_keys
+
     keys = synced_keys(state)
     names = [str(i) for i in range(v if isinstance(v, int) else len(v))]
     out: dict[str, list[str]] = {n: [] for n in names}

@@ -31,6 +31,10 @@ and the manifest's ledger, read again *after* the listing (a delta the master pr
 deleted meanwhile is in the ledger by then). Every replayed boundary up to that step was
 delivered before the crash: its pseudo-gradient is not sent again (the anchor moves on as
 usual), and undelivered work from the checkpoint that the hub already covers is dropped.
+A worker restarted *without* a checkpoint replays nothing: it installs the global (which holds
+what it delivered) and resumes at the hub's step, its boundary count set to it
+(:attr:`DiLoCoWorker.resumed_boundaries`: the Lightning adapter moves the trainer on by that many
+phases), so every boundary it trains from there is sent (issue 38).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from typing import Any
 
 import torch
 
-from diloco_lightning.util import faults
+from diloco_lightning.util import faults, timeline
 from diloco_lightning.encoding.feedback import ErrorFeedback
 from diloco_lightning.util.fileio import make_owned_dir, sweep_owned_dirs
 from diloco_lightning.wire.fragments import FragmentPlan
@@ -208,6 +212,14 @@ class DiLoCoWorker:
         return self.progress.totals
 
     @property
+    def resumed_boundaries(self) -> int:
+        """Boundaries a start without a checkpoint skipped to resume at the hub's step (0 otherwise):
+        the node's earlier life delivered them, so the caller's training loop should move on by that
+        many phases (the Lightning adapter advances the trainer's step) rather than train them again
+        (``worker/startup.py``, :meth:`Startup.fresh`)."""
+        return self.progress.resumed
+
+    @property
     def next_local_step(self) -> int:
         """The ``local_step`` of the next delta this worker sends (boundaries replayed after a
         restart, whose deltas the hub already has, send nothing)."""
@@ -259,6 +271,7 @@ class DiLoCoWorker:
         if self._claim_keeper is not None and self._claim_keeper.claim is None and self._claim_keeper.supported:
             # before anything is offered or sent: a second live worker with this node_id stops here
             self._waits.retry("claim the node id", self._claim_keeper.acquire, deadline)
+            timeline.mark("claimed")
         sweep_owned_dirs(self._spool_parent, "diloco-", SPOOL_MAX_AGE)
         try:  # what an earlier life killed mid-download left in the download cache
             swept = self.hub.sweep_cache(CACHE_MAX_AGE)
@@ -275,6 +288,7 @@ class DiLoCoWorker:
             self._startup.settle_restart(deadline, self._outbox, self._feedback)
         else:
             installed = self._startup.fresh(manifest, deadline, lockstep_delay=self.delay if self.sync == "lockstep" else None)
+        timeline.mark("global_installed")
         self._spool = make_owned_dir(self._spool_parent, f"diloco-{self.node_id}-")
         plan = self.model.plan
         uploader = self._uploader = Uploader(
@@ -360,8 +374,9 @@ class DiLoCoWorker:
         progress.boundaries = r
         inner_steps = self._pace(num_tokens)
         if progress.delivered(r):  # reached the hub before a crash (module docstring)
-            log.info("node %s: boundary %d was delivered before the restart (delta_%d on the hub); not sending it "
-                     "again", self.node_id, r, r + progress.offset())
+            log.warning("node %s: boundary %d was delivered before the restart (delta_%d on the hub): this replay of it "
+                        "is dropped, not sent again (reported as replayed)", self.node_id, r, r + progress.offset())
+            self.totals["phases_replayed_total"] += 1
             part = None
         assert self._mode is not None  # made at start
         installed, wait, more = self._mode.boundary(part, r, fragment, reports)
@@ -392,8 +407,9 @@ class DiLoCoWorker:
         peers = keeper.peer_reports() if keeper is not None and keeper.watch_peers else {}
         h = self.pacing.end_phase(num_tokens, [p.step_rate for p in peers.values()])
         if keeper is not None:
+            replayed = int(self.totals.get("phases_replayed_total", 0))
             report = dataclasses.replace(self.pacing.report(self.boundaries + self.progress.offset()),
-                                         train_loss=self._train_loss)
+                                         train_loss=self._train_loss, replayed=replayed or None)
             keeper.set_info(report.to_info(), urgent=not self._reported)
             self._reported = True
         return h

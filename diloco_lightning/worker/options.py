@@ -17,11 +17,10 @@ added (``e = beta * e + delta``; 1: nothing owed is forgotten).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
-
-import torch
 
 from diloco_lightning.encoding import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, LEVELS, VALUE_BITS, EncodingSpec
 from diloco_lightning.wire.fragments import FragmentError, fragment_count
@@ -47,15 +46,25 @@ DELTA_DTYPES: dict[str, str] = {
     "topk": "topk",
     "ctopk": "ctopk",
 }
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _torch_dtype_name(value: Any) -> str | None:
+    """``value``'s name when it is a torch dtype (``"float32"``), else None. Without torch imported
+    nothing is a torch dtype: checking a configuration does not import it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.dtype):
+        return None
+    return str(value).removeprefix("torch.")
 #: how ``topk`` and ``ctopk`` store the values they keep (the first is the default)
 TOPK_VALUES = {"topk": tuple(LEVELS), "ctopk": ("int2", *(v for v in VALUE_BITS if v != "int2"))}
 
 
 def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> str:
     """An encoding name (or alias, or a float torch dtype) -> the encoding's name (``"int4"``)."""
-    if isinstance(value, torch.dtype) and value in _DTYPE_NAMES:
-        return _DTYPE_NAMES[value]
+    name = _torch_dtype_name(value)
+    if name in _FLOAT_DTYPES:
+        return name
     if isinstance(value, str) and value.lower().removeprefix("torch.") in DELTA_DTYPES:
         return DELTA_DTYPES[value.lower().removeprefix("torch.")]
     names = sorted(set(DELTA_DTYPES.values()), key=list(DELTA_DTYPES.values()).index)
@@ -193,7 +202,7 @@ class WorkerOptions:
     def validate(self, node_id: str = "w0", node_index: int | None = None) -> "WorkerOptions":
         """Raise :class:`~diloco_lightning.util.options.OptionError` naming the first option out of
         range (``delay`` is checked by resolving it for ``node_id`` / ``node_index``)."""
-        from diloco_lightning.worker.sync import resolve_delay
+        from diloco_lightning.worker.delays import resolve_delay
 
         check_choice(self, "sync", SYNC_MODES)
         if self.inner_steps != AUTO:
@@ -212,7 +221,7 @@ class WorkerOptions:
             msg = str(e)
             head, _, rest = msg.partition(" ")
             raise OptionError(head, rest, msg) from None
-        if isinstance(self.delta_dtype, torch.dtype):
+        if _torch_dtype_name(self.delta_dtype) is not None:
             parse_delta_dtype(self.delta_dtype)
         else:
             check_choice(self, "delta_dtype", tuple(DELTA_DTYPES))
@@ -256,13 +265,13 @@ class WorkerOptions:
                               f"inner_steps/fragments steps), got inner_steps={self.inner_steps}")
 
     def resolved_delay(self, node_id: str, node_index: int | None = None) -> int:
-        from diloco_lightning.worker.sync import resolve_delay
+        from diloco_lightning.worker.delays import resolve_delay
 
         return resolve_delay(self.delay, node_id, node_index)
 
     def resolved_throttle(self, node_id: str, node_index: int | None = None) -> float:
         """This worker's throttle (a per-worker list is indexed like ``delay``)."""
-        from diloco_lightning.worker.sync import node_index_of
+        from diloco_lightning.worker.delays import node_index_of
 
         if isinstance(self.throttle, (int, float)) or self.throttle is None or isinstance(self.throttle, (str, bytes)):
             return resolve_throttle(self.throttle)

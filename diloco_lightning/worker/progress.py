@@ -6,7 +6,8 @@ are handed: where its anchor stands, how its deltas are numbered, and its runnin
   pseudo-gradient is taken against (per piece, with fragments); ``frags``: each fragment's base.
 * Numbering (``worker/core.py``, "Nothing is sent twice"): ``local_step = boundary + step_offset``;
   ``delivered_until``: the highest ``local_step`` the hub had of this node at a resume (boundaries
-  replayed up to it are not sent again); ``restored``: the anchor came from this node's checkpoint.
+  replayed up to it are not sent again); ``restored``: the anchor came from this node's checkpoint;
+  ``resumed``: the boundaries a start without a checkpoint skipped to the hub's step.
   Once the uploader runs it owns the offset (it may move it past deltas found on the hub), and
   :meth:`offset` asks it.
 * ``newest_seen``: the newest version seen on the hub (staleness of an install is measured to it);
@@ -44,6 +45,7 @@ def new_totals() -> dict[str, Any]:
         "installs_total": 0,
         "wait_seconds_total": 0.0,
         "boundaries_total": 0,
+        "phases_replayed_total": 0,  # boundaries trained again after a restart and not sent: the hub had them
         "boundary_seconds_total": 0.0,  # training-thread time spent in boundary() (waits included)
     }
 
@@ -67,6 +69,8 @@ class Progress:
         self.step_offset = 0
         self.delivered_until = -1
         self.restored = False
+        #: boundaries a restart without a checkpoint skipped to resume at the hub's step (``worker/startup.py``)
+        self.resumed = 0
         self.newest_seen = -1
         #: in place only: the outbox counts into the same dict
         self.totals: dict[str, Any] = new_totals()

@@ -108,25 +108,59 @@ class Startup:
 
         A node the hub already knows (an authentic delta of it, or its ledger entry: an earlier life
         of this node delivered work, then died before it wrote a checkpoint, or lost it) is
-        *restarting*, not starting fresh: the training loop replays its inner phases from the start,
-        the very work the hub has, so the boundaries up to that step are not sent again
-        (``delivered_until``, as after a checkpoint older than the last upload), and numbering goes on
-        from there. Numbering the replayed work after the hub's deltas instead would apply it twice."""
+        *restarting*, not starting fresh, and it **resumes at the hub's step**: its boundary count
+        becomes the hub's highest ``local_step`` of it (``seen``), so its next delta is
+        ``delta_<seen + 1>`` and every boundary it trains from here is sent. Nothing it trains is a
+        replay: it starts from the global it installs (which holds the work it delivered), not from
+        the weights of the earlier life. :attr:`Progress.resumed` says how many boundaries it
+        skipped, so an adapter moves its trainer on to them (``adapters/lightning.py``: its
+        ``max_steps`` then counts the whole run, as after a checkpoint) rather than training them
+        again. (Until issue 38 the count started at 0 and the first ``seen`` boundaries were not sent,
+        on the assumption that the training loop replays them: a loop that went on instead, or a
+        trainer that started from the installed global, lost that work.)"""
         progress = self.installer.progress
         seen = self.installer.waits.retry("read what the hub has of this node", self.hub_seen_high, deadline)
         if seen >= 0:
             progress.delivered_until = max(progress.delivered_until, seen)
             first = progress.boundaries + 1 + progress.step_offset
             if seen >= first:
+                skipped = seen - progress.step_offset - progress.boundaries
+                progress.boundaries += skipped
+                progress.resumed = skipped
                 log.warning(
-                    "node %s: restarting without a checkpoint; the hub already has this node's work up to delta_%d, "
-                    "so the inner steps replayed up to boundary %d are not sent again (keep a checkpoint of the worker "
-                    "to resume without replaying them)", progress.node_id, seen, seen - progress.step_offset,
+                    "node %s: restarting without a checkpoint; the hub already has this node's work up to delta_%d, so "
+                    "it resumes at boundary %d (next delta delta_%d) from the global it installs; the phase in progress "
+                    "when the earlier life died is trained again (keep a checkpoint of the worker to keep it)",
+                    progress.node_id, seen, progress.boundaries, seen + 1,
                 )
         if manifest is None:
             manifest = self.bootstrap(deadline)
-        target = manifest.outer_step if lockstep_delay is None else max(0, progress.boundaries - lockstep_delay)
+        if lockstep_delay is None:
+            return self.installer.install_exact(manifest.outer_step, manifest, deadline)
+        target = max(0, progress.boundaries - lockstep_delay)
+        if manifest.outer_step < target:  # a resumed lockstep node: the version of its boundary may be on its way
+            manifest = self.wait_for_version(target, deadline)
         return self.installer.install_exact(target, manifest, deadline)
+
+    def wait_for_version(self, target: int, deadline: float) -> Manifest:
+        """The manifest once the hub has version ``target`` (a lockstep node resumed at the hub's step
+        while the master publishes its last delta)."""
+        inst = self.installer
+        waits = inst.waits
+        patience = waits.patience(f"global version {target} (the resumed lockstep boundary)")
+        while True:
+            m = waits.retry("read the manifest", inst.read_manifest, deadline)
+            if m is not None and m.outer_step >= target:
+                inst.check_global(m)
+                return m
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"node {inst.progress.node_id}: resumed at boundary {inst.progress.boundaries}, it waited "
+                    f"{waits.wait_timeout:g} s for global version {target} on {inst.hub.url}; the hub has "
+                    f"{m.outer_step if m is not None else 'none'} (is the master running?)"
+                )
+            patience.tick(f"; the hub has {m.outer_step if m is not None else 'no version'}")
+            waits.pause(waits.poll_interval, f"global version {target}")
 
     def settle_restart(self, deadline: float, outbox: Outbox, feedback: ErrorFeedback) -> None:
         """Start resumed from a checkpoint (``load_anchor_state``): read what the hub has of this node,

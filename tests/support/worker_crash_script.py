@@ -14,8 +14,10 @@ Config: ``hub`` (a URL), ``hub_options``, ``ckpt_dir``, ``max_steps``, ``inner_s
 ``signing_key`` (optional); for the elasticity tests (tests/test_elastic.py) also ``node_id``
 (default w0), ``throttle`` (seconds slept per step) and ``claim_ttl``; for the fragment tests
 (tests/test_fragments.py) ``fragments`` (then the model has a second vector ``q``, the same rule); for
-benchmarks/chaos.py ``step_log`` (a file each executed step appends ``<monotonic time> <global step>`` to). Prints ``started <outer_step>``
-once the worker has installed its starting version, and ``done <steps>`` at the end.
+benchmarks/chaos.py ``step_log`` (a file each executed step appends ``<monotonic time> <global step>`` to).
+Prints ``started <outer_step> step <global step>`` once the worker has installed its starting version (a
+restart without a checkpoint resumes past the phases the hub has), and ``done <steps>`` at the end.
+``sync`` / ``delay``: the sync mode (default async).
 """
 
 from __future__ import annotations
@@ -59,11 +61,12 @@ def main() -> None:
         hub_options=cfg.get("hub_options") or None, signing_key=cfg.get("signing_key"), poll_interval=0.02,
         wait_timeout=60.0, token_counter=False, throttle=cfg.get("throttle", 0.0), claim_ttl=cfg.get("claim_ttl"),
         fragments=cfg.get("fragments"), **cfg.get("encoding", {}),
+        **({"sync": cfg["sync"], "delay": cfg.get("delay", 0)} if cfg.get("sync") else {}),
     )
 
     class Started(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            print(f"started {diloco.worker.outer_step}", flush=True)
+            print(f"started {diloco.worker.outer_step} step {trainer.global_step}", flush=True)
     class StepLog(L.Callback):
         def __init__(self, path: str) -> None:
             self.file = open(path, "a", buffering=1)  # noqa: SIM115 - one line per step, flushed
