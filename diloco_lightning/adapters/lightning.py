@@ -402,7 +402,7 @@ class DiLoCo(Callback):
         self._last_seen_step = trainer.global_step
         self._tokens = 0
 
-        def start() -> bool:
+        def start() -> tuple[bool, int]:
             if self.worker is not None:
                 self.worker.close(flush=True)
             assert self._params is not None  # found in setup
@@ -454,9 +454,9 @@ class DiLoCo(Callback):
         with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose here
             warnings.simplefilter("ignore")
             for config in trainer.lr_scheduler_configs:
-                if config.interval == "step":
+                if config.interval == "step" and not config.reduce_on_plateau:  # a plateau's step needs a metric
                     for _ in range(skip // max(1, int(config.frequency or 1))):
-                        config.scheduler.step()
+                        config.scheduler.step()  # type: ignore[call-arg]
         self._last_synced_step = self._last_seen_step = trainer.global_step
         if trainer.is_global_zero:
             log.warning("DiLoCo %s: restarted without a checkpoint; the hub has this node's first %d phase(s): the "
