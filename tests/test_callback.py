@@ -324,7 +324,8 @@ def test_hub_outage_does_not_stop_training_and_every_delta_arrives(tmp_path):
     L.seed_everything(0)
     model = BoringModel()
     w0 = floating(model)
-    with running_master(root, tmp_path / "master", outer_lr=1.0, outer_momentum=0.0) as m:
+    # the plain mean (nesterov lr 1, momentum 0: no staleness gate, unlike fedavg's default)
+    with running_master(root, tmp_path / "master", outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0) as m:
         t = trainer(32, [cb, Outage(), Slow(0.01)])
         t.fit(model)
         deadline = time.monotonic() + 60  # quick on a quiet machine; room for a loaded one

@@ -41,7 +41,7 @@ H = 4
 
 
 def counter_master(hub, tmp: Path, **kw) -> MasterOuterLoop:
-    opts = dict(outer_lr=1.0, outer_momentum=0.0, aggregation="arrival", lease_ttl=30.0, poll_interval=0.02,
+    opts = dict(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0, aggregation="arrival", lease_ttl=30.0, poll_interval=0.02,
                 norm_global_ratio=None)
     opts.update(kw)
     return MasterOuterLoop(hub, {"p": torch.full((8,), 10.0)}, node_state_dir=tmp / "master", **opts)

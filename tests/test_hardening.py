@@ -162,7 +162,7 @@ def raw_delta(metadata: dict, tensors=None) -> bytes:
 
 
 def make_master(hub, tmp: Path, name: str = "m", **kw) -> MasterOuterLoop:
-    opts = dict(outer_lr=1.0, outer_momentum=0.0, lease_ttl=30.0, poll_interval=0.02)
+    opts = dict(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0, lease_ttl=30.0, poll_interval=0.02)
     opts.update(kw)
     state = opts.pop("state", s0())
     return MasterOuterLoop(hub, state, node_state_dir=tmp / name, **opts)
@@ -474,7 +474,7 @@ def test_worker_progress_is_applied_exactly_once_across_kill_9(crash_hubs, tmp_p
     restarts (a master that already processed one is the other test below); then a master applies
     them all. The global must end at exactly 10 + 20 steps of progress."""
     hub = crash_hubs.open()
-    m = MasterOuterLoop(hub, {"p": torch.full((8,), 10.0)}, node_state_dir=tmp_path / "m", outer_lr=1.0,
+    m = MasterOuterLoop(hub, {"p": torch.full((8,), 10.0)}, node_state_dir=tmp_path / "m", outer_optimizer="nesterov", outer_lr=1.0,
                         outer_momentum=0.0, aggregation="arrival", lease_ttl=30)
     assert m.sync_once()  # outer step 0: what the worker installs
     cfg = dict(hub=crash_hubs.url, hub_options=crash_hubs.options, ckpt_dir=str(tmp_path / "ckpt"), max_steps=20, inner_steps=2)
@@ -502,7 +502,7 @@ def test_a_restart_during_a_publication_never_reuses_a_processed_step(tmp_path, 
     manifest and before it lists the hub: the worker must read the ledger again after listing,
     or it numbers its next delta at or below the ledger and the master drops it unread."""
     root = tmp_path / "hub"
-    m = MasterOuterLoop(FileHub(root), s0(), node_state_dir=tmp_path / "m", outer_lr=1.0, outer_momentum=0.0,
+    m = MasterOuterLoop(FileHub(root), s0(), node_state_dir=tmp_path / "m", outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0,
                         norm_global_ratio=None)
     assert m.sync_once()
 

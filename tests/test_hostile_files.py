@@ -56,7 +56,7 @@ _TRUNCATE = textwrap.dedent('''
     root = Path(sys.argv[1])
     hub = FileHub(root / "hub")
     state = {"w": torch.zeros(1 << 18)}  # 1 MiB of FP32
-    m = MasterOuterLoop(hub, state, node_state_dir=root / "m", outer_lr=1.0, outer_momentum=0.0,
+    m = MasterOuterLoop(hub, state, node_state_dir=root / "m", outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0,
                         norm_global_ratio=None)
     assert m.sync_once()
     write_delta(root / "d.safetensors", {"w": torch.ones(1 << 18)}, node_id="evil", local_step=1, base_outer_step=0)
@@ -108,7 +108,7 @@ def nested_object(key: str, size: int = 60_000) -> bytes:
 
 
 def small_master(hub, tmp: Path, name: str = "m", **kw) -> MasterOuterLoop:
-    opts = dict(outer_lr=1.0, outer_momentum=0.0, lease_ttl=30.0, poll_interval=0.02, norm_global_ratio=None)
+    opts = dict(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0, lease_ttl=30.0, poll_interval=0.02, norm_global_ratio=None)
     opts.update(kw)
     return MasterOuterLoop(hub, {"w": torch.zeros(4)}, node_state_dir=tmp / name, **opts)
 
@@ -786,6 +786,7 @@ JSON_OUTSIDE_THE_PARSER = {
                                 "it serialised itself (to_json) turned back into a dict"),
     "app/launches.py": (2, "launches.json and its lines, written by this run's launcher in the run folder"),
     "app/slurm.py": (1, "metrics.jsonl lines the run's own master writes in the run folder"),
+    "app/worker.py": (1, "summary.json, written by the supervised worker process this command started, in the run folder"),
     "app/summarize.py": (1, "results.json files this package's runs wrote under a results folder"),
     "app/local.py": (2, "results.json and the workers' summary.json in the run folder (not the hub: it is "
                         "<run>/hub, the summaries <run>/nodes/<id>/summary.json)"),

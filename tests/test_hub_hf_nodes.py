@@ -55,7 +55,7 @@ def _open(server, tmp_path: Path, name: str, layout: str = "per_node", **kw):
 
 
 def _master(hub, tmp_path: Path, **kw) -> MasterOuterLoop:
-    opts = dict(outer_lr=1.0, outer_momentum=0.0, norm_ratio=None, norm_global_ratio=None, poll_interval=0.02)
+    opts = dict(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0, norm_ratio=None, norm_global_ratio=None, poll_interval=0.02)
     opts.update(kw)
     return MasterOuterLoop(hub, {"w": torch.zeros(4, 3)}, node_state_dir=tmp_path / "master", **opts)
 

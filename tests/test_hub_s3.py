@@ -892,7 +892,7 @@ def test_master_round_with_a_worker_on_s3(store, make_hub, tmp_path):
 
     init = {"layer.weight": torch.zeros(4, 3), "layer.bias": torch.zeros(3), "steps": torch.tensor(7)}
     master = MasterOuterLoop(make_hub(check_conditional_writes=True), init, node_state_dir=tmp_path / "master",
-                             outer_lr=1.0, outer_momentum=0.0, norm_ratio=None, poll_interval=0.02, keep_globals=2)
+                             outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0, norm_ratio=None, poll_interval=0.02, keep_globals=2)
     assert master.sync_once() is True and master.outer_step == 0  # publishes version 0
     params = {k: (torch.nn.Parameter(v.clone()) if v.is_floating_point() else v.clone()) for k, v in init.items()}
     with DiLoCoWorker(make_hub(), "w0", params, poll_interval=0.01, wait_timeout=10.0) as w:

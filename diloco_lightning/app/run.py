@@ -65,8 +65,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
 
         return run_submitit(cfg)
     if cfg.role == "worker":
-        from diloco_lightning.app.supervise import supervise_worker, supervised
-        from diloco_lightning.app.worker import run_worker
+        from diloco_lightning.app.worker import run_worker, supervise_worker, supervised
 
         return supervise_worker(cfg) if supervised(cfg) else run_worker(cfg)
     if cfg.role == "master":

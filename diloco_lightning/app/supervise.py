@@ -25,19 +25,13 @@ and ``launch=submitit`` (SLURM requeues a job).
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable
 
 from diloco_lightning.util.options import OptionError, check_number, option
 
-__all__ = ["SuperviseOptions", "Restarts", "EXIT_CONFIG", "EXIT_USER", "EXIT_HUB_AWAY", "exit_status", "describe_exit",
-           "supervised", "supervise_worker"]
+__all__ = ["SuperviseOptions", "Restarts", "EXIT_CONFIG", "EXIT_USER", "EXIT_HUB_AWAY", "describe_exit"]
 
 log = logging.getLogger(__name__)
 
@@ -77,23 +71,6 @@ class SuperviseOptions:
         if self.max_backoff < self.backoff:
             raise OptionError("max_backoff", f"must be at least backoff ({self.backoff:g}), got {self.max_backoff:g}")
         return self
-
-
-def exit_status(e: BaseException) -> int | None:
-    """The exit status of a worker process that ``e`` ended: :data:`EXIT_HUB_AWAY` for a hub or master that
-    stayed away, :data:`EXIT_CONFIG` / :data:`EXIT_USER` for what its user fixes, None for a bug (the
-    traceback is kept, status 1: a crash, restarted)."""
-    from diloco_lightning.app.cli import _is_config_error, is_user_error
-    from diloco_lightning.hub.base import HubUnavailableError
-    from diloco_lightning.worker.sync import WaitTimeoutError
-
-    if isinstance(e, (HubUnavailableError, WaitTimeoutError)):
-        return EXIT_HUB_AWAY
-    if _is_config_error(e):
-        return EXIT_CONFIG
-    if is_user_error(e):
-        return EXIT_USER
-    return None
 
 
 def describe_exit(code: int) -> str:
@@ -145,73 +122,3 @@ class Restarts:
         if code in (0, EXIT_CONFIG, EXIT_USER) or self.options.restarts == 0:
             return None
         return f"restarted {self.total} time(s), the limit (supervise.restarts={self.options.restarts})"
-
-
-def supervised(cfg: Any) -> bool:
-    """Whether this ``role=worker`` command supervises its worker: restarts allowed, and not under torchrun
-    (its elastic agent restarts the ranks) or in a DDP rank Lightning started."""
-    if int(cfg.supervise.restarts) <= 0:
-        return False
-    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return False
-    return int(cfg.trainer.devices) == 1
-
-
-def supervise_worker(cfg: Any, *, say: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """``train.py role=worker``, supervised: the worker runs as a child process
-    (``python -m diloco_lightning.app.worker``, its output on this command's) and is restarted after a
-    crash (this module's docstring). Returns its summary; a user error ends with the worker's own lines
-    (``SystemExit``: 2 for a configuration error, else 1); spent restarts end in a
-    :class:`~diloco_lightning.app.errors.RunError`."""
-    import json
-
-    from omegaconf import OmegaConf
-
-    from diloco_lightning.app.build import node_id, run_dir
-    from diloco_lightning.app.errors import RunError, Signal, terminate_as_exception
-    from diloco_lightning.app.worker import _refuse_a_running_node_id, worker_command
-    from diloco_lightning.hub.base import HubUnavailableError
-
-    speak = say or (lambda line: print(line, file=sys.stderr, flush=True))
-    options = SuperviseOptions(**{k: cfg.supervise[k] for k in SuperviseOptions.names()}).validate()
-    index = int(cfg.node_index)
-    nid = node_id(index)
-    # what the worker refuses first (a missing hub, a node id another live worker holds) is refused here, as an
-    # unsupervised worker's: the command's own lines, and no run folder left
-    try:
-        _refuse_a_running_node_id(cfg, nid)
-    except HubUnavailableError as e:  # an outage is not the user's to fix: the worker (restarted as needed) waits
-        speak(f"[supervise] worker {nid}: the hub is unreachable now ({type(e).__name__}); starting the worker anyway")
-    out = run_dir(cfg) / "nodes" / nid
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "worker-config.yaml"
-    OmegaConf.save(cfg, config_path, resolve=True)
-    env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    policy = Restarts(options, f"worker {nid}")
-    proc: subprocess.Popen | None = None
-    try:
-        with terminate_as_exception():
-            while True:
-                policy.started()
-                proc = subprocess.Popen(worker_command(config_path, index), env=env)
-                code = proc.wait()
-                proc = None
-                if code == 0:
-                    return json.loads((out / "summary.json").read_text())
-                if code in (EXIT_CONFIG, EXIT_USER):  # the worker said what to fix; no restart fixes it
-                    raise SystemExit(EXIT_CONFIG if code == EXIT_CONFIG else 1)
-                delay = policy.decide(code)
-                if delay is None:
-                    raise RunError(f"worker {nid} {describe_exit(code)}; {policy.spent(code)}. Its output is above")
-                speak(policy.line(code, delay))
-                time.sleep(delay)
-    except (KeyboardInterrupt, Signal):
-        if proc is not None and proc.poll() is None:  # SIGTERM to this command only: the worker stops cleanly too
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        raise

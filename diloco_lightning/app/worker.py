@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -189,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_worker(cfg)
     except Exception as e:
-        from diloco_lightning.app.cli import short_message
-        from diloco_lightning.app.supervise import exit_status
+        from diloco_lightning.app.errors import short_message
 
         code = exit_status(e)
         if code is None:  # a bug: its traceback, status 1 (a crash: a supervisor restarts it)
@@ -203,3 +206,91 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def exit_status(e: BaseException) -> int | None:
+    """The exit status of a worker process that ``e`` ended: :data:`~diloco_lightning.app.supervise.EXIT_HUB_AWAY` for a hub or master that
+    stayed away, :data:`~diloco_lightning.app.supervise.EXIT_CONFIG` / ``EXIT_USER`` for what its user fixes, None for a bug (the
+    traceback is kept, status 1: a crash, restarted)."""
+    from diloco_lightning.app.errors import _is_config_error, is_user_error
+    from diloco_lightning.app.supervise import EXIT_CONFIG, EXIT_HUB_AWAY, EXIT_USER
+    from diloco_lightning.hub.base import HubUnavailableError
+    from diloco_lightning.worker.sync import WaitTimeoutError
+
+    if isinstance(e, (HubUnavailableError, WaitTimeoutError)):
+        return EXIT_HUB_AWAY
+    if _is_config_error(e):
+        return EXIT_CONFIG
+    if is_user_error(e):
+        return EXIT_USER
+    return None
+
+
+def supervised(cfg: Any) -> bool:
+    """Whether this ``role=worker`` command supervises its worker: restarts allowed, and not under torchrun
+    (its elastic agent restarts the ranks) or in a DDP rank Lightning started."""
+    if int(cfg.supervise.restarts) <= 0:
+        return False
+    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return False
+    return int(cfg.trainer.devices) == 1
+
+
+def supervise_worker(cfg: Any, *, say: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """``train.py role=worker``, supervised: the worker runs as a child process
+    (``python -m diloco_lightning.app.worker``, its output on this command's) and is restarted after a
+    crash (:mod:`diloco_lightning.app.supervise`). Returns its summary; a user error ends with the worker's own lines
+    (``SystemExit``: 2 for a configuration error, else 1); spent restarts end in a
+    :class:`~diloco_lightning.app.errors.RunError`."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from diloco_lightning.app.build import node_id, run_dir
+    from diloco_lightning.app.errors import RunError, Signal, terminate_as_exception
+    from diloco_lightning.app.supervise import EXIT_CONFIG, EXIT_USER, Restarts, SuperviseOptions, describe_exit
+    from diloco_lightning.hub.base import HubUnavailableError
+
+    speak = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    options = SuperviseOptions(**{k: cfg.supervise[k] for k in SuperviseOptions.names()}).validate()
+    index = int(cfg.node_index)
+    nid = node_id(index)
+    # what the worker refuses first (a missing hub, a node id another live worker holds) is refused here, as an
+    # unsupervised worker's: the command's own lines, and no run folder left
+    try:
+        _refuse_a_running_node_id(cfg, nid)
+    except HubUnavailableError as e:  # an outage is not the user's to fix: the worker (restarted as needed) waits
+        speak(f"[supervise] worker {nid}: the hub is unreachable now ({type(e).__name__}); starting the worker anyway")
+    out = run_dir(cfg) / "nodes" / nid
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "worker-config.yaml"
+    OmegaConf.save(cfg, config_path, resolve=True)
+    env = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    policy = Restarts(options, f"worker {nid}")
+    proc: subprocess.Popen | None = None
+    try:
+        with terminate_as_exception():
+            while True:
+                policy.started()
+                proc = subprocess.Popen(worker_command(config_path, index), env=env)
+                code = proc.wait()
+                proc = None
+                if code == 0:
+                    return json.loads((out / "summary.json").read_text())
+                if code in (EXIT_CONFIG, EXIT_USER):  # the worker said what to fix; no restart fixes it
+                    raise SystemExit(EXIT_CONFIG if code == EXIT_CONFIG else 1)
+                delay = policy.decide(code)
+                if delay is None:
+                    raise RunError(f"worker {nid} {describe_exit(code)}; {policy.spent(code)}. Its output is above")
+                speak(policy.line(code, delay))
+                time.sleep(delay)
+    except (KeyboardInterrupt, Signal):
+        if proc is not None and proc.poll() is None:  # SIGTERM to this command only: the worker stops cleanly too
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise
