@@ -80,9 +80,10 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
                                    "aggregation=arrival", "min_deltas=1"], {}),
     # diloco-master with no outer options at all: whatever its defaults are
     "default": ([], {}),
-    # the same with the look-ahead start set either way (diloco.lookahead; "default" follows the shipped value)
+    # the shipped default before fedavg's staleness gate: the plain mean of every live worker's delta
+    "default_mean": (["outer.options.power=0.0"], {}),
+    # the default with the look-ahead start on (diloco.lookahead)
     "default_la": ([], {"lookahead": True}),
-    "default_no_la": ([], {"lookahead": False}),
 }
 
 

@@ -113,13 +113,19 @@ ARMS: dict[str, Arm] = {
                            "diloco.lookahead=true"), "outer.lr", 1.0, 0, False,
                           "asynchronous workers as `async_round`, the look-ahead start on"),
     # a plugin user's run as shipped: DiLoCo(...) async workers, diloco-master's round of every live worker's delta
-    # at fedavg's lr 1 (nothing tuned), with the look-ahead start off and on
+    # at fedavg's lr 1 (nothing tuned): with the staleness gate (fedavg's power 1, the default since it was
+    # measured here) and without it (power 0: the plain mean, the default before), the look-ahead start off and on
     "plugin": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg", "diloco.lookahead=false"),
-                  None, 1.0, 0, False, "the plugin's async workers and diloco-master as shipped, look-ahead off"),
+                  None, 1.0, 0, False, "the plugin's async workers and diloco-master as shipped (fedavg, gated)"),
     "plugin_la": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg",
-                      "diloco.lookahead=true"), None, 1.0, 0, False,
-                     "the plugin's async workers and diloco-master as shipped, look-ahead on"),
-    # the same with the staleness-gated SGD at lr 1 (lr / (1 + tau) per delta: fedavg itself at tau 0)
+                      "diloco.lookahead=true"), None, 1.0, 0, False, "as `plugin`, the look-ahead start on"),
+    "plugin_mean": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg",
+                        "outer.options.power=0.0", "diloco.lookahead=false"), None, 1.0, 0, False,
+                       "as `plugin` with the plain mean (no staleness gate): the shipped default before"),
+    "plugin_mean_la": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg",
+                           "outer.options.power=0.0", "diloco.lookahead=true"), None, 1.0, 0, False,
+                          "as `plugin_mean`, the look-ahead start on"),
+    # the gate through staleness_sgd (lr 1, momentum 0, power 1): fedavg's gated step under its other name
     "plugin_gate": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=staleness_sgd",
                         "outer.lr=1.0", "outer.options.momentum=0.0", "diloco.lookahead=false"), None, 1.0, 0, False,
                        "the plugin's async workers, diloco-master with staleness_sgd lr 1, look-ahead off"),
