@@ -74,5 +74,8 @@ def test_train_py_accepts_optim_name_muon():
     register_configs()
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         validate(compose("train", overrides=["recipe=tiny", "launch=sim", "optim.name=muon"]))
+        group = compose("train", overrides=["recipe=tiny", "launch=sim", "optim=muon"])  # configs/optim/muon.yaml
+        validate(group)
+        assert group.optim.name == "muon" and group.optim.lr == 0.032
         with pytest.raises(ConfigError, match="muon"):
             validate(compose("train", overrides=["recipe=tiny", "launch=sim", "optim.name=sgd"]))
