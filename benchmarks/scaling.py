@@ -119,7 +119,8 @@ ARMS: dict[str, Arm] = {
     "sgd_syncstate": Arm(("workers={k}", "outer=fedavg", "sim.sync_inner_state=true", *SYNC), "outer.lr", 1.0, 0,
                          False, "synchronous DiLoCo, outer SGD, the workers' inner AdamW moments averaged at every sync "
                          "(simulator only: the product would send them)"),
-    "sgd_muon": Arm(("workers={k}", "outer=fedavg", "optim.name=muon", *SYNC), "optim.lr", 0.004, 0, False,
+    # the Muon arms' grids are centred on their K = 4 optimum (found from 0.004 upwards; Muon wants 4-16x AdamW's lr)
+    "sgd_muon": Arm(("workers={k}", "outer=fedavg", "optim.name=muon", *SYNC), "optim.lr", 0.004, 4, False,
                     "synchronous DiLoCo, outer SGD lr 1, Muon inner optimizer (MuLoCo), its inner lr tuned",
                     refs=("one_muon", "dp_muon")),
     "sgd_muon_sync": Arm(("workers={k}", "outer=fedavg", "optim.name=muon", "sim.sync_inner_state=true", *SYNC),
@@ -128,9 +129,9 @@ ARMS: dict[str, Arm] = {
     "sgd_muon_h16": Arm(("workers={k}", "outer=fedavg", "optim.name=muon", *SYNC, "diloco.inner_steps=16"), "optim.lr",
                         0.004, 4, False, "sgd_muon at H = 16 (the H curve's far point; one and dp do not depend on H)",
                         refs=("one_muon", "dp_muon")),
-    "one_muon": Arm(("workers=1", "outer=fedavg", "optim.name=muon"), "optim.lr", 0.004, 0, False,
+    "one_muon": Arm(("workers=1", "outer=fedavg", "optim.name=muon"), "optim.lr", 0.004, 2, False,
                     "one worker alone with the Muon inner optimizer (Muon's own L_one), inner lr tuned"),
-    "dp_muon": Arm(("workers=1", "outer=fedavg", "optim.name=muon", "data.batch_size={kb}"), "optim.lr", 0.004, 1,
+    "dp_muon": Arm(("workers=1", "outer=fedavg", "optim.name=muon", "data.batch_size={kb}"), "optim.lr", 0.004, 3,
                    False, "data-parallel equivalent with the Muon inner optimizer (Muon's own L_dp), inner lr tuned"),
     # the outer lr and the inner lr together: the inner lr tuned at outer SGD lr 2 and 0.5 (sgd_inner: at 1)
     "sgd_o2_inner": Arm(("workers={k}", "outer=fedavg", "outer.lr=2.0", *SYNC), "optim.lr", 0.004, -1, False,
@@ -388,6 +389,7 @@ def report(sc: Scaling) -> str:
         lines.append("")
         own = [a for a in sc.arms if a in ARMS and ARMS[a].refs is not None and ARMS[a].refs[0] in sc.arms
                and ARMS[a].refs[1] in sc.arms]
+        own = [a for a in own if sc.losses(a, k) and sc.losses(ARMS[a].refs[0], k) and sc.losses(ARMS[a].refs[1], k)]  # type: ignore[index]
         if own:
             lines += [f"G against the arm's own references (K = {k}): one worker alone and data-parallel with the "
                       "same inner optimizer, each with its inner lr tuned", "",
