@@ -89,6 +89,9 @@ class Arm:
     i0: int = 0
     at_one: bool = False
     note: str = ""
+    #: the arms whose losses are this arm's own L_one and L_dp (an inner optimizer other than AdamW is
+    #: measured against one worker and data-parallel with that optimizer too), beside the AdamW ones
+    refs: tuple[str, str] | None = None
 
 
 ARMS: dict[str, Arm] = {
@@ -138,6 +141,29 @@ ARMS: dict[str, Arm] = {
                      "synchronous DiLoCo, outer SGD lr 1, the workers' inner lr tuned"),
     "sgd_reset": Arm(("workers={k}", "outer=fedavg", "diloco.reset_inner_optimizer=true", *SYNC), "outer.lr", 1.0, 0,
                      False, "synchronous DiLoCo, outer SGD, the inner AdamW state cleared at every install"),
+    # levers tried on the K = 4 reduced setting (docs/scaling.md, "Levers tried"), each against ``sgd``
+    "sgd_syncstate": Arm(("workers={k}", "outer=fedavg", "sim.sync_inner_state=true", *SYNC), "outer.lr", 1.0, 0,
+                         False, "synchronous DiLoCo, outer SGD, the workers' inner AdamW moments averaged at every sync "
+                         "(simulator only: the product would send them)"),
+    # the Muon arms' grids are centred on their K = 4 optimum (found from 0.004 upwards; Muon wants 4-16x AdamW's lr)
+    "sgd_muon": Arm(("workers={k}", "outer=fedavg", "optim.name=muon", *SYNC), "optim.lr", 0.004, 4, False,
+                    "synchronous DiLoCo, outer SGD lr 1, Muon inner optimizer (MuLoCo), its inner lr tuned",
+                    refs=("one_muon", "dp_muon")),
+    "sgd_muon_sync": Arm(("workers={k}", "outer=fedavg", "optim.name=muon", "sim.sync_inner_state=true", *SYNC),
+                         "optim.lr", 0.004, 2, False, "sgd_muon with the inner state (AdamW's moments, Muon's momentum) "
+                         "averaged at every sync (simulator only)", refs=("one_muon", "dp_muon")),
+    "sgd_muon_h16": Arm(("workers={k}", "outer=fedavg", "optim.name=muon", *SYNC, "diloco.inner_steps=16"), "optim.lr",
+                        0.004, 4, False, "sgd_muon at H = 16 (the H curve's far point; one and dp do not depend on H)",
+                        refs=("one_muon", "dp_muon")),
+    "one_muon": Arm(("workers=1", "outer=fedavg", "optim.name=muon"), "optim.lr", 0.004, 2, False,
+                    "one worker alone with the Muon inner optimizer (Muon's own L_one), inner lr tuned"),
+    "dp_muon": Arm(("workers=1", "outer=fedavg", "optim.name=muon", "data.batch_size={kb}"), "optim.lr", 0.004, 3,
+                   False, "data-parallel equivalent with the Muon inner optimizer (Muon's own L_dp), inner lr tuned"),
+    # the outer lr and the inner lr together: the inner lr tuned at outer SGD lr 2 and 0.5 (sgd_inner: at 1)
+    "sgd_o2_inner": Arm(("workers={k}", "outer=fedavg", "outer.lr=2.0", *SYNC), "optim.lr", 0.004, -1, False,
+                        "synchronous DiLoCo, outer SGD lr 2, the workers' inner lr tuned"),
+    "sgd_o05_inner": Arm(("workers={k}", "outer=fedavg", "outer.lr=0.5", *SYNC), "optim.lr", 0.004, 1, False,
+                         "synchronous DiLoCo, outer SGD lr 0.5, the workers' inner lr tuned"),
 }
 #: the arms of the curves (one worker and data-parallel first: G's ends)
 CURVE_ARMS = ("one", "dp", "sgd")
@@ -387,6 +413,25 @@ def report(sc: Scaling) -> str:
             lines.append(f"| {arm} | {tuned} | {ci(m, h, 3)} | {ci(g[0], g[1])} ({g[2]}) | {ci(d[0], d[1], 3)} ({d[2]}) | "
                          f"{ci(e[0], e[1], 3)} ({e[2]}) | {div} |")
         lines.append("")
+        own = [a for a in sc.arms if a in ARMS and ARMS[a].refs is not None and ARMS[a].refs[0] in sc.arms
+               and ARMS[a].refs[1] in sc.arms]
+        own = [a for a in own if sc.losses(a, k) and sc.losses(ARMS[a].refs[0], k) and sc.losses(ARMS[a].refs[1], k)]  # type: ignore[index]
+        if own:
+            lines += [f"G against the arm's own references (K = {k}): one worker alone and data-parallel with the "
+                      "same inner optimizer, each with its inner lr tuned", "",
+                      f"| arm | references | L_one | L_dp | G [95 % CI] (seeds) | minus its own one, paired [95 % CI] | "
+                      f"minus {own[0]}, paired [95 % CI] |", "|---|---|---|---|---|---|---|"]
+            first = sc.losses(own[0], k)
+            for arm in own:
+                r1, r2 = ARMS[arm].refs  # type: ignore[misc]
+                o, d, ls = sc.losses(r1, k), sc.losses(r2, k), sc.losses(arm, k)
+                if not (o and d and ls):
+                    continue
+                g, e, f = gain(o, d, ls), paired(ls, o), paired(ls, first)
+                lines.append(f"| {arm} | {r1}, {r2} | {fmt(mean_ci(list(o.values()))[0])} | "
+                             f"{fmt(mean_ci(list(d.values()))[0])} | {ci(g[0], g[1])} ({g[2]}) | {ci(e[0], e[1], 3)} ({e[2]}) | "
+                             f"{ci(f[0], f[1], 3)} ({f[2]}) |")
+            lines.append("")
     for axis in sc.args.curves.split(",") if sc.args.curves else []:
         lines += [f"## G against {axis} (K = 4)", "", f"| {axis} | L_one | L_dp | "
                   + " | ".join(f"{a}: G [95 % CI] (tuned lr)" for a in CURVE_ARMS[2:]) + " |",

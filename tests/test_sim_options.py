@@ -173,3 +173,76 @@ def test_a_single_worker_run_says_when_it_is_not_one_worker_alone():
     note = single_worker_note(_compose(*SMALL, "workers=1", "outer=nesterov"))
     assert note is not None and "not one worker alone" in note and "outer=fedavg" in note
     assert "lr 0.5" in single_worker_note(_compose(*SMALL, "workers=1", "outer=staleness_sgd", "outer.lr=0.5"))
+
+
+def _target_workers(k: int, phases: int, h: int) -> list[SimWorker]:
+    """K Adam workers, each pulled to its own target (so their inner states differ)."""
+    out = []
+    for i in range(k):
+        w = torch.nn.Parameter(torch.zeros(4))
+        target = torch.linspace(-1.0, 1.0, 4) * (i + 1)
+        inner = InnerLoop(lambda _b, w=w, t=target: 0.5 * ((w - t) ** 2).sum(), torch.optim.Adam([w], lr=0.1),
+                          itertools.repeat(None))
+        out.append(SimWorker(i, {"w": w}, inner, inner_steps=h, max_steps=h * phases))
+    return out
+
+
+def test_average_optimizer_states_is_the_mean_entry_by_entry():
+    from diloco_lightning.sim.inner import average_optimizer_states
+
+    ws = _target_workers(3, phases=1, h=3)
+    for w in ws:
+        for _ in range(3):
+            w.inner.step()
+    states = [next(iter(w.inner.optimizer.state.values())) for w in ws]
+    want = {key: torch.stack([s[key] for s in states]).mean(0) for key in ("exp_avg", "exp_avg_sq")}
+    average_optimizer_states([w.inner.optimizer for w in ws])
+    for s in states:
+        for key, v in want.items():
+            torch.testing.assert_close(s[key], v, rtol=0, atol=0)
+        assert int(s["step"]) == 3
+
+
+@pytest.mark.parametrize("sync_state,parallel", [(False, 1), (True, 1), (True, 2)])
+def test_sync_inner_state_starts_each_round_from_the_workers_mean_state(sync_state, parallel):
+    """2 workers, 2 rounds of 2 Adam steps, outer SGD lr 1: the simulator's result equals the same
+    steps by hand, where before round 2 each worker's Adam moments become their mean (or are kept)."""
+    from diloco_lightning.sim.inner import average_optimizer_states
+
+    targets = [torch.linspace(-1.0, 1.0, 4) * (i + 1) for i in range(2)]
+    ps = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    opts = [torch.optim.Adam([p], lr=0.1) for p in ps]
+
+    def steps():
+        for p, o, t in zip(ps, opts, targets):
+            for _ in range(2):
+                o.zero_grad()
+                (0.5 * ((p - t) ** 2).sum()).backward()
+                o.step()
+
+    steps()
+    with torch.no_grad():
+        mean = sum(p.detach() for p in ps) / 2
+        for p in ps:
+            p.copy_(mean)
+    if sync_state:
+        average_optimizer_states(opts)
+    steps()
+    want = sum(p.detach() for p in ps) / 2
+
+    workers = _target_workers(2, phases=2, h=2)
+    config = MasterConfig(outer_optimizer="fedavg", outer_lr=1.0, aggregation="round", norm_ratio=None,
+                          norm_global_ratio=None)
+    master = SimMaster({"w": torch.zeros(4)}, config)
+    Simulator(workers, master, sync="lockstep", options=SimOptions(sync_inner_state=sync_state), parallel=parallel).run()
+    torch.testing.assert_close(master.state["w"], want, rtol=0, atol=1e-6)
+
+
+def test_sync_inner_state_needs_synchronous_rounds():
+    config = MasterConfig(outer_optimizer="fedavg", outer_lr=1.0, aggregation="arrival", norm_ratio=None,
+                          norm_global_ratio=None)
+    with pytest.raises(Exception, match="sync_inner_state"):
+        Simulator(_target_workers(2, 2, 2), SimMaster({"w": torch.zeros(4)}, config), sync="lockstep",
+                  options=SimOptions(sync_inner_state=True))
+    with pytest.raises(Exception, match="sync_inner_state"):
+        validate(_compose(*SMALL, "sim.sync_inner_state=maybe"))

@@ -32,7 +32,7 @@ from diloco_lightning.worker.options import WorkerOptions
 log = logging.getLogger(__name__)
 
 ROLES = ("all", "worker", "master")
-INNER_OPTIMIZERS = ("adamw", "adamw8bit")
+INNER_OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 LAUNCH_KINDS = ("local", "submitit", "sim")

@@ -172,7 +172,8 @@ class DataConf:
 
 @dataclass
 class OptimConf:
-    name: str = opt("adamw", "inner optimizer: adamw | adamw8bit (bitsandbytes)")
+    name: str = opt("adamw", "inner optimizer: adamw | adamw8bit (bitsandbytes) | muon (Muon on the blocks' matrices, AdamW on "
+                                     "the rest: MuLoCo's; lr and weight_decay as AdamW's)")
     lr: float = opt(3e-3, "peak inner learning rate")
     betas: List[float] = opt(help="AdamW betas", factory=lambda: [0.9, 0.95])
     eps: float = opt(1e-8, "AdamW epsilon")

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LlamaLightningModule", "WarmupCosine", "build_inner_optimizer", "resolve_model_config", "OPTIMIZERS"]
 
-OPTIMIZERS = ("adamw", "adamw8bit")
+OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 
 
 def resolve_model_config(model_config: LlamaConfig | Mapping[str, Any] | str) -> LlamaConfig:
@@ -82,7 +82,13 @@ def build_inner_optimizer(
 ) -> torch.optim.Optimizer:
     """``"adamw"``: torch AdamW, fused kernel if the params' device/dtype support it, else foreach.
     ``"adamw8bit"``: ``bitsandbytes.optim.AdamW8bit`` (8-bit moments; also runs on CPU tensors).
+    ``"muon"``: :class:`~diloco_lightning.models.muon.MuonAdamW`, Muon on the groups marked
+    ``muon=True`` (2-D hidden weights), AdamW on the rest (MuLoCo's inner optimizer).
     """
+    if name == "muon":
+        from diloco_lightning.models.muon import MuonAdamW
+
+        return MuonAdamW(param_groups, lr=lr, betas=betas, eps=eps)
     if name == "adamw":
         try:
             return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, fused=True)
@@ -107,7 +113,8 @@ class LlamaLightningModule(L.LightningModule):
     Args:
         model_config: ``LlamaConfig``, preset name (``"tiny"``, ``"llama25m"``, ...) or mapping
             (see ``resolve_model_config``); its ``vocab_size`` must cover the data's ids.
-        optimizer: inner optimizer, ``"adamw"`` or ``"adamw8bit"``.
+        optimizer: inner optimizer, ``"adamw"``, ``"adamw8bit"`` or ``"muon"`` (Muon on the attention
+            and MLP matrices, AdamW on the embedding / head and the gains: MuLoCo's).
         lr: peak learning rate.
         betas, eps: Adam coefficients.
         weight_decay: decoupled weight decay for matrices and the embedding (params with
@@ -209,10 +216,17 @@ class LlamaLightningModule(L.LightningModule):
         hp: Any = self.hparams
         decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
-        groups = [
+        groups: list[dict[str, Any]] = [
             {"params": decay, "weight_decay": hp.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
+        if hp.optimizer == "muon":  # Muon on the blocks' matrices; the embedding / head stay with AdamW
+            hidden = [p for n, p in self.model.named_parameters()
+                      if p.requires_grad and p.ndim == 2 and n.startswith("layers.")]
+            ids = {id(p) for p in hidden}
+            groups = [{"params": hidden, "weight_decay": hp.weight_decay, "muon": True},
+                      {"params": [p for p in decay if id(p) not in ids], "weight_decay": hp.weight_decay},
+                      groups[1]]
         opt = build_inner_optimizer(hp.optimizer, groups, hp.lr, tuple(hp.betas), hp.eps)
         total = self._total_steps()
         if total is None:

@@ -80,7 +80,7 @@ from torch import Tensor
 from diloco_lightning.encoding import EncodingSpec
 from diloco_lightning.encoding.feedback import ErrorFeedback
 from diloco_lightning.sim.churn import Churn
-from diloco_lightning.sim.inner import SimWorker, check_fragments
+from diloco_lightning.sim.inner import SimWorker, average_optimizer_states, check_fragments
 from diloco_lightning.sim.master import SimMaster
 from diloco_lightning.sim.options import SimOptions, phase_end
 from diloco_lightning.sim.rebase import SimOwnDeltas
@@ -183,6 +183,15 @@ class Simulator(Transfers):
                        if self.options.rebase or rebase else None)
         self.reset_inner_optimizer = bool(reset_inner_optimizer)
         self._phase_base: dict[int, int] = {}  # each worker's last phase's version (reset_inner_optimizer)
+        #: sim.sync_inner_state: the last version whose phases began from the workers' averaged inner state
+        self._synced_base: int | None = None
+        if self.options.sync_inner_state:
+            why = [what for what, bad in (("diloco.sync=lockstep", sync != "lockstep"),
+                                          ("master.aggregation=round", master.config.aggregation != "round"),
+                                          ("delay 0", delay not in (0, None)), ("no fragments", master.plan is not None))
+                   if bad]
+            if why:
+                raise OptionError("sync_inner_state", f"needs synchronous rounds: {', '.join(why)}")
         self.max_time = self.options.max_time
         if self.max_time is None and any(w.max_steps is None for w in self.workers):
             raise ValueError("a worker without max_steps needs a time budget (options.max_time), or the run never ends")
@@ -353,6 +362,11 @@ class Simulator(Transfers):
         is installed whatever they say (lockstep installs exactly its target version, async only
         what updated the fragment)."""
         args: dict[str, Any] = {}
+        if self.options.sync_inner_state and base > 0 and self._synced_base != base:
+            # a synchronous round: every worker's last phase is computed (the version holds all their
+            # deltas) and none has begun the next one yet; the first of them to begin averages all
+            average_optimizer_states([w.inner.optimizer for w in self.workers])
+            self._synced_base = base
         if self.reset_inner_optimizer:  # the product clears the inner state after each install of a new version
             args["reset"] = self._phase_base.get(k) != base
             self._phase_base[k] = base

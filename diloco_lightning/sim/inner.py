@@ -38,7 +38,7 @@ from diloco_lightning.wire.fragments import build_plan
 from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.params import copy_into
 
-__all__ = ["PRECISIONS", "InnerLoop", "SimWorker", "check_fragments", "precision_context"]
+__all__ = ["PRECISIONS", "InnerLoop", "SimWorker", "average_optimizer_states", "check_fragments", "precision_context"]
 
 #: the trainer precisions the simulator reproduces (``16-mixed`` needs a GradScaler: not simulated)
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed")
@@ -55,6 +55,35 @@ def precision_context(precision: str, device: torch.device) -> contextlib.Abstra
     if precision == "bf16-mixed":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     raise ValueError(f"precision {precision!r} is not simulated; use one of {', '.join(PRECISIONS)}")
+
+
+@torch.no_grad()
+def average_optimizer_states(optimizers: "list[torch.optim.Optimizer]") -> None:
+    """Set every optimizer's state to the optimizers' mean, entry by entry (``sim.sync_inner_state``).
+
+    The optimizers are the same kind over the same model (their ``param_groups`` align parameter by
+    parameter, as K workers' do). Floating-point tensors (AdamW's ``exp_avg`` / ``exp_avg_sq``, Muon's
+    momentum) become the mean over the optimizers that hold the entry, in FP32, cast back; the rest (a
+    step count) must already agree. A parameter no optimizer has state for yet is left alone."""
+    if len(optimizers) < 2:
+        return
+    lists = [[p for g in o.param_groups for p in g["params"]] for o in optimizers]
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError("sync_inner_state: the workers' optimizers hold different numbers of parameters")
+    for params in zip(*lists):
+        states = [o.state[p] for o, p in zip(optimizers, params) if p in o.state and o.state[p]]
+        if not states:
+            continue
+        if len(states) != len(optimizers):
+            raise ValueError("sync_inner_state: some workers have inner state for a parameter and some do not")
+        for key, first in list(states[0].items()):
+            if torch.is_tensor(first) and first.is_floating_point() and key != "step":
+                mean = torch.stack([s[key].float() for s in states]).mean(0)
+                for s in states:
+                    s[key].copy_(mean.to(s[key].dtype))
+            elif any((torch.is_tensor(s[key]) and not torch.equal(s[key], first)) or
+                     (not torch.is_tensor(s[key]) and s[key] != first) for s in states):
+                raise ValueError(f"sync_inner_state: the workers' {key!r} differ ({[s[key] for s in states]})")
 
 
 class InnerLoop:

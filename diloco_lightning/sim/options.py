@@ -144,6 +144,12 @@ class SimOptions:
         "law {rate: r per unit of up time, down: d, law: fixed | exponential, seed: s}; a phase a preemption "
         "interrupts is lost"
     )
+    sync_inner_state: bool = option(
+        False, "synchronous rounds (diloco.sync=lockstep, delay 0, aggregation=round, no fragments): at every sync "
+        "each worker's inner optimizer state (AdamW's exp_avg / exp_avg_sq, Muon's momentum) becomes the workers' "
+        "average, as the weights do (a simulator lever: the product's workers do not do it; it would send the "
+        "optimizer state, 2 model-sized tensors for AdamW, beside each delta, and receive their average)"
+    )
     barrier: bool = option(False, "synchronous rounds with a quorum (diloco.sync=async, aggregation=round): after its "
                                   "delta a worker waits for a version newer than its phase's; rounds close with "
                                   "sim.quorum deltas (or at sim.deadline)")
@@ -180,6 +186,8 @@ class SimOptions:
             raise OptionError("batched", f"must be true, false or null, got {self.batched!r}")
         if not isinstance(self.rebase, bool):
             raise OptionError("rebase", f"must be true or false, got {self.rebase!r}")
+        if not isinstance(self.sync_inner_state, bool):
+            raise OptionError("sync_inner_state", f"must be true or false, got {self.sync_inner_state!r}")
         if not isinstance(self.save_weights, bool):
             raise OptionError("save_weights", f"must be True or False, got {self.save_weights!r}")
         check_number(self, "speed_jitter", low=0.0)
