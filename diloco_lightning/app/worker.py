@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Exit status 143 when SIGTERM stopped it (after uploading what was pending); 2 or 3 after a
     user error (a configuration error; another one, e.g. a missing hub) and 75 when the hub or the
-    master stayed away past ``diloco.wait_timeout``, in one line (:func:`~diloco_lightning.app.supervise.exit_status`:
+    master stayed away past ``diloco.wait_timeout``, in one line (:func:`exit_status`:
     what a supervisor restarts)."""
     ap = argparse.ArgumentParser(description="run one DiLoCo worker from a resolved run config")
     ap.add_argument("--config", required=True)
