@@ -15,7 +15,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from diloco_lightning.encoding.feedback import ErrorFeedback
 from diloco_lightning.util.fileio import owner_tag
@@ -87,19 +87,10 @@ class Startup:
             hub_path = waits.retry("offer the initial weights", lambda: hub.upload_init(path, node_id), deadline)
         log.info("node %s: no global version on %s yet; offered %s, waiting for a master to publish outer step 0",
                  node_id, hub.url, hub_path)
-        patience = waits.patience("a master to publish outer step 0")
-        while True:
-            m = waits.retry("read the manifest", inst.read_manifest, deadline)
-            if m is not None:
-                inst.check_global(m)
-                return m
-            if time.monotonic() >= deadline:
-                raise WaitTimeoutError(
-                    f"node {node_id}: no master published outer step 0 on {hub.url} within "
-                    f"{waits.wait_timeout:g} s (is a master running on this hub?)"
-                )
-            patience.tick(" (is a master running on this hub?)")
-            waits.pause(waits.poll_interval, "a master to publish outer step 0")
+        return self._wait_for_manifest(
+            0, deadline, "a master to publish outer step 0", lambda m: " (is a master running on this hub?)",
+            lambda m: f"node {node_id}: no master published outer step 0 on {hub.url} within "
+                      f"{waits.wait_timeout:g} s (is a master running on this hub?)")
 
     def fresh(self, manifest: Manifest | None, deadline: float, *, lockstep_delay: int | None) -> InstallResult:
         """Start without a checkpoint, bootstrap the run if the hub has no global (``manifest`` None),
@@ -146,21 +137,30 @@ class Startup:
         """The manifest once the hub has version ``target`` (a lockstep node resumed at the hub's step
         while the master publishes its last delta)."""
         inst = self.installer
+        return self._wait_for_manifest(
+            target, deadline, f"global version {target} (the resumed lockstep boundary)",
+            lambda m: f"; the hub has {m.outer_step if m is not None else 'no version'}",
+            lambda m: f"node {inst.progress.node_id}: resumed at boundary {inst.progress.boundaries}, it waited "
+                      f"{inst.waits.wait_timeout:g} s for global version {target} on {inst.hub.url}; the hub has "
+                      f"{m.outer_step if m is not None else 'none'} (is the master running?)")
+
+    def _wait_for_manifest(self, target: int, deadline: float, what: str, hint: Callable[[Manifest | None], str],
+                           timeout: Callable[[Manifest | None], str]) -> Manifest:
+        """Read the manifest every poll until the hub has version ``target`` or later (checked as a
+        global of this model), one patience line now and then (``what``, ``hint``); past ``deadline``
+        a :class:`WaitTimeoutError` with ``timeout``'s message."""
+        inst = self.installer
         waits = inst.waits
-        patience = waits.patience(f"global version {target} (the resumed lockstep boundary)")
+        patience = waits.patience(what)
         while True:
             m = waits.retry("read the manifest", inst.read_manifest, deadline)
             if m is not None and m.outer_step >= target:
                 inst.check_global(m)
                 return m
             if time.monotonic() >= deadline:
-                raise WaitTimeoutError(
-                    f"node {inst.progress.node_id}: resumed at boundary {inst.progress.boundaries}, it waited "
-                    f"{waits.wait_timeout:g} s for global version {target} on {inst.hub.url}; the hub has "
-                    f"{m.outer_step if m is not None else 'none'} (is the master running?)"
-                )
-            patience.tick(f"; the hub has {m.outer_step if m is not None else 'no version'}")
-            waits.pause(waits.poll_interval, f"global version {target}")
+                raise WaitTimeoutError(timeout(m))
+            patience.tick(hint(m))
+            waits.pause(waits.poll_interval, what)
 
     def settle_restart(self, deadline: float, outbox: Outbox, feedback: ErrorFeedback) -> None:
         """Start resumed from a checkpoint (``load_anchor_state``): read what the hub has of this node,
