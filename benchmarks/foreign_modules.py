@@ -80,10 +80,9 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
                                    "aggregation=arrival", "min_deltas=1"], {}),
     # diloco-master with no outer options at all: whatever its defaults are
     "default": ([], {}),
-    # the shipped default before fedavg's staleness gate: the plain mean of every live worker's delta
-    "default_mean": (["outer.options.power=0.0"], {}),
-    # the default with the look-ahead start on (diloco.lookahead)
-    "default_la": ([], {"lookahead": True}),
+    # fedavg with its staleness gate (a delta tau versions old counted 1 / (1 + tau)), the look-ahead start off and on
+    "fedavg_gate": (["outer.options.power=1.0"], {}),
+    "fedavg_gate_la": (["outer.options.power=1.0"], {"lookahead": True}),
 }
 
 

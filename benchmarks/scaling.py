@@ -116,19 +116,14 @@ ARMS: dict[str, Arm] = {
                            "diloco.lookahead=true"), "outer.lr", 1.0, 0, False,
                           "asynchronous workers as `async_round`, the look-ahead start on"),
     # a plugin user's run as shipped: DiLoCo(...) async workers, diloco-master's round of every live worker's delta
-    # at fedavg's lr 1 (nothing tuned): with the staleness gate (fedavg's power 1, the default since it was
-    # measured here) and without it (power 0: the plain mean, the default before), the look-ahead start off and on
-    "plugin": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg", "diloco.lookahead=false"),
-                  None, 1.0, 0, False, "the plugin's async workers and diloco-master as shipped (fedavg, gated)"),
-    "plugin_la": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg",
-                      "diloco.lookahead=true"), None, 1.0, 0, False, "as `plugin`, the look-ahead start on"),
+    # at fedavg's lr 1 (nothing tuned; the plain mean, power 0), the look-ahead start off and on
     "plugin_mean": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg",
                         "outer.options.power=0.0", "diloco.lookahead=false"), None, 1.0, 0, False,
-                       "as `plugin` with the plain mean (no staleness gate): the shipped default before"),
+                       "the plugin's async workers and diloco-master as shipped (fedavg: the plain mean)"),
     "plugin_mean_la": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg",
                            "outer.options.power=0.0", "diloco.lookahead=true"), None, 1.0, 0, False,
                           "as `plugin_mean`, the look-ahead start on"),
-    # the gate through staleness_sgd (lr 1, momentum 0, power 1): fedavg's gated step under its other name
+    # the staleness gate: staleness_sgd lr 1, momentum 0, power 1 (fedavg with outer.options.power=1: the same step)
     "plugin_gate": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=staleness_sgd",
                         "outer.lr=1.0", "outer.options.momentum=0.0", "diloco.lookahead=false"), None, 1.0, 0, False,
                        "the plugin's async workers, diloco-master with staleness_sgd lr 1, look-ahead off"),

@@ -38,7 +38,7 @@ def test_recipe_composes_and_instantiates(recipe):
     cfg = validate(_compose(f"recipe={recipe}"))
     assert cfg.diloco.inner_steps == 8
     if recipe == "tiny" or recipe.endswith("_tau0"):  # no imposed delay: the default, fedavg (docs/scaling.md)
-        assert cfg.outer.name == "fedavg" and cfg.outer.lr == 1.0 and dict(cfg.outer.options) == {"momentum": 0.0, "power": 1.0}
+        assert cfg.outer.name == "fedavg" and cfg.outer.lr == 1.0 and dict(cfg.outer.options) == {"momentum": 0.0, "power": 0.0}
     else:  # an imposed delay: staleness-scaled SGD (docs/study.md)
         assert cfg.outer.name == "staleness_sgd" and cfg.outer.lr == 0.5 and dict(cfg.outer.options) == {"momentum": 0.0, "power": 1.0}
     if "_tau" in recipe:

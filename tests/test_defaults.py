@@ -135,7 +135,7 @@ def test_diloco_master_averages_every_live_workers_delta_by_default():
     cfg = _compose("master", ["hub.url=/tmp/hub"])
     config = master_config(cfg, cfg.outer)
     assert (config.outer_optimizer, config.optimizer_options(), config.min_deltas) == (
-        "fedavg", {"lr": 1.0, "momentum": 0.0, "power": 1.0}, 1.0)  # a stale delta counted 1 / (1 + tau)
+        "fedavg", {"lr": 1.0, "momentum": 0.0, "power": 0.0}, 1.0)  # the plain mean (power 0: no staleness gate)
     cfg = _compose("master", ["hub.url=/tmp/hub", "outer=nesterov", "min_deltas=2"])
     config = master_config(cfg, cfg.outer)
     assert (config.optimizer_options(), config.min_deltas) == ({"lr": 0.7, "momentum": 0.9}, 2)
@@ -170,12 +170,12 @@ def test_the_library_default_outer_step_is_fedavg_and_nesterov_by_name_keeps_spe
     train.py and diloco-master do; Nesterov chosen by name keeps Speedtronic's lr 0.7 and momentum 0.9 (SPEC)."""
     assert MasterConfig().outer_optimizer == "fedavg"
     assert MasterConfig().optimizer_options() == {"lr": 1.0, "momentum": 0.0}
-    # the library's fedavg gates a stale delta as the CLI's configs/outer/fedavg.yaml says (power 1)
+    # the library's fedavg is the plain mean, as the CLI's configs/outer/fedavg.yaml says (power 0)
     import torch
 
     from diloco_lightning.outer import build_outer_optimizer
 
-    assert build_outer_optimizer("fedavg", {"w": torch.zeros(1)}, **MasterConfig().optimizer_options()).power == 1.0
+    assert build_outer_optimizer("fedavg", {"w": torch.zeros(1)}, **MasterConfig().optimizer_options()).power == 0.0
     assert MasterConfig(outer_optimizer="nesterov").optimizer_options() == {"lr": 0.7, "momentum": 0.9}
     assert MasterConfig(outer_optimizer="fedavg", outer_lr=0.5).optimizer_options() == {"lr": 0.5, "momentum": 0.0}
     for path in ("configs/train.yaml", "configs/master.yaml"):

@@ -71,7 +71,7 @@ def test_fedavg_is_the_name_diloco_master_shows_and_a_path_with_equals_pastes_ba
     proc = _cmd(tmp_path, f"hub.url={hub}", "max_seconds=0.5", "poll_interval=0.1")
     assert proc.returncode == 0, proc.stderr[-2000:]
     first = proc.stdout.splitlines()[0]
-    assert f" on {hub}: optimizer fedavg {{'lr': 1.0, 'momentum': 0.0, 'power': 1.0}}, aggregation round" in first, first
+    assert f" on {hub}: optimizer fedavg {{'lr': 1.0, 'momentum': 0.0, 'power': 0.0}}, aggregation round" in first, first
     assert (tmp_path / "runs" / "recipe=tiny" / "hub-master").is_dir()  # its state beside that very folder
 
 
@@ -95,23 +95,22 @@ def test_fedavg_is_nesterov_with_its_own_defaults():
     fedavg = build_outer_optimizer("fedavg", a)
     nesterov = build_outer_optimizer("nesterov", b, lr=1.0, momentum=0.0)
     assert isinstance(fedavg, FedAvg) and type(nesterov) is NesterovOuterOptimizer
-    assert (fedavg.name, fedavg.options, nesterov.name) == ("fedavg", {"lr": 1.0, "momentum": 0.0, "power": 1.0},
+    assert (fedavg.name, fedavg.options, nesterov.name) == ("fedavg", {"lr": 1.0, "momentum": 0.0, "power": 0.0},
                                                              "nesterov")
     assert build_outer_optimizer("nesterov", _state(), lr=0.7).options == {"lr": 0.7, "momentum": 0.9}  # as before
     for delta in ({"w": torch.ones(4, 3), "b": torch.ones(3)}, {"w": torch.full((4, 3), 0.5)}):
         fedavg.step(a, delta)
         nesterov.step(b, delta)
     assert all(torch.equal(a[k], b[k]) for k in a) and torch.equal(a["w"], torch.full((4, 3), -1.5))
-    # a stale delta: fedavg gates it by 1 / (1 + tau), nesterov does not; power 0 is the ungated mean
+    # a stale delta: the default (power 0) is nesterov's step; power 1 gates it by 1 / (1 + tau)
     fedavg.step(a, {"w": torch.ones(4, 3)}, staleness=1)
     nesterov.step(b, {"w": torch.ones(4, 3)}, staleness=1)
-    assert torch.equal(a["w"], torch.full((4, 3), -2.0)) and torch.equal(b["w"], torch.full((4, 3), -2.5))
-    ungated = build_outer_optimizer("fedavg", c := _state(), power=0.0)
-    ungated.step(c, {"w": torch.ones(4, 3)}, staleness=3)
-    assert torch.equal(c["w"], _state()["w"] - 1.0)
+    assert torch.equal(a["w"], b["w"]) and torch.equal(a["w"], torch.full((4, 3), -2.5))
+    gated = build_outer_optimizer("fedavg", c := _state(), power=1.0)
+    gated.step(c, {"w": torch.ones(4, 3)}, staleness=3)
+    assert torch.equal(c["w"], _state()["w"] - 0.25) and gated.linear_rate() == 1.0 and gated.gate(1) == 0.5
     with pytest.raises(ValueError, match="power .* needs momentum 0"):
         build_outer_optimizer("fedavg", _state(), momentum=0.9, power=1.0)
-    assert build_outer_optimizer("fedavg", _state(), momentum=0.9).options["power"] == 0.0
     fedavg.load_state_dict(nesterov.state_dict())
     nesterov.load_state_dict(fedavg.state_dict())
     assert same_step("fedavg", "nesterov") and same_step("cgad", "cgad") and not same_step("fedavg", "staleness_sgd")
