@@ -43,6 +43,10 @@ ours 2.45 s best / 2.46 s median, 625 MB (flat: the round allocates nothing); Sp
 1.88 s (0.48x). The memory target is met; the time target is not on this shared machine: our
 round is ~0.9 s of CPU (SHA-256 of the 200 MB published, 805 MB read into owned memory, the
 sum, the step, the durable writes), Speedtronic's 1.6-1.9 s, and both wait for the CPU alike.
+On a quiet machine (load 0.6-0.9, ``--n 8 --repeat 3``): ours 0.935 s best / 0.965 s median, 625 MB;
+Speedtronic 2.789 / 2.808 s, 1696 MB: 0.335x its time, 0.369x its memory (CPU 0.93 s against 2.15 s).
+``MASTER_ROUND_PROFILE=1`` on the child prints where a round goes (1.08 s there: reads 0.22 s, the
+per-delta norms 0.17 s, the sum 0.13 s, fsync 0.11 s, SHA-256 0.11 s).
 With torch's default 2 threads on the busy machine, N=8 took 2.7-3.9 s: OpenMP barriers
 stall when the cores are shared, hence ``torch_threads=1`` for a dedicated master.
 """
