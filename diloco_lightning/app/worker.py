@@ -204,8 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 def exit_status(e: BaseException) -> int | None:
@@ -294,3 +292,7 @@ def supervise_worker(cfg: Any, *, say: Callable[[str], Any] | None = None) -> di
             except subprocess.TimeoutExpired:
                 proc.kill()
         raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
