@@ -50,7 +50,7 @@ from diloco_lightning.app.console import log_to_file
 from diloco_lightning.app.launches import Launches, invoked_as, read_jsonl, resume_command, round_counts
 from diloco_lightning.app.errors import Interrupted, RunError, Signal, terminate_as_exception
 from diloco_lightning.app.supervise import Restarts, SuperviseOptions, describe_exit
-from diloco_lightning.app.worker import worker_command
+from diloco_lightning.app.worker import worker_command, worker_env
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +176,6 @@ def finished_message(cfg: DictConfig, rdir: Path, done: dict[str, Any], *, resum
             f"run_id=... or delete {rdir}.")
 
 
-_describe_exit = describe_exit
-
-
 def run_all(cfg: DictConfig) -> dict[str, Any]:
     """The whole run (see the module docstring): its results, or Interrupted / RunError."""
     rdir = run_dir(cfg)
@@ -276,11 +273,7 @@ def _start_worker(config_path: Path, rdir: Path, index: int, threads: int, devic
 
 
 def _spawn(config_path: Path, index: int, threads: int, device: str | None, fh: Any) -> subprocess.Popen:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(threads)
-    # the package is importable in workers even when train.py runs from a checkout without install
-    pkg_root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = worker_env(OMP_NUM_THREADS=str(threads))
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = device
     return subprocess.Popen(worker_command(config_path, index), env=env, stdout=fh, stderr=subprocess.STDOUT)
@@ -329,7 +322,7 @@ def _failure(run_id: str, failed: tuple[int, Any], log_paths: list[Path], rdir: 
         return RunError(f"run {run_id} {code}; see the worker logs in {rdir / 'nodes'}")
     tail = "\n".join("    " + line for line in log_paths[i].read_text(errors="replace").splitlines()[-25:])
     return RunError(
-        f"worker {node_id(i)} {_describe_exit(code)}{' (' + note + ')' if note else ''}; the other workers were "
+        f"worker {node_id(i)} {describe_exit(code)}{' (' + note + ')' if note else ''}; the other workers were "
         f"stopped. Last lines of "
         f"{log_paths[i]}:\n{tail or '    (empty)'}"
     )

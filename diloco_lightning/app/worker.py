@@ -174,6 +174,16 @@ def worker_command(config_path: Path, index: int) -> list[str]:
     return [sys.executable, "-m", "diloco_lightning.app.worker", "--config", str(config_path), "--node-index", str(index)]
 
 
+def worker_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a :func:`worker_command` process, with ``extra`` set: the folder
+    holding this package first on ``PYTHONPATH``, so the worker imports it even when ``train.py`` runs
+    from a checkout that was never installed."""
+    env = dict(os.environ, **extra)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m diloco_lightning.app.worker --config run_dir/config.yaml --node-index i``: one worker.
 
@@ -263,9 +273,7 @@ def supervise_worker(cfg: Any, *, say: Callable[[str], Any] | None = None) -> di
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "worker-config.yaml"
     OmegaConf.save(cfg, config_path, resolve=True)
-    env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = worker_env()
     policy = Restarts(options, f"worker {nid}")
     proc: subprocess.Popen | None = None
     try:
