@@ -142,7 +142,7 @@ def child(args: argparse.Namespace) -> None:
     master = MasterOuterLoop(
         hub, state, node_state_dir=work / "state", outer_optimizer=args.optimizer,
         outer_lr=0.7, outer_momentum=0.9, lease_ttl=600.0, norm_ratio=None,
-        torch_threads=args.threads or None, compat=args.compat,
+        torch_threads=args.threads or None, compat=args.compat, round_threads=args.round_threads or None,
     )
     del state
 
@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--optimizer", default="nesterov", help="outer optimizer name")
     ap.add_argument("--threads", type=int, default=1,
                     help="the master's torch_threads (1, as diloco-master runs; 0: torch's default)")
+    ap.add_argument("--round-threads", type=int, default=0,
+                    help="the master's round_threads (0: its default, the cores it may use, at most 4; 1: one thread)")
     ap.add_argument("--compat", default=None, help="the master's compat mode (speedtronic: also write its global/ view)")
     ap.add_argument("--workdir", default=None, help="where the hubs and the delta pool go (default: a temp dir)")
     ap.add_argument("--encodings", default="float32",
@@ -275,7 +277,8 @@ def main() -> None:
                     work = root / f"{e}_n{n}_r{r}"
                     shutil.rmtree(work, ignore_errors=True)
                     cmd = [sys.executable, __file__, "--child", "--n", str(n), "--pool", str(pools[e]), "--workdir",
-                           str(work), "--optimizer", args.optimizer, "--threads", str(args.threads)] + (
+                           str(work), "--optimizer", args.optimizer, "--threads", str(args.threads),
+                           "--round-threads", str(args.round_threads)] + (
                         ["--compat", args.compat] if args.compat else [])
                     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
                     results[(e, n)].append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -30,8 +30,11 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from diloco_lightning.util.errors import DiLoCoError
+from diloco_lightning.util.lanes import Lanes
 from diloco_lightning.encoding import EncodedTensor, decode_add_
 from diloco_lightning.master.validation import Accepted, max_abs
+
+R = TypeVar("R")
 
 __all__ = [
     "Accepted",
@@ -67,10 +70,14 @@ class RoundSum:
     Args:
         like: the global state: one buffer per floating (complex) key, allocated at the first delta.
         storage: tensors of those shapes (FP32, complex64) to hold the sum instead.
+        lanes: the threads the keys are summed on (:class:`~diloco_lightning.util.lanes.Lanes`; each
+            key's arithmetic is the same whichever thread does it: the bits do not depend on it).
     """
 
-    def __init__(self, like: Mapping[str, torch.Tensor], storage: Mapping[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, like: Mapping[str, torch.Tensor], storage: Mapping[str, torch.Tensor] | None = None,
+                 lanes: Lanes | None = None) -> None:
         self._like = like
+        self._lanes = lanes
         self._storage = storage  # tensors to hold the sum (reused memory), else allocated at the first delta
         self.sum: dict[str, torch.Tensor] | None = None
         self.scale = 1.0
@@ -106,19 +113,24 @@ class RoundSum:
                 if _is_synced(v)
             }
         assert self.sum is not None
-        for k, d in tensors.items():
-            s = self.sum[k]
+        sums = self.sum
+
+        def add_key(item: tuple[str, torch.Tensor | EncodedTensor]) -> None:
+            k, d = item
+            s = sums[k]
             if isinstance(d, EncodedTensor):
                 if first:
                     s.zero_()
                 decode_add_(s, d, c)
-                continue
+                return
             if first:
                 s.copy_(d)
                 if c != 1.0:
                     s.mul_(c)
             else:
                 s.add_(d, alpha=c)
+
+        self._each_key(add_key, list(tensors.items()))
         self.total_weight += w
 
     def take_mean(self) -> dict[str, torch.Tensor]:
@@ -127,13 +139,25 @@ class RoundSum:
         out, self.sum = self.sum, None
         if out is None:
             raise ValueError("no delta was added")
-        if self.total_weight != 1.0:
-            for t in out.values():
-                t.div_(self.total_weight)
-        for k, t in out.items():
-            if not math.isfinite(max_abs(t)):
+        total = self.total_weight
+
+        def mean_key(item: tuple[str, torch.Tensor]) -> bool:
+            if total != 1.0:
+                item[1].div_(total)
+            return math.isfinite(max_abs(item[1]))
+
+        items = list(out.items())
+        for (k, _), finite in zip(items, self._each_key(mean_key, items)):
+            if not finite:
                 raise NonFiniteAggregate(k)
         return out
+
+    def _each_key(self, fn: Callable[[Any], R], items: list) -> list[R]:
+        """``fn`` over ``(key, tensor)`` items, on the lanes when there are some (encoded values: one
+        at a time, their decoders make no promise about threads)."""
+        if self._lanes is None or not all(isinstance(t, torch.Tensor) for _, t in items):
+            return [fn(it) for it in items]
+        return self._lanes.run(fn, items, [t.numel() * t.element_size() for _, t in items])
 
 
 def mean_of(
@@ -153,10 +177,12 @@ class FragmentSums:
     deltas of that fragment), and :meth:`take_mean` gives every such fragment's keys (the others
     are absent: the outer step leaves them, and their optimizer state, untouched)."""
 
-    def __init__(self, plan: Any, like: Mapping[str, torch.Tensor], storage: Mapping[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, plan: Any, like: Mapping[str, torch.Tensor], storage: Mapping[str, torch.Tensor] | None = None,
+                 lanes: Lanes | None = None) -> None:
         self.plan = plan
         self._like = like
         self._storage = storage
+        self._lanes = lanes
         self.sums: dict[str, RoundSum] = {}
 
     def add(self, tensors: Mapping[str, torch.Tensor | EncodedTensor], weight: float = 1.0, coef: float = 1.0, *,
@@ -165,7 +191,7 @@ class FragmentSums:
         if acc is None:
             # by piece name: a split tensor's rows sum into the rows of the storage (views, disjoint per fragment)
             storage = None if self._storage is None else self.plan.substate(fragment, self._storage)
-            acc = self.sums[fragment] = RoundSum(self.plan.substate(fragment, self._like), storage)
+            acc = self.sums[fragment] = RoundSum(self.plan.substate(fragment, self._like), storage, self._lanes)
         acc.add(tensors, weight, coef)
 
     @property
@@ -238,9 +264,6 @@ def merge_marks(*marks: Mapping[str, int]) -> dict[str, int]:
             if step > out.get(node, -1):
                 out[node] = step
     return out
-
-
-R = TypeVar("R")
 
 
 def cap_round_robin(refs: list[R], cap: int) -> list[R]:

@@ -126,6 +126,9 @@ class MasterConfig:
     gc_every: int = option(16, "publications between garbage collections of orphans and leftovers")
     retry_max_delay: float = option(300.0, "the longest pause after failed rounds (backoff with jitter)")
     torch_threads: int | None = option(None, "torch threads of the master (the round is memory-bound; null: torch's default)")
+    round_threads: int | None = option(
+        None, "threads a round reads, checks and sums deltas on, each a whole run of tensors (util/lanes.py; the "
+        "result's bits do not depend on it; null: the cores this process may use, at most 4; 1: one thread)")
     sweep_age: float = option(3600.0, "seconds after which temporary files of dead writers on other hosts are swept")
     until_finished: bool = option(
         False, "stop once every worker it knows has finished its training (its claim says so) and its last delta is "
@@ -202,6 +205,7 @@ class MasterConfig:
         check_number(self, "gc_every", low=1, integer=True)
         check_number(self, "retry_max_delay", low=0.0, strict=True)
         check_number(self, "torch_threads", low=1, integer=True, optional=True)
+        check_number(self, "round_threads", low=1, integer=True, optional=True)
         check_number(self, "sweep_age", low=0.0, strict=True)
         if self.compat is not None:
             if self.compat not in COMPAT_MODES:

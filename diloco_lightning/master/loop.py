@@ -409,9 +409,11 @@ class MasterOuterLoop:
                 self._lease.release()
 
     def close(self) -> None:
-        """``stop()``, then close the hub."""
+        """``stop()``, then close the hub (and end the round's lanes)."""
         self.stop()
         self.hub.close()
+        if self.validator.arena.lanes is not None:
+            self.validator.arena.lanes.close()
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: global state, optimizer state, ledger, history, norm window.

@@ -196,7 +196,9 @@ class Rounds:
                 self.forget_open()
             storage = run.take_sum_storage()
             assert run.state is not None
-            sums = RoundSum(run.state, storage) if run.plan is None else FragmentSums(run.plan, run.state, storage)
+            lanes = self.validator.arena.lanes
+            sums = (RoundSum(run.state, storage, lanes) if run.plan is None else
+                    FragmentSums(run.plan, run.state, storage, lanes))
             self.open = OpenRound(run.outer_step, sums)
         rnd = self.open
         max_bytes, _ = self._limits()

@@ -10,7 +10,9 @@ file for the optimizer), readable by :func:`~diloco_lightning.hub.versions.load_
   written (``stage_global`` writes, then reads the file back to hash it);
 * no fsync: the files are staged under fresh unique names in the master's own folder, the
   hub makes its own durable copy at publication, and the local record that names them is
-  only trusted after their SHA-256 is checked again at load (``localstate``).
+  only trusted after their SHA-256 is checked again at load (``localstate``); but the disk is
+  asked to start writing every 8 MB as it is written (``fileio.start_writeback``), so the fsync
+  of a folder hub, which links the staged file, finds it written.
 
 Falls back to ``stage_global``'s writers for a dtype safetensors cannot name.
 """
@@ -30,7 +32,7 @@ from typing import Any, Mapping
 import torch
 
 from diloco_lightning.wire.delta import model_fingerprint
-from diloco_lightning.util.fileio import sha256_file
+from diloco_lightning.util.fileio import sha256_file, start_writeback
 from diloco_lightning.hub.versions import StagedGlobal
 from diloco_lightning.wire.names import global_outer_state_path, global_weights_path
 from diloco_lightning.wire.statefile import STATE_FORMAT, pack_state_dict, save_state_file, save_weights_file
@@ -68,6 +70,9 @@ def _raw(t: torch.Tensor):
 
 #: bytes written then hashed at a time (the hash reads them from the cache the write left them in)
 _PIECE = 1 << 20
+#: bytes written before the disk is asked to start on them (``start_writeback``): the hub's fsync at
+#: publication then finds the file on disk instead of writing all of it
+_WRITEBACK = 8 << 20
 
 
 def write_safetensors_hashed(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> str:
@@ -93,8 +98,9 @@ def write_safetensors_hashed(path: str | os.PathLike, tensors: Mapping[str, torc
     h = hashlib.sha256()
     prefix = len(hjson).to_bytes(8, "little") + hjson
     h.update(prefix)
-    with open(path, "wb") as f:
-        f.write(prefix)
+    with open(path, "wb", buffering=0) as f:
+        fd = f.fileno()
+        written = flushed = _write_all(fd, prefix)
         for name in names:
             t = tensors[name]
             if t.numel() == 0:
@@ -102,9 +108,21 @@ def write_safetensors_hashed(path: str | os.PathLike, tensors: Mapping[str, torc
             buf = memoryview(_raw(t))
             for i in range(0, len(buf), _PIECE):  # each piece hashed right after it is written: still in cache
                 piece = buf[i:i + _PIECE]
-                f.write(piece)
+                written += _write_all(fd, piece)
                 h.update(piece)
+                if written - flushed >= _WRITEBACK:  # the disk writes while the rest is written and hashed
+                    start_writeback(fd, flushed, written - flushed)
+                    flushed = written
+        start_writeback(fd, flushed, written - flushed)
     return h.hexdigest()
+
+
+def _write_all(fd: int, data) -> int:
+    view = memoryview(data)
+    total = len(view)
+    while view:
+        view = view[os.write(fd, view):]
+    return total
 
 
 def _stage_weights(path: Path, outer_step: int, state: Mapping[str, torch.Tensor]) -> str:

@@ -99,6 +99,7 @@ from diloco_lightning.wire.delta import (
 )
 from diloco_lightning.encoding import EncodedTensor, sum_of_squares
 from diloco_lightning.util.errors import DeltaRejected
+from diloco_lightning.util.lanes import Lanes
 from diloco_lightning.wire.arena import ReadArena
 from diloco_lightning.wire.signing import RunKey
 
@@ -322,7 +323,7 @@ class DeltaValidator:
         self._global_for: tuple[int, int] | None = None  # (id of the state, outer_step) the global bound is for
         self._limits: tuple[str, int, int] | None = None
         #: the round's reused read buffer (``check(..., arena=)``): one delta's bytes, never a map of the file
-        self.arena = ReadArena()
+        self.arena = ReadArena(Lanes(config.round_threads))
 
     # ------------------------------------------------------------------ state
 

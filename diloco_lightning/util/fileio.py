@@ -44,6 +44,33 @@ log = logging.getLogger(__name__)
 _CHUNK = 8 << 20
 
 
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, wait for nothing
+_sync_file_range: Callable[[int, int, int, int], int] | None | bool = False  # False: not looked up yet
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to disk now, without
+    waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere nothing). No durability
+    promise: the ``fsync`` that makes the file durable still comes, and finds the bytes already
+    written instead of writing a whole file then (100 MB: ~0.05 s of the master's round here).
+    Never raises."""
+    global _sync_file_range
+    if _sync_file_range is False:
+        _sync_file_range = None
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (OSError, AttributeError, ImportError):  # not Linux (or no glibc): the fsync writes everything
+            pass
+    if _sync_file_range is not None and nbytes > 0:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # type: ignore[operator]
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a folder so a rename inside it survives a power cut (no-op where unsupported)."""
     try:

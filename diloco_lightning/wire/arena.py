@@ -16,11 +16,17 @@ the round's mean once the outer step has used it); a delta whose every tensor ha
 key's tensor is then read into those, and :meth:`give` hands them on (the master steps on them:
 its next state). So the master's four state-sized buffers rotate, state -> sum -> read buffer ->
 state, and a round faults in no new memory at all.
+
+``lanes`` (:class:`~diloco_lightning.util.lanes.Lanes`, None: one thread): the threads a read into
+the arena runs on, each reading its own contiguous run of tensors with ``preadv`` and taking their
+norms; the results are folded in the file's order, so the bits are those of one thread.
 """
 
 from __future__ import annotations
 
 import torch
+
+from diloco_lightning.util.lanes import Lanes
 
 __all__ = ["ReadArena"]
 
@@ -28,7 +34,9 @@ __all__ = ["ReadArena"]
 class ReadArena:
     """A reusable byte buffer (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lanes: Lanes | None = None) -> None:
+        #: the threads reads into this arena run on (None: the calling thread alone)
+        self.lanes = lanes
         self._buf: torch.Tensor | None = None
         self._by_key: dict[str, torch.Tensor] | None = None
 

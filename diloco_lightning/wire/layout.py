@@ -40,6 +40,7 @@ __all__ = [
     "OversizeError",
     "TensorInfo",
     "Layout",
+    "positional_reader",
     "read_layout",
     "iter_tensor_bytes",
     "read_tensor",
@@ -211,10 +212,10 @@ def read_tensor(f: BinaryIO, info: TensorInfo, out=None, on_values=None):
         buf = memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
         step = info.nbytes if on_values is None else _READ_CHUNK
         size = DTYPE_SIZES[info.dtype]
-        f.seek(info.start)
+        read_at = positional_reader(f)
         got = done = 0
         while got < info.nbytes:
-            n = f.readinto(buf[got:min(info.nbytes, got + step)])  # type: ignore[attr-defined]  # a binary file
+            n = read_at(buf[got:min(info.nbytes, got + step)], info.start + got)
             if not n:
                 raise LayoutError(f"file ended inside tensor {info.name[:80]!r} (changed while it was read?)")
             got += n
@@ -222,6 +223,24 @@ def read_tensor(f: BinaryIO, info: TensorInfo, out=None, on_values=None):
                 on_values(flat[done:got // size])
                 done = got // size
     return t
+
+
+def positional_reader(f: BinaryIO):
+    """``read_at(buffer, offset) -> bytes read``: ``os.preadv`` on the file's descriptor (no shared
+    position: several threads may read one open file at once, :class:`~diloco_lightning.util.lanes.Lanes`),
+    or a seek then ``readinto`` for a file object without one."""
+    try:
+        fd = f.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        fd = None
+    if fd is not None and hasattr(os, "preadv"):
+        return lambda buf, offset: os.preadv(fd, [buf], offset)
+
+    def read_at(buf, offset: int) -> int:
+        f.seek(offset)
+        return f.readinto(buf) or 0  # type: ignore[attr-defined]  # a binary file
+
+    return read_at
 
 
 def map_tensors(f: BinaryIO, layout: Layout) -> dict:
