@@ -85,8 +85,23 @@ def test_an_error_in_a_lane_is_raised_after_every_lane_ended():
         lanes.close()
 
 
+@pytest.fixture(params=["whole", "spans"])
+def small_spans(request, monkeypatch):
+    """Lanes over whole tensors (the default spans, larger than these tensors), or over spans of a
+    few read chunks each (several per tensor, one ending inside a tensor)."""
+    if request.param == "spans":
+        import diloco_lightning.master.aggregation as aggregation
+        import diloco_lightning.wire.delta.read as read
+        import diloco_lightning.wire.layout as layout
+
+        monkeypatch.setattr(layout, "_READ_CHUNK", 4096)
+        monkeypatch.setattr(read, "_SPAN", 3 * 4096)
+        monkeypatch.setattr(aggregation, "_SPAN", 5000)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_read_on_lanes_is_bit_for_bit_the_one_thread_read(tmp_path, dtype):
+def test_a_read_on_lanes_is_bit_for_bit_the_one_thread_read(tmp_path, dtype, small_spans):
     p = tmp_path / "nodes" / "n0" / "delta_0.safetensors"
     p.parent.mkdir(parents=True)
     sent = _delta(3, dtype)
@@ -103,7 +118,7 @@ def test_a_read_on_lanes_is_bit_for_bit_the_one_thread_read(tmp_path, dtype):
         assert torch.equal(two.tensors[k], v) and torch.equal(one_tensors[k], v)
 
 
-def test_a_file_cut_short_is_still_unreadable_on_lanes(tmp_path):
+def test_a_file_cut_short_is_still_unreadable_on_lanes(tmp_path, small_spans):
     p = tmp_path / "nodes" / "n0" / "delta_0.safetensors"
     p.parent.mkdir(parents=True)
     write_delta(p, _delta(1), node_id="n0", local_step=0, base_outer_step=0)
@@ -117,7 +132,7 @@ def test_a_file_cut_short_is_still_unreadable_on_lanes(tmp_path):
         lanes.close()
 
 
-def test_a_sum_on_lanes_is_bit_for_bit_the_one_thread_sum():
+def test_a_sum_on_lanes_is_bit_for_bit_the_one_thread_sum(small_spans):
     like = _state()
     deltas = [(_delta(s), w, c) for s, w, c in ((0, 3.0, 1.0), (1, 1.0, 0.5), (2, 7.0, 0.25))]
     lanes = Lanes(2, min_weight=0)

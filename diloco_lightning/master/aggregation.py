@@ -60,6 +60,10 @@ class NonFiniteAggregate(DiLoCoError, ValueError):
         super().__init__(f"the aggregate of key {key!r} is not finite")
 
 
+#: bytes of one tensor a lane takes at a time (small enough that two lanes end together)
+_SPAN = 8 << 20
+
+
 def _is_synced(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
@@ -113,24 +117,20 @@ class RoundSum:
                 if _is_synced(v)
             }
         assert self.sum is not None
-        sums = self.sum
 
-        def add_key(item: tuple[str, torch.Tensor | EncodedTensor]) -> None:
-            k, d = item
-            s = sums[k]
+        def add_to(s: torch.Tensor, d: torch.Tensor | EncodedTensor) -> None:
             if isinstance(d, EncodedTensor):
                 if first:
                     s.zero_()
                 decode_add_(s, d, c)
-                return
-            if first:
+            elif first:
                 s.copy_(d)
                 if c != 1.0:
                     s.mul_(c)
             else:
                 s.add_(d, alpha=c)
 
-        self._each_key(add_key, list(tensors.items()))
+        self._each_span(add_to, [(self.sum[k], d) for k, d in tensors.items()])
         self.total_weight += w
 
     def take_mean(self) -> dict[str, torch.Tensor]:
@@ -141,23 +141,37 @@ class RoundSum:
             raise ValueError("no delta was added")
         total = self.total_weight
 
-        def mean_key(item: tuple[str, torch.Tensor]) -> bool:
+        def mean_of_span(s: torch.Tensor, _: None) -> bool:
             if total != 1.0:
-                item[1].div_(total)
-            return math.isfinite(max_abs(item[1]))
+                s.div_(total)
+            return math.isfinite(max_abs(s))
 
-        items = list(out.items())
-        for (k, _), finite in zip(items, self._each_key(mean_key, items)):
+        for k, finite in zip(out, self._each_span(mean_of_span, [(t, None) for t in out.values()])):
             if not finite:
                 raise NonFiniteAggregate(k)
         return out
 
-    def _each_key(self, fn: Callable[[Any], R], items: list) -> list[R]:
-        """``fn`` over ``(key, tensor)`` items, on the lanes when there are some (encoded values: one
-        at a time, their decoders make no promise about threads)."""
-        if self._lanes is None or not all(isinstance(t, torch.Tensor) for _, t in items):
-            return [fn(it) for it in items]
-        return self._lanes.run(fn, items, [t.numel() * t.element_size() for _, t in items])
+    def _each_span(self, fn: Callable[[torch.Tensor, Any], bool | None], pairs: list[tuple[torch.Tensor, Any]]) -> list[bool]:
+        """``fn(sum, value)`` for each key's pair; on the lanes (when there are some) over spans of
+        :data:`_SPAN` bytes of the flattened tensors (elementwise: the same bits as whole tensors).
+        Per pair, whether no span's call returned False. Encoded values are taken whole, one at a
+        time (their decoders make no promise about threads)."""
+        whole = self._lanes is None or not all(
+            s.is_contiguous() and (d is None or isinstance(d, torch.Tensor) and d.is_contiguous() and d.numel() == s.numel())
+            for s, d in pairs)
+        if whole:
+            return [fn(s, d) is not False for s, d in pairs]
+        assert self._lanes is not None
+        spans: list[tuple[int, torch.Tensor, Any]] = []
+        for i, (s, d) in enumerate(pairs):
+            step = max(1, _SPAN // s.element_size())
+            fs, fd = s.view(-1), None if d is None else d.view(-1)
+            spans += [(i, fs[lo:lo + step], None if fd is None else fd[lo:lo + step]) for lo in range(0, s.numel(), step)]
+        results = self._lanes.run(lambda sp: fn(sp[1], sp[2]), spans, [sp[1].numel() * sp[1].element_size() for sp in spans])
+        ok = [True] * len(pairs)
+        for (i, _, _), r in zip(spans, results):
+            ok[i] = ok[i] and r is not False
+        return ok
 
 
 def mean_of(

@@ -41,6 +41,7 @@ __all__ = [
     "TensorInfo",
     "Layout",
     "positional_reader",
+    "read_span",
     "read_layout",
     "iter_tensor_bytes",
     "read_tensor",
@@ -208,21 +209,30 @@ def read_tensor(f: BinaryIO, info: TensorInfo, out=None, on_values=None):
             raise ValueError(f"out must be {info.nbytes} uint8 bytes, got {out.numel()} {out.dtype}")
         t = out.view(dtype).reshape(info.shape)
     if info.nbytes:
-        flat = t.reshape(-1)
-        buf = memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
-        step = info.nbytes if on_values is None else _READ_CHUNK
-        size = DTYPE_SIZES[info.dtype]
-        read_at = positional_reader(f)
-        got = done = 0
-        while got < info.nbytes:
-            n = read_at(buf[got:min(info.nbytes, got + step)], info.start + got)
-            if not n:
-                raise LayoutError(f"file ended inside tensor {info.name[:80]!r} (changed while it was read?)")
-            got += n
-            if on_values is not None and got // size > done:
-                on_values(flat[done:got // size])
-                done = got // size
+        read_span(f, info, t.reshape(-1), 0, info.nbytes, on_values)
     return t
+
+
+def read_span(f: BinaryIO, info: TensorInfo, flat, lo: int, hi: int, on_values=None) -> None:
+    """Bytes ``[lo, hi)`` of the tensor ``info`` from the open file into the same bytes of ``flat``
+    (the tensor's values, 1-D, contiguous); ``lo`` a multiple of :data:`_READ_CHUNK` (so the runs of
+    values given to ``on_values`` are those of a whole read, :func:`read_tensor`). Several threads
+    may each read a span of one file at once (``os.preadv``: no shared position)."""
+    import torch
+
+    buf = memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+    step = hi - lo if on_values is None else _READ_CHUNK
+    size = DTYPE_SIZES[info.dtype]
+    read_at = positional_reader(f)
+    got, done = lo, lo // size
+    while got < hi:
+        n = read_at(buf[got:min(hi, got + step)], info.start + got)
+        if not n:
+            raise LayoutError(f"file ended inside tensor {info.name[:80]!r} (changed while it was read?)")
+        got += n
+        if on_values is not None and got // size > done:
+            on_values(flat[done:got // size])
+            done = got // size
 
 
 def positional_reader(f: BinaryIO):

@@ -51,7 +51,9 @@ from diloco_lightning.util.fileio import open_regular
 from diloco_lightning.wire.names import parse_delta_path
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.wire.arena import ReadArena
-from diloco_lightning.wire.layout import DTYPE_SIZES, LayoutError, OversizeError, map_tensors, read_layout, read_tensor
+from diloco_lightning.wire.layout import (
+    DTYPE_SIZES, LayoutError, OversizeError, map_tensors, read_layout, read_span, read_tensor,
+)
 
 __all__ = ["max_header_bytes", "max_delta_bytes", "read_delta", "read_delta_header"]
 
@@ -272,19 +274,63 @@ def _arena_slots(layout, names, arena: ReadArena | None) -> dict[str, torch.Tens
             if i.nbytes and (i.start - base) % DTYPE_SIZES[i.dtype] == 0}
 
 
+def _chunk_norm(info):
+    """The norm of one run of values as :func:`_read_summing` takes it (half precision in FP32,
+    as ``validation.delta_norm`` does)."""
+    acc = torch.float32 if info.dtype in ("BF16", "F16") else None
+    return lambda values: float(torch.linalg.vector_norm(values, dtype=acc))
+
+
 def _read_summing(f, info, slot: torch.Tensor) -> tuple[torch.Tensor, float]:
     """:func:`read_tensor` into ``slot``, and the sum of the squares of its values, each chunk's
-    taken right after it is read (in cache: the norm costs no second pass over memory).
-    Half-precision values are squared in FP32, as ``validation.delta_norm`` does."""
-    acc = torch.float32 if info.dtype in ("BF16", "F16") else None
+    taken right after it is read (in cache: the norm costs no second pass over memory)."""
+    norm = _chunk_norm(info)
     total = [0.0]
 
     def add(values: torch.Tensor) -> None:
-        part = float(torch.linalg.vector_norm(values, dtype=acc))
+        part = norm(values)
         total[0] += part * part
 
     t = read_tensor(f, info, slot, on_values=add)
     return t, total[0]
+
+
+#: bytes of one tensor a lane reads at a time (a multiple of the read chunk: the same runs of values
+#: are normed, so the sum of squares is the bits of one thread's)
+_SPAN = 8 << 20
+
+
+def _read_spans(f, path, layout, names, slots, lanes) -> list[tuple[torch.Tensor, float | None]]:
+    """Every tensor of ``names`` (each with a slot, or empty) read into its slot in spans of
+    :data:`_SPAN` bytes on ``lanes``, each span's runs of values normed as read; per tensor, its
+    view and the sum of the squares of its values, folded in the order one thread takes them."""
+    spans = [(n, lo, min(lo + _SPAN, layout.tensors[n].nbytes))
+             for n in names for lo in range(0, layout.tensors[n].nbytes, _SPAN)]
+
+    def read_piece(span: tuple[str, int, int]) -> list[float]:
+        name, lo, hi = span
+        info = layout.tensors[name]
+        norm, parts = _chunk_norm(info), []
+        flat = slots[name].view(_ST_DTYPES[info.dtype])
+        try:
+            read_span(f, info, flat, lo, hi, on_values=lambda v: parts.append(norm(v)))
+        except (OSError, LayoutError) as e:
+            raise UnreadableDeltaError(path, f"cannot read tensor {name[:80]!r} ({type(e).__name__}: {e})") from None
+        return parts
+
+    done = iter(lanes.run(read_piece, spans, [hi - lo for _, lo, hi in spans]))
+    out: list[tuple[torch.Tensor, float | None]] = []
+    for name in names:
+        info = layout.tensors[name]
+        if not info.nbytes:
+            out.append((torch.empty(info.shape, dtype=_ST_DTYPES[info.dtype]), None))
+            continue
+        total = 0.0
+        for _ in range(0, info.nbytes, _SPAN):
+            for part in next(done):
+                total += part * part
+        out.append((slots[name].view(_ST_DTYPES[info.dtype]).reshape(info.shape), total))
+    return out
 
 
 def _read_tensors(f, path, layout, names, raw_md, signing_key, copy,
@@ -317,8 +363,9 @@ def _read_tensors(f, path, layout, names, raw_md, signing_key, copy,
             raise UnreadableDeltaError(path, f"cannot read tensor {name[:80]!r} ({type(e).__name__}: {e})") from None
 
     lanes = arena.lanes if arena is not None and slots and mac is None else None
-    if lanes is not None:  # the tensors read side by side (preadv: no shared position), folded in order below
-        read = lanes.run(read_one, names, [layout.tensors[n].nbytes for n in names])
+    if lanes is not None and all(layout.tensors[n].dtype in _ST_DTYPES and (n in slots or not layout.tensors[n].nbytes)
+                                 for n in names):
+        read = _read_spans(f, path, layout, names, slots, lanes)  # side by side, folded in order
     else:  # one at a time: a signed delta's MAC takes each tensor as it is read
         read = []
         for name in names:
