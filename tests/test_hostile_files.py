@@ -68,18 +68,21 @@ _TRUNCATE = textwrap.dedent('''
     def truncate():
         os.truncate(target, 100)
 
-    real_map, real_read = reader.map_tensors, reader.read_tensor
+    real_map, real_read, real_span = reader.map_tensors, reader.read_tensor, reader.read_span
     def map_then_truncate(f, layout):
         out = real_map(f, layout)
         truncate()
         return out
     first = [True]
-    def truncate_then_read(f, info, *args, **kw):  # the reused read buffer's slot, the norm's hook (wire/arena.py)
-        if first[0]:
-            first[0] = False
-            truncate()
-        return real_read(f, info, *args, **kw)
-    reader.map_tensors, reader.read_tensor = map_then_truncate, truncate_then_read
+    def truncating(real):
+        def read(f, info, *args, **kw):  # the reused read buffer's slot, the norm's hook (wire/arena.py), a lane's span
+            if first[0]:
+                first[0] = False
+                truncate()
+            return real(f, info, *args, **kw)
+        return read
+    reader.map_tensors, reader.read_tensor = map_then_truncate, truncating(real_read)
+    reader.read_span = truncating(real_span)
     m.sync_once()
     print("survived", m.last_metrics["rejected_by_reason"], m.outer_step, flush=True)
 ''')
