@@ -233,6 +233,9 @@ def main() -> None:
     ap.add_argument("--optimizer", default="nesterov", help="outer optimizer name")
     ap.add_argument("--threads", type=int, default=1,
                     help="the master's torch_threads (1, as diloco-master runs; 0: torch's default)")
+    ap.add_argument("--speedtronic-threads", type=int, default=None,
+                    help="Speedtronic's torch threads (default: --threads; 0: torch's default, every core, as its "
+                         "master runs out of the box)")
     ap.add_argument("--round-threads", type=int, default=0,
                     help="the master's round_threads (0: its default, the cores it may use, at most 4; 1: one thread)")
     ap.add_argument("--compat", default=None, help="the master's compat mode (speedtronic: also write its global/ view)")
@@ -261,7 +264,9 @@ def main() -> None:
         size = sum(f.stat().st_size for f in pool.iterdir() if f.name != "delta_warmup.safetensors")
         print(f"# {sum(1 for _ in pool.iterdir()) - 1} deltas of 25.2M parameters, {e}: {size / max(args.n) / 1e6:.1f} MB "
               f"each, in {pool} ({time.perf_counter() - t:.1f}s)")
-    print(f"# optimizer {args.optimizer}; torch_threads {args.threads or 'default'}; compat {args.compat}; folder hub; "
+    st_threads = args.threads if args.speedtronic_threads is None else args.speedtronic_threads
+    print(f"# optimizer {args.optimizer}; torch_threads {args.threads or 'default'}; round_threads "
+          f"{args.round_threads or 'default'}; Speedtronic's torch threads {st_threads or 'default'}; compat {args.compat}; folder hub; "
           "one fresh process per measurement")
     print(f"# load average before: {_load()} (a shared machine: the best of --repeat runs is the round's cost)")
     if speedtronic:
@@ -287,7 +292,8 @@ def main() -> None:
                     work = root / f"speedtronic_n{n}_r{r}"
                     shutil.rmtree(work, ignore_errors=True)
                     cmd = [sys.executable, __file__, "--child", "--speedtronic-child", "--n", str(n), "--pool",
-                           str(pools["float32"]), "--workdir", str(work), "--threads", str(args.threads)]
+                           str(pools["float32"]), "--workdir", str(work), "--threads",
+                           str(args.threads if args.speedtronic_threads is None else args.speedtronic_threads)]
                     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
                     results[("speedtronic", n)].append(json.loads(out.stdout.strip().splitlines()[-1]))
                     shutil.rmtree(work, ignore_errors=True)

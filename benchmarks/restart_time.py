@@ -15,6 +15,8 @@ from the moment the process is spawned to its first training step:
 * ``fit_setup``: Lightning's set-up before training (checkpoint read included: ``checkpoint``);
 * ``hub_open``, ``claim``, ``global``: the worker's start (hub, claim, the global downloaded and
   installed or the hub settled after a checkpoint); ``first_step``: the rest up to the first step;
+* ``spare_go``: a warm spare (kind ``spare``, ``supervise.spare``): from the go to its configuration
+  read; its imports were done before the go, so its ``total`` is the go to the first step;
 * ``total``: spawn to the first step (wall); ``cpu_total``: the process's CPU seconds by then (all its
   threads; steadier than wall time on a shared machine).
 
@@ -47,6 +49,7 @@ TRAIN = ROOT / "train.py"
 #: (phase, from mark, to mark); a missing mark makes the phase absent
 PHASES = [
     ("interpreter+cli", "spawn", "cli"),
+    ("spare_go", "go", "config"),  # a warm spare: from the go to its configuration read
     ("config", "cli", "config"),
     ("node_check", "config", "node_checked"),
     ("torch+lightning", "node_checked", "imports"),
@@ -122,6 +125,45 @@ def _restart(cwd: Path, args: list[str], timeline: Path, timeout: float) -> dict
     return marks
 
 
+def _restart_spare(cwd: Path, config: Path, timeline: Path, timeout: float) -> dict[str, float]:
+    """A warm spare's restart (``supervise.spare``, app/supervise.py): the worker process started with
+    ``--spare`` ahead of need, its imports done, then told to go; its marks from the go (``spawn`` is
+    the go) to its first training step, and the CPU seconds it used after the go."""
+    log = open(cwd / "restart.log", "ab")  # noqa: SIM115 - the child's output, for a failed start
+    proc = subprocess.Popen([sys.executable, "-m", "diloco_lightning.app.worker", "--config", str(config),
+                             "--node-index", "0", "--spare"], cwd=cwd, env=_env(timeline), stdin=subprocess.PIPE,
+                            stdout=log, stderr=log)
+    cpu = cpu_at_go = None
+    try:
+        deadline = time.monotonic() + timeout
+        while "spare_ready" not in _marks(timeline, proc.pid):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the spare did not get ready (see {cwd / 'restart.log'})")
+            time.sleep(0.05)
+        time.sleep(1.0)  # a spare waits long before it is needed: its process has settled
+        cpu_at_go = _cpu_seconds(proc.pid)
+        go = time.time()
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+        while time.monotonic() < deadline:
+            marks = _marks(timeline, proc.pid)
+            if "first_step" in marks or proc.poll() is not None:
+                cpu = _cpu_seconds(proc.pid)
+                break
+            time.sleep(0.05)
+    finally:
+        _kill(proc)
+        log.close()
+    marks = _marks(timeline, proc.pid)
+    if "first_step" not in marks:
+        raise RuntimeError(f"the spare reached no training step (see {cwd / 'restart.log'}): {marks}")
+    marks["spawn"] = go
+    if cpu is not None and cpu_at_go is not None:
+        marks["cpu"] = cpu - cpu_at_go
+    return marks
+
+
 def _phases(marks: dict[str, float]) -> dict[str, float]:
     out = {name: marks[b] - marks[a] for name, a, b in PHASES if a in marks and b in marks}
     if "checkpoint_loaded" in marks and "trainer" in marks:
@@ -154,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--repeats", type=int, default=3, help="restarts of each kind (default 3)")
-    ap.add_argument("--kinds", default="ckpt,fresh", help="ckpt (resumed from its checkpoint), fresh (without it)")
+    ap.add_argument("--kinds", default="ckpt,fresh,spare",
+                    help="ckpt (a new process resumed from its checkpoint), fresh (without it), spare (a warm spare "
+                         "told to go, supervise.spare: timed from the go; with its checkpoint)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a start may take before it counts as failed")
     ap.add_argument("--keep", default=None, help="run in this folder and keep it (default: a temporary one)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
@@ -164,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     cwd = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="restart-time-"))
     cwd.mkdir(parents=True, exist_ok=True)
     common = ["recipe=tiny", "workers=1", "run_id=restart_time", "trainer.max_steps=100000", *args.overrides]
-    worker = [*common, "role=worker", "node_index=0"]
+    # the restarts run their worker in the command's process (no supervisor: one process, timed from its spawn)
+    worker = [*common, "role=worker", "node_index=0", "supervise.restarts=0"]
     run = cwd / "runs" / "restart_time"
     ckpt = run / "nodes" / "w0" / "checkpoints"
     timeline = cwd / "timeline.txt"
@@ -178,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"the master did not create the hub (see {cwd / 'master.log'})")
             time.sleep(0.2)
         # the first life: until it has a checkpoint and its first delta applied, then kill -9
-        first = subprocess.Popen([sys.executable, str(TRAIN), *worker], cwd=cwd, env=_env(None),
+        # (supervised, so the worker's resolved configuration is on disk for a spare; killed as a group)
+        first = subprocess.Popen([sys.executable, str(TRAIN), *common, "role=worker", "node_index=0", "supervise.spare=false"],
+                                 cwd=cwd, env=_env(None), start_new_session=True,
                                  stdout=open(cwd / "first.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
         deadline = time.monotonic() + args.timeout
         manifest = run / "hub" / "global" / "manifest.json"
@@ -191,14 +238,17 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         else:
             raise RuntimeError(f"no checkpoint and applied delta within {args.timeout:g} s (see {cwd})")
-        _kill(first)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(30)
+        config = run / "nodes" / "w0" / "worker-config.yaml"
         for i in range(args.repeats):
             for kind in kinds:
                 aside = ckpt.with_name("checkpoints.aside")
                 if kind == "fresh":
                     shutil.move(str(ckpt), str(aside))
                 try:
-                    marks = _restart(cwd, worker, timeline, args.timeout)
+                    marks = (_restart_spare(cwd, config, timeline, args.timeout) if kind == "spare" else
+                             _restart(cwd, worker, timeline, args.timeout))
                 finally:
                     if kind == "fresh":
                         shutil.rmtree(ckpt, ignore_errors=True)

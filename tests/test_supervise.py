@@ -109,29 +109,47 @@ def test_a_supervised_worker_with_a_user_error_is_not_restarted(tmp_path):
 
 
 @pytest.mark.slow  # a master, a worker command and its worker process, and a restart
-def test_a_supervised_role_worker_survives_a_kill9_of_its_worker_process(tmp_path):
+@pytest.mark.parametrize("spare", ["cold", "warm"])
+def test_a_supervised_role_worker_survives_a_kill9_of_its_worker_process(tmp_path, spare):
     """``train.py role=worker`` against a ``diloco-master``: its worker process is killed with SIGKILL after
     its first checkpoint; the command restarts it, and it trains to ``trainer.max_steps``, every phase
-    applied by the master."""
+    applied by the master. ``cold``: a fresh process (``supervise.spare=false``); ``warm``: the warm spare,
+    started at once (``supervise.spare_after=0``), is the restarted worker (its imports done before the
+    kill: the timeline's ``go`` is its), and no spare outlives the command."""
     import psutil
+
+    from diloco_lightning.util.timeline import ENV
 
     hub = tmp_path / "hub"
     env = repo_env(tmp_path)
+    timeline = tmp_path / "timeline.txt"
+    env[ENV] = str(timeline)
     master = subprocess.Popen([sys.executable, "-m", "diloco_lightning.app.master", f"hub.url={hub}", "hub.create=true",
                                "min_deltas=1", "until_finished=true", "expected_nodes=1", "poll_interval=0.2",
                                f"node_state_dir={tmp_path / 'master'}"], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "role=worker", "workers=1", f"hub.url={hub}",
-           "hub.create=true", "trainer.max_steps=32", *SMALL, "supervise.backoff=0.2", "run_id=x", f"run_root={tmp_path / 'runs'}"]
+           "hub.create=true", "trainer.max_steps=32", *SMALL, "supervise.backoff=0.2", "run_id=x", f"run_root={tmp_path / 'runs'}",
+           *(["supervise.spare=false"] if spare == "cold" else ["supervise.spare_after=0"])]
     worker = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    spares: list = []
     try:
         ckpt = tmp_path / "runs" / "x" / "nodes" / "w0" / "checkpoints" / "last.ckpt"
         deadline = time.monotonic() + 300
-        while not ckpt.exists() and time.monotonic() < deadline and worker.poll() is None:
+
+        def marks(name: str) -> list[int]:
+            text = timeline.read_text() if timeline.exists() else ""
+            return [int(line.split()[1]) for line in text.splitlines() if line.split()[2] == name]
+
+        while (not ckpt.exists() or (spare == "warm" and not marks("spare_ready"))) and time.monotonic() < deadline \
+                and worker.poll() is None:
             time.sleep(0.1)
         assert worker.poll() is None, worker.communicate()[0][-4000:]
-        (child,) = psutil.Process(worker.pid).children()
+        children = psutil.Process(worker.pid).children()
+        (child,) = [c for c in children if "--spare" not in c.cmdline()]
+        spares = [c for c in children if "--spare" in c.cmdline()]
         assert child.cmdline()[-2:] == ["--node-index", "0"]
+        assert len(spares) == (1 if spare == "warm" else 0), [c.cmdline() for c in children]
         child.kill()
         out, _ = worker.communicate(timeout=400)
         assert worker.returncode == 0, out[-4000:]
@@ -144,6 +162,12 @@ def test_a_supervised_role_worker_survives_a_kill9_of_its_worker_process(tmp_pat
     assert len(restarts) == 1 and restarts[0].startswith("[supervise] worker w0 was killed by SIGKILL"), restarts
     summary = json.loads((tmp_path / "runs" / "x" / "nodes" / "w0" / "summary.json").read_text())
     assert summary["steps"] == 32 and summary["launch"]["from_step"] >= 8  # resumed from its checkpoint
+    if spare == "warm":
+        assert marks("go") == [spares[0].pid]  # the spare became the worker: no second start-up paid
+        assert spares[0].pid in marks("first_step")
+    time.sleep(0.5)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "--spare" in (p.info["cmdline"] or [])
+                and str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # no spare left behind
     from diloco_lightning.hub.local import FileHub
 
     manifest = FileHub(hub, cache_dir=tmp_path / "c").read_manifest()

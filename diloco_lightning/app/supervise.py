@@ -18,20 +18,30 @@ Restarts wait ``backoff`` seconds, doubled after each one up to ``max_backoff``,
 worker that ran ``reset_after`` seconds since its last start has its count and pause reset. Each
 restart is one line on the command's output.
 
+**A warm spare** (``spare``, :class:`Spare`): once a worker has run ``spare_after`` seconds, the
+supervisor starts its replacement ahead of need: a process that imports torch, Lightning and this
+package (most of a restart's time: 4-9 s on two shared cores, ``benchmarks/restart_time.py``), then
+waits on its standard input, touching neither the hub, the checkpoint nor the data. A restart hands
+it the go (one line) instead of starting a process: it resumes from the checkpoint at once, and the
+next spare is started ``spare_after`` seconds later. A spare that died is replaced by a fresh start.
+
 Not supervised here: a worker under ``torchrun`` (its elastic agent restarts it: ``--max-restarts``)
 and ``launch=submitit`` (SLURM requeues a job).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from diloco_lightning.util.options import OptionError, check_number, option
 
-__all__ = ["SuperviseOptions", "Restarts", "EXIT_CONFIG", "EXIT_USER", "EXIT_HUB_AWAY", "describe_exit"]
+__all__ = ["SuperviseOptions", "Restarts", "Spare", "EXIT_CONFIG", "EXIT_USER", "EXIT_HUB_AWAY", "SPARE_FLAG", "describe_exit"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +68,12 @@ class SuperviseOptions:
     reset_after: float = option(
         600.0, "seconds a restarted worker must run for its restart count and back-off to start again from zero"
     )
+    spare: bool = option(
+        True, "keep a warm spare of a supervised worker (train.py role=worker): a process with torch and Lightning "
+        "imported, waiting, that a restart wakes instead of starting one (no import time); it holds no hub, data or "
+        "model until then"
+    )
+    spare_after: float = option(30.0, "seconds a worker runs before its warm spare is started (the start-ups never compete)")
 
     @classmethod
     def names(cls) -> list[str]:
@@ -68,6 +84,7 @@ class SuperviseOptions:
         check_number(self, "backoff", low=0.0)
         check_number(self, "max_backoff", low=0.0)
         check_number(self, "reset_after", low=0.0)
+        check_number(self, "spare_after", low=0.0)
         if self.max_backoff < self.backoff:
             raise OptionError("max_backoff", f"must be at least backoff ({self.backoff:g}), got {self.max_backoff:g}")
         return self
@@ -122,3 +139,63 @@ class Restarts:
         if code in (0, EXIT_CONFIG, EXIT_USER) or self.options.restarts == 0:
             return None
         return f"restarted {self.total} time(s), the limit (supervise.restarts={self.options.restarts})"
+
+
+#: the worker command's flag that makes it a spare (``python -m diloco_lightning.app.worker ... --spare``)
+SPARE_FLAG = "--spare"
+#: the line a spare waits for
+GO = b"go\n"
+
+
+class Spare:
+    """A warm spare of one worker (this module's docstring): ``command`` plus :data:`SPARE_FLAG`, started
+    by :meth:`prepare`, woken by :meth:`take`, ended by :meth:`close`. ``popen``: ``subprocess.Popen``'s
+    other arguments (environment, output)."""
+
+    def __init__(self, command: list[str], **popen: Any) -> None:
+        self.command = [*command, SPARE_FLAG]
+        self.popen = popen
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether a spare is running (it may still be importing: it then goes as soon as it is done)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def prepare(self) -> None:
+        """Start a spare unless one is running."""
+        if not self.ready:
+            self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, **self.popen)
+
+    def take(self) -> subprocess.Popen | None:
+        """The spare, told to go (it is the worker from now on), or None when there is none alive."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return None
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(GO)
+            proc.stdin.close()
+        except (BrokenPipeError, OSError):  # it died just now
+            _end(proc)
+            return None
+        return proc
+
+    def close(self) -> None:
+        """End the spare, if any (its input closed: it leaves at once, or after its imports)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _end(proc)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(OSError):
+        if proc.stdin is not None:
+            proc.stdin.close()
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

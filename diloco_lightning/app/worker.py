@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from diloco_lightning.app.supervise import GO, SPARE_FLAG
 from diloco_lightning.util import timeline
 from diloco_lightning.util.jsondoc import dumps_json
 from diloco_lightning.app.build import (
@@ -194,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="run one DiLoCo worker from a resolved run config")
     ap.add_argument("--config", required=True)
     ap.add_argument("--node-index", type=int, required=True)
+    ap.add_argument(SPARE_FLAG, action="store_true",
+                    help="a warm spare: import torch and Lightning, then wait for a line 'go' on standard input "
+                         "(end of input: leave quietly) before anything else (app/supervise.py)")
     args = ap.parse_args(argv)
+    if args.spare and not _wait_as_spare():
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = OmegaConf.load(args.config)
     assert isinstance(cfg, DictConfig), f"{args.config} must hold a mapping"
@@ -214,6 +220,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+
+
+def _wait_as_spare() -> bool:
+    """A spare's wait (app/supervise.py: ``Spare``): the imports a worker's start pays for first, then
+    one line on standard input. True: told to go; False: the input ended (no longer needed)."""
+    import lightning  # noqa: F401  # what a restart would otherwise wait for
+    import lightning.pytorch.callbacks  # noqa: F401
+    import lightning.pytorch.loggers  # noqa: F401
+    import torch  # noqa: F401
+
+    import diloco_lightning.adapters.lightning  # noqa: F401
+    import diloco_lightning.models.lit_module  # noqa: F401
+
+    timeline.mark("spare_ready")
+    go = sys.stdin.buffer.readline() == GO
+    if go:
+        timeline.mark("go")
+    return go
 
 
 def exit_status(e: BaseException) -> int | None:
@@ -256,7 +280,7 @@ def supervise_worker(cfg: Any, *, say: Callable[[str], Any] | None = None) -> di
 
     from diloco_lightning.app.build import node_id, run_dir
     from diloco_lightning.app.errors import RunError, Signal, terminate_as_exception
-    from diloco_lightning.app.supervise import EXIT_CONFIG, EXIT_USER, Restarts, SuperviseOptions, describe_exit
+    from diloco_lightning.app.supervise import EXIT_CONFIG, EXIT_USER, Restarts, Spare, SuperviseOptions, describe_exit
     from diloco_lightning.hub.base import HubUnavailableError
 
     speak = say or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -275,13 +299,15 @@ def supervise_worker(cfg: Any, *, say: Callable[[str], Any] | None = None) -> di
     OmegaConf.save(cfg, config_path, resolve=True)
     env = worker_env()
     policy = Restarts(options, f"worker {nid}")
+    spare = Spare(worker_command(config_path, index), env=env) if options.spare else None
     proc: subprocess.Popen | None = None
     try:
         with terminate_as_exception():
             while True:
                 policy.started()
-                proc = subprocess.Popen(worker_command(config_path, index), env=env)
-                code = proc.wait()
+                proc = (spare.take() if spare is not None and policy.total else None) or subprocess.Popen(
+                    worker_command(config_path, index), env=env)
+                code = _wait_keeping_a_spare(proc, spare, options.spare_after)
                 proc = None
                 if code == 0:
                     return json.loads((out / "summary.json").read_text())
@@ -300,6 +326,20 @@ def supervise_worker(cfg: Any, *, say: Callable[[str], Any] | None = None) -> di
             except subprocess.TimeoutExpired:
                 proc.kill()
         raise
+    finally:
+        if spare is not None:
+            spare.close()
+
+
+def _wait_keeping_a_spare(proc: subprocess.Popen, spare: Any, after: float) -> int:
+    """``proc.wait()``, starting ``spare`` (app/supervise.py: ``Spare``) once ``proc`` has run ``after`` seconds."""
+    if spare is None:
+        return proc.wait()
+    try:
+        return proc.wait(after)
+    except subprocess.TimeoutExpired:
+        spare.prepare()
+        return proc.wait()
 
 
 if __name__ == "__main__":
