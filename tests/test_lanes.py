@@ -168,3 +168,21 @@ def test_starting_the_writeback_early_changes_no_byte(tmp_path, monkeypatch):
     back = load_file(str(p))
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
     start_writeback(-1, 0, 10)  # a bad descriptor: nothing happens, nothing raises
+
+
+@pytest.mark.parametrize("slice_values", [1 << 20, 1000])
+def test_the_update_norm_on_lanes_is_the_one_thread_float(monkeypatch, slice_values):
+    import diloco_lightning.master.rounds as rounds
+
+    monkeypatch.setattr(rounds, "_DISTANCE_SLICE", slice_values)
+    new, old = _delta(6), _delta(7)
+    new["half"], old["half"] = torch.randn(3000).to(torch.bfloat16), torch.randn(3000).to(torch.bfloat16)
+    lanes = Lanes(2, min_weight=0)
+    try:
+        fp32 = {k: v for k, v in new.items() if k != "half"}
+        assert rounds._distance(fp32, old, lanes) == rounds._distance(fp32, old)
+        assert rounds._distance(new, old, lanes) == rounds._distance(new, old)  # a BF16 key: taken one way
+        want = math.sqrt(sum(float(torch.dist(new[k].float(), old[k].float())) ** 2 for k in new))
+        assert math.isclose(rounds._distance(new, old, lanes), want, rel_tol=1e-6)
+    finally:
+        lanes.close()

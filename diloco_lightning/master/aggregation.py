@@ -60,7 +60,7 @@ class NonFiniteAggregate(DiLoCoError, ValueError):
         super().__init__(f"the aggregate of key {key!r} is not finite")
 
 
-#: bytes of one tensor a lane takes at a time (small enough that two lanes end together)
+#: bytes of one tensor a lane takes at a time (``Lanes.over_spans``; a test makes it small)
 _SPAN = 8 << 20
 
 
@@ -153,25 +153,13 @@ class RoundSum:
 
     def _each_span(self, fn: Callable[[torch.Tensor, Any], bool | None], pairs: list[tuple[torch.Tensor, Any]]) -> list[bool]:
         """``fn(sum, value)`` for each key's pair; on the lanes (when there are some) over spans of
-        :data:`_SPAN` bytes of the flattened tensors (elementwise: the same bits as whole tensors).
-        Per pair, whether no span's call returned False. Encoded values are taken whole, one at a
-        time (their decoders make no promise about threads)."""
-        whole = self._lanes is None or not all(
-            s.is_contiguous() and (d is None or isinstance(d, torch.Tensor) and d.is_contiguous() and d.numel() == s.numel())
-            for s, d in pairs)
-        if whole:
+        the flattened tensors (``Lanes.over_spans``: elementwise, the same bits as whole tensors).
+        Per pair, whether no call returned False. Encoded values are taken whole, one at a time
+        (their decoders make no promise about threads)."""
+        spans = None if self._lanes is None else self._lanes.over_spans(fn, pairs, _SPAN)
+        if spans is None:
             return [fn(s, d) is not False for s, d in pairs]
-        assert self._lanes is not None
-        spans: list[tuple[int, torch.Tensor, Any]] = []
-        for i, (s, d) in enumerate(pairs):
-            step = max(1, _SPAN // s.element_size())
-            fs, fd = s.view(-1), None if d is None else d.view(-1)
-            spans += [(i, fs[lo:lo + step], None if fd is None else fd[lo:lo + step]) for lo in range(0, s.numel(), step)]
-        results = self._lanes.run(lambda sp: fn(sp[1], sp[2]), spans, [sp[1].numel() * sp[1].element_size() for sp in spans])
-        ok = [True] * len(pairs)
-        for (i, _, _), r in zip(spans, results):
-            ok[i] = ok[i] and r is not False
-        return ok
+        return [all(r is not False for r in results) for results in spans]
 
 
 def mean_of(

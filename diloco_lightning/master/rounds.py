@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from diloco_lightning.util import faults
+from diloco_lightning.util.lanes import Lanes
 from diloco_lightning.encoding.feedback import decode_delta
 from diloco_lightning.wire.delta import Delta, is_synced
 from diloco_lightning.hub.base import DeltaRef, Hub, PublishConflictError
@@ -460,7 +461,7 @@ class Rounds:
         except BaseException:
             self.roll_back(buf, backup)
             raise
-        update = _distance(buf, run.state) if run.state is not None else math.nan
+        update = _distance(buf, run.state, self.validator.arena.lanes) if run.state is not None else math.nan
         at = applied_at if applied_at is not None else [new_step - 1] * len(accepted)
         # per outer step: a pass of several steps is not a sign of divergence (health.py compares versions)
         update /= max(1, new_step - run.outer_step)
@@ -489,20 +490,29 @@ def _owns_its_memory(t: torch.Tensor) -> bool:
 _DISTANCE_SLICE = 1 << 20
 
 
-def _distance(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> float:
+def _distance(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], lanes: Lanes | None = None) -> float:
     """``|new - old|`` over the synced keys (the outer update's L2 norm), a slice of a key at a
     time: ``torch.dist`` of a whole key makes a temporary of its size (71 MB for a 25M model's
-    embedding), which was the round's peak memory."""
+    embedding), which was the round's peak memory. With ``lanes``, the slices side by side, their
+    squares summed in the same order (the same float)."""
+    pairs = [(t, old[k]) for k, t in new.items() if k in old and is_synced(t) and old[k].shape == t.shape]
+
+    def slice_sq(a: torch.Tensor, b: torch.Tensor) -> float:
+        real = not a.is_complex()  # FP32 arithmetic for half precision; a complex key keeps its imaginary part
+        x, y = (a.float(), b.float()) if real else (a, b)
+        return float(torch.dist(x, y)) ** 2
+
     total = 0.0
     with torch.no_grad():
-        for k, t in new.items():
-            o = old.get(k)
-            if o is None or not is_synced(t) or o.shape != t.shape:
-                continue
-            a, b = t.reshape(-1), o.reshape(-1)
-            real = not a.is_complex()  # FP32 arithmetic for half precision; a complex key keeps its imaginary part
-            for i in range(0, a.numel(), _DISTANCE_SLICE):
-                j = i + _DISTANCE_SLICE
-                x, y = (a[i:j].float(), b[i:j].float()) if real else (a[i:j], b[i:j])
-                total += float(torch.dist(x, y)) ** 2
+        spans = None
+        if lanes is not None:
+            spans = lanes.over_spans(slice_sq, pairs, _DISTANCE_SLICE * 4)  # 4 bytes an FP32 value: the same slices
+            if spans is not None and any(a.element_size() != 4 for a, _ in pairs):
+                spans = None  # slices are counted in values: only FP32 keys slice the same way in bytes
+        if spans is None:
+            spans = [[slice_sq(a.reshape(-1)[i:i + _DISTANCE_SLICE], b.reshape(-1)[i:i + _DISTANCE_SLICE])
+                      for i in range(0, a.numel(), _DISTANCE_SLICE)] for a, b in pairs]
+        for squares in spans:
+            for sq in squares:
+                total += sq
     return math.sqrt(total)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 __all__ = ["Lanes", "default_lanes", "split_by_weight"]
 
@@ -28,6 +28,8 @@ R = TypeVar("R")
 
 #: below this many bytes of work a job runs on the calling thread alone (a thread hand-off costs ~50 us)
 MIN_PARALLEL_BYTES = 4 << 20
+#: bytes of one tensor a lane takes at a time in :meth:`Lanes.over_spans` (small enough that the lanes end together)
+SPAN_BYTES = 8 << 20
 
 
 def default_lanes(cap: int = 4) -> int:
@@ -114,6 +116,31 @@ class Lanes:
         if first_error is not None:
             raise first_error
         return [r for group in results for r in group]
+
+    def over_spans(self, fn: Callable[[Any, Any], R], pairs: Sequence[tuple[Any, Any]],
+                   span_bytes: int | None = None) -> list[list[R]] | None:
+        """``fn(a, b)`` over spans of ``span_bytes`` of each pair of flattened tensors (``b`` may be
+        None), side by side; per pair, its spans' results in order. For elementwise work (a sum, a
+        copy, a scale) the bits are those of whole tensors; a reduction folds the results in order.
+        None (nothing run) when a tensor is not contiguous or a pair's sizes differ: the caller then
+        takes the pairs whole."""
+        import torch
+
+        step_bytes = SPAN_BYTES if span_bytes is None else span_bytes
+        for a, b in pairs:
+            if not (isinstance(a, torch.Tensor) and a.is_contiguous() and (b is None or (
+                    isinstance(b, torch.Tensor) and b.is_contiguous() and b.numel() == a.numel()))):
+                return None
+        spans: list[tuple[int, Any, Any]] = []
+        for i, (a, b) in enumerate(pairs):
+            step = max(1, step_bytes // a.element_size())
+            fa, fb = a.view(-1), None if b is None else b.view(-1)
+            spans += [(i, fa[lo:lo + step], None if fb is None else fb[lo:lo + step]) for lo in range(0, a.numel(), step)]
+        results = self.run(lambda sp: fn(sp[1], sp[2]), spans, [sp[1].numel() * sp[1].element_size() for sp in spans])
+        out: list[list[R]] = [[] for _ in pairs]
+        for (i, _, _), r in zip(spans, results):
+            out[i].append(r)
+        return out
 
     def close(self) -> None:
         """End the kept threads (a later :meth:`run` starts them again)."""
