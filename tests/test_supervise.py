@@ -51,14 +51,26 @@ def test_a_bad_supervise_value_is_one_line_naming_the_key(tmp_path):
     assert len(lines) == 2 and lines[0].startswith("train.py: error: supervise.restarts"), lines
 
 
+def _timeline_pids(path: Path, name: str) -> list[int]:
+    text = path.read_text() if path.exists() else ""
+    return [int(line.split()[1]) for line in text.splitlines() if line.split()[2] == name]
+
+
 @pytest.mark.slow  # a whole run's processes, and a restart
-def test_a_worker_killed_with_sigkill_is_restarted_and_the_run_finishes(tmp_path):
+@pytest.mark.parametrize("spare", ["cold", "warm"])
+def test_a_worker_killed_with_sigkill_is_restarted_and_the_run_finishes(tmp_path, spare):
+    """role=all: worker w1 killed with SIGKILL is restarted and the run ends with every step applied;
+    ``warm``: its warm spare (``supervise.spare_after=0``) is the restarted worker."""
     import psutil
 
+    from diloco_lightning.util.timeline import ENV
+
+    timeline = tmp_path / "timeline.txt"
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", "trainer.max_steps=64", *SMALL,
-           "supervise.backoff=0.5", f"run_root={tmp_path / 'runs'}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=repo_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+           "supervise.backoff=0.5", f"run_root={tmp_path / 'runs'}",
+           *(["supervise.spare=false"] if spare == "cold" else ["supervise.spare_after=0"])]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**repo_env(tmp_path), ENV: str(timeline)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     out: list[str] = []
     try:
         deadline = time.monotonic() + 300
@@ -67,7 +79,13 @@ def test_a_worker_killed_with_sigkill_is_restarted_and_the_run_finishes(tmp_path
             out.append(line)
             if not line or line.startswith("[master] outer_step 1 "):
                 break
-        (victim,) = [p for p in psutil.Process(proc.pid).children() if p.cmdline()[-2:] == ["--node-index", "1"]]
+        children = psutil.Process(proc.pid).children()
+        (victim,) = [p for p in children if p.cmdline()[-2:] == ["--node-index", "1"]]
+        spares = [p for p in children if p.cmdline()[-3:] == ["--node-index", "1", "--spare"]]
+        assert len(spares) == (1 if spare == "warm" else 0), [p.cmdline() for p in children]
+        while spare == "warm" and spares[0].pid not in _timeline_pids(timeline, "spare_ready") and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
         victim.kill()
         rest, err = proc.communicate(timeout=400)
         out.append(rest)
@@ -85,6 +103,11 @@ def test_a_worker_killed_with_sigkill_is_restarted_and_the_run_finishes(tmp_path
     assert {s["node_id"]: s["steps"] for s in results["workers_summary"]} == {"w0": 64, "w1": 64}
     log = (run / "nodes" / "w1" / "worker.log").read_text()
     assert restarts[0] in log
+    if spare == "warm":
+        assert _timeline_pids(timeline, "go") == [spares[0].pid]  # the spare became w1
+    time.sleep(0.5)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "--spare" in (p.info["cmdline"] or [])
+                and str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # no spare left behind
 
 
 @pytest.mark.slow  # a command and its worker process

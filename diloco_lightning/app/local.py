@@ -49,7 +49,7 @@ from diloco_lightning.app.build import (
 from diloco_lightning.app.console import log_to_file
 from diloco_lightning.app.launches import Launches, invoked_as, read_jsonl, resume_command, round_counts
 from diloco_lightning.app.errors import Interrupted, RunError, Signal, terminate_as_exception
-from diloco_lightning.app.supervise import Restarts, SuperviseOptions, describe_exit
+from diloco_lightning.app.supervise import Restarts, Spare, SuperviseOptions, describe_exit
 from diloco_lightning.app.worker import worker_command, worker_env
 
 log = logging.getLogger(__name__)
@@ -215,23 +215,45 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     supervise = SuperviseOptions(**{k: cfg.supervise[k] for k in SuperviseOptions.names()}).validate()
     policies = [Restarts(supervise, f"worker {node_id(i)}") for i in range(cfg.workers)]
 
+    spares: list[Spare] = []
+    began: list[float] = []  # when each worker process started (its spare comes supervise.spare_after seconds later)
+
     def restart(i: int, line: str) -> None:
-        _restart_worker(config_path, rdir, i, threads, devices[i % len(devices)] if devices else None, procs, logs, line)
+        device = devices[i % len(devices)] if devices else None
+        spare = spares[i] if spares else None
+        _restart_worker(config_path, rdir, i, threads, device, procs, logs, line, spare)
+        began[i] = time.monotonic()
+
+    def keep_spares() -> None:
+        now = time.monotonic()
+        for i, sp in enumerate(spares):
+            code = procs[i].poll()
+            if code is None and now - began[i] >= supervise.spare_after:
+                sp.prepare()
+            elif code == 0:  # this worker is done: no restart will need its spare
+                sp.close()
 
     try:
         with terminate_as_exception():
             for i in range(cfg.workers):
-                _start_worker(config_path, rdir, i, threads, devices[i % len(devices)] if devices else None,
-                              procs, logs)
+                device = devices[i % len(devices)] if devices else None
+                _start_worker(config_path, rdir, i, threads, device, procs, logs)
+                began.append(time.monotonic())
+                if supervise.spare and supervise.restarts > 0:
+                    spares.append(Spare(worker_command(config_path, i), env=_worker_env(threads, device),
+                                        stdout=logs[i][0], stderr=subprocess.STDOUT))
             failed = _watch(rdir, procs, master, evaluator, eval_points(cfg), eval_curve, started,
                             timeout=float(cfg.launch.timeout), max_steps=int(cfg.trainer.max_steps),
-                            since=launches.started, policies=policies, restart=restart)
+                            since=launches.started, policies=policies, restart=restart,
+                            keep=keep_spares if spares else None)
     except (KeyboardInterrupt, Signal) as e:
         interrupted = e.signum if isinstance(e, Signal) else int(signal.SIGINT)
     except Exception as e:  # the master's configuration error (never retried), or a bug: the workers stop too
         error = e
         raise
     finally:
+        for sp in spares:
+            sp.close()
         if failed or interrupted or error is not None:
             _stop_workers(procs)
         for fh, _ in logs:
@@ -272,21 +294,29 @@ def _start_worker(config_path: Path, rdir: Path, index: int, threads: int, devic
     procs.append(_spawn(config_path, index, threads, device, fh))
 
 
-def _spawn(config_path: Path, index: int, threads: int, device: str | None, fh: Any) -> subprocess.Popen:
+def _worker_env(threads: int, device: str | None) -> dict[str, str]:
     env = worker_env(OMP_NUM_THREADS=str(threads))
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = device
-    return subprocess.Popen(worker_command(config_path, index), env=env, stdout=fh, stderr=subprocess.STDOUT)
+    return env
+
+
+def _spawn(config_path: Path, index: int, threads: int, device: str | None, fh: Any) -> subprocess.Popen:
+    return subprocess.Popen(worker_command(config_path, index), env=_worker_env(threads, device), stdout=fh,
+                            stderr=subprocess.STDOUT)
 
 
 def _restart_worker(config_path: Path, rdir: Path, index: int, threads: int, device: str | None,
-                    procs: list[subprocess.Popen], logs: list[tuple[Any, Path]], line: str) -> None:
-    """Start worker ``index`` again (it resumes from its checkpoint), in place in ``procs``; its log goes
-    on, after ``line`` (the restart's)."""
+                    procs: list[subprocess.Popen], logs: list[tuple[Any, Path]], line: str,
+                    spare: Spare | None = None) -> None:
+    """Start worker ``index`` again (it resumes from its checkpoint), in place in ``procs``: its warm
+    spare told to go when it has one (``supervise.spare``), else a new process; its log goes on, after
+    ``line`` (the restart's)."""
     fh, log_path = logs[index]
     fh.write(f"\n{line}\n".encode())
     fh.flush()
-    procs[index] = _spawn(config_path, index, threads, device, fh)
+    woken = spare.take() if spare is not None else None
+    procs[index] = woken or _spawn(config_path, index, threads, device, fh)
 
 
 def _stop_workers(procs: list[subprocess.Popen], timeout: float = 40.0) -> None:
@@ -408,14 +438,14 @@ def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launc
 def _watch(rdir: Path, procs: list[subprocess.Popen], master: Any, evaluator: Evaluator, points: list[int],
            eval_curve: list[list[float]], started: float, *, timeout: float, max_steps: int,
            since: float | None = None, policies: list[Restarts] | None = None,
-           restart: Any = None) -> tuple[int, Any] | None:
+           restart: Any = None, keep: Any = None) -> tuple[int, Any] | None:
     """Poll the workers until all are done (None) or one failed (``(index, exit code)``; index -1:
     ``timeout`` seconds since ``started`` passed); print progress lines (their rates from the
     progress written since ``since``, this launch's start); evaluate the global model at the outer
     steps in ``points``. A configuration error that ended the master is raised. With ``policies``
     (one :class:`~diloco_lightning.app.supervise.Restarts` per worker), a worker that crashed is
     restarted by ``restart(index, line)`` after its back-off, the line printed; it fails the run
-    only when its policy says no."""
+    only when its policy says no. ``keep()``: called at each poll (the warm spares)."""
     last_print, last_key = time.perf_counter(), None
     points = list(points)
     due: dict[int, tuple[float, str]] = {}  # workers waiting for their restart: when, and the line
@@ -441,6 +471,8 @@ def _watch(rdir: Path, procs: list[subprocess.Popen], master: Any, evaluator: Ev
                 codes[i] = None
         if not due and all(c == 0 for c in codes):
             return None
+        if keep is not None:
+            keep()
         now = time.perf_counter()
         if now - started > timeout:
             return (-1, f"ran past launch.timeout={timeout:g} s")
