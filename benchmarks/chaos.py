@@ -24,7 +24,9 @@ oracle reads the hub:
 * **step goodput**: inner steps applied / inner steps executed (every life's steps, replays after a
   kill included: a worker resumes from its last checkpoint);
 * **time goodput**: the applied steps at the median step time / the workers' process seconds (every
-  life, from spawn to exit or kill: start-up, waits and replays are the loss);
+  life, from spawn to exit or kill: start-up, waits and replays are the loss; with ``--spare``, a life
+  woken from a warm spare counts from its go: the spare waited idle, its imports done, as the
+  product's ``supervise.spare`` does);
 * kills by kind, kills during an outage, and where the worker kills landed (the inner step within its
   phase: 0 is just after a boundary).
 
@@ -122,18 +124,48 @@ class Store:
 class Proc:
     """One role (the master or a worker) and its lives."""
 
-    def __init__(self, name: str, argv_for_life, env: dict[str, str], logs: Path) -> None:
+    def __init__(self, name: str, argv_for_life, env: dict[str, str], logs: Path, spare: bool = False) -> None:
         self.name, self.argv_for_life, self.env, self.logs = name, argv_for_life, env, logs
         self.lives: list[dict[str, Any]] = []
         self.popen: subprocess.Popen | None = None
         self.done = False
+        #: the next life started ahead of need with ``--spare`` (the product's ``supervise.spare``): its imports
+        #: done, waiting for a go on its standard input; its life is counted from the go
+        self.with_spare = spare
+        self.spare: subprocess.Popen | None = None
+
+    def prepare_spare(self) -> None:
+        if self.with_spare and not self.done and (self.spare is None or self.spare.poll() is not None):
+            n = len(self.lives)  # the life it will be
+            out = open(self.logs / f"{self.name}.{n}.log", "w")  # noqa: SIM115 - the child writes it
+            self.spare = subprocess.Popen([*self.argv_for_life(n), "--spare"], stdin=subprocess.PIPE, stdout=out,
+                                          stderr=subprocess.STDOUT, env=self.env)
+            out.close()
 
     def start(self) -> None:
         n = len(self.lives)
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.poll() is None:
+            try:
+                assert spare.stdin is not None
+                spare.stdin.write(b"go\n")
+                spare.stdin.close()
+                self.popen = spare
+                self.lives.append({"start": time.monotonic(), "end": None, "how": None, "spare": True})
+                return
+            except OSError:
+                spare.kill()
+                spare.wait()
         out = open(self.logs / f"{self.name}.{n}.log", "w")  # noqa: SIM115 - the child writes it
         self.popen = subprocess.Popen(self.argv_for_life(n), stdout=out, stderr=subprocess.STDOUT, env=self.env)
         out.close()
         self.lives.append({"start": time.monotonic(), "end": None, "how": None})
+
+    def close_spare(self) -> None:
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.kill()
+            spare.wait()
 
     def poll(self) -> int | None:
         if self.popen is None:
@@ -207,7 +239,7 @@ def run(args) -> dict[str, Any]:
                    "ckpt_dir": str(tmp / f"ckpt{i}"), "max_steps": args.steps, "inner_steps": args.inner_steps,
                    "throttle": args.throttle, "step_log": str(logs / f"w{i}.{n}.steps")}
             return [sys.executable, str(WORKER), json.dumps(cfg)]
-        workers.append(Proc(f"w{i}", argv, env, logs))
+        workers.append(Proc(f"w{i}", argv, env, logs, spare=args.spare))
     procs = [master, *workers]
     kills: dict[str, int] = {"master": 0, "worker": 0}
     landed: dict[str, int] = {}
@@ -217,7 +249,8 @@ def run(args) -> dict[str, Any]:
     restart_at: dict[str, float] = {}
     result: dict[str, Any] = {"transport": args.transport, "workers": args.workers, "steps": args.steps,
                               "inner_steps": args.inner_steps, "seconds": args.seconds, "kill_every": args.kill_every,
-                              "fault_rate": args.fault_rate, "outage_every": args.outage_every, "seed": args.seed}
+                              "fault_rate": args.fault_rate, "outage_every": args.outage_every, "seed": args.seed,
+                              "spare": args.spare}
     try:
         master.start()
         for w in workers:
@@ -239,6 +272,10 @@ def run(args) -> dict[str, Any]:
                 if p.name in restart_at and now >= restart_at[p.name] and not p.alive() and not p.done:
                     del restart_at[p.name]
                     p.start()
+                if p.alive() and p.with_spare and now - p.lives[-1]["start"] >= args.spare_after:
+                    p.prepare_spare()
+                elif p.done:
+                    p.close_spare()
             if down_until is not None and now >= down_until:
                 store.set_down(False)
                 down_until = None
@@ -335,6 +372,7 @@ def run(args) -> dict[str, Any]:
                 except subprocess.TimeoutExpired:
                     p.kill()
             p.kill()
+            p.close_spare()
         store.stop()
         if args.keep:
             result["folder"] = str(tmp)
@@ -355,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--throttle", type=float, default=0.2, help="seconds each inner step sleeps (a step's compute)")
     ap.add_argument("--kill-every", default="10,30", help="seconds between kills: a uniform draw in lo,hi")
     ap.add_argument("--restart-delay", type=float, default=1.0)
+    ap.add_argument("--spare", action="store_true",
+                    help="restart workers by waking a warm spare (started --spare-after seconds into each life, "
+                         "its imports done; the product's supervise.spare): a life counts from its go")
+    ap.add_argument("--spare-after", type=float, default=5.0)
     ap.add_argument("--settle", type=float, default=0.0,
                     help="a life is killed only once it has served (the master) or trained (a worker: since its first "
                     "step) this many seconds (0: any life, start-ups included; a Lightning worker's start-up takes "

@@ -17,7 +17,8 @@ Config: ``hub`` (a URL), ``hub_options``, ``ckpt_dir``, ``max_steps``, ``inner_s
 benchmarks/chaos.py ``step_log`` (a file each executed step appends ``<monotonic time> <global step>`` to).
 Prints ``started <outer_step> step <global step>`` once the worker has installed its starting version (a
 restart without a checkpoint resumes past the phases the hub has), and ``done <steps>`` at the end.
-``sync`` / ``delay``: the sync mode (default async).
+``sync`` / ``delay``: the sync mode (default async). ``--spare`` after the config: a warm spare, which
+waits for a line ``go`` on its standard input once its imports are done (end of input: it leaves).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class Counter(L.LightningModule):
 
 
 def main() -> None:
+    if "--spare" in sys.argv[2:]:  # a warm spare (benchmarks/chaos.py --spare): imports done, wait for the go
+        if sys.stdin.buffer.readline() != b"go\n":
+            return
     cfg = json.loads(sys.argv[1])
     ckpt_dir = Path(cfg["ckpt_dir"])
     diloco = DiLoCo(
