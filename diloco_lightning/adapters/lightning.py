@@ -76,6 +76,7 @@ from diloco_lightning.adapters.shared import (
     SigtermWatch,
     broadcast_params,
     WorkerStart,
+    adapter_options,
     check_connection,
     check_worker_args,
     PhaseLoss,
@@ -86,7 +87,7 @@ from diloco_lightning.adapters.shared import (
     sum_tokens_over_ranks,
 )
 from diloco_lightning.worker.core import DiLoCoWorker
-from diloco_lightning.worker.options import DEFAULTS
+from diloco_lightning.worker.options import WorkerOptions, takes_options
 from diloco_lightning.worker.params import module_state
 from diloco_lightning.worker.sync import WorkerStopped
 
@@ -125,65 +126,25 @@ class DiLoCo(Callback):
         hub: ``"file:///abs/path"``, a plain path, ``"hf://org/repo"``, or an open
             :class:`~diloco_lightning.hub.Hub`.
         node_id: this worker's name on the hub (1-64 characters of ``[A-Za-z0-9._-]``).
-        inner_steps: H, optimizer steps between two exports, or ``"auto"`` (Dynamic Local Updates).
-        dylu_steps, dylu_min_steps, dylu_seconds: with ``inner_steps="auto"``: the fastest worker's
-            H, the fewest steps of a phase (None: ``dylu_steps / 16``), or a target of seconds per
-            phase instead (:func:`~diloco_lightning.worker.pacing.dylu_inner_steps`).
-        throttle: seconds slept after each optimizer step (a number, or a per-worker list indexed
-            by ``node_index``): a test knob that makes this worker a straggler.
-        sync: ``"async"`` (default: install the newest version at each boundary, never wait)
-            or ``"lockstep"`` (at boundary r install exactly version ``r - delay``, waiting for it).
-        delay: lockstep delay: an int, a per-node list (indexed by ``node_index``), or a seeded
-            distribution ``{"distribution": "uniform", "low": 0, "high": 8, "seed": 0}`` /
-            ``{"distribution": "choice", "values": [...], "weights": [...], "seed": 0}``.
-        node_index: this worker's index for a list/distribution ``delay`` (default: the
-            number ending ``node_id``).
-        delta_dtype: the pseudo-gradient's encoding on the wire: ``"float32"`` (default),
-            ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"int4"`` (blockwise absmax, 0.26x / 0.13x
-            the bytes of FP32), ``"topk"`` or ``"ctopk"`` (chunked top-k, SparseLoCo's: 1.6 % of
-            each chunk in 2 bits, 0.0071x) (``docs/encoding.md``).
-        topk: for ``delta_dtype="topk"``, the fraction of each tensor's entries sent (default
-            0.01); for ``"ctopk"``, of each chunk's.
-        topk_values: how the kept values are stored: ``"topk"``: ``"int8"`` (None: default) or
-            ``"int4"``; ``"ctopk"``: ``"int2"`` (None: default), ``"int8"``, ``"int4"`` or ``"sign"``.
-        topk_chunk: for ``delta_dtype="ctopk"``, values per chunk (a power of two, default 4096).
-        error_feedback: add what the encoding dropped to the next delta; None (default): on for
-            int8, int4, topk and ctopk, off for the float casts.
-        error_feedback_decay: SparseLoCo's beta: the residual is multiplied by it before it is
-            added to the next delta (default 1: nothing owed is forgotten).
-        fragments: Streaming DiLoCo (arXiv 2501.18512): ``F`` fragments (transformer block ``i`` in
-            fragment ``i mod F``, a large embedding or head split by rows among them;
-            ``diloco_lightning/wire/fragments.py``), or a list of parameter-name pattern groups. A
-            boundary then comes every ``inner_steps / F`` steps and sends one fragment's delta,
-            about ``1/F`` of the bytes. None or 1 (default): the whole model.
-        rebase: with ``sync="async"``, start each phase from the installed version minus this
-            worker's own deltas it does not contain yet, each times the factor the master applies
-            it with (``diloco_lightning/worker/rebase.py``), so the worker never relearns its last
-            phase. Lockstep workers and fragments do not use it.
-        lookahead: with ``rebase``, each own delta the installed version lacks stands for one
-            delta of every node (the eager update of arXiv 2502.12996; ``worker/rebase.py``).
-        reset_inner_optimizer: clear the inner optimizers' state after each install (default
-            False: keep it, as DiLoCo does).
+        inner_steps: H, optimizer steps between two exports, or ``"auto"`` (Dynamic Local Updates);
+            required unless ``options`` is given.
+        options: the worker's :class:`~diloco_lightning.worker.options.WorkerOptions`, passed whole
+            (``DiLoCo(hub, "w0", options=WorkerOptions(inner_steps=500, sync="lockstep"))``).
+        **option_values: instead of ``options``, any :class:`~diloco_lightning.worker.options.WorkerOptions`
+            field as a keyword (``sync``, ``delay``, ``delta_dtype``, ``topk``, ``fragments``, ``rebase``,
+            ``wait_timeout``, ``final_install`` ...: each one's meaning and default are written there, and
+            the signature lists them); an unknown one is a ``TypeError`` naming the valid ones.
+        node_index: this worker's index for a list/distribution ``delay`` or ``throttle`` (default:
+            the number ending ``node_id``).
         hub_options: options for ``open_hub`` (``token=``, ``endpoint=``, ``cache_dir=`` ...).
         create: create the hub (a folder, an ``hf://`` repository) if it does not exist. False
             (default): a hub that does not exist is an error naming the fix, the rule
             ``diloco-master`` follows, so a misspelt hub is never created and waited on.
         signing_key: run key for signed deltas; None takes ``DILOCO_RUN_KEY`` /
             ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned when neither is set).
-        wait_timeout: seconds a blocking wait (bootstrap, lockstep, final flush, ``wait_for_hub``) may last.
-        final_install: at the end of ``fit``, install the newest global version that contains this
-            worker's last delta (default True: the module then holds the run's global weights, not
-            its worker's local ones; ``diloco_lightning/worker/final.py``). The local weights are
-            kept, with one line saying why, when the master is gone or the wait ends.
-        final_wait: seconds the end of ``fit`` waits for that version (None: ``wait_timeout``).
-        wait_for_hub: a hub that does not exist yet is waited for (at most ``wait_timeout``, one
-            line saying so) instead of refused, so workers may start before the master creates it.
-        poll_interval: seconds between manifest reads (waits, async prefetch).
         token_counter: ``None`` (guess with :func:`count_tokens`), ``False`` (no
             ``num_tokens`` in headers) or ``callable(batch) -> int | Tensor``.
         log_prefix: prefix of the logged metric names.
-        claim_ttl: seconds this node's claim on its id lives without a heartbeat (None: 60 on a
-            folder hub, 900 on ``hf://``).
         verbose: print a line per sync and while waiting (rank zero); False: quiet.
         seed_per_node: reseed ``torch``, ``random`` and ``numpy`` at the start of ``fit`` with a
             seed derived from the process's seed and ``node_id``
@@ -194,55 +155,29 @@ class DiLoCo(Callback):
             identical, and the master warns about it).
     """
 
+    @takes_options
     def __init__(
         self,
         hub: str | os.PathLike | Hub,
         node_id: str,
-        inner_steps: int | str,
+        inner_steps: int | str | None = None,
         *,
-        dylu_steps: int = DEFAULTS.dylu_steps,
-        dylu_min_steps: int | None = DEFAULTS.dylu_min_steps,
-        dylu_seconds: float | None = DEFAULTS.dylu_seconds,
-        throttle: Any = DEFAULTS.throttle,
-        sync: str = DEFAULTS.sync,
-        delay: Any = DEFAULTS.delay,
+        options: WorkerOptions | None = None,
         node_index: int | None = None,
-        delta_dtype: str | torch.dtype = DEFAULTS.delta_dtype,
-        topk: float = DEFAULTS.topk,
-        topk_values: str | None = DEFAULTS.topk_values,
-        topk_chunk: int = DEFAULTS.topk_chunk,
-        error_feedback: bool | None = DEFAULTS.error_feedback,
-        error_feedback_decay: float = DEFAULTS.error_feedback_decay,
-        fragments: int | list | None = DEFAULTS.fragments,
-        rebase: bool = DEFAULTS.rebase,
-        lookahead: bool = DEFAULTS.lookahead,
-        reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
         create: bool = False,
         signing_key: RunKey | str | bytes | None = None,
-        wait_timeout: float = DEFAULTS.wait_timeout,
-        poll_interval: float = DEFAULTS.poll_interval,
         token_counter: Callable[[Any], Any] | bool | None = None,
         log_prefix: str = "diloco/",
-        claim_ttl: float | None = DEFAULTS.claim_ttl,
-        final_install: bool = DEFAULTS.final_install,
-        final_wait: float | None = DEFAULTS.final_wait,
-        wait_for_hub: bool = DEFAULTS.wait_for_hub,
         verbose: bool = True,
         seed_per_node: bool = True,
+        **option_values: Any,
     ) -> None:
         super().__init__()
         self._first_step_seen = False  # the first training step of this fit (a timeline mark)
+        opts = adapter_options(inner_steps, options, option_values)
         check_connection(hub, hub_options, signing_key)
-        self.node_id, self.delay, self.options, self.pacing = check_worker_args(
-            node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
-            dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
-            topk_values=topk_values, topk_chunk=topk_chunk, error_feedback=error_feedback,
-            error_feedback_decay=error_feedback_decay, fragments=fragments,
-            rebase=rebase, lookahead=lookahead, reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout,
-            poll_interval=poll_interval,
-            claim_ttl=claim_ttl, final_install=final_install, final_wait=final_wait, wait_for_hub=wait_for_hub,
-        )
+        self.node_id, self.delay, self.options, self.pacing = check_worker_args(node_id, node_index, opts)
         if not (token_counter is None or token_counter is False or callable(token_counter)):
             raise ValueError(f"DiLoCo: token_counter must be None, False or a callable, got {token_counter!r}")
         if not isinstance(log_prefix, str):

@@ -64,7 +64,7 @@ from diloco_lightning.worker.claim import ClaimKeeper
 from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.install import Installer
 from diloco_lightning.worker.modes import AsyncMode, LockstepMode
-from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, WorkerOptions, parse_delta_dtype
+from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, WorkerOptions, parse_delta_dtype, takes_options
 from diloco_lightning.worker.pacing import Pacing
 from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.params import LocalModel, module_state, snapshot
@@ -122,6 +122,7 @@ class DiLoCoWorker:
     naming the option).
     """
 
+    @takes_options
     def __init__(
         self,
         hub: Hub | str | os.PathLike,
