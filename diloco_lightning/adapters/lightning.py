@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -84,8 +83,9 @@ from diloco_lightning.adapters.shared import (
     sent_text,
     seed_this_node,
     run_on_rank0,
-    sum_tokens_over_ranks,
-)
+    )
+from diloco_lightning.adapters.skip_ahead import skip_ahead
+from diloco_lightning.adapters.tokens import PhaseTokens, count_tokens
 from diloco_lightning.worker.core import DiLoCoWorker
 from diloco_lightning.worker.options import WorkerOptions, takes_options
 from diloco_lightning.worker.params import module_state
@@ -100,23 +100,6 @@ CHECKPOINT_KEY = "diloco_worker"
 #: seen), megabytes sent in all
 BAR_NAMES = ("outer_step", "stale", "sent_MB")
 _SHARDED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
-
-
-def count_tokens(batch: Any) -> int | torch.Tensor | None:
-    """Tokens in a batch, guessed: ``attention_mask`` summed, else ``input_ids`` (a mapping key,
-    or the first element of a tuple/list) counted; an integer tensor counts its elements.
-    None when the batch holds no token ids (the delta header then has no ``num_tokens``)."""
-    if isinstance(batch, Mapping):
-        mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
-            return mask.sum()
-        ids = batch.get("input_ids")
-        return ids.numel() if isinstance(ids, torch.Tensor) else None
-    if isinstance(batch, (tuple, list)) and batch:
-        return count_tokens(batch[0])
-    if isinstance(batch, torch.Tensor) and not batch.is_floating_point() and not batch.is_complex():
-        return batch.numel()
-    return None
 
 
 class DiLoCo(Callback):
@@ -178,8 +161,7 @@ class DiLoCo(Callback):
         opts = adapter_options(inner_steps, options, option_values)
         check_connection(hub, hub_options, signing_key)
         self.node_id, self.delay, self.options, self.pacing = check_worker_args(node_id, node_index, opts)
-        if not (token_counter is None or token_counter is False or callable(token_counter)):
-            raise ValueError(f"DiLoCo: token_counter must be None, False or a callable, got {token_counter!r}")
+        self._tokens = PhaseTokens(token_counter)  # the phase's tokens, in the delta header
         if not isinstance(log_prefix, str):
             raise ValueError(f"DiLoCo: log_prefix must be a string, got {log_prefix!r}")
         self.hub = hub
@@ -190,7 +172,6 @@ class DiLoCo(Callback):
         self.create, self.seed_per_node = create, seed_per_node
         self._start = WorkerStart(hub, self.node_id, self.options, self.pacing, node_index=node_index,
                                   hub_options=hub_options, signing_key=signing_key, create=create)
-        self.token_counter = token_counter
         self.log_prefix = log_prefix
         self.verbose = bool(verbose)
         if self.verbose:
@@ -205,7 +186,6 @@ class DiLoCo(Callback):
         self._restored_sync_step: int | None = None
         self._restored_counters: dict[str, Any] | None = None
         self._restored_anchor: dict[str, Any] | None = None
-        self._tokens: int | torch.Tensor | None = 0
         self._loss = PhaseLoss()  # the phase's mean training loss goes in the heartbeat
         self._params: dict[str, torch.Tensor] | None = None
 
@@ -335,7 +315,7 @@ class DiLoCo(Callback):
         restored, self._restored_sync_step = self._restored_sync_step, None
         self._last_synced_step = trainer.global_step if restored is None else restored
         self._last_seen_step = trainer.global_step
-        self._tokens = 0
+        self._tokens.reset()
 
         def start() -> tuple[bool, int]:
             if self.worker is not None:
@@ -366,32 +346,9 @@ class DiLoCo(Callback):
 
     def _skip_ahead(self, trainer: Trainer, pl_module: LightningModule, boundaries: int) -> None:
         """A restart without a checkpoint resumed at the hub's step (``boundaries`` phases its earlier
-        life delivered): move the trainer's step on by those phases, so it trains only what the run
-        still lacks (``max_steps`` counts the whole run, as after a checkpoint) instead of training
-        phases again whose work is already in the global it installed. Step-wise LR schedulers are
-        stepped on as many times. The data loader starts over (no checkpoint holds its position).
-        With Dynamic Local Updates the phases' lengths are not known: each counts as the nominal H."""
-        h = self.pacing.fixed if self.pacing.fixed is not None else self.pacing.inner_steps
-        if not h:
+        life delivered): the trainer moves on by those phases (``adapters/skip_ahead.py``)."""
+        if not skip_ahead(trainer, pl_module, self.pacing, boundaries):
             return
-        per = max(1, h // self.pacing.fragments)
-        skip = boundaries * per - trainer.global_step
-        if skip <= 0:
-            return
-        loop = trainer.fit_loop.epoch_loop
-        if pl_module.automatic_optimization:
-            total = loop.automatic_optimization.optim_progress.optimizer.step.total
-        else:
-            total = loop.manual_optimization.optim_step_progress.total
-        total.ready += skip
-        total.completed += skip
-        loop._batches_that_stepped += skip
-        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose here
-            warnings.simplefilter("ignore")
-            for config in trainer.lr_scheduler_configs:
-                if config.interval == "step" and not config.reduce_on_plateau:  # a plateau's step needs a metric
-                    for _ in range(skip // max(1, int(config.frequency or 1))):
-                        config.scheduler.step()  # type: ignore[call-arg]
         self._last_synced_step = self._last_seen_step = trainer.global_step
         if trainer.is_global_zero:
             log.warning("DiLoCo %s: restarted without a checkpoint; the hub has this node's first %d phase(s): the "
@@ -400,25 +357,6 @@ class DiLoCo(Callback):
 
     # ------------------------------------------------------------------ boundaries
 
-    def _count(self, batch: Any) -> None:
-        if self.token_counter is False or self._tokens is None:
-            return
-        n = self.token_counter(batch) if callable(self.token_counter) else count_tokens(batch)
-        if n is None:
-            self._tokens = None
-        else:
-            self._tokens = self._tokens + (n.detach() if isinstance(n, torch.Tensor) else int(n))
-
-    def _take_tokens(self, trainer: Trainer) -> int | None:
-        tokens, self._tokens = self._tokens, 0
-        if self.token_counter is False:
-            return None
-        if trainer.world_size > 1:
-            return sum_tokens_over_ranks(
-                tokens, trainer.strategy.root_device, lambda t: trainer.strategy.reduce(t, reduce_op="sum")
-            )
-        return None if tokens is None else int(tokens)
-
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -426,7 +364,7 @@ class DiLoCo(Callback):
         if not self._first_step_seen:
             self._first_step_seen = True
             timeline.mark("first_step")
-        self._count(batch)
+        self._tokens.add(batch)
         self._loss.add(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
         step = trainer.global_step
         if self._last_seen_step is None or step > self._last_seen_step:  # an optimizer step, not an accumulation
@@ -437,7 +375,8 @@ class DiLoCo(Callback):
             self._log_bar(pl_module)
             return
         self._last_synced_step = step
-        tokens = self._take_tokens(trainer)
+        tokens = self._tokens.take(trainer.world_size, trainer.strategy.root_device,
+                                   lambda t: trainer.strategy.reduce(t, reduce_op="sum"))
         loss = self._loss.take()
 
         worker = self.worker  # rank 0's (None on the other ranks, which never call boundary())
