@@ -43,20 +43,8 @@ import torch
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.adapters.shared import (
-    SIGTERM_EXIT,
-    SIGTERM_FLUSH_SECONDS,
-    SigtermWatch,
-    broadcast_params,
-    WorkerStart,
-    adapter_options,
-    check_connection,
-    check_worker_args,
-    PhaseLoss,
-    ensure_console_logging,
-    sent_text,
-    seed_this_node,
-    run_on_rank0,
-    sum_tokens_over_ranks,
+    SIGTERM_EXIT, SIGTERM_FLUSH_SECONDS, SigtermWatch, broadcast_params, WorkerStart, adapter_options, PhaseLoss,
+    ensure_console_logging, sent_text, seed_this_node, run_on_rank0, sum_tokens_over_ranks
 )
 from diloco_lightning.worker.core import BoundaryResult, DiLoCoWorker
 from diloco_lightning.worker.options import WorkerOptions, takes_options
@@ -111,9 +99,10 @@ class DiLoCo:
         seed_per_node: bool = True,
         **option_values: Any,
     ) -> None:
-        self.node_id, self.delay, self.options, self.pacing = check_worker_args(
-            node_id, node_index, adapter_options(inner_steps, options, option_values))
-        check_connection(hub, hub_options, signing_key)
+        self._start = WorkerStart(hub, node_id, adapter_options(inner_steps, options, option_values),
+                                  node_index=node_index, hub_options=hub_options, signing_key=signing_key, create=create)
+        start = self._start
+        self.node_id, self.delay, self.options, self.pacing = start.node_id, start.delay, start.options, start.pacing
         if self.options.reset_inner_optimizer and optimizer is None:
             raise ValueError("DiLoCo: reset_inner_optimizer=True needs optimizer= (the optimizer(s) to reset)")
         if log_fn is not None and not callable(log_fn):
@@ -127,13 +116,9 @@ class DiLoCo:
         self.accelerator = accelerator
         self.model = model
         self.hub = hub
-        self._start = WorkerStart(hub, self.node_id, self.options, self.pacing, node_index=node_index,
-                                  hub_options=hub_options, signing_key=signing_key, create=create)
         self.enabled = bool(enabled)
         self.optimizers = [] if optimizer is None else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
         self.log_fn = log_fn
-        if not isinstance(create, bool):
-            raise ValueError(f"DiLoCo: create must be True or False, got {create!r}")
         if not isinstance(seed_per_node, bool):
             raise ValueError(f"DiLoCo: seed_per_node must be True or False, got {seed_per_node!r}")
         self.create, self.seed_per_node = create, seed_per_node
@@ -141,7 +126,7 @@ class DiLoCo:
         self._loss = PhaseLoss()
         if self.verbose:
             ensure_console_logging()
-        self._sigterm = SigtermWatch(self._on_sigterm)
+        self._sigterm = SigtermWatch(self._start.request_stop)
         self.num_steps = 0
         self._last_boundary = 0  # num_steps at the last boundary
         self.worker: DiLoCoWorker | None = None
@@ -187,11 +172,6 @@ class DiLoCo:
                 inner.state.clear()
 
     # ------------------------------------------------------------------ SIGTERM
-
-    def _on_sigterm(self) -> None:
-        worker = self._start.worker  # the one starting, too (a wait for the master at start)
-        if worker is not None:
-            worker.request_stop()
 
     def _exit_on_sigterm(self, why: str) -> None:
         log.warning("DiLoCo %s: %s (SIGTERM); uploading what is pending (at most %g s), then exiting with status %d",

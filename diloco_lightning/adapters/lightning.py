@@ -70,20 +70,9 @@ from diloco_lightning.util import timeline
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.adapters.shared import (
-    SIGTERM_EXIT,
-    SIGTERM_FLUSH_SECONDS,
-    SigtermWatch,
-    broadcast_params,
-    WorkerStart,
-    adapter_options,
-    check_connection,
-    check_worker_args,
-    PhaseLoss,
-    ensure_console_logging,
-    sent_text,
-    seed_this_node,
-    run_on_rank0,
-    )
+    SIGTERM_EXIT, SIGTERM_FLUSH_SECONDS, SigtermWatch, broadcast_params, WorkerStart, adapter_options, PhaseLoss,
+    ensure_console_logging, sent_text, seed_this_node, run_on_rank0
+)
 from diloco_lightning.adapters.skip_ahead import skip_ahead
 from diloco_lightning.adapters.tokens import PhaseTokens, count_tokens
 from diloco_lightning.worker.core import DiLoCoWorker
@@ -158,25 +147,22 @@ class DiLoCo(Callback):
     ) -> None:
         super().__init__()
         self._first_step_seen = False  # the first training step of this fit (a timeline mark)
-        opts = adapter_options(inner_steps, options, option_values)
-        check_connection(hub, hub_options, signing_key)
-        self.node_id, self.delay, self.options, self.pacing = check_worker_args(node_id, node_index, opts)
+        self._start = WorkerStart(hub, node_id, adapter_options(inner_steps, options, option_values),
+                                  node_index=node_index, hub_options=hub_options, signing_key=signing_key, create=create)
+        start = self._start
+        self.node_id, self.delay, self.options, self.pacing = start.node_id, start.delay, start.options, start.pacing
         self._tokens = PhaseTokens(token_counter)  # the phase's tokens, in the delta header
         if not isinstance(log_prefix, str):
             raise ValueError(f"DiLoCo: log_prefix must be a string, got {log_prefix!r}")
         self.hub = hub
-        if not isinstance(create, bool):
-            raise ValueError(f"DiLoCo: create must be True or False, got {create!r}")
         if not isinstance(seed_per_node, bool):
             raise ValueError(f"DiLoCo: seed_per_node must be True or False, got {seed_per_node!r}")
         self.create, self.seed_per_node = create, seed_per_node
-        self._start = WorkerStart(hub, self.node_id, self.options, self.pacing, node_index=node_index,
-                                  hub_options=hub_options, signing_key=signing_key, create=create)
         self.log_prefix = log_prefix
         self.verbose = bool(verbose)
         if self.verbose:
             ensure_console_logging()
-        self._sigterm = SigtermWatch(self._on_sigterm)
+        self._sigterm = SigtermWatch(self._start.request_stop)
         self._bar: dict[str, float] = {}
 
         self.worker: DiLoCoWorker | None = None
@@ -271,11 +257,6 @@ class DiLoCo(Callback):
         if self.options.reset_inner_optimizer:
             for opt in trainer.optimizers:
                 opt.state.clear()
-
-    def _on_sigterm(self) -> None:
-        worker = self._start.worker  # the one starting, too (a wait for the master at start)
-        if worker is not None:
-            worker.request_stop()
 
     def _stopped(self, e: WorkerStopped) -> SIGTERMException:
         log.warning("%s (SIGTERM)", e)

@@ -249,19 +249,30 @@ def check_worker_args(node_id: Any, node_index: int | None,
 
 
 class WorkerStart:
-    """How both adapters start their worker (on rank 0): make the :class:`DiLoCoWorker` (kept in
-    :attr:`worker` before it starts, so SIGTERM can stop its waits), restore a checkpoint's counters
-    and anchor, and start it."""
+    """How both adapters make and start their worker (on rank 0): their common arguments checked
+    (:func:`check_connection`, ``create``, :func:`check_worker_args`: :attr:`node_id`, :attr:`delay`,
+    :attr:`options`, :attr:`pacing`), then at :meth:`start` the :class:`DiLoCoWorker` made (kept in
+    :attr:`worker` before it starts, so SIGTERM can stop its waits: :meth:`request_stop`), a
+    checkpoint's counters and anchor restored, and the worker started."""
 
-    def __init__(self, hub: Any, node_id: str, options: WorkerOptions, pacing: Pacing, *, node_index: int | None,
+    def __init__(self, hub: Any, node_id: Any, options: WorkerOptions, *, node_index: int | None,
                  hub_options: Mapping[str, Any] | None, signing_key: RunKey | str | bytes | None,
                  create: bool = False) -> None:
-        self.hub, self.node_id, self.options, self.pacing = hub, node_id, options, pacing
+        check_connection(hub, hub_options, signing_key)
+        if not isinstance(create, bool):
+            raise ValueError(f"DiLoCo: create must be True or False, got {create!r}")
+        self.node_id, self.delay, self.options, self.pacing = check_worker_args(node_id, node_index, options)
+        self.hub = hub
         self.node_index = node_index
         self.hub_options = dict(hub_options or {})
         self.create = create  # a hub that does not exist is an error unless asked (open_worker_hub)
         self.signing_key = signing_key
         self.worker: DiLoCoWorker | None = None
+
+    def request_stop(self) -> None:
+        """SIGTERM: end every wait of the worker (the one starting, too: a wait for the master at start)."""
+        if self.worker is not None:
+            self.worker.request_stop()
 
     def start(self, params: dict[str, torch.Tensor], *, stop: bool, counters: Mapping[str, Any] | None,
               anchor: Mapping[str, Any] | None, stopped: Callable[[], bool] | None = None) -> InstallResult | None:
