@@ -1,8 +1,9 @@
 """A worker's options: one definition (:class:`WorkerOptions`), one validation.
 
 The Lightning callback, the Accelerate adapter and :class:`~diloco_lightning.worker.DiLoCoWorker`
-take them as keywords; ``train.py`` composes the same fields into its ``diloco`` section
-(``diloco_lightning.app.config``) with the help text written here. The lists of choices
+take them whole (``options=WorkerOptions(...)``) or as keywords (:meth:`WorkerOptions.given`, the
+signature generated from the fields by :func:`takes_options`); ``train.py`` composes the same fields
+into its ``diloco`` section (``diloco_lightning.app.config``) with the help text written here. The lists of choices
 (:data:`SYNC_MODES`, :data:`DELTA_DTYPES`) live here and nowhere else.
 
 ``delta_dtype`` names the pseudo-gradient's encoding on the wire (``diloco_lightning/encoding/codec.py``,
