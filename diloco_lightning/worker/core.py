@@ -95,12 +95,10 @@ class DiLoCoWorker:
         node_id: this worker's name on the hub (``[A-Za-z0-9._-]``, 1-64 characters).
         params: ``name -> tensor`` to sync and install into (use :func:`module_state`); the
             floating ones travel in deltas, integer buffers are only installed.
-        options: the worker's :class:`~diloco_lightning.worker.options.WorkerOptions` (``sync``,
-            ``delay``, ``delta_dtype``, ``topk``, ``topk_values``, ``topk_chunk``, ``error_feedback``,
-            ``error_feedback_decay``, ``fragments``, ``wait_timeout``, ``poll_interval``, ``claim_ttl``
-            ...: each one's
-            meaning and default is written there). Instead of ``options``, the same names may be
-            given as keywords (``DiLoCoWorker(hub, "w0", params, sync="lockstep", delay=2)``).
+        options: the worker's :class:`~diloco_lightning.worker.options.WorkerOptions`, passed whole
+            (each option's meaning and default is written there). Instead of ``options``, its fields
+            may be given as keywords (``DiLoCoWorker(hub, "w0", params, sync="lockstep", delay=2)``;
+            the signature lists them, an unknown one is a ``TypeError`` naming the valid ones).
         node_index: this worker's index for a list/distribution ``delay`` (default: the number
             ending ``node_id``).
         signing_key: a :class:`~diloco_lightning.wire.signing.RunKey`, key text/bytes, or None to
