@@ -175,6 +175,10 @@ def test_accelerate_disabled_and_validation(tmp_path):
         args.update(kwargs)
         with pytest.raises(ValueError, match=name):
             DiLoCo(acc, model, **args)
+    from diloco_lightning.worker.options import WorkerOptions  # the options whole: the same worker
+
+    whole = DiLoCo(acc, model, tmp_path / "hub", "w0", options=WorkerOptions(inner_steps=2, sync="lockstep"), enabled=False)
+    assert whole.options == DiLoCo(acc, model, tmp_path / "hub", "w0", 2, sync="lockstep", enabled=False).options
 
 
 def test_accelerate_fragments_one_argument_equals_plain_training(tmp_path):

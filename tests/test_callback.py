@@ -376,6 +376,19 @@ def test_arguments_are_validated_with_their_names(tmp_path):
     DiLoCo(**ok, sync="lockstep", delay={"distribution": "uniform", "high": 4}, node_index=2)
 
 
+def test_the_options_are_one_object_passed_whole(tmp_path):
+    from diloco_lightning.worker.options import WorkerOptions
+
+    opts = WorkerOptions(inner_steps=4, sync="lockstep", delay=1, delta_dtype="bf16")
+    cb = DiLoCo(str(tmp_path / "hub"), "w0", options=opts)
+    assert cb.options == DiLoCo(str(tmp_path / "hub"), "w0", 4, sync="lockstep", delay=1, delta_dtype="bf16").options
+    assert cb.options.delta_dtype == "bfloat16" and opts.delta_dtype == "bf16"  # the caller's object is not changed
+    with pytest.raises(TypeError, match="either options= or option keywords"):
+        DiLoCo(str(tmp_path / "hub"), "w0", options=opts, sync="async")
+    with pytest.raises(ValueError, match="sync"):
+        DiLoCo(str(tmp_path / "hub"), "w0", options=WorkerOptions(sync="eventually"))
+
+
 def test_sharded_strategies_are_refused():
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 

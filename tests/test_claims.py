@@ -213,7 +213,7 @@ def test_two_workers_with_one_node_id_are_never_merged(tmp_path):
     with pytest.raises(NodeIdTakenError, match="node_id 'w0' is already running"):
         b.start()
     b.close()
-    assert FileHub(root).read_claim("w0").holder == a._claim_keeper.holder  # b did not disturb a's claim
+    assert FileHub(root).read_claim("w0").holder == a.heartbeat.keeper.holder  # b did not disturb a's claim
     params["w"] += 1.0
     a.boundary()
     assert a.flush(timeout=10)

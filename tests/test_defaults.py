@@ -64,8 +64,14 @@ def test_the_adapters_show_the_library_defaults(adapter):
     names = set(WorkerOptions.names())
     shown = {n: p.default for n, p in sig.parameters.items() if n in names}
     assert set(shown) == names  # every option is a keyword of the adapter
-    assert shown.pop("inner_steps") is inspect.Parameter.empty  # DiLoCo(hub, node_id, inner_steps): required
+    # DiLoCo(hub, node_id, inner_steps): required, unless the options are given whole (options=WorkerOptions(...))
+    assert shown.pop("inner_steps") is None and sig.parameters["options"].default is None
     assert shown == {n: default_of(WorkerOptions, n) for n in shown}
+    args = (object(), object(), "hub") if "accelerate" in adapter else ("hub",)
+    with pytest.raises(TypeError, match="inner_steps"):
+        importlib.import_module(adapter).DiLoCo(*args, node_id="w0")
+    with pytest.raises(TypeError, match="valid: .*inner_steps"):  # an unknown keyword names the valid ones
+        importlib.import_module(adapter).DiLoCo(*args, node_id="w0", inner_step=4)
 
 
 def _yaml_options(path: Path) -> dict[str, dict[str, Any]]:

@@ -198,7 +198,7 @@ def test_a_nested_claim_is_ignored_and_never_hides_the_others(transport, tmp_pat
     params = {"w": torch.nn.Parameter(torch.zeros(4))}
     w = DiLoCoWorker(transport.open("victim"), "victim", params, poll_interval=0.01, wait_timeout=20)
     w.start()  # claims its id over the unreadable file
-    assert transport.open("reader2").read_claim("victim").holder == w._claim_keeper.holder
+    assert transport.open("reader2").read_claim("victim").holder == w.heartbeat.keeper.holder
     w.close()
     m.close()
 
@@ -234,7 +234,7 @@ def test_claims_are_signed_in_a_signed_run_and_forged_ones_are_no_claim(transpor
                      poll_interval=0.01, wait_timeout=20)
     w.start()  # the forged claim on w0 is no claim: taken over
     claim = transport.open("reader").read_claim("w0")
-    assert claim.holder == w._claim_keeper.holder and claim.signature is not None and claim.verify(key)
+    assert claim.holder == w.heartbeat.keeper.holder and claim.signature is not None and claim.verify(key)
     m.membership.refresh(force=True)
     assert m.membership.live() == ["w0"]  # the ghost is not a node of this run
     w.close()
@@ -290,7 +290,7 @@ def test_a_worker_whose_claim_vanished_or_was_overwritten_claims_it_again(transp
     params = {"w": torch.nn.Parameter(torch.zeros(4))}
     w = DiLoCoWorker(transport.open("w0"), "w0", params, poll_interval=0.01, wait_timeout=20, claim_ttl=600)
     w.start()
-    keeper = w._claim_keeper
+    keeper = w.heartbeat.keeper
     reader = transport.open("reader")
     transport.delete("nodes/w0/claim.json")
     assert keeper.renew() and reader.read_claim("w0").holder == keeper.holder  # vanished: claimed again

@@ -227,11 +227,11 @@ def test_a_429_on_a_worker_upload_holds_its_deltas_until_retry_after(server, tmp
     w, params = _worker(_open(server, tmp_path, "w0"), "w0")
     # a first phase before the 429: its boundary sends the worker's first heartbeat at once (a claim
     # commit from another thread, which may already be on its way when the 429 is answered)
-    first = w._claim_keeper.claim.renewed_at
+    first = w.heartbeat.keeper.claim.renewed_at
     _phase(w, params, 2.0)
     assert w.flush()
     deadline = time.monotonic() + 30
-    while w._claim_keeper.claim.renewed_at == first and time.monotonic() < deadline:
+    while w.heartbeat.keeper.claim.renewed_at == first and time.monotonic() < deadline:
         time.sleep(0.01)
     server.reset_log()
     server.inject("commit", 429, count=1, headers={"Retry-After": _retry_after_header(kind, 1)})

@@ -43,12 +43,12 @@ def test_fractional_quorum_deadline_and_dylu_follow_the_claims(transport, tmp_pa
     b, pb = _worker(transport, "b")
     c, pc = _worker(transport, "c")
     for w, rate in ((b, 8.0), (c, 4.0)):  # what their heartbeats report
-        w._claim_keeper.set_info({"step_rate": rate, "inner_steps": 16})
-        assert w._claim_keeper.renew()
+        w.heartbeat.keeper.set_info({"step_rate": rate, "inner_steps": 16})
+        assert w.heartbeat.keeper.renew()
 
     # DyLU: a reads its peers' speeds from their claims, on this layout
-    a._claim_keeper._read_peers()
-    reports = a._claim_keeper.peer_reports()
+    a.heartbeat.keeper._read_peers()
+    reports = a.heartbeat.keeper.peer_reports()
     assert {n: r.step_rate for n, r in reports.items()} == {"b": 8.0, "c": 4.0}
 
     # membership and the fractional quorum: 3 live nodes, a round waits for all 3

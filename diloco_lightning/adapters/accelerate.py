@@ -43,22 +43,11 @@ import torch
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.adapters.shared import (
-    SIGTERM_EXIT,
-    SIGTERM_FLUSH_SECONDS,
-    SigtermWatch,
-    broadcast_params,
-    WorkerStart,
-    check_connection,
-    check_worker_args,
-    PhaseLoss,
-    ensure_console_logging,
-    sent_text,
-    seed_this_node,
-    run_on_rank0,
-    sum_tokens_over_ranks,
+    SIGTERM_EXIT, SIGTERM_FLUSH_SECONDS, SigtermWatch, broadcast_params, WorkerStart, adapter_options, PhaseLoss,
+    ensure_console_logging, sent_text, seed_this_node, run_on_rank0, sum_tokens_over_ranks
 )
 from diloco_lightning.worker.core import BoundaryResult, DiLoCoWorker
-from diloco_lightning.worker.options import DEFAULTS
+from diloco_lightning.worker.options import WorkerOptions, takes_options
 from diloco_lightning.worker.params import module_state
 from diloco_lightning.worker.sync import WorkerStopped
 
@@ -75,76 +64,46 @@ class DiLoCo:
     Args:
         accelerator: the ``accelerate.Accelerator``.
         model: the prepared model (it is unwrapped to find the tensors).
-        hub, node_id, inner_steps, dylu_steps, dylu_min_steps, dylu_seconds, throttle, sync, delay,
-            node_index, delta_dtype, topk, topk_values, topk_chunk, error_feedback, error_feedback_decay, fragments,
-            rebase, hub_options, create, signing_key,
-            wait_timeout, poll_interval: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback).
+        hub, node_id, inner_steps, options, **option_values, node_index, hub_options, create,
+            signing_key: as for :class:`diloco_lightning.DiLoCo` (the Lightning callback): the worker's
+            :class:`~diloco_lightning.worker.options.WorkerOptions` passed whole (``options=``) or as
+            keywords (``inner_steps=500, sync="lockstep"`` ...), each one's meaning written there. At
+            the end of the ``with`` block (:meth:`finish`), ``final_install`` installs the newest
+            global version holding the last delta.
         optimizer: the optimizer(s) whose state ``reset_inner_optimizer`` clears after an install.
-        reset_inner_optimizer: clear the inner optimizer state after each install (default False).
         enabled: False makes every call a no-op (like ``LocalSGD(enabled=False)``).
         log_fn: called on the main process with each boundary's metrics dict (e.g. ``accelerator.log``).
-        claim_ttl: seconds this node's claim on its id lives without a heartbeat (None: 60 on a
-            folder hub, 900 on ``hf://``).
-        final_install, final_wait, wait_for_hub: as for the Lightning callback: at the end of the
-            ``with`` block (:meth:`finish`) install the newest global version holding the last delta,
-            waiting at most ``final_wait`` (None: ``wait_timeout``); wait for a hub that does not
-            exist yet.
         verbose: print a line per sync and while waiting (main process); False: quiet.
         seed_per_node: reseed from the process's seed and ``node_id`` at :meth:`start`, as the
             Lightning callback does at the start of ``fit`` (default True).
     """
 
+    @takes_options
     def __init__(
         self,
         accelerator: Any,
         model: torch.nn.Module,
         hub: str | os.PathLike | Hub,
         node_id: str,
-        inner_steps: int | str,
+        inner_steps: int | str | None = None,
         *,
-        dylu_steps: int = DEFAULTS.dylu_steps,
-        dylu_min_steps: int | None = DEFAULTS.dylu_min_steps,
-        dylu_seconds: float | None = DEFAULTS.dylu_seconds,
-        throttle: Any = DEFAULTS.throttle,
-        sync: str = DEFAULTS.sync,
-        delay: Any = DEFAULTS.delay,
+        options: WorkerOptions | None = None,
         node_index: int | None = None,
-        delta_dtype: str | torch.dtype = DEFAULTS.delta_dtype,
-        topk: float = DEFAULTS.topk,
-        topk_values: str | None = DEFAULTS.topk_values,
-        topk_chunk: int = DEFAULTS.topk_chunk,
-        error_feedback: bool | None = DEFAULTS.error_feedback,
-        error_feedback_decay: float = DEFAULTS.error_feedback_decay,
-        fragments: int | list | None = DEFAULTS.fragments,
         optimizer: Any = None,
-        rebase: bool = DEFAULTS.rebase,
-        lookahead: bool = DEFAULTS.lookahead,
-        reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
         create: bool = False,
         signing_key: RunKey | str | bytes | None = None,
-        wait_timeout: float = DEFAULTS.wait_timeout,
-        poll_interval: float = DEFAULTS.poll_interval,
         enabled: bool = True,
         log_fn: Callable[[dict[str, float]], Any] | None = None,
-        claim_ttl: float | None = DEFAULTS.claim_ttl,
-        final_install: bool = DEFAULTS.final_install,
-        final_wait: float | None = DEFAULTS.final_wait,
-        wait_for_hub: bool = DEFAULTS.wait_for_hub,
         verbose: bool = True,
         seed_per_node: bool = True,
+        **option_values: Any,
     ) -> None:
-        self.node_id, self.delay, self.options, self.pacing = check_worker_args(
-            node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
-            dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
-            topk_values=topk_values, topk_chunk=topk_chunk, error_feedback=error_feedback,
-            error_feedback_decay=error_feedback_decay, fragments=fragments,
-            rebase=rebase, lookahead=lookahead, reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout,
-            poll_interval=poll_interval,
-            claim_ttl=claim_ttl, final_install=final_install, final_wait=final_wait, wait_for_hub=wait_for_hub,
-        )
-        check_connection(hub, hub_options, signing_key)
-        if reset_inner_optimizer and optimizer is None:
+        self._start = WorkerStart(hub, node_id, adapter_options(inner_steps, options, option_values),
+                                  node_index=node_index, hub_options=hub_options, signing_key=signing_key, create=create)
+        start = self._start
+        self.node_id, self.delay, self.options, self.pacing = start.node_id, start.delay, start.options, start.pacing
+        if self.options.reset_inner_optimizer and optimizer is None:
             raise ValueError("DiLoCo: reset_inner_optimizer=True needs optimizer= (the optimizer(s) to reset)")
         if log_fn is not None and not callable(log_fn):
             raise ValueError("DiLoCo: log_fn must be callable or None")
@@ -157,13 +116,9 @@ class DiLoCo:
         self.accelerator = accelerator
         self.model = model
         self.hub = hub
-        self._start = WorkerStart(hub, self.node_id, self.options, self.pacing, node_index=node_index,
-                                  hub_options=hub_options, signing_key=signing_key, create=create)
         self.enabled = bool(enabled)
         self.optimizers = [] if optimizer is None else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
         self.log_fn = log_fn
-        if not isinstance(create, bool):
-            raise ValueError(f"DiLoCo: create must be True or False, got {create!r}")
         if not isinstance(seed_per_node, bool):
             raise ValueError(f"DiLoCo: seed_per_node must be True or False, got {seed_per_node!r}")
         self.create, self.seed_per_node = create, seed_per_node
@@ -171,7 +126,7 @@ class DiLoCo:
         self._loss = PhaseLoss()
         if self.verbose:
             ensure_console_logging()
-        self._sigterm = SigtermWatch(self._on_sigterm)
+        self._sigterm = SigtermWatch(self._start.request_stop)
         self.num_steps = 0
         self._last_boundary = 0  # num_steps at the last boundary
         self.worker: DiLoCoWorker | None = None
@@ -217,11 +172,6 @@ class DiLoCo:
                 inner.state.clear()
 
     # ------------------------------------------------------------------ SIGTERM
-
-    def _on_sigterm(self) -> None:
-        worker = self._start.worker  # the one starting, too (a wait for the master at start)
-        if worker is not None:
-            worker.request_stop()
 
     def _exit_on_sigterm(self, why: str) -> None:
         log.warning("DiLoCo %s: %s (SIGTERM); uploading what is pending (at most %g s), then exiting with status %d",

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -71,22 +70,13 @@ from diloco_lightning.util import timeline
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.wire.signing import RunKey
 from diloco_lightning.adapters.shared import (
-    SIGTERM_EXIT,
-    SIGTERM_FLUSH_SECONDS,
-    SigtermWatch,
-    broadcast_params,
-    WorkerStart,
-    check_connection,
-    check_worker_args,
-    PhaseLoss,
-    ensure_console_logging,
-    sent_text,
-    seed_this_node,
-    run_on_rank0,
-    sum_tokens_over_ranks,
+    SIGTERM_EXIT, SIGTERM_FLUSH_SECONDS, SigtermWatch, broadcast_params, WorkerStart, adapter_options, PhaseLoss,
+    ensure_console_logging, sent_text, seed_this_node, run_on_rank0
 )
+from diloco_lightning.adapters.skip_ahead import skip_ahead
+from diloco_lightning.adapters.tokens import PhaseTokens, count_tokens
 from diloco_lightning.worker.core import DiLoCoWorker
-from diloco_lightning.worker.options import DEFAULTS
+from diloco_lightning.worker.options import WorkerOptions, takes_options
 from diloco_lightning.worker.params import module_state
 from diloco_lightning.worker.sync import WorkerStopped
 
@@ -101,23 +91,6 @@ BAR_NAMES = ("outer_step", "stale", "sent_MB")
 _SHARDED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
 
 
-def count_tokens(batch: Any) -> int | torch.Tensor | None:
-    """Tokens in a batch, guessed: ``attention_mask`` summed, else ``input_ids`` (a mapping key,
-    or the first element of a tuple/list) counted; an integer tensor counts its elements.
-    None when the batch holds no token ids (the delta header then has no ``num_tokens``)."""
-    if isinstance(batch, Mapping):
-        mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
-            return mask.sum()
-        ids = batch.get("input_ids")
-        return ids.numel() if isinstance(ids, torch.Tensor) else None
-    if isinstance(batch, (tuple, list)) and batch:
-        return count_tokens(batch[0])
-    if isinstance(batch, torch.Tensor) and not batch.is_floating_point() and not batch.is_complex():
-        return batch.numel()
-    return None
-
-
 class DiLoCo(Callback):
     """Asynchronous DiLoCo worker as a Lightning callback (see the module docstring).
 
@@ -125,65 +98,25 @@ class DiLoCo(Callback):
         hub: ``"file:///abs/path"``, a plain path, ``"hf://org/repo"``, or an open
             :class:`~diloco_lightning.hub.Hub`.
         node_id: this worker's name on the hub (1-64 characters of ``[A-Za-z0-9._-]``).
-        inner_steps: H, optimizer steps between two exports, or ``"auto"`` (Dynamic Local Updates).
-        dylu_steps, dylu_min_steps, dylu_seconds: with ``inner_steps="auto"``: the fastest worker's
-            H, the fewest steps of a phase (None: ``dylu_steps / 16``), or a target of seconds per
-            phase instead (:func:`~diloco_lightning.worker.pacing.dylu_inner_steps`).
-        throttle: seconds slept after each optimizer step (a number, or a per-worker list indexed
-            by ``node_index``): a test knob that makes this worker a straggler.
-        sync: ``"async"`` (default: install the newest version at each boundary, never wait)
-            or ``"lockstep"`` (at boundary r install exactly version ``r - delay``, waiting for it).
-        delay: lockstep delay: an int, a per-node list (indexed by ``node_index``), or a seeded
-            distribution ``{"distribution": "uniform", "low": 0, "high": 8, "seed": 0}`` /
-            ``{"distribution": "choice", "values": [...], "weights": [...], "seed": 0}``.
-        node_index: this worker's index for a list/distribution ``delay`` (default: the
-            number ending ``node_id``).
-        delta_dtype: the pseudo-gradient's encoding on the wire: ``"float32"`` (default),
-            ``"bfloat16"``, ``"float16"``, ``"int8"``, ``"int4"`` (blockwise absmax, 0.26x / 0.13x
-            the bytes of FP32), ``"topk"`` or ``"ctopk"`` (chunked top-k, SparseLoCo's: 1.6 % of
-            each chunk in 2 bits, 0.0071x) (``docs/encoding.md``).
-        topk: for ``delta_dtype="topk"``, the fraction of each tensor's entries sent (default
-            0.01); for ``"ctopk"``, of each chunk's.
-        topk_values: how the kept values are stored: ``"topk"``: ``"int8"`` (None: default) or
-            ``"int4"``; ``"ctopk"``: ``"int2"`` (None: default), ``"int8"``, ``"int4"`` or ``"sign"``.
-        topk_chunk: for ``delta_dtype="ctopk"``, values per chunk (a power of two, default 4096).
-        error_feedback: add what the encoding dropped to the next delta; None (default): on for
-            int8, int4, topk and ctopk, off for the float casts.
-        error_feedback_decay: SparseLoCo's beta: the residual is multiplied by it before it is
-            added to the next delta (default 1: nothing owed is forgotten).
-        fragments: Streaming DiLoCo (arXiv 2501.18512): ``F`` fragments (transformer block ``i`` in
-            fragment ``i mod F``, a large embedding or head split by rows among them;
-            ``diloco_lightning/wire/fragments.py``), or a list of parameter-name pattern groups. A
-            boundary then comes every ``inner_steps / F`` steps and sends one fragment's delta,
-            about ``1/F`` of the bytes. None or 1 (default): the whole model.
-        rebase: with ``sync="async"``, start each phase from the installed version minus this
-            worker's own deltas it does not contain yet, each times the factor the master applies
-            it with (``diloco_lightning/worker/rebase.py``), so the worker never relearns its last
-            phase. Lockstep workers and fragments do not use it.
-        lookahead: with ``rebase``, each own delta the installed version lacks stands for one
-            delta of every node (the eager update of arXiv 2502.12996; ``worker/rebase.py``).
-        reset_inner_optimizer: clear the inner optimizers' state after each install (default
-            False: keep it, as DiLoCo does).
+        inner_steps: H, optimizer steps between two exports, or ``"auto"`` (Dynamic Local Updates);
+            required unless ``options`` is given.
+        options: the worker's :class:`~diloco_lightning.worker.options.WorkerOptions`, passed whole
+            (``DiLoCo(hub, "w0", options=WorkerOptions(inner_steps=500, sync="lockstep"))``).
+        **option_values: instead of ``options``, any :class:`~diloco_lightning.worker.options.WorkerOptions`
+            field as a keyword (``sync``, ``delay``, ``delta_dtype``, ``topk``, ``fragments``, ``rebase``,
+            ``wait_timeout``, ``final_install`` ...: each one's meaning and default are written there, and
+            the signature lists them); an unknown one is a ``TypeError`` naming the valid ones.
+        node_index: this worker's index for a list/distribution ``delay`` or ``throttle`` (default:
+            the number ending ``node_id``).
         hub_options: options for ``open_hub`` (``token=``, ``endpoint=``, ``cache_dir=`` ...).
         create: create the hub (a folder, an ``hf://`` repository) if it does not exist. False
             (default): a hub that does not exist is an error naming the fix, the rule
             ``diloco-master`` follows, so a misspelt hub is never created and waited on.
         signing_key: run key for signed deltas; None takes ``DILOCO_RUN_KEY`` /
             ``DILOCO_RUN_KEY_FILE`` from the environment (unsigned when neither is set).
-        wait_timeout: seconds a blocking wait (bootstrap, lockstep, final flush, ``wait_for_hub``) may last.
-        final_install: at the end of ``fit``, install the newest global version that contains this
-            worker's last delta (default True: the module then holds the run's global weights, not
-            its worker's local ones; ``diloco_lightning/worker/final.py``). The local weights are
-            kept, with one line saying why, when the master is gone or the wait ends.
-        final_wait: seconds the end of ``fit`` waits for that version (None: ``wait_timeout``).
-        wait_for_hub: a hub that does not exist yet is waited for (at most ``wait_timeout``, one
-            line saying so) instead of refused, so workers may start before the master creates it.
-        poll_interval: seconds between manifest reads (waits, async prefetch).
         token_counter: ``None`` (guess with :func:`count_tokens`), ``False`` (no
             ``num_tokens`` in headers) or ``callable(batch) -> int | Tensor``.
         log_prefix: prefix of the logged metric names.
-        claim_ttl: seconds this node's claim on its id lives without a heartbeat (None: 60 on a
-            folder hub, 900 on ``hf://``).
         verbose: print a line per sync and while waiting (rank zero); False: quiet.
         seed_per_node: reseed ``torch``, ``random`` and ``numpy`` at the start of ``fit`` with a
             seed derived from the process's seed and ``node_id``
@@ -194,73 +127,42 @@ class DiLoCo(Callback):
             identical, and the master warns about it).
     """
 
+    @takes_options
     def __init__(
         self,
         hub: str | os.PathLike | Hub,
         node_id: str,
-        inner_steps: int | str,
+        inner_steps: int | str | None = None,
         *,
-        dylu_steps: int = DEFAULTS.dylu_steps,
-        dylu_min_steps: int | None = DEFAULTS.dylu_min_steps,
-        dylu_seconds: float | None = DEFAULTS.dylu_seconds,
-        throttle: Any = DEFAULTS.throttle,
-        sync: str = DEFAULTS.sync,
-        delay: Any = DEFAULTS.delay,
+        options: WorkerOptions | None = None,
         node_index: int | None = None,
-        delta_dtype: str | torch.dtype = DEFAULTS.delta_dtype,
-        topk: float = DEFAULTS.topk,
-        topk_values: str | None = DEFAULTS.topk_values,
-        topk_chunk: int = DEFAULTS.topk_chunk,
-        error_feedback: bool | None = DEFAULTS.error_feedback,
-        error_feedback_decay: float = DEFAULTS.error_feedback_decay,
-        fragments: int | list | None = DEFAULTS.fragments,
-        rebase: bool = DEFAULTS.rebase,
-        lookahead: bool = DEFAULTS.lookahead,
-        reset_inner_optimizer: bool = DEFAULTS.reset_inner_optimizer,
         hub_options: Mapping[str, Any] | None = None,
         create: bool = False,
         signing_key: RunKey | str | bytes | None = None,
-        wait_timeout: float = DEFAULTS.wait_timeout,
-        poll_interval: float = DEFAULTS.poll_interval,
         token_counter: Callable[[Any], Any] | bool | None = None,
         log_prefix: str = "diloco/",
-        claim_ttl: float | None = DEFAULTS.claim_ttl,
-        final_install: bool = DEFAULTS.final_install,
-        final_wait: float | None = DEFAULTS.final_wait,
-        wait_for_hub: bool = DEFAULTS.wait_for_hub,
         verbose: bool = True,
         seed_per_node: bool = True,
+        **option_values: Any,
     ) -> None:
         super().__init__()
         self._first_step_seen = False  # the first training step of this fit (a timeline mark)
-        check_connection(hub, hub_options, signing_key)
-        self.node_id, self.delay, self.options, self.pacing = check_worker_args(
-            node_id, node_index, inner_steps=inner_steps, dylu_steps=dylu_steps, dylu_min_steps=dylu_min_steps,
-            dylu_seconds=dylu_seconds, throttle=throttle, sync=sync, delay=delay, delta_dtype=delta_dtype, topk=topk,
-            topk_values=topk_values, topk_chunk=topk_chunk, error_feedback=error_feedback,
-            error_feedback_decay=error_feedback_decay, fragments=fragments,
-            rebase=rebase, lookahead=lookahead, reset_inner_optimizer=reset_inner_optimizer, wait_timeout=wait_timeout,
-            poll_interval=poll_interval,
-            claim_ttl=claim_ttl, final_install=final_install, final_wait=final_wait, wait_for_hub=wait_for_hub,
-        )
-        if not (token_counter is None or token_counter is False or callable(token_counter)):
-            raise ValueError(f"DiLoCo: token_counter must be None, False or a callable, got {token_counter!r}")
+        self._start = WorkerStart(hub, node_id, adapter_options(inner_steps, options, option_values),
+                                  node_index=node_index, hub_options=hub_options, signing_key=signing_key, create=create)
+        start = self._start
+        self.node_id, self.delay, self.options, self.pacing = start.node_id, start.delay, start.options, start.pacing
+        self._tokens = PhaseTokens(token_counter)  # the phase's tokens, in the delta header
         if not isinstance(log_prefix, str):
             raise ValueError(f"DiLoCo: log_prefix must be a string, got {log_prefix!r}")
         self.hub = hub
-        if not isinstance(create, bool):
-            raise ValueError(f"DiLoCo: create must be True or False, got {create!r}")
         if not isinstance(seed_per_node, bool):
             raise ValueError(f"DiLoCo: seed_per_node must be True or False, got {seed_per_node!r}")
         self.create, self.seed_per_node = create, seed_per_node
-        self._start = WorkerStart(hub, self.node_id, self.options, self.pacing, node_index=node_index,
-                                  hub_options=hub_options, signing_key=signing_key, create=create)
-        self.token_counter = token_counter
         self.log_prefix = log_prefix
         self.verbose = bool(verbose)
         if self.verbose:
             ensure_console_logging()
-        self._sigterm = SigtermWatch(self._on_sigterm)
+        self._sigterm = SigtermWatch(self._start.request_stop)
         self._bar: dict[str, float] = {}
 
         self.worker: DiLoCoWorker | None = None
@@ -270,7 +172,6 @@ class DiLoCo(Callback):
         self._restored_sync_step: int | None = None
         self._restored_counters: dict[str, Any] | None = None
         self._restored_anchor: dict[str, Any] | None = None
-        self._tokens: int | torch.Tensor | None = 0
         self._loss = PhaseLoss()  # the phase's mean training loss goes in the heartbeat
         self._params: dict[str, torch.Tensor] | None = None
 
@@ -357,11 +258,6 @@ class DiLoCo(Callback):
             for opt in trainer.optimizers:
                 opt.state.clear()
 
-    def _on_sigterm(self) -> None:
-        worker = self._start.worker  # the one starting, too (a wait for the master at start)
-        if worker is not None:
-            worker.request_stop()
-
     def _stopped(self, e: WorkerStopped) -> SIGTERMException:
         log.warning("%s (SIGTERM)", e)
         return SIGTERMException(SIGTERM_EXIT)
@@ -400,7 +296,7 @@ class DiLoCo(Callback):
         restored, self._restored_sync_step = self._restored_sync_step, None
         self._last_synced_step = trainer.global_step if restored is None else restored
         self._last_seen_step = trainer.global_step
-        self._tokens = 0
+        self._tokens.reset()
 
         def start() -> tuple[bool, int]:
             if self.worker is not None:
@@ -431,32 +327,9 @@ class DiLoCo(Callback):
 
     def _skip_ahead(self, trainer: Trainer, pl_module: LightningModule, boundaries: int) -> None:
         """A restart without a checkpoint resumed at the hub's step (``boundaries`` phases its earlier
-        life delivered): move the trainer's step on by those phases, so it trains only what the run
-        still lacks (``max_steps`` counts the whole run, as after a checkpoint) instead of training
-        phases again whose work is already in the global it installed. Step-wise LR schedulers are
-        stepped on as many times. The data loader starts over (no checkpoint holds its position).
-        With Dynamic Local Updates the phases' lengths are not known: each counts as the nominal H."""
-        h = self.pacing.fixed if self.pacing.fixed is not None else self.pacing.inner_steps
-        if not h:
+        life delivered): the trainer moves on by those phases (``adapters/skip_ahead.py``)."""
+        if not skip_ahead(trainer, pl_module, self.pacing, boundaries):
             return
-        per = max(1, h // self.pacing.fragments)
-        skip = boundaries * per - trainer.global_step
-        if skip <= 0:
-            return
-        loop = trainer.fit_loop.epoch_loop
-        if pl_module.automatic_optimization:
-            total = loop.automatic_optimization.optim_progress.optimizer.step.total
-        else:
-            total = loop.manual_optimization.optim_step_progress.total
-        total.ready += skip
-        total.completed += skip
-        loop._batches_that_stepped += skip
-        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose here
-            warnings.simplefilter("ignore")
-            for config in trainer.lr_scheduler_configs:
-                if config.interval == "step" and not config.reduce_on_plateau:  # a plateau's step needs a metric
-                    for _ in range(skip // max(1, int(config.frequency or 1))):
-                        config.scheduler.step()  # type: ignore[call-arg]
         self._last_synced_step = self._last_seen_step = trainer.global_step
         if trainer.is_global_zero:
             log.warning("DiLoCo %s: restarted without a checkpoint; the hub has this node's first %d phase(s): the "
@@ -465,25 +338,6 @@ class DiLoCo(Callback):
 
     # ------------------------------------------------------------------ boundaries
 
-    def _count(self, batch: Any) -> None:
-        if self.token_counter is False or self._tokens is None:
-            return
-        n = self.token_counter(batch) if callable(self.token_counter) else count_tokens(batch)
-        if n is None:
-            self._tokens = None
-        else:
-            self._tokens = self._tokens + (n.detach() if isinstance(n, torch.Tensor) else int(n))
-
-    def _take_tokens(self, trainer: Trainer) -> int | None:
-        tokens, self._tokens = self._tokens, 0
-        if self.token_counter is False:
-            return None
-        if trainer.world_size > 1:
-            return sum_tokens_over_ranks(
-                tokens, trainer.strategy.root_device, lambda t: trainer.strategy.reduce(t, reduce_op="sum")
-            )
-        return None if tokens is None else int(tokens)
-
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -491,7 +345,7 @@ class DiLoCo(Callback):
         if not self._first_step_seen:
             self._first_step_seen = True
             timeline.mark("first_step")
-        self._count(batch)
+        self._tokens.add(batch)
         self._loss.add(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
         step = trainer.global_step
         if self._last_seen_step is None or step > self._last_seen_step:  # an optimizer step, not an accumulation
@@ -502,7 +356,8 @@ class DiLoCo(Callback):
             self._log_bar(pl_module)
             return
         self._last_synced_step = step
-        tokens = self._take_tokens(trainer)
+        tokens = self._tokens.take(trainer.world_size, trainer.strategy.root_device,
+                                   lambda t: trainer.strategy.reduce(t, reduce_op="sum"))
         loss = self._loss.take()
 
         worker = self.worker  # rank 0's (None on the other ranks, which never call boundary())

@@ -5,6 +5,7 @@ every rank), broadcast installed weights from rank 0, and sum the token count ov
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ __all__ = [
     "WorkerStart",
     "check_connection",
     "check_worker_args",
+    "adapter_options",
     "open_worker_hub",
     "PhaseLoss",
     "ensure_console_logging",
@@ -221,37 +223,56 @@ def open_worker_hub(hub: Any, hub_options: dict[str, Any] | None, create: bool, 
     raise HubNotFoundError(f"DiLoCo: {error}; check the spelling, or pass create=True to create it") from None
 
 
-def check_worker_args(node_id: Any, node_index: int | None, **values: Any) -> tuple[str, int, WorkerOptions, Pacing]:
-    """Check an adapter's ``node_id`` and its :class:`~diloco_lightning.worker.options.WorkerOptions`
-    (``values``: the option keywords); return ``(node_id, resolved delay, the options, this
-    worker's Pacing)`` with ``delta_dtype`` as the encoding's name. Errors are ``ValueError("DiLoCo: ...")``."""
+def adapter_options(inner_steps: int | str | None, options: WorkerOptions | None,
+                    values: Mapping[str, Any]) -> WorkerOptions:
+    """An adapter's :class:`WorkerOptions`: ``options`` whole, or the option keywords ``values`` with
+    ``inner_steps`` (the adapters' third positional argument, required unless ``options`` is given)."""
+    given = dict(values) if inner_steps is None else {"inner_steps": inner_steps, **values}
+    return WorkerOptions.given(options, given, who="DiLoCo", required=("inner_steps",))
+
+
+def check_worker_args(node_id: Any, node_index: int | None,
+                      options: WorkerOptions) -> tuple[str, int, WorkerOptions, Pacing]:
+    """Check an adapter's ``node_id`` and its :class:`~diloco_lightning.worker.options.WorkerOptions`;
+    return ``(node_id, resolved delay, the options (a copy, ``delta_dtype`` as the encoding's name),
+    this worker's Pacing)``. Errors are ``ValueError("DiLoCo: ...")``."""
     try:
         checked_id = validate_node_id(node_id)
     except InvalidNameError as e:
         raise ValueError(f"DiLoCo: node_id: {e}") from None
-    opts = WorkerOptions(**values)
     try:
-        opts.validate(checked_id, node_index)
-        opts.delta_dtype = parse_delta_dtype(opts.delta_dtype)
+        options.validate(checked_id, node_index)
+        opts = dataclasses.replace(options, delta_dtype=parse_delta_dtype(options.delta_dtype))
         return checked_id, opts.resolved_delay(checked_id, node_index), opts, opts.pacing(checked_id, node_index)
     except ValueError as e:
         raise ValueError(f"DiLoCo: {e}") from None
 
 
 class WorkerStart:
-    """How both adapters start their worker (on rank 0): make the :class:`DiLoCoWorker` (kept in
-    :attr:`worker` before it starts, so SIGTERM can stop its waits), restore a checkpoint's counters
-    and anchor, and start it."""
+    """How both adapters make and start their worker (on rank 0): their common arguments checked
+    (:func:`check_connection`, ``create``, :func:`check_worker_args`: :attr:`node_id`, :attr:`delay`,
+    :attr:`options`, :attr:`pacing`), then at :meth:`start` the :class:`DiLoCoWorker` made (kept in
+    :attr:`worker` before it starts, so SIGTERM can stop its waits: :meth:`request_stop`), a
+    checkpoint's counters and anchor restored, and the worker started."""
 
-    def __init__(self, hub: Any, node_id: str, options: WorkerOptions, pacing: Pacing, *, node_index: int | None,
+    def __init__(self, hub: Any, node_id: Any, options: WorkerOptions, *, node_index: int | None,
                  hub_options: Mapping[str, Any] | None, signing_key: RunKey | str | bytes | None,
                  create: bool = False) -> None:
-        self.hub, self.node_id, self.options, self.pacing = hub, node_id, options, pacing
+        check_connection(hub, hub_options, signing_key)
+        if not isinstance(create, bool):
+            raise ValueError(f"DiLoCo: create must be True or False, got {create!r}")
+        self.node_id, self.delay, self.options, self.pacing = check_worker_args(node_id, node_index, options)
+        self.hub = hub
         self.node_index = node_index
         self.hub_options = dict(hub_options or {})
         self.create = create  # a hub that does not exist is an error unless asked (open_worker_hub)
         self.signing_key = signing_key
         self.worker: DiLoCoWorker | None = None
+
+    def request_stop(self) -> None:
+        """SIGTERM: end every wait of the worker (the one starting, too: a wait for the master at start)."""
+        if self.worker is not None:
+            self.worker.request_stop()
 
     def start(self, params: dict[str, torch.Tensor], *, stop: bool, counters: Mapping[str, Any] | None,
               anchor: Mapping[str, Any] | None, stopped: Callable[[], bool] | None = None) -> InstallResult | None:

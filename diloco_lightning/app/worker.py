@@ -37,6 +37,7 @@ from diloco_lightning.app.build import (
     worker_delay,
 )
 from diloco_lightning.app.config import worker_options
+from diloco_lightning.worker.options import WorkerOptions
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +128,9 @@ def run_worker(cfg: DictConfig, index: int | None = None) -> dict[str, Any]:
     timeline.mark("data")
     module = build_module(cfg, dm.vocab_size)
     timeline.mark("model")
-    d = cfg.diloco
-    callback = DiLoCo(hub=hub_url(cfg), node_id=nid, hub_options=hub_options(cfg),
-                      **{**worker_options(d), "delay": worker_delay(cfg, index)})
+    # the diloco section, one WorkerOptions passed whole (this worker's delay drawn from the run's seed)
+    options = WorkerOptions(**{**worker_options(cfg.diloco), "delay": worker_delay(cfg, index)})
+    callback = DiLoCo(hub=hub_url(cfg), node_id=nid, hub_options=hub_options(cfg), options=options)
     ckpt_dir = out / "checkpoints"
     start = _launch_start(callback)
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0,

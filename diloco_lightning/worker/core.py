@@ -39,9 +39,8 @@ phases), so every boundary it trains from there is sent (issue 38).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
-import math
 import os
 import shutil
 import time
@@ -56,18 +55,18 @@ from diloco_lightning.util.fileio import make_owned_dir, sweep_owned_dirs
 from diloco_lightning.wire.fragments import FragmentPlan
 from diloco_lightning.hub.versions import read_verified_manifest
 from diloco_lightning.hub import Hub, open_hub
-from diloco_lightning.wire.manifest import Manifest
 from diloco_lightning.wire.names import validate_node_id
 from diloco_lightning.wire.signing import RunKey, load_run_key
 from diloco_lightning.worker import checkpoint
-from diloco_lightning.worker.claim import ClaimKeeper
+from diloco_lightning.worker.export import export_part
 from diloco_lightning.worker.fragstate import FragmentBook
+from diloco_lightning.worker.heartbeat import Heartbeat
 from diloco_lightning.worker.install import Installer
 from diloco_lightning.worker.modes import AsyncMode, LockstepMode
-from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, WorkerOptions, parse_delta_dtype
+from diloco_lightning.worker.options import DELTA_DTYPES, SYNC_MODES, WorkerOptions, parse_delta_dtype, takes_options
 from diloco_lightning.worker.pacing import Pacing
 from diloco_lightning.worker.outbox import Outbox
-from diloco_lightning.worker.params import LocalModel, module_state, snapshot
+from diloco_lightning.worker.params import LocalModel, module_state
 from diloco_lightning.worker.progress import Progress
 from diloco_lightning.worker.rebase import WorkerOwnDeltas
 from diloco_lightning.worker.results import BoundaryResult, InstallResult
@@ -96,12 +95,10 @@ class DiLoCoWorker:
         node_id: this worker's name on the hub (``[A-Za-z0-9._-]``, 1-64 characters).
         params: ``name -> tensor`` to sync and install into (use :func:`module_state`); the
             floating ones travel in deltas, integer buffers are only installed.
-        options: the worker's :class:`~diloco_lightning.worker.options.WorkerOptions` (``sync``,
-            ``delay``, ``delta_dtype``, ``topk``, ``topk_values``, ``topk_chunk``, ``error_feedback``,
-            ``error_feedback_decay``, ``fragments``, ``wait_timeout``, ``poll_interval``, ``claim_ttl``
-            ...: each one's
-            meaning and default is written there). Instead of ``options``, the same names may be
-            given as keywords (``DiLoCoWorker(hub, "w0", params, sync="lockstep", delay=2)``).
+        options: the worker's :class:`~diloco_lightning.worker.options.WorkerOptions`, passed whole
+            (each option's meaning and default is written there). Instead of ``options``, its fields
+            may be given as keywords (``DiLoCoWorker(hub, "w0", params, sync="lockstep", delay=2)``;
+            the signature lists them, an unknown one is a ``TypeError`` naming the valid ones).
         node_index: this worker's index for a list/distribution ``delay`` (default: the number
             ending ``node_id``).
         signing_key: a :class:`~diloco_lightning.wire.signing.RunKey`, key text/bytes, or None to
@@ -122,6 +119,7 @@ class DiLoCoWorker:
     naming the option).
     """
 
+    @takes_options
     def __init__(
         self,
         hub: Hub | str | os.PathLike,
@@ -162,17 +160,25 @@ class DiLoCoWorker:
         self._spool: str | None = None
         self._started = False
         self._closed = False
-        self._waits = Waits(self.node_id, self.hub.url, wait_timeout=self.wait_timeout, poll_interval=self.poll_interval)
+        #: every wait of this worker: bounded, said out loud, ended by :meth:`request_stop` (worker/waits.py)
+        self.waits = Waits(self.node_id, self.hub.url, wait_timeout=self.wait_timeout, poll_interval=self.poll_interval)
         #: exported work not yet handed to the uploader, and the hand-over (worker/outbox.py)
-        self._outbox = Outbox(self.hub, self.node_id, self.progress.totals, self._waits, poll_interval=self.poll_interval,
+        self._outbox = Outbox(self.hub, self.node_id, self.progress.totals, self.waits, poll_interval=self.poll_interval,
                               wait_timeout=self.wait_timeout, fragments=self.model.plan.count if self.model.plan else None)
-        self._installer = Installer(self.hub, self.model, self.progress, signing_key=self.signing_key, waits=self._waits,
-                                    read_manifest=self._read_manifest, on_whole_install=self._prefetch_from)
-        self._startup = Startup(self._installer, spool_dir)
-        self._reported = False
-        self._train_loss: float | None = None  # the last phase's mean loss, in the heartbeat
-        self._claim_keeper = (_claim_keeper(self.hub, self.node_id, opts.claim_ttl, self.pacing, self.signing_key)
-                              if claim else None)
+
+        def prefetch_from(outer_step: int) -> None:  # a whole version installed: the prefetcher looks above it
+            if self._fetcher is not None:
+                self._fetcher.set_floor(outer_step)
+
+        #: installs global versions into the params; its ``read_manifest()`` reads the hub's manifest,
+        #: refused (``UnauthenticatedVersionError``) if a signed run's is not signed (worker/install.py)
+        self.installer = Installer(self.hub, self.model, self.progress, signing_key=self.signing_key, waits=self.waits,
+                                   read_manifest=functools.partial(read_verified_manifest, self.hub, self.signing_key),
+                                   on_whole_install=prefetch_from)
+        self._startup = Startup(self.installer, spool_dir)
+        #: this node's claim on its id and its heartbeat's reports (``claim=False``: no claim; worker/heartbeat.py)
+        self.heartbeat = Heartbeat(self.hub, self.node_id, self.pacing, ttl=opts.claim_ttl, signing_key=self.signing_key,
+                                   claim=claim)
 
     # ------------------------------------------------------------------ properties
 
@@ -183,10 +189,6 @@ class DiLoCoWorker:
     @property
     def params(self) -> dict[str, torch.Tensor]:
         return self.model.params
-
-    @property
-    def synced(self) -> list[str]:
-        return self.model.synced
 
     @property
     def fingerprint(self) -> str:
@@ -225,14 +227,6 @@ class DiLoCoWorker:
         restart, whose deltas the hub already has, send nothing)."""
         return self.progress.next_local_step()
 
-    def _read_manifest(self) -> Manifest | None:
-        """The hub's manifest, refused (``UnauthenticatedVersionError``) if a signed run's is not signed."""
-        return read_verified_manifest(self.hub, self.signing_key)
-
-    def _prefetch_from(self, outer_step: int) -> None:
-        if self._fetcher is not None:
-            self._fetcher.set_floor(outer_step)
-
     @property
     def pending_phases(self) -> int:
         """Inner phases exported but not yet known to be on the hub (queued, in flight, or held)."""
@@ -252,7 +246,7 @@ class DiLoCoWorker:
     def request_stop(self) -> None:
         """End every blocking wait (bootstrap, lockstep, hub retries) with ``WorkerStopped``: what an
         adapter calls on SIGTERM. Uploading what is pending (``flush``, ``close``) still runs."""
-        self._waits.stop()
+        self.waits.stop()
 
     def start(self) -> InstallResult | None:
         """Connect to the hub and get the starting weights (idempotent; ``boundary`` calls it).
@@ -267,11 +261,8 @@ class DiLoCoWorker:
             raise WorkerError("this worker is closed")
         if self._started:
             return None
-        deadline = self._waits.deadline()
-        if self._claim_keeper is not None and self._claim_keeper.claim is None and self._claim_keeper.supported:
-            # before anything is offered or sent: a second live worker with this node_id stops here
-            self._waits.retry("claim the node id", self._claim_keeper.acquire, deadline)
-            timeline.mark("claimed")
+        deadline = self.waits.deadline()
+        self.heartbeat.acquire(self.waits, deadline)  # before anything is offered or sent
         sweep_owned_dirs(self._spool_parent, "diloco-", SPOOL_MAX_AGE)
         try:  # what an earlier life killed mid-download left in the download cache
             swept = self.hub.sweep_cache(CACHE_MAX_AGE)
@@ -280,9 +271,9 @@ class DiLoCoWorker:
                          self.hub.cache_dir)
         except OSError as e:
             log.debug("node %s: could not sweep %s: %s", self.node_id, self.hub.cache_dir, e)
-        manifest = self._waits.retry("read the manifest", self._read_manifest, deadline)
+        manifest = self.waits.retry("read the manifest", self.installer.read_manifest, deadline)
         if manifest is not None:
-            self._installer.check_global(manifest)
+            self.installer.check_global(manifest)
         installed = None
         if self.progress.restored:
             self._startup.settle_restart(deadline, self._outbox, self._feedback)
@@ -295,7 +286,7 @@ class DiLoCoWorker:
             self.hub, self.node_id, step_offset=self.progress.step_offset, spool_dir=self._spool,
             feedback=self._feedback, model_fingerprint=self.fingerprint, signing_key=self.signing_key,
             hub_high_step=self._startup.hub_seen_high, persistent=self.sync == "lockstep",
-            retry_interval=self.poll_interval, read_manifest=self._read_manifest,
+            retry_interval=self.poll_interval, read_manifest=self.installer.read_manifest,
             fragments=plan.count if plan is not None else 1,
         )
         self.progress.hand_offset_to(lambda: uploader.step_offset)
@@ -307,11 +298,11 @@ class DiLoCoWorker:
                 self.hub, self.node_id, self.fingerprint, poll_interval=self.poll_interval, floor=self.outer_step,
                 signing_key=self.signing_key,
             )
-            self._mode = AsyncMode(self._installer, self._outbox, self._fetcher,  # rebase: worker/rebase.py
+            self._mode = AsyncMode(self.installer, self._outbox, self._fetcher,  # rebase: worker/rebase.py
                                    WorkerOwnDeltas(self.node_id, lookahead=self.options.lookahead)
                                    if self.options.rebase and plan is None else None)
         else:
-            self._mode = LockstepMode(self._installer, self._outbox, self._waits, self.delay)
+            self._mode = LockstepMode(self.installer, self._outbox, self.waits, self.delay)
         self._started = True
         if self._outbox.jobs:
             self._outbox.pump()
@@ -319,37 +310,7 @@ class DiLoCoWorker:
                  self.next_local_step, self.sync, f", delay={self.delay}" if self.sync == "lockstep" else "")
         return installed
 
-    # ------------------------------------------------------------------ install
-
-    def install_state(self, outer_step: int, state: Mapping[str, torch.Tensor], *, newest: int | None = None,
-                      fragment_steps: Mapping[str, int] | None = None) -> InstallResult:
-        """Copy a global state into the params in place; the anchor becomes its FP32 copy.
-        ``fragment_steps``: with fragments, each fragment's outer step count at that version."""
-        return self._installer.install_state(outer_step, state, newest=newest, fragment_steps=fragment_steps)
-
     # ------------------------------------------------------------------ boundary
-
-    def _export(self, num_tokens: int | None, fragment: str | None = None) -> Part:
-        """Snapshot the local weights (CPU FP32) and move the anchor onto them (``fragment``'s only)."""
-        model, progress = self.model, self.progress
-        frags = progress.frags
-        keys = model.synced if fragment is None else frags.keys(fragment)
-        # a fragment's pieces: whole tensors or views of their rows (detached: no autograd view)
-        source = model.params if fragment is None else frags.units(model.synced_state(), model.synced, fragment)
-        snap, event = snapshot(source, keys, model.pin)
-        if fragment is not None:
-            base, fbase = frags.base[fragment]
-            anchor = progress.anchor or {}
-            part = Part(base, num_tokens, 1, anchor={k: anchor[k] for k in keys}, snapshot=snap, event=event,
-                        boundary=progress.boundaries + 1, fragment=fragment, base_fragment_step=fbase)
-            progress.anchor = {**anchor, **snap}  # a new dict: the part's own anchor dict is never touched
-            return part
-        # every boundary comes after start(), which installed or restored a version
-        assert progress.outer_step is not None
-        part = Part(progress.outer_step, num_tokens, 1, anchor=progress.anchor, snapshot=snap, event=event,
-                    boundary=progress.boundaries + 1)
-        progress.anchor = snap
-        return part
 
     def boundary(self, num_tokens: int | None = None, train_loss: float | None = None) -> BoundaryResult:
         """End an inner phase: export ``anchor - local``, hand it to the uploader, install a
@@ -357,10 +318,8 @@ class DiLoCoWorker:
         boundary (in the delta header), ``train_loss`` (in the heartbeat: the master watches it)."""
         if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0):
             raise ValueError(f"num_tokens must be a non-negative integer or None, got {num_tokens!r}")
-        if train_loss is not None:  # a non-finite loss is not reported (the heartbeat would drop it)
-            self._train_loss = float(train_loss) if math.isfinite(float(train_loss)) else None
-        if self._claim_keeper is not None:
-            self._claim_keeper.check()  # another process took this node id over: never send under it
+        self.heartbeat.note_loss(train_loss)
+        self.heartbeat.check()  # another process took this node id over: never send under it
         self.start()
         progress = self.progress
         t0 = time.perf_counter()
@@ -369,10 +328,11 @@ class DiLoCoWorker:
         fragment = self.plan.fragment_at(r) if self.plan is not None else None
         base = progress.outer_step if fragment is None else progress.frags.base[fragment][0]
         assert base is not None  # start() installed or restored a version
-        part: Part | None = self._export(progress.frags.tokens(fragment, num_tokens), fragment)
+        part: Part | None = export_part(self.model, progress, progress.frags.tokens(fragment, num_tokens), fragment)
         faults.point("worker.exported")
         progress.boundaries = r
-        inner_steps = self._pace(num_tokens)
+        inner_steps = self.heartbeat.end_phase(num_tokens, r + progress.offset(),
+                                               int(self.totals.get("phases_replayed_total", 0)))
         if progress.delivered(r):  # reached the hub before a crash (module docstring)
             log.warning("node %s: boundary %d was delivered before the restart (delta_%d on the hub): this replay of it "
                         "is dropped, not sent again (reported as replayed)", self.node_id, r, r + progress.offset())
@@ -399,28 +359,13 @@ class DiLoCoWorker:
             inner_steps=inner_steps,
         )
 
-    def _pace(self, num_tokens: int | None) -> int | None:
-        """The phase that just ended: decide the next one's H (Dynamic Local Updates, from the
-        peers' last heartbeats) and report this worker's speed in its own heartbeat (at once the
-        first time, so the others learn a newcomer's speed early)."""
-        keeper = self._claim_keeper
-        peers = keeper.peer_reports() if keeper is not None and keeper.watch_peers else {}
-        h = self.pacing.end_phase(num_tokens, [p.step_rate for p in peers.values()])
-        if keeper is not None:
-            replayed = int(self.totals.get("phases_replayed_total", 0))
-            report = dataclasses.replace(self.pacing.report(self.boundaries + self.progress.offset()),
-                                         train_loss=self._train_loss, replayed=replayed or None)
-            keeper.set_info(report.to_info(), urgent=not self._reported)
-            self._reported = True
-        return h
-
     # ------------------------------------------------------------------ flush / close
 
     def flush(self, timeout: float | None = None) -> bool:
         """Upload everything exported so far, retrying failures; True when nothing is left."""
         if not self._started:
             return not self._outbox.jobs
-        deadline = self._waits.deadline(timeout)
+        deadline = self.waits.deadline(timeout)
         self._outbox.collect()
         if self.pending_phases:
             log.info("node %s: waiting (up to %g s) for %d inner phase(s) to reach %s", self.node_id,
@@ -463,8 +408,7 @@ class DiLoCoWorker:
                 self._fetcher.close(timeout=5.0)
             if self._spool is not None:
                 shutil.rmtree(self._spool, ignore_errors=True)
-        if self._claim_keeper is not None:
-            self._claim_keeper.release()
+        self.heartbeat.release()
         self._closed = True
         return ok
 
@@ -507,16 +451,6 @@ class DiLoCoWorker:
         if self._started:
             raise WorkerError("load_anchor_state must be called before the worker starts")
         checkpoint.load_anchor_state(self.progress, self.model, self._outbox, self._feedback, state)
-
-
-def _claim_keeper(hub: Hub, node_id: str, ttl: float | None, pacing: Pacing,
-                  signing_key: RunKey | None) -> ClaimKeeper:
-    """The keeper of ``node_id``'s claim (signed with the run key in a signed run), its first report
-    the pacing's; it reads the peers' reports when Dynamic Local Updates pace by their speed."""
-    keeper = ClaimKeeper(hub, node_id, ttl=ttl, signing_key=signing_key,
-                         watch_peers=pacing.auto and pacing.dylu_seconds is None)
-    keeper.set_info(pacing.report().to_info())
-    return keeper
 
 
 def _pacing(pacing: Pacing | None, plan: FragmentPlan | None) -> Pacing:

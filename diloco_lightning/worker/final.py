@@ -42,7 +42,9 @@ from diloco_lightning.worker.sync import WorkerStopped
 __all__ = ["finish_training", "master_gone"]
 
 # ``worker`` below is the :class:`~diloco_lightning.worker.core.DiLoCoWorker` that calls in (typed Any:
-# core imports this module, and a layer never imports back, not even for typing)
+# core imports this module, and a layer never imports back, not even for typing); what is used of it is
+# public: its parts ``installer`` (``read_manifest``, ``check_global``, ``install_exact``), ``waits``
+# and ``heartbeat``, its ``progress``, ``hub``, ``options`` and ``flush``
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ def _refused(worker: Any, last: int) -> bool:
     try:
         if worker.hub.list_node_deltas(worker.node_id, after=last - 1):
             return False
-        manifest = worker._read_manifest()
+        manifest = worker.installer.read_manifest()
     except Exception as e:  # noqa: BLE001 - cannot tell: keep waiting (the wait is bounded)
         log.debug("node %s: could not look for its last delta: %s", worker.node_id, e)
         return False
@@ -92,9 +94,8 @@ def finish_training(worker: Any, *, trailing_steps: int = 0) -> InstallResult | 
     except WorkerStopped:
         delivered = False
     last = worker.progress.boundaries + worker.progress.offset() if worker.progress.boundaries else None
-    keeper = worker._claim_keeper
-    if delivered and keeper is not None:
-        keeper.finish(last)
+    if delivered:
+        worker.heartbeat.finish(last)
     if not opts.final_install:
         return None
     if not delivered:
@@ -120,7 +121,7 @@ def _install_final(worker: Any, last: int | None, deadline: float, trailing_step
     next_look = time.monotonic() + max(worker.poll_interval, REFUSAL_LOOK)
     while True:
         try:
-            manifest = worker._read_manifest()
+            manifest = worker.installer.read_manifest()
         except WorkerStopped:
             raise
         except Exception as e:  # noqa: BLE001 - an unsigned manifest in a signed run is refused too: wait for an authentic one
@@ -135,7 +136,7 @@ def _install_final(worker: Any, last: int | None, deadline: float, trailing_step
             if _refused(worker, last):
                 log.warning("node %s: the master refused its last delta (local_step %d: not in the ledger, gone from "
                             "%s; its log says why); installing the newest global version without it", node, last, url)
-                manifest = worker._read_manifest()
+                manifest = worker.installer.read_manifest()
                 assert manifest is not None  # a hub never goes back to no manifest
                 trailing_steps = trailing_steps or 1  # the model is not that version: install it
                 break
@@ -151,7 +152,7 @@ def _install_final(worker: Any, last: int | None, deadline: float, trailing_step
         if not said:
             log.info("node %s: training done; waiting up to %.0f s for %s on %s (final_install)", node, left, what, url)
             said = True
-        worker._waits.pause(min(worker.poll_interval, left), what)
+        worker.waits.pause(min(worker.poll_interval, left), what)
     if manifest.outer_step == worker.outer_step and not trailing_steps:
         log.info("node %s: the model holds global version %d, the run's newest with every delta of this node",
                  node, manifest.outer_step)
@@ -159,7 +160,7 @@ def _install_final(worker: Any, last: int | None, deadline: float, trailing_step
     if trailing_steps:
         log.info("node %s: the %d step(s) trained after the last boundary are in no delta; the global version "
                  "replaces them (choose max_steps a multiple of inner_steps)", node, trailing_steps)
-    installer = worker._installer
+    installer = worker.installer
     installer.check_global(manifest)
     result = installer.install_exact(manifest.outer_step, manifest, max(deadline, time.monotonic() + 1.0))
     log.info("node %s: installed the final global version %d from %s: the model now holds the run's global weights",

@@ -1,8 +1,9 @@
 """A worker's options: one definition (:class:`WorkerOptions`), one validation.
 
 The Lightning callback, the Accelerate adapter and :class:`~diloco_lightning.worker.DiLoCoWorker`
-take them as keywords; ``train.py`` composes the same fields into its ``diloco`` section
-(``diloco_lightning.app.config``) with the help text written here. The lists of choices
+take them whole (``options=WorkerOptions(...)``) or as keywords (:meth:`WorkerOptions.given`, the
+signature generated from the fields by :func:`takes_options`); ``train.py`` composes the same fields
+into its ``diloco`` section (``diloco_lightning.app.config``) with the help text written here. The lists of choices
 (:data:`SYNC_MODES`, :data:`DELTA_DTYPES`) live here and nowhere else.
 
 ``delta_dtype`` names the pseudo-gradient's encoding on the wire (``diloco_lightning/encoding/codec.py``,
@@ -17,10 +18,11 @@ added (``e = beta * e + delta``; 1: nothing owed is forgotten).
 
 from __future__ import annotations
 
+import inspect
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from diloco_lightning.encoding import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, LEVELS, VALUE_BITS, EncodingSpec
 from diloco_lightning.wire.fragments import FragmentError, fragment_count
@@ -28,7 +30,7 @@ from diloco_lightning.util.options import OptionError, check_choice, check_numbe
 from diloco_lightning.worker.pacing import AUTO, Pacing, resolve_throttle
 
 __all__ = ["SYNC_MODES", "DELTA_DTYPES", "TOPK_VALUES", "DEFAULTS", "WorkerOptions", "check_decay", "parse_delta_dtype",
-           "resolve_encoding"]
+           "resolve_encoding", "takes_options"]
 
 #: ``async``: install the newest global at each boundary, never wait; ``lockstep``: install exactly
 #: version ``r - delay`` at boundary r (controlled staleness, for experiments)
@@ -186,10 +188,14 @@ class WorkerOptions:
         return [f.name for f in fields(cls)]
 
     @classmethod
-    def given(cls, options: "WorkerOptions | None", values: Mapping[str, Any], who: str) -> "WorkerOptions":
-        """``options``, or the options the keywords ``values`` name (``who`` takes either, not both)."""
+    def given(cls, options: "WorkerOptions | None", values: Mapping[str, Any], who: str,
+              required: tuple[str, ...] = ()) -> "WorkerOptions":
+        """``options``, or the options the keywords ``values`` name (``who`` takes either, not both;
+        without ``options``, each of ``required`` must be among ``values``). Unknown keywords are a
+        ``TypeError`` listing the valid ones."""
         if options is not None and values:
-            raise TypeError(f"{who}: give either options= or option keywords, not both")
+            raise TypeError(f"{who}: give either options= or option keywords, not both (got options= and "
+                            f"{sorted(values)})")
         if options is not None:
             if not isinstance(options, cls):
                 raise TypeError(f"{who}: options must be a WorkerOptions, got {type(options).__name__}")
@@ -197,6 +203,9 @@ class WorkerOptions:
         unknown = sorted(set(values) - set(cls.names()))
         if unknown:
             raise TypeError(f"{who} got unknown option(s) {unknown}; valid: {cls.names()}")
+        missing = [name for name in required if name not in values]
+        if missing:
+            raise TypeError(f"{who} missing required argument(s) {missing} (or give options=WorkerOptions(...))")
         return cls(**values)
 
     def validate(self, node_id: str = "w0", node_index: int | None = None) -> "WorkerOptions":
@@ -301,6 +310,22 @@ class WorkerOptions:
 
 #: every option at its default (read it, never change it): what the adapters' signatures show
 DEFAULTS = WorkerOptions()
+
+_Init = TypeVar("_Init", bound=Callable[..., Any])
+
+
+def takes_options(init: _Init) -> _Init:
+    """Show :class:`WorkerOptions` in ``init``'s signature: ``init`` (the worker's or an adapter's
+    ``__init__``) takes ``options=None`` and ``**option_values`` (:meth:`WorkerOptions.given`); its
+    signature (``help()``, IDEs, ``inspect.signature``) lists each field it does not name itself as a
+    keyword at its default, generated from the dataclass, so the options are written down once."""
+    sig = inspect.signature(init)
+    own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    names = {p.name for p in own}
+    shown = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(DEFAULTS, f.name),
+                               annotation=f.type) for f in fields(WorkerOptions) if f.name not in names]
+    init.__signature__ = sig.replace(parameters=[*own, *shown])  # type: ignore[attr-defined]
+    return init
 
 
 def _no_index(node_id: str) -> bool:

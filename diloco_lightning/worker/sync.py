@@ -16,8 +16,6 @@ import torch
 from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.worker.delays import (  # noqa: F401 - re-exported: the old import paths
     DELAY_DISTRIBUTIONS,
-    _nonneg_int,
-    _positive_real,
     draw_delay,
     node_index_of,
     resolve_delay,
