@@ -199,3 +199,17 @@ def test_encoding_options_compose_into_the_worker_keywords():
     assert (opts.encoding.name, opts.encoding.topk, opts.encoding.topk_values, opts.feedback) == ("topk", 0.02, "int4", False)
     opts = WorkerOptions(**worker_options(validate(_compose("recipe=tiny", "diloco.delta_dtype=int4")).diloco))
     assert opts.encoding.name == "int4" and opts.feedback is True  # on by default for the quantized encodings
+
+
+def test_the_outer_lr_is_one_value_whichever_spelling():
+    """``outer.lr`` and the library's spelling ``outer.options.lr`` (``MasterConfig.outer_options``) are one
+    learning rate: the latter is used when the former is null, two different values are one error naming
+    the key (it used to be dropped silently in favour of ``outer.lr``)."""
+    from diloco_lightning.app.build import outer_options
+    from diloco_lightning.util.errors import ConfigError
+
+    assert outer_options(_compose("recipe=tiny", "outer.lr=null", "+outer.options.lr=0.25"))["lr"] == 0.25
+    assert outer_options(_compose("recipe=tiny", "outer.lr=0.25", "+outer.options.lr=0.25"))["lr"] == 0.25
+    assert outer_options(_compose("recipe=tiny", "outer.lr=0.5"))["lr"] == 0.5
+    with pytest.raises(ConfigError, match=r"outer\.options\.lr.*given twice.*keep outer\.lr"):
+        outer_options(_compose("recipe=tiny", "outer.lr=0.5", "+outer.options.lr=0.25"))

@@ -73,14 +73,25 @@ def validate_outer(o: DictConfig, prefix: str = "outer.") -> None:
 def outer_options(o: DictConfig, prefix: str = "outer.") -> dict[str, Any]:
     """``{"lr": o.lr, **o.options}`` for the named optimizer (:func:`diloco_lightning.outer.options.outer_options`:
     options it does not take are dropped with a warning, so ``outer.name=X`` works on top of another
-    group's options); a :class:`ConfigError` naming the key."""
+    group's options); a :class:`ConfigError` naming the key. ``options.lr`` (the library's spelling) is
+    the lr when ``lr`` is null, and an error when both are given and differ (it used to be dropped
+    silently in favour of ``lr``)."""
     from diloco_lightning.master.config import default_lr
     from diloco_lightning.outer.options import outer_options as checked
 
     raw = OmegaConf.to_container(o.options, resolve=True) if isinstance(o.options, DictConfig) else o.options
-    lr = o.lr if o.lr is not None else default_lr(str(o.name))
+    raw = {} if raw is None else raw
+    lr = o.lr
+    if isinstance(raw, dict) and "lr" in raw:  # ``options.lr``: the library's spelling (MasterConfig.outer_options), one lr
+        raw = dict(raw)
+        given = raw.pop("lr")
+        if lr is not None and given != lr:
+            raise ConfigError(f"{prefix}options.lr", f"the learning rate is given twice ({prefix}lr={lr}, {prefix}options.lr="
+                              f"{given}): keep {prefix}lr")
+        lr = given
+    lr = lr if lr is not None else default_lr(str(o.name))
     try:
-        return checked(o.name, lr, {} if raw is None else raw, state_dtype=o.get("state_dtype", "float32"),
+        return checked(o.name, lr, raw, state_dtype=o.get("state_dtype", "float32"),
                        stochastic_rounding=o.get("stochastic_rounding", False), where=prefix)
     except OptionError as e:
         raise ConfigError(f"{prefix}{e.option}", e.detail) from None
