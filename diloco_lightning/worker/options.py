@@ -105,8 +105,8 @@ def feedback_of(spec: EncodingSpec, error_feedback: bool | None = None) -> bool:
     """Whether error feedback is on for ``spec``: ``error_feedback``, or (None) on for the quantized
     encodings (int8, int4, topk, ctopk) and off for the float casts; always off for float32."""
     if error_feedback is None:
-        return spec.value_encoding is not None
-    return bool(error_feedback) and spec.name != "float32"
+        return spec.feedback_by_default
+    return bool(error_feedback) and not spec.lossless
 
 
 @dataclass
