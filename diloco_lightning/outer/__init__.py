@@ -65,6 +65,7 @@ __all__ = [
     "cgad_gate",
     "check_staleness",
     "exp_gate",
+    "gates_per_fragment",
     "outer_optimizer_options",
     "poly_gate",
     "same_step",
@@ -93,6 +94,13 @@ def same_step(a: Any, b: Any) -> bool:
 #: Options every outer optimizer takes (:meth:`OuterOptimizer.set_state_precision`): the buffers' dtype
 #: and their rounding.
 PRECISION_OPTIONS: Mapping[str, Any] = MappingProxyType({"state_dtype": "float32", "stochastic_rounding": False})
+
+
+def gates_per_fragment(name: Any) -> bool:
+    """Whether the outer optimizer registered as ``name`` gates each fragment on its own age
+    (:attr:`OuterOptimizer.GATES_PER_FRAGMENT`: PA-CGAD); False for an unknown name."""
+    cls = OUTER_OPTIMIZERS.get(name) if isinstance(name, str) else None
+    return cls is not None and cls.GATES_PER_FRAGMENT
 
 
 def outer_optimizer_options(name: str) -> dict[str, Any]:

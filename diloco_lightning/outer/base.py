@@ -103,6 +103,11 @@ class OuterOptimizer(WorkArea):
     #: The step reads the staleness beyond the scalar gate (a per-coordinate correction, as the
     #: gap-aware optimizers make): a round's mean is then stepped with the round's largest staleness.
     STEP_USES_STALENESS: ClassVar[bool] = False
+    #: The optimizer gates each fragment on its own age (PA-CGAD): a delta's gate is
+    #: ``fragment_gate(fragment, tau)``, its step is told the delta's ``fragment``, a round's mean of
+    #: such gated deltas is stepped with ``step_pregated``, and a run's fragments become its
+    #: ``fragments`` option. The master asks this (:func:`~diloco_lightning.outer.gates_per_fragment`).
+    GATES_PER_FRAGMENT: ClassVar[bool] = False
 
     def __init__(
         self,
