@@ -23,6 +23,10 @@ Every optimizer takes the global state (``dict[str, Tensor]``) and offers ``gate
 ``state_dtype`` (``"float32"`` or ``"bfloat16"`` buffers) and ``stochastic_rounding``
 (:meth:`OuterOptimizer.set_state_precision`).
 
+A new outer optimizer is one file (a subclass of :class:`OuterOptimizer`) and one
+:func:`register_outer_optimizer`; callers ask its capabilities (``GATES_PER_FRAGMENT``,
+``STEP_USES_STALENESS``, :meth:`OuterOptimizer.linear_rate`), never its name.
+
 ``fedavg`` is ``nesterov`` under the name a user chose, with its own defaults: the same step and
 state, so a run published under one name resumes under the other (:func:`same_step`).
 """
@@ -68,17 +72,39 @@ __all__ = [
     "gates_per_fragment",
     "outer_optimizer_options",
     "poly_gate",
+    "register_outer_optimizer",
     "same_step",
+    "unregister_outer_optimizer",
 ]
 
-#: Registry name -> class (read-only).
-OUTER_OPTIMIZERS: Mapping[str, type[OuterOptimizer]] = MappingProxyType(
-    {
-        cls.name: cls
-        for cls in (NesterovOuterOptimizer, FedAvg, CGAD, AdamDecay, OuterAdam, DelayedNesterov, PACGAD, PolyNesterov,
-                    StalenessSGD, GapAware, DelayCompensated)
-    }
-)
+_REGISTRY: dict[str, type[OuterOptimizer]] = {
+    cls.name: cls
+    for cls in (NesterovOuterOptimizer, FedAvg, CGAD, AdamDecay, OuterAdam, DelayedNesterov, PACGAD, PolyNesterov,
+                StalenessSGD, GapAware, DelayCompensated)
+}
+#: Registry name -> class (a read-only view; :func:`register_outer_optimizer` adds to it).
+OUTER_OPTIMIZERS: Mapping[str, type[OuterOptimizer]] = MappingProxyType(_REGISTRY)
+
+
+def register_outer_optimizer(cls: type[OuterOptimizer]) -> type[OuterOptimizer]:
+    """Make ``cls`` the outer optimizer named ``cls.name`` (usable as a class decorator); returns ``cls``.
+    Its options are its constructor's keywords after ``state`` (:func:`outer_optimizer_options`).
+
+    Raises:
+        ValueError: ``cls`` is not an :class:`OuterOptimizer` subclass with a name, or the name is taken.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, OuterOptimizer)) or not isinstance(cls.name, str) or not cls.name:
+        raise ValueError(f"an outer optimizer is an OuterOptimizer subclass with a name, got {cls!r}")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"outer optimizer {cls.name!r} is already registered ({_REGISTRY[cls.name].__qualname__})")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def unregister_outer_optimizer(name: str) -> None:
+    """Forget the outer optimizer ``name`` (a test's or a plugin's); ``ValueError`` on an unknown name."""
+    _lookup(name)
+    del _REGISTRY[name]
 
 
 #: A name registered for another's step and state, with defaults of its own -> that other name.

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from diloco_lightning.encoding import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, LEVELS, VALUE_BITS, EncodingSpec
+from diloco_lightning.encoding.registry import encoding_names
 from diloco_lightning.wire.fragments import FragmentError, fragment_count
 from diloco_lightning.util.options import OptionError, check_choice, check_number, option
 from diloco_lightning.worker.pacing import AUTO, Pacing, resolve_throttle
@@ -67,7 +68,10 @@ def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> str:
         return name
     if isinstance(value, str) and value.lower().removeprefix("torch.") in DELTA_DTYPES:
         return DELTA_DTYPES[value.lower().removeprefix("torch.")]
+    if isinstance(value, str) and value in encoding_names():  # one registered later (encoding/registry.py)
+        return value
     names = sorted(set(DELTA_DTYPES.values()), key=list(DELTA_DTYPES.values()).index)
+    names += [n for n in encoding_names() if n not in names]
     raise OptionError(argname, f"must be one of {names}, got {value!r}")
 
 
@@ -224,7 +228,7 @@ class WorkerOptions:
         if _torch_dtype_name(self.delta_dtype) is not None:
             parse_delta_dtype(self.delta_dtype)
         else:
-            check_choice(self, "delta_dtype", tuple(DELTA_DTYPES))
+            check_choice(self, "delta_dtype", (*DELTA_DTYPES, *(n for n in encoding_names() if n not in DELTA_DTYPES)))
         resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback, self.topk_chunk)
         check_decay(self.error_feedback_decay)
         self._check_fragments()
