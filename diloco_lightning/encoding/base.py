@@ -71,11 +71,18 @@ class Encoding:
     adds_in_pass: ClassVar[bool] = False
     #: the accepted ``topk_values`` (how kept values are stored), in the order error messages list them
     value_codes: ClassVar[tuple[str, ...]] = tuple(LEVELS)
+    #: the ``topk_values`` a worker gets when it names none (one of :attr:`value_codes`)
+    default_values: ClassVar[str] = "int8"
 
     def __init__(self, spec: EncodingSpec) -> None:
         self.spec = spec
 
     # ------------------------------------------------------------------ spec level (no torch)
+    @classmethod
+    def value_choices(cls) -> tuple[str, ...]:
+        """The accepted ``topk_values``, the default first."""
+        return (cls.default_values, *(v for v in cls.value_codes if v != cls.default_values))
+
     @classmethod
     def normalized(cls, spec: EncodingSpec) -> dict[str, Any]:
         """The spec's fields this encoding fixes (unused ones normalized, so that specs that encode

@@ -26,6 +26,7 @@ class ChunkedTopK(Encoding):
     name = "ctopk"
     sparse = True
     value_codes = tuple(VALUE_BITS)
+    default_values = "int2"  # SparseLoCo's
 
     @classmethod
     def normalized(cls, spec: EncodingSpec) -> dict[str, Any]:

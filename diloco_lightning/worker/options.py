@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from diloco_lightning.encoding import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, LEVELS, VALUE_BITS, EncodingSpec
-from diloco_lightning.encoding.registry import encoding_names
+from diloco_lightning.encoding import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, EncodingSpec
+from diloco_lightning.encoding.registry import encoding_class, encoding_names
 from diloco_lightning.wire.fragments import FragmentError, fragment_count
 from diloco_lightning.util.options import OptionError, check_choice, check_number, option
 from diloco_lightning.worker.pacing import AUTO, Pacing, resolve_throttle
@@ -58,7 +58,7 @@ def _torch_dtype_name(value: Any) -> str | None:
         return None
     return str(value).removeprefix("torch.")
 #: how ``topk`` and ``ctopk`` store the values they keep (the first is the default)
-TOPK_VALUES = {"topk": tuple(LEVELS), "ctopk": ("int2", *(v for v in VALUE_BITS if v != "int2"))}
+TOPK_VALUES = {name: encoding_class(name).value_choices() for name in ("topk", "ctopk")}
 
 
 def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> str:
@@ -86,7 +86,7 @@ def resolve_encoding(delta_dtype: Any = "float32", topk: Any = 0.01, topk_values
     name = parse_delta_dtype(delta_dtype)
     if isinstance(topk, bool) or not isinstance(topk, (int, float)) or not 0.0 < topk <= 1.0:
         raise OptionError("topk", f"must be a fraction in (0, 1] (0.01 keeps 1 % of each tensor), got {topk!r}")
-    values = TOPK_VALUES["ctopk" if name == "ctopk" else "topk"]
+    values = encoding_class(name).value_choices()
     if topk_values is not None and topk_values not in values:
         raise OptionError("topk_values", f"must be one of {list(values)} for delta_dtype={name}, got {topk_values!r}")
     if isinstance(topk_chunk, bool) or topk_chunk not in CHUNK_SIZES:
