@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING
 from diloco_lightning.util.lazy import lazy_exports
 
 if TYPE_CHECKING:  # the names, for type checkers; at run time each is imported on first use
-    from diloco_lightning.encoding.spec import BLOCK_SIZES
-    from diloco_lightning.encoding.spec import CHUNK
-    from diloco_lightning.encoding.spec import CHUNK_SIZES
-    from diloco_lightning.encoding.spec import DEFAULT_BLOCK_SIZE
-    from diloco_lightning.encoding.spec import DEFAULT_CHUNK_SIZE
-    from diloco_lightning.encoding.spec import ENCODINGS
-    from diloco_lightning.encoding.spec import LEVELS
-    from diloco_lightning.encoding.spec import PAGE_SIZE
-    from diloco_lightning.encoding.spec import PART_SEP
-    from diloco_lightning.encoding.spec import VALUE_BITS
-    from diloco_lightning.encoding.spec import EncodingError
+    from diloco_lightning.encoding.limits import BLOCK_SIZES
+    from diloco_lightning.encoding.limits import CHUNK
+    from diloco_lightning.encoding.limits import CHUNK_SIZES
+    from diloco_lightning.encoding.limits import DEFAULT_BLOCK_SIZE
+    from diloco_lightning.encoding.limits import DEFAULT_CHUNK_SIZE
+    from diloco_lightning.encoding.limits import ENCODINGS
+    from diloco_lightning.encoding.limits import LEVELS
+    from diloco_lightning.encoding.limits import PAGE_SIZE
+    from diloco_lightning.encoding.limits import PART_SEP
+    from diloco_lightning.encoding.limits import VALUE_BITS
+    from diloco_lightning.encoding.limits import EncodingError
     from diloco_lightning.encoding.spec import EncodingSpec
     from diloco_lightning.encoding.codec import decode
     from diloco_lightning.encoding.codec import decode_add_
@@ -47,17 +47,17 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time each is imported 
 
 #: each name imported on first use: the spec's without torch (``spec.py``), the others with it
 __getattr__, __dir__ = lazy_exports(__name__, {
-    'BLOCK_SIZES': 'diloco_lightning.encoding.spec',
-    'CHUNK': 'diloco_lightning.encoding.spec',
-    'CHUNK_SIZES': 'diloco_lightning.encoding.spec',
-    'DEFAULT_BLOCK_SIZE': 'diloco_lightning.encoding.spec',
-    'DEFAULT_CHUNK_SIZE': 'diloco_lightning.encoding.spec',
-    'ENCODINGS': 'diloco_lightning.encoding.spec',
-    'LEVELS': 'diloco_lightning.encoding.spec',
-    'PAGE_SIZE': 'diloco_lightning.encoding.spec',
-    'PART_SEP': 'diloco_lightning.encoding.spec',
-    'VALUE_BITS': 'diloco_lightning.encoding.spec',
-    'EncodingError': 'diloco_lightning.encoding.spec',
+    'BLOCK_SIZES': 'diloco_lightning.encoding.limits',
+    'CHUNK': 'diloco_lightning.encoding.limits',
+    'CHUNK_SIZES': 'diloco_lightning.encoding.limits',
+    'DEFAULT_BLOCK_SIZE': 'diloco_lightning.encoding.limits',
+    'DEFAULT_CHUNK_SIZE': 'diloco_lightning.encoding.limits',
+    'ENCODINGS': 'diloco_lightning.encoding.limits',
+    'LEVELS': 'diloco_lightning.encoding.limits',
+    'PAGE_SIZE': 'diloco_lightning.encoding.limits',
+    'PART_SEP': 'diloco_lightning.encoding.limits',
+    'VALUE_BITS': 'diloco_lightning.encoding.limits',
+    'EncodingError': 'diloco_lightning.encoding.limits',
     'EncodingSpec': 'diloco_lightning.encoding.spec',
     'decode': 'diloco_lightning.encoding.codec',
     'decode_add_': 'diloco_lightning.encoding.codec',

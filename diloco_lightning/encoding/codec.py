@@ -107,8 +107,9 @@ def encode_with_residual(t: Tensor, spec: EncodingSpec, out: Tensor | None = Non
 
 
 def _decoded_chunks(enc: EncodedTensor, device: torch.device) -> Iterator[tuple[slice | Tensor, Tensor]]:
-    """Yield ``(where, values)`` CHUNK values at a time: a slice of the flat tensor (dense encodings)
-    or int64 positions (top-k), and their decoded FP32 values in a reused work buffer."""
+    """``(where, values)`` CHUNK values at a time (:meth:`Encoding.chunks`): a slice of the flat tensor
+    (dense encodings) or int64 positions (sparse ones), and their decoded FP32 values in a reused
+    work buffer."""
     p = {k: t.to(device) for k, t in enc.parts.items()}  # the encoded size, never FP32
     return encoding_for(enc.spec).chunks(p, enc.numel, device)
 

@@ -33,29 +33,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from diloco_lightning.encoding.spec import (  # noqa: F401 - re-exported: the old import paths
-    BLOCK_SIZES,
-    CHUNK,
-    CHUNK_SIZES,
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_CHUNK_SIZE,
-    ENCODINGS,
-    LEVELS,
-    PAGE_SIZE,
-    PART_SEP,
-    TINY,
-    VALUE_BITS,
-    EncodingError,
-    EncodingSpec,
-)
 from diloco_lightning.encoding.base import PartLayout
 from diloco_lightning.encoding.kernels import codes_layout, topk_count, topk_positions  # noqa: F401 - re-exported
+from diloco_lightning.encoding.limits import PART_SEP, EncodingError
+from diloco_lightning.encoding.limits import __all__ as _LIMITS
 from diloco_lightning.encoding.registry import encoding_for
+from diloco_lightning.encoding.spec import EncodingSpec
+from diloco_lightning.util.lazy import lazy_exports
 
-__all__ = [
-    "BLOCK_SIZES", "CAST_DTYPES", "CHUNK", "CHUNK_SIZES", "DEFAULT_BLOCK_SIZE", "DEFAULT_CHUNK_SIZE", "ENCODINGS",
-    "LEVELS", "PAGE_SIZE", "PART_SEP", "TINY", "VALUE_BITS",
-    "EncodedTensor", "EncodingError", "EncodingSpec", "PartLayout", "check_layout", "codes_layout", "expected_parts",
+#: the limits' old import path (``format.CHUNK``): they live in :mod:`diloco_lightning.encoding.limits`
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(_LIMITS, "diloco_lightning.encoding.limits"))
+
+__all__ = [  # and, by their old path, the limits (``__getattr__``)
+    "CAST_DTYPES", "EncodedTensor", "EncodingError", "EncodingSpec", "PartLayout", "check_layout", "codes_layout", "expected_parts",
     "part_name", "real_view_shape", "split_part_name", "topk_count", "topk_positions", "validate_parts",
 ]
 

@@ -9,27 +9,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from diloco_lightning.encoding.limits import (  # noqa: F401 - re-exported: the old import paths
-    BLOCK_SIZES,
-    CHUNK,
-    CHUNK_SIZES,
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_CHUNK_SIZE,
-    ENCODINGS,
-    LEVELS,
-    PAGE_SIZE,
-    PART_SEP,
-    TINY,
-    VALUE_BITS,
-    EncodingError,
-    small_decimal,
-)
+from diloco_lightning.encoding.limits import BLOCK_SIZES, CHUNK_SIZES, DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_SIZE, small_decimal
+from diloco_lightning.encoding.limits import __all__ as _LIMITS
 from diloco_lightning.encoding.registry import ENCODING_CLASSES, Encoding, encoding_class
+from diloco_lightning.util.lazy import lazy_exports
 
-__all__ = [
-    "BLOCK_SIZES", "CHUNK", "CHUNK_SIZES", "DEFAULT_BLOCK_SIZE", "DEFAULT_CHUNK_SIZE", "ENCODINGS", "LEVELS",
-    "PAGE_SIZE", "PART_SEP", "TINY", "VALUE_BITS", "EncodingError", "EncodingSpec", "small_decimal",
-]
+#: the limits' old import path (``spec.CHUNK``): they live in :mod:`diloco_lightning.encoding.limits`
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(_LIMITS, "diloco_lightning.encoding.limits"))
+
+__all__ = ["EncodingSpec"]  # and, by their old path, the limits (``__getattr__``)
 
 # ----------------------------------------------------------------------------- spec
 

@@ -47,6 +47,7 @@ from diloco_lightning.outer.gap import DelayCompensated, GapAware
 from diloco_lightning.outer.gates import cgad_gate, check_staleness, exp_gate, poly_gate
 from diloco_lightning.outer.nesterov import FedAvg, NesterovOuterOptimizer, PolyNesterov, StalenessSGD
 from diloco_lightning.outer.pacgad import PACGAD
+from diloco_lightning.util.registry import Registry
 
 __all__ = [
     "check_outer_options",
@@ -77,34 +78,16 @@ __all__ = [
     "unregister_outer_optimizer",
 ]
 
-_REGISTRY: dict[str, type[OuterOptimizer]] = {
-    cls.name: cls
-    for cls in (NesterovOuterOptimizer, FedAvg, CGAD, AdamDecay, OuterAdam, DelayedNesterov, PACGAD, PolyNesterov,
-                StalenessSGD, GapAware, DelayCompensated)
-}
+_REGISTRY = Registry("outer optimizer", OuterOptimizer, (
+    NesterovOuterOptimizer, FedAvg, CGAD, AdamDecay, OuterAdam, DelayedNesterov, PACGAD, PolyNesterov, StalenessSGD,
+    GapAware, DelayCompensated))
 #: Registry name -> class (a read-only view; :func:`register_outer_optimizer` adds to it).
-OUTER_OPTIMIZERS: Mapping[str, type[OuterOptimizer]] = MappingProxyType(_REGISTRY)
-
-
-def register_outer_optimizer(cls: type[OuterOptimizer]) -> type[OuterOptimizer]:
-    """Make ``cls`` the outer optimizer named ``cls.name`` (usable as a class decorator); returns ``cls``.
-    Its options are its constructor's keywords after ``state`` (:func:`outer_optimizer_options`).
-
-    Raises:
-        ValueError: ``cls`` is not an :class:`OuterOptimizer` subclass with a name, or the name is taken.
-    """
-    if not (isinstance(cls, type) and issubclass(cls, OuterOptimizer)) or not isinstance(cls.name, str) or not cls.name:
-        raise ValueError(f"an outer optimizer is an OuterOptimizer subclass with a name, got {cls!r}")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"outer optimizer {cls.name!r} is already registered ({_REGISTRY[cls.name].__qualname__})")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def unregister_outer_optimizer(name: str) -> None:
-    """Forget the outer optimizer ``name`` (a test's or a plugin's); ``ValueError`` on an unknown name."""
-    _lookup(name)
-    del _REGISTRY[name]
+OUTER_OPTIMIZERS: Mapping[str, type[OuterOptimizer]] = _REGISTRY.classes
+#: Make a class (an :class:`OuterOptimizer` subclass with a name) the outer optimizer of its name; returns it.
+#: Its options are its constructor's keywords after ``state`` (:func:`outer_optimizer_options`).
+register_outer_optimizer = _REGISTRY.register
+#: Forget the outer optimizer of a name (a test's or a plugin's); ``ValueError`` on an unknown name.
+unregister_outer_optimizer = _REGISTRY.unregister
 
 
 #: A name registered for another's step and state, with defaults of its own -> that other name.
