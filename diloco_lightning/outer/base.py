@@ -118,7 +118,7 @@ class OuterOptimizer:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping of str to Tensor, got {type(state).__name__}")
         self.options: dict[str, Any] = options
-        self._store = BufferStore(self.BUFFERS if buffers is None else buffers, self.NONNEGATIVE)
+        self._store = BufferStore(self.BUFFERS if buffers is None else buffers, self.NONNEGATIVE, self.name)
         self._work = WorkArea(self._store)
         self._scalar_kinds: dict[str, tuple[str, Any]] = dict(self.KEY_SCALARS if key_scalars is None else key_scalars)
         self._key_scalars: dict[str, dict[str, Any]] = {name: {} for name in self._scalar_kinds}
@@ -247,7 +247,7 @@ class OuterOptimizer:
             out["keys"] = keys
             for name, per_key in self._key_scalars.items():
                 out[name] = [per_key[k] for k in keys]
-        out.update(self._store.entries(copy))
+        out.update(self._store.state_dict(copy))
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -268,7 +268,7 @@ class OuterOptimizer:
         tensors = {k: v for k, v in state_dict.items() if isinstance(v, Tensor)}
         scalars = {k: v for k, v in state_dict.items() if not isinstance(v, Tensor) and k != "optimizer"}
         rounding_step = self._pop_rounding_step(scalars)
-        buffers = self._store.parse(tensors, self.name)
+        buffers = self._store.parse(tensors)
         key_scalars = self._parse_key_scalars(scalars)  # pops the per-key entries
         checked = self._check_scalar_state(scalars)
         self._store.replace(buffers)

@@ -36,11 +36,14 @@ class BufferStore:
     Args:
         families: buffer family -> whether it is complex for a complex key (else always real).
         nonnegative: families whose values are never negative (8-bit: the unsigned code book).
+        label: whose buffers they are, for messages (the optimizer's name).
     """
 
-    def __init__(self, families: Mapping[str, bool], nonnegative: frozenset[str] = frozenset()) -> None:
+    def __init__(self, families: Mapping[str, bool], nonnegative: frozenset[str] = frozenset(),
+                 label: str = "outer optimizer") -> None:
         self.families: dict[str, bool] = dict(families)
         self.nonnegative = nonnegative
+        self.label = label
         #: key -> (shape, is_complex), in registration order
         self.specs: dict[str, tuple[tuple[int, ...], bool]] = {}
         self.buffers: dict[str, dict[str, Tensor]] = {family: {} for family in self.families}
@@ -126,9 +129,10 @@ class BufferStore:
                 self.store(family, key, values)
         self._views = {}
 
-    def entries(self, copy: bool = True) -> dict[str, Tensor]:
+    def state_dict(self, copy: bool = True) -> dict[str, Tensor]:
         """The buffers as ``state_dict`` entries: ``"<family>/<key>"`` (and an 8-bit buffer's maxima
-        under ``"<family>.absmax/<key>"``), cloned unless ``copy=False``."""
+        under ``"<family>.absmax/<key>"``), cloned unless ``copy=False``. The rounding step is the
+        optimizer's entry (``rounding_step``)."""
         out: dict[str, Tensor] = {}
         for family, buffers in self.buffers.items():
             for key, buf in buffers.items():
@@ -138,9 +142,15 @@ class BufferStore:
                     out[f"{family}.absmax/{key}"] = amax.clone() if copy else amax
         return out
 
-    def parse(self, tensors: Mapping[str, Tensor], label: str) -> dict[str, dict[str, Any]]:
+    def load_state_dict(self, tensors: Mapping[str, Tensor]) -> None:
+        """Replace the buffers by :meth:`state_dict`'s entries (checked first: :meth:`parse`); absent
+        ones restart from zero."""
+        self.replace(self.parse(tensors))
+
+    def parse(self, tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Any]]:
         """Checked buffer values of ``state_dict`` tensors (8-bit ones as ``(codes, maxima)``), zeros
-        where absent; ``ValueError`` naming an entry that is not a buffer (``label``: the optimizer)."""
+        where absent; ``ValueError`` naming an entry that is not a buffer. Changes nothing."""
+        label = self.label
         buffers: dict[str, dict[str, Any]] = {family: {} for family in self.families}
         maxima = {name: t for name, t in tensors.items() if name.partition("/")[0].endswith(".absmax")}
         for name, tensor in tensors.items():

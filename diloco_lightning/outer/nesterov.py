@@ -153,7 +153,7 @@ class NesterovOuterOptimizer(_NesterovBase):
             if not isinstance(value, Tensor):
                 raise ValueError(f"nesterov state_dict entry {key!r} is not a tensor: {type(value).__name__}")  # noqa: TRY004
             tensors[key if key.startswith("momentum.absmax/") else f"momentum/{key}"] = value
-        self._store.replace(self._store.parse(tensors, self.name))
+        self._store.load_state_dict(tensors)
         self._store.rounding_step = rounding_step
 
 
