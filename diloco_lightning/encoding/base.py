@@ -23,13 +23,13 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-__all__ = ["Encoding", "EncodingSpec", "PartLayout", "value_chunks"]
+__all__ = ["Encoding", "PartLayout", "SpecFields", "value_chunks"]
 
 #: ``{part: (dtype, shape)}`` of a well-formed encoding (:meth:`Encoding.layout`)
 PartLayout = dict[str, tuple["torch.dtype", tuple[int, ...]]]
 
 
-class EncodingSpec(Protocol):
+class SpecFields(Protocol):
     """What an encoding reads of its :class:`~diloco_lightning.encoding.spec.EncodingSpec` (the options)."""
 
     @property
@@ -74,7 +74,7 @@ class Encoding:
     #: the ``topk_values`` a worker gets when it names none (one of :attr:`value_codes`)
     default_values: ClassVar[str] = "int8"
 
-    def __init__(self, spec: EncodingSpec) -> None:
+    def __init__(self, spec: SpecFields) -> None:
         self.spec = spec
 
     # ------------------------------------------------------------------ spec level (no torch)
@@ -84,26 +84,26 @@ class Encoding:
         return (cls.default_values, *(v for v in cls.value_codes if v != cls.default_values))
 
     @classmethod
-    def normalized(cls, spec: EncodingSpec) -> dict[str, Any]:
+    def normalized(cls, spec: SpecFields) -> dict[str, Any]:
         """The spec's fields this encoding fixes (unused ones normalized, so that specs that encode
         alike compare equal)."""
         return {"chunk": DEFAULT_CHUNK_SIZE, "chunk_k": None}
 
     @classmethod
-    def value_encoding(cls, spec: EncodingSpec) -> str | None:
+    def value_encoding(cls, spec: SpecFields) -> str | None:
         """How values are quantized (``int8``/``int4``...), None when they are not (a cast)."""
         return None
 
     @classmethod
-    def header(cls, spec: EncodingSpec) -> dict[str, str]:
+    def header(cls, spec: SpecFields) -> dict[str, str]:
         """The header entries beyond ``encoding`` (strings); only what the encoding uses."""
         return {}
 
     @classmethod
     def spec_args(cls, md: Mapping[str, str]) -> dict[str, Any]:
-        """:class:`EncodingSpec` keywords (``name`` aside) from an untrusted header's entries
-        (``ValueError`` naming a bad one; ``encoding_block_size`` is checked already): ``block_size``,
-        ``topk`` and ``topk_values``."""
+        """:class:`~diloco_lightning.encoding.spec.EncodingSpec` keywords (``name`` aside) from an
+        untrusted header's entries (``ValueError`` naming a bad one; ``encoding_block_size`` is checked
+        already): ``block_size``, ``topk`` and ``topk_values``."""
         topk = md.get("encoding_topk", "0.01")
         try:
             fraction = float(topk) if isinstance(topk, str) and len(topk) <= 32 else math.nan

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from diloco_lightning.encoding.base import Encoding, EncodingSpec, PartLayout, value_chunks
+from diloco_lightning.encoding.base import Encoding, PartLayout, SpecFields, value_chunks
 from diloco_lightning.encoding.limits import LEVELS
 
 if TYPE_CHECKING:
@@ -28,11 +28,11 @@ class Blockwise(Encoding):
     adds_in_pass = True
 
     @classmethod
-    def value_encoding(cls, spec: EncodingSpec) -> str | None:
+    def value_encoding(cls, spec: SpecFields) -> str | None:
         return cls.name
 
     @classmethod
-    def header(cls, spec: EncodingSpec) -> dict[str, str]:
+    def header(cls, spec: SpecFields) -> dict[str, str]:
         return {"encoding_block_size": str(spec.block_size)}
 
     def encode(self, flat: Tensor, real_shape: tuple[int, ...], res: Tensor | None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from diloco_lightning.encoding.base import Encoding, EncodingSpec, PartLayout
+from diloco_lightning.encoding.base import Encoding, PartLayout, SpecFields
 from diloco_lightning.encoding.limits import CHUNK, DEFAULT_BLOCK_SIZE, TINY, VALUE_BITS, small_decimal
 
 if TYPE_CHECKING:
@@ -29,17 +29,17 @@ class ChunkedTopK(Encoding):
     default_values = "int2"  # SparseLoCo's
 
     @classmethod
-    def normalized(cls, spec: EncodingSpec) -> dict[str, Any]:
+    def normalized(cls, spec: SpecFields) -> dict[str, Any]:
         k = spec.chunk_k if spec.chunk_k is not None else min(spec.chunk, max(1, round(spec.topk * spec.chunk)))
         # one scale pair per chunk instead of blocks
         return {"chunk_k": k, "topk": k / spec.chunk, "block_size": DEFAULT_BLOCK_SIZE}
 
     @classmethod
-    def value_encoding(cls, spec: EncodingSpec) -> str | None:
+    def value_encoding(cls, spec: SpecFields) -> str | None:
         return spec.topk_values
 
     @classmethod
-    def header(cls, spec: EncodingSpec) -> dict[str, str]:
+    def header(cls, spec: SpecFields) -> dict[str, str]:
         return {"encoding_chunk": str(spec.chunk), "encoding_chunk_k": str(spec.chunk_k),
                 "encoding_topk_values": spec.topk_values}
 

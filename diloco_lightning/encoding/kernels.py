@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from diloco_lightning.encoding.base import EncodingSpec
+from diloco_lightning.encoding.base import SpecFields
 from diloco_lightning.encoding.limits import CHUNK, LEVELS, PAGE_SIZE, TINY
 
 __all__ = ["codes_layout", "dequantize", "encode_topk", "quantize", "topk_count", "topk_positions"]
@@ -225,7 +225,7 @@ def _kth_largest(mags: _Magnitudes, k: int) -> tuple[int, Tensor | None]:
     return v, pos[keys >= v]
 
 
-def encode_topk(flat: Tensor, spec: EncodingSpec, res: Tensor | None) -> dict[str, Tensor]:
+def encode_topk(flat: Tensor, spec: SpecFields, res: Tensor | None) -> dict[str, Tensor]:
     """Keep the k largest magnitudes: all above the k-th largest, then ties to it by lowest position.
 
     The threshold (a value) and both masks are the same on every device, unlike the order in which

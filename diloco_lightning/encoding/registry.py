@@ -19,7 +19,7 @@ torch (the classes import their kernels on first use).
 
 from __future__ import annotations
 
-from diloco_lightning.encoding.base import Encoding, EncodingSpec
+from diloco_lightning.encoding.base import Encoding, SpecFields
 from diloco_lightning.encoding.blockwise import Int4, Int8
 from diloco_lightning.encoding.cast import BFloat16, Float16, Float32
 from diloco_lightning.encoding.ctopk import ChunkedTopK
@@ -51,6 +51,6 @@ def encoding_class(name: str) -> type[Encoding]:
     return cls
 
 
-def encoding_for(spec: EncodingSpec) -> Encoding:
+def encoding_for(spec: SpecFields) -> Encoding:
     """The codec of ``spec``: its encoding's class bound to it."""
     return encoding_class(spec.name)(spec)

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from diloco_lightning.encoding.base import Encoding, EncodingSpec, PartLayout, value_chunks
+from diloco_lightning.encoding.base import Encoding, PartLayout, SpecFields, value_chunks
 from diloco_lightning.encoding.blockwise import codes_problem
 from diloco_lightning.encoding.limits import CHUNK, PAGE_SIZE
 
@@ -28,11 +28,11 @@ class TopK(Encoding):
     sparse = True
 
     @classmethod
-    def value_encoding(cls, spec: EncodingSpec) -> str | None:
+    def value_encoding(cls, spec: SpecFields) -> str | None:
         return spec.topk_values
 
     @classmethod
-    def header(cls, spec: EncodingSpec) -> dict[str, str]:
+    def header(cls, spec: SpecFields) -> dict[str, str]:
         return {"encoding_block_size": str(spec.block_size),
                 "encoding_topk": repr(spec.topk),  # shortest repr: float() reads back the same double
                 "encoding_topk_values": spec.topk_values}
