@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from diloco_lightning.encoding.bits import pack_bits, packed_bytes, unpack_bits
-from diloco_lightning.encoding.spec import CHUNK_SIZES, VALUE_BITS
+from diloco_lightning.encoding.limits import CHUNK_SIZES, VALUE_BITS
 
 __all__ = ["CHUNK_SIZES", "VALUE_BITS", "ChunkLayout", "chunk_layout", "decoded_groups", "encode_ctopk",
            "validate_ctopk"]

@@ -6,11 +6,11 @@ survives heavy compression: int8 with FP32 accumulation (INTELLECT-1, arXiv 2412
 (Streaming DiLoCo, arXiv 2501.18512), top-k at 1-3 % density with error feedback (SparseLoCo).
 
 The encodings (``float32``/``bfloat16``/``float16`` casts, blockwise ``int8``/``int4``, ``topk``,
-the chunked top-k ``ctopk``: :mod:`diloco_lightning.encoding.chunked`),
-their parts' layout and the checks of an untrusted file are in :mod:`diloco_lightning.encoding.format`
-(:class:`EncodingSpec`, :class:`EncodedTensor`, :func:`expected_parts`, :func:`validate_parts`); the
-quantization and top-k kernels in :mod:`diloco_lightning.encoding.kernels`. This module encodes and
-decodes; ``diloco_lightning.encoding`` exports the public names of the three.
+the chunked top-k ``ctopk``) are one class each (:mod:`diloco_lightning.encoding.registry`), which
+encodes and decodes one flat tensor; their parts' layout and the checks of an untrusted file are in
+:mod:`diloco_lightning.encoding.format` (:class:`EncodingSpec`, :class:`EncodedTensor`,
+:func:`expected_parts`, :func:`validate_parts`). This module encodes and decodes whole tensors through
+them; ``diloco_lightning.encoding`` exports the public names of the three.
 
 :func:`encode` returns an :class:`EncodedTensor`, the same bits on CPU and CUDA, contiguous or not.
 A complex tensor is encoded as its real view (``torch.view_as_real``).
@@ -28,19 +28,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from diloco_lightning.encoding.chunked import chunk_layout, decoded_groups, encode_ctopk
-from diloco_lightning.encoding.format import (
-    CAST_DTYPES,
-    CHUNK,
-    LEVELS,
-    TINY,
-    EncodedTensor,
-    EncodingSpec,
-    real_view_shape,
-    topk_positions,
-)
-from diloco_lightning.encoding.kernels import dequantize, encode_topk, quantize
-
+from diloco_lightning.encoding.format import EncodedTensor, EncodingSpec, real_view_shape
+from diloco_lightning.encoding.registry import encoding_for
 
 
 # ----------------------------------------------------------------------------- encode / decode
@@ -58,6 +47,7 @@ def _encode(t: Tensor, spec: EncodingSpec, with_residual: bool, out: Tensor | No
     if not isinstance(spec, EncodingSpec):
         raise ValueError(f"spec must be an EncodingSpec, got {spec!r}")
     flat, is_complex = _flat_real(t)
+    coder = encoding_for(spec)
     addf = None
     if add is not None:
         if (not isinstance(add, Tensor) or add.dtype != t.dtype or add.shape != t.shape or not add.is_contiguous()
@@ -66,7 +56,7 @@ def _encode(t: Tensor, spec: EncodingSpec, with_residual: bool, out: Tensor | No
                              f"complex64 tensor), got {getattr(add, 'dtype', type(add).__name__)}")
         addf = (torch.view_as_real(add) if is_complex else add).view(-1)
         real = torch.view_as_real(t) if is_complex else t
-        if flat.data_ptr() != real.data_ptr() or spec.name not in CAST_DTYPES and spec.name not in LEVELS:
+        if flat.data_ptr() != real.data_ptr() or not coder.adds_in_pass:
             flat.add_(addf)  # a copy of a non-contiguous t, or a selection that needs all of x first
             if flat.data_ptr() != real.data_ptr():
                 real.copy_(flat.view(real.shape))
@@ -82,32 +72,7 @@ def _encode(t: Tensor, spec: EncodingSpec, with_residual: bool, out: Tensor | No
             raise ValueError(f"out must be a contiguous {'complex64' if is_complex else 'float32'} tensor "
                              f"of shape {list(shape)} on {flat.device}")
         res = (torch.view_as_real(out) if is_complex else out).view(-1)
-    if spec.name in CAST_DTYPES:  # a copy even for float32: the caller may reuse its tensor
-        q = torch.empty(real_shape, dtype=CAST_DTYPES[spec.name], device=flat.device)
-        # each chunk's largest and smallest value: NaN propagates through amax/amin and an infinity
-        # (or a value beyond the dtype's range, cast to one) is one of them; 5-10x cheaper than isfinite().all()
-        ends = torch.zeros((-(-flat.numel() // CHUNK), 2), dtype=q.dtype, device=flat.device)
-        for i, start in enumerate(range(0, flat.numel(), CHUNK)):  # in cache: cast, check, residual
-            part = slice(start, start + CHUNK)
-            if addf is not None:
-                flat[part].add_(addf[part])
-            xc = flat[part].to(torch.float32)  # float64 is rounded to FP32 first, as everywhere
-            qc = q.view(-1)[part].copy_(xc)
-            torch.amax(qc, dim=0, out=ends[i, 0])
-            torch.amin(qc, dim=0, out=ends[i, 1])
-            if res is not None:
-                torch.sub(xc, qc, out=res[part])  # a 16-bit float widens to FP32 exactly
-        if not bool(torch.isfinite(ends).all()):
-            raise ValueError("cannot encode a tensor with NaN or inf values (or beyond the dtype's range)")
-        parts = {"q": q}
-    elif spec.name in LEVELS:
-        q, scale = quantize(flat, spec.name, spec.block_size, res, addf)
-        parts = {"q": q, "scale": scale}
-    elif spec.name == "ctopk":
-        assert spec.chunk_k is not None  # set by EncodingSpec for ctopk
-        parts = encode_ctopk(flat, spec.chunk, spec.chunk_k, spec.topk_values, res, tiny=TINY)
-    else:
-        parts = encode_topk(flat, spec, res)
+    parts = coder.encode(flat, real_shape, res, addf)
     return EncodedTensor(spec, shape, is_complex, parts), out
 
 
@@ -142,26 +107,11 @@ def encode_with_residual(t: Tensor, spec: EncodingSpec, out: Tensor | None = Non
 
 
 def _decoded_chunks(enc: EncodedTensor, device: torch.device) -> Iterator[tuple[slice | Tensor, Tensor]]:
-    """Yield ``(where, values)`` CHUNK values at a time: a slice of the flat tensor (dense encodings)
-    or int64 positions (top-k), and their decoded FP32 values in a reused work buffer."""
+    """``(where, values)`` CHUNK values at a time (:meth:`Encoding.chunks`): a slice of the flat tensor
+    (dense encodings) or int64 positions (sparse ones), and their decoded FP32 values in a reused
+    work buffer."""
     p = {k: t.to(device) for k, t in enc.parts.items()}  # the encoded size, never FP32
-    spec = enc.spec
-    if spec.name == "ctopk":
-        assert spec.chunk_k is not None  # set by EncodingSpec for ctopk
-        yield from decoded_groups(p, chunk_layout(enc.numel, spec.chunk, spec.chunk_k, spec.topk_values), CHUNK)
-        return
-    name, block = enc.spec.value_encoding, enc.spec.block_size
-    n = p["idx"].numel() if enc.spec.name == "topk" else enc.numel
-    ends = p["count"].to(torch.int64).cumsum(0) if enc.spec.name == "topk" else None
-    q = p["q"].reshape(-1)
-    w = torch.empty(min(n, CHUNK), dtype=torch.float32, device=device)
-    for start in range(0, n, CHUNK):
-        stop = min(start + CHUNK, n)
-        if name is None:
-            vals = w[: stop - start].copy_(q[start:stop])
-        else:
-            vals = dequantize(q, p["scale"], name, block, start, w[: stop - start])
-        yield (slice(start, stop) if ends is None else topk_positions(p["idx"], ends, start, stop)), vals
+    return encoding_for(enc.spec).chunks(p, enc.numel, device)
 
 
 def _shaped(flat: Tensor, enc: EncodedTensor) -> Tensor:
@@ -172,7 +122,7 @@ def _shaped(flat: Tensor, enc: EncodedTensor) -> Tensor:
 def decode(enc: EncodedTensor) -> Tensor:
     """The FP32 tensor (complex64 for a complex one) that ``enc`` stands for, on the parts' device."""
     device = enc.parts["q"].device
-    new = torch.zeros if enc.spec.name in ("topk", "ctopk") else torch.empty
+    new = torch.zeros if encoding_for(enc.spec).sparse else torch.empty
     out = new(enc.numel, dtype=torch.float32, device=device)
     for where, vals in _decoded_chunks(enc, device):
         out[where] = vals

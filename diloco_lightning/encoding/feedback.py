@@ -39,12 +39,12 @@ _FLOAT32 = EncodingSpec("float32")
 
 def is_lossless(spec: EncodingSpec) -> bool:
     """Whether ``spec`` sends every FP32 value exactly (float32): no residual, ever."""
-    return spec.name == "float32"
+    return spec.lossless
 
 
 def _key_spec(t: Tensor, spec: EncodingSpec) -> EncodingSpec:
     # a complex key under a 16-bit cast travels as complex64 (the plain format's only complex dtype)
-    return _FLOAT32 if t.is_complex() and spec.value_encoding is None else spec
+    return _FLOAT32 if t.is_complex() and spec.cast_dtype is not None else spec
 
 
 def _as_sent(x: Tensor) -> EncodedTensor:

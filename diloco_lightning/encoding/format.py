@@ -1,6 +1,7 @@
 """What an encoded pseudo-gradient is: the spec, its parts' layout, the checks of an untrusted file.
 
-Encodings, chosen per run by name (:class:`EncodingSpec`):
+Encodings, chosen per run by name (:class:`EncodingSpec`), one class each
+(:mod:`diloco_lightning.encoding.registry`, which lays out and checks their parts):
 
 - ``float32`` / ``bfloat16`` / ``float16``: a plain cast (round to nearest even);
 - ``int8``: blocks of ``block_size`` consecutive values (row-major order) share one FP32 scale
@@ -32,28 +33,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from diloco_lightning.encoding.chunked import chunk_layout, validate_ctopk
-from diloco_lightning.encoding.spec import (  # noqa: F401 - re-exported: the old import paths
-    BLOCK_SIZES,
-    CHUNK,
-    CHUNK_SIZES,
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_CHUNK_SIZE,
-    ENCODINGS,
-    LEVELS,
-    PAGE_SIZE,
-    PART_SEP,
-    TINY,
-    VALUE_BITS,
-    EncodingError,
-    EncodingSpec,
-    _small_decimal,
-)
+from diloco_lightning.encoding.base import PartLayout
+from diloco_lightning.encoding.kernels import codes_layout, topk_count, topk_positions  # noqa: F401 - re-exported
+from diloco_lightning.encoding.limits import PART_SEP, EncodingError
+from diloco_lightning.encoding.limits import __all__ as _LIMITS
+from diloco_lightning.encoding.registry import encoding_for
+from diloco_lightning.encoding.spec import EncodingSpec
+from diloco_lightning.util.lazy import lazy_exports
 
-__all__ = [
-    "BLOCK_SIZES", "CAST_DTYPES", "CHUNK", "CHUNK_SIZES", "DEFAULT_BLOCK_SIZE", "DEFAULT_CHUNK_SIZE", "ENCODINGS",
-    "LEVELS", "PAGE_SIZE", "PART_SEP", "TINY", "VALUE_BITS",
-    "EncodedTensor", "EncodingError", "EncodingSpec", "PartLayout", "check_layout", "codes_layout", "expected_parts",
+#: the limits' old import path (``format.CHUNK``): they live in :mod:`diloco_lightning.encoding.limits`
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(_LIMITS, "diloco_lightning.encoding.limits"))
+
+__all__ = [  # and, by their old path, the limits (``__getattr__``)
+    "CAST_DTYPES", "EncodedTensor", "EncodingError", "EncodingSpec", "PartLayout", "check_layout", "codes_layout", "expected_parts",
     "part_name", "real_view_shape", "split_part_name", "topk_count", "topk_positions", "validate_parts",
 ]
 
@@ -74,22 +66,10 @@ def split_part_name(name: str) -> tuple[str, str]:
     return (key, part) if sep else (name, "q")
 
 
-def topk_count(numel: int, fraction: float) -> int:
-    """Entries kept by top-k: ``round(fraction * numel)`` (IEEE double, ties to even), 1 to numel."""
-    return 0 if numel == 0 else min(numel, max(1, round(fraction * numel)))
-
-
 def real_view_shape(shape: Sequence[int], complex: bool) -> tuple[int, ...]:
     if isinstance(shape, (str, bytes)) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
         raise ValueError(f"shape must be a sequence of non-negative ints, got {shape!r}")
     return (*shape, 2) if complex else tuple(shape)
-
-
-def codes_layout(n: int, bits_name: str) -> tuple[torch.dtype, tuple[int]]:
-    return (torch.int8, (n,)) if bits_name == "int8" else (torch.uint8, ((n + 1) // 2,))
-
-
-PartLayout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 def expected_parts(shape: Sequence[int], spec: EncodingSpec, *, complex: bool = False) -> PartLayout:
@@ -103,22 +83,7 @@ def expected_parts(shape: Sequence[int], spec: EncodingSpec, *, complex: bool = 
     float32 ``(chunks, 2)`` (``(chunks,)`` for ``sign``), see :class:`~diloco_lightning.encoding.
     chunked.ChunkLayout`.
     """
-    real = real_view_shape(shape, complex)
-    if spec.name in CAST_DTYPES:
-        return {"q": (CAST_DTYPES[spec.name], real)}
-    n = math.prod(real)
-    if spec.name == "ctopk":
-        assert spec.chunk_k is not None  # set by EncodingSpec for ctopk
-        return chunk_layout(n, spec.chunk, spec.chunk_k, spec.topk_values).parts()
-    if spec.name == "topk":
-        k = topk_count(n, spec.topk)
-        return {
-            "q": codes_layout(k, spec.topk_values),
-            "scale": (torch.float32, (-(-k // spec.block_size),)),
-            "idx": (torch.int16, (k,)),
-            "count": (torch.int32, (-(-n // PAGE_SIZE),)),
-        }
-    return {"q": codes_layout(n, spec.name), "scale": (torch.float32, (-(-n // spec.block_size),))}
+    return encoding_for(spec).layout(real_view_shape(shape, complex))
 
 
 _ST_CODES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
@@ -152,52 +117,9 @@ def validate_parts(parts: Mapping[str, Tensor], shape: Sequence[int], spec: Enco
     ctopk: :func:`~diloco_lightning.encoding.chunked.validate_ctopk`.
     """
     check_layout({p: (t.dtype, t.shape) for p, t in parts.items()}, shape, spec, complex=complex, key=key)
-    if spec.name in CAST_DTYPES:
-        if not bool(torch.isfinite(parts["q"]).all()):
-            raise EncodingError(key, "values contain NaN or inf")
-        return
-    if spec.name == "ctopk":
-        assert spec.chunk_k is not None  # set by EncodingSpec for ctopk
-        lay = chunk_layout(math.prod(real_view_shape(shape, complex)), spec.chunk, spec.chunk_k, spec.topk_values)
-        problem = validate_ctopk(parts, lay, CHUNK)
-        if problem is not None:
-            raise EncodingError(key, problem)
-        return
-    levels = LEVELS[spec.value_encoding or "int8"]
-    scale, q = parts["scale"], parts["q"]
-    # fl(levels * s) is the largest decoded magnitude of the block: it must be finite
-    if not bool((scale >= 0).all()) or not bool(torch.isfinite(scale * levels).all()):
-        raise EncodingError(key, "part 'scale' has a negative, NaN or too large (decodes to inf) value")
-    # reductions, not comparisons: no temporary of the codes' size (a master checks every delta)
-    if spec.value_encoding == "int8":
-        if q.numel() and int(q.amin()) == -128:
-            raise EncodingError(key, "part 'q' has code -128 (codes are -127..127)")
-    elif q.numel():
-        if int(q.amin()) < 16 or int((q & 15).amin()) == 0:  # high nibble 0 <=> byte < 16
-            raise EncodingError(key, "part 'q' has nibble 0 (int4 codes are stored as 1..15)")
-        values = parts["idx"].numel() if spec.name == "topk" else math.prod(real_view_shape(shape, complex))
-        if values % 2 and int(q[-1]) >> 4 != 8:
-            raise EncodingError(key, "part 'q' has a padding nibble other than 8 (code 0)")
-    if spec.name == "topk":
-        count = parts["count"]
-        n = math.prod(real_view_shape(shape, complex))
-        if bool((count < 0).any()) or int(count.sum(dtype=torch.int64)) != parts["idx"].numel():
-            raise EncodingError(key, f"part 'count' must be >= 0 and sum to {parts['idx'].numel()}")
-        ends = count.to(torch.int64).cumsum(0)
-        last = -1
-        for j in range(0, parts["idx"].numel(), CHUNK):
-            idx = topk_positions(parts["idx"], ends, j, min(j + CHUNK, parts["idx"].numel()))
-            if int(idx[0]) <= last or (idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all())):
-                raise EncodingError(key, "part 'idx' positions are not strictly increasing")
-            last = int(idx[-1])
-        if last >= n:
-            raise EncodingError(key, f"part 'idx' has position {last} beyond the tensor's {n} values")
-
-
-def topk_positions(idx: Tensor, ends: Tensor, j0: int, j1: int) -> Tensor:
-    """Absolute positions of kept values j0..j1: page (from the counts' running sum) * 65536 + offset."""
-    page = torch.searchsorted(ends, torch.arange(j0, j1, device=idx.device), right=True)
-    return page.mul_(PAGE_SIZE).add_(idx[j0:j1].to(torch.int64) & 0xFFFF)  # int16 bits read as unsigned
+    problem = encoding_for(spec).check(parts, real_view_shape(shape, complex))
+    if problem is not None:
+        raise EncodingError(key, problem)
 
 
 # ----------------------------------------------------------------------------- encoded tensor

@@ -13,9 +13,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from diloco_lightning.encoding.format import CHUNK, LEVELS, PAGE_SIZE, TINY, EncodingSpec, codes_layout, topk_count
+from diloco_lightning.encoding.base import SpecFields
+from diloco_lightning.encoding.limits import CHUNK, LEVELS, PAGE_SIZE, TINY
 
-__all__ = ["dequantize", "encode_topk", "quantize"]
+__all__ = ["codes_layout", "dequantize", "encode_topk", "quantize", "topk_count", "topk_positions"]
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def codes_layout(n: int, bits_name: str) -> tuple[torch.dtype, tuple[int]]:
+    return (torch.int8, (n,)) if bits_name == "int8" else (torch.uint8, ((n + 1) // 2,))
+
+
+def topk_count(numel: int, fraction: float) -> int:
+    """Entries kept by top-k: ``round(fraction * numel)`` (IEEE double, ties to even), 1 to numel."""
+    return 0 if numel == 0 else min(numel, max(1, round(fraction * numel)))
+
+
+def topk_positions(idx: Tensor, ends: Tensor, j0: int, j1: int) -> Tensor:
+    """Absolute positions of kept values j0..j1: page (from the counts' running sum) * 65536 + offset."""
+    page = torch.searchsorted(ends, torch.arange(j0, j1, device=idx.device), right=True)
+    return page.mul_(PAGE_SIZE).add_(idx[j0:j1].to(torch.int64) & 0xFFFF)  # int16 bits read as unsigned
 
 
 # ----------------------------------------------------------------------------- quantization
@@ -206,7 +225,7 @@ def _kth_largest(mags: _Magnitudes, k: int) -> tuple[int, Tensor | None]:
     return v, pos[keys >= v]
 
 
-def encode_topk(flat: Tensor, spec: EncodingSpec, res: Tensor | None) -> dict[str, Tensor]:
+def encode_topk(flat: Tensor, spec: SpecFields, res: Tensor | None) -> dict[str, Tensor]:
     """Keep the k largest magnitudes: all above the k-th largest, then ties to it by lowest position.
 
     The threshold (a value) and both masks are the same on every device, unlike the order in which

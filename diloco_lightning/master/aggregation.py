@@ -33,6 +33,7 @@ from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util.lanes import Lanes
 from diloco_lightning.encoding import EncodedTensor, decode_add_
 from diloco_lightning.master.validation import Accepted, max_abs
+from diloco_lightning.outer import gates_per_fragment
 
 R = TypeVar("R")
 
@@ -222,7 +223,7 @@ def round_step(opt: Any, outer_optimizer: str, *, legacy: bool,
     every delta of the round has the same). The master's rounds and the simulator both step here."""
     if legacy:
         return lambda state, mean: opt.step(state, mean, staleness=tau_max)
-    if outer_optimizer == "pa_cgad":
+    if gates_per_fragment(outer_optimizer):
         return lambda state, mean: opt.step_pregated(state, mean)
     tau = tau_max if getattr(opt, "STEP_USES_STALENESS", False) else 0
     return lambda state, mean: opt.step(state, mean, staleness=tau, gated=True)
@@ -244,7 +245,7 @@ def arrival_step(opt: Any, outer_optimizer: str, state: dict[str, torch.Tensor],
                  tau: int, fragment: str | None) -> bool:
     """Arrival mode: one outer step for one delta of staleness ``tau`` (PA-CGAD: of ``fragment``,
     gated on ``max(tau, age_f)``)."""
-    return opt.step(state, tensors, staleness=tau, fragment=fragment if outer_optimizer == "pa_cgad" else None)
+    return opt.step(state, tensors, staleness=tau, fragment=fragment if gates_per_fragment(outer_optimizer) else None)
 
 
 @dataclass

@@ -254,7 +254,9 @@ class MasterConfig:
 def with_run_fragments(outer_optimizer: str, options: Mapping[str, Any], plan: FragmentPlan | None) -> dict[str, Any]:
     """The outer optimizer's options in a run split by ``plan``: PA-CGAD's fragments are the run's
     (its age ``a_f`` is counted per run fragment); any other optimizer's are unchanged."""
+    from diloco_lightning.outer import gates_per_fragment  # torch: only once a run builds its optimizer
+
     out = dict(options)
-    if plan is not None and outer_optimizer == "pa_cgad":
+    if plan is not None and gates_per_fragment(outer_optimizer):
         out["fragments"] = plan.optimizer_fragments()
     return out

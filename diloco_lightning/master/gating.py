@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from diloco_lightning.outer import gates_per_fragment
 from diloco_lightning.util.errors import DeltaRejected
 from diloco_lightning.wire.fragments import FragmentError, FragmentPlan, parse_fragment_header
 
@@ -63,7 +64,7 @@ class FragmentView:
 def legacy_pa(outer_optimizer: str, plan: FragmentPlan | None, opt: Any) -> bool:
     """PA-CGAD given fragments of its own (``outer_options``) in a run without fragments: the older
     round rule (average ungated, gate each fragment on ``max(tau_max, age_f)``)."""
-    return outer_optimizer == "pa_cgad" and plan is None and len(opt.fragments) > 1
+    return gates_per_fragment(outer_optimizer) and plan is None and len(opt.fragments) > 1
 
 
 def delta_gates(opt: Any, outer_optimizer: str, plan: FragmentPlan | None,
@@ -72,7 +73,7 @@ def delta_gates(opt: Any, outer_optimizer: str, plan: FragmentPlan | None,
     step count now ``fragment_steps``) the view that checks and gates a fragment's delta: PA-CGAD's
     gate is ``gate(max(tau, age_f))`` of the delta's fragment (arXiv 2605.09126). The master's
     rounds and the simulator both ask here."""
-    pa = outer_optimizer == "pa_cgad"
+    pa = gates_per_fragment(outer_optimizer)
     if plan is not None:
         def by_fragment(name: str, tau: int) -> float:
             return opt.fragment_gate(name, tau) if pa else opt.gate(tau)

@@ -23,6 +23,10 @@ Every optimizer takes the global state (``dict[str, Tensor]``) and offers ``gate
 ``state_dtype`` (``"float32"`` or ``"bfloat16"`` buffers) and ``stochastic_rounding``
 (:meth:`OuterOptimizer.set_state_precision`).
 
+A new outer optimizer is one file (a subclass of :class:`OuterOptimizer`) and one
+:func:`register_outer_optimizer`; callers ask its capabilities (``GATES_PER_FRAGMENT``,
+``STEP_USES_STALENESS``, :meth:`OuterOptimizer.linear_rate`), never its name.
+
 ``fedavg`` is ``nesterov`` under the name a user chose, with its own defaults: the same step and
 state, so a run published under one name resumes under the other (:func:`same_step`).
 """
@@ -43,6 +47,7 @@ from diloco_lightning.outer.gap import DelayCompensated, GapAware
 from diloco_lightning.outer.gates import cgad_gate, check_staleness, exp_gate, poly_gate
 from diloco_lightning.outer.nesterov import FedAvg, NesterovOuterOptimizer, PolyNesterov, StalenessSGD
 from diloco_lightning.outer.pacgad import PACGAD
+from diloco_lightning.util.registry import Registry
 
 __all__ = [
     "check_outer_options",
@@ -65,19 +70,24 @@ __all__ = [
     "cgad_gate",
     "check_staleness",
     "exp_gate",
+    "gates_per_fragment",
     "outer_optimizer_options",
     "poly_gate",
+    "register_outer_optimizer",
     "same_step",
+    "unregister_outer_optimizer",
 ]
 
-#: Registry name -> class (read-only).
-OUTER_OPTIMIZERS: Mapping[str, type[OuterOptimizer]] = MappingProxyType(
-    {
-        cls.name: cls
-        for cls in (NesterovOuterOptimizer, FedAvg, CGAD, AdamDecay, OuterAdam, DelayedNesterov, PACGAD, PolyNesterov,
-                    StalenessSGD, GapAware, DelayCompensated)
-    }
-)
+_REGISTRY = Registry("outer optimizer", OuterOptimizer, (
+    NesterovOuterOptimizer, FedAvg, CGAD, AdamDecay, OuterAdam, DelayedNesterov, PACGAD, PolyNesterov, StalenessSGD,
+    GapAware, DelayCompensated))
+#: Registry name -> class (a read-only view; :func:`register_outer_optimizer` adds to it).
+OUTER_OPTIMIZERS: Mapping[str, type[OuterOptimizer]] = _REGISTRY.classes
+#: Make a class (an :class:`OuterOptimizer` subclass with a name) the outer optimizer of its name; returns it.
+#: Its options are its constructor's keywords after ``state`` (:func:`outer_optimizer_options`).
+register_outer_optimizer = _REGISTRY.register
+#: Forget the outer optimizer of a name (a test's or a plugin's); ``ValueError`` on an unknown name.
+unregister_outer_optimizer = _REGISTRY.unregister
 
 
 #: A name registered for another's step and state, with defaults of its own -> that other name.
@@ -93,6 +103,13 @@ def same_step(a: Any, b: Any) -> bool:
 #: Options every outer optimizer takes (:meth:`OuterOptimizer.set_state_precision`): the buffers' dtype
 #: and their rounding.
 PRECISION_OPTIONS: Mapping[str, Any] = MappingProxyType({"state_dtype": "float32", "stochastic_rounding": False})
+
+
+def gates_per_fragment(name: Any) -> bool:
+    """Whether the outer optimizer registered as ``name`` gates each fragment on its own age
+    (:attr:`OuterOptimizer.GATES_PER_FRAGMENT`: PA-CGAD); False for an unknown name."""
+    cls = OUTER_OPTIMIZERS.get(name) if isinstance(name, str) else None
+    return cls is not None and cls.GATES_PER_FRAGMENT
 
 
 def outer_optimizer_options(name: str) -> dict[str, Any]:

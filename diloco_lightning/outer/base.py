@@ -41,27 +41,22 @@ Subclasses implement :meth:`OuterOptimizer.gate` and :meth:`OuterOptimizer._appl
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from diloco_lightning.outer.gates import check_staleness
-from diloco_lightning.outer.blockwise import blocks, dequantize_, quantize_
+from diloco_lightning.outer.buffers import BufferStore, is_trainable, real_view
 from diloco_lightning.outer.checks import check_betas, check_int, check_real
-from diloco_lightning.outer.precision import (
-    STATE_DTYPE_NAMES,
-    STATE_DTYPES,
-    math_dtype,
-    parse_state_dtype,
-    stochastic_round_,
-)
-from diloco_lightning.outer.work import CHUNK_BYTES, TEMP_BUDGET_BYTES, Item, Work, WorkArea, real_view
+from diloco_lightning.outer.gates import check_staleness
+from diloco_lightning.outer.precision import STATE_DTYPE_NAMES, STATE_DTYPES, parse_state_dtype, stochastic_round_
+from diloco_lightning.outer.work import CHUNK_BYTES, TEMP_BUDGET_BYTES, Item, Work, WorkArea
 
 __all__ = [
     "CHUNK_BYTES",
     "STATE_DTYPES",
+    "BufferStore",
     "TEMP_BUDGET_BYTES",
     "Item",
     "OuterOptimizer",
@@ -78,13 +73,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _is_trainable(tensor: Tensor) -> bool:
-    return tensor.is_floating_point() or tensor.is_complex()
-
-
 # ----------------------------------------------------------------------------- base class
-class OuterOptimizer(WorkArea):
+class OuterOptimizer:
     """Base class of the outer optimizers (see the module docstring for the shared contract).
+
+    Its parts: the buffers (a :class:`~diloco_lightning.outer.buffers.BufferStore`) and the FP32 work
+    area over them (a :class:`~diloco_lightning.outer.work.WorkArea`, :meth:`_run`); a subclass adds
+    its step (:meth:`_apply`), its gate and its scalar state.
 
     Attributes:
         name: the registry name (``build_outer_optimizer(name, ...)``).
@@ -103,6 +98,13 @@ class OuterOptimizer(WorkArea):
     #: The step reads the staleness beyond the scalar gate (a per-coordinate correction, as the
     #: gap-aware optimizers make): a round's mean is then stepped with the round's largest staleness.
     STEP_USES_STALENESS: ClassVar[bool] = False
+    #: Buffer families whose values are never negative (8-bit: the unsigned code book).
+    NONNEGATIVE: ClassVar[frozenset[str]] = frozenset()
+    #: The optimizer gates each fragment on its own age (PA-CGAD): a delta's gate is
+    #: ``fragment_gate(fragment, tau)``, its step is told the delta's ``fragment``, a round's mean of
+    #: such gated deltas is stepped with ``step_pregated``, and a run's fragments become its
+    #: ``fragments`` option. The master asks this (:func:`~diloco_lightning.outer.gates_per_fragment`).
+    GATES_PER_FRAGMENT: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -116,28 +118,36 @@ class OuterOptimizer(WorkArea):
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping of str to Tensor, got {type(state).__name__}")
         self.options: dict[str, Any] = options
-        self._families: dict[str, bool] = dict(self.BUFFERS if buffers is None else buffers)
+        self._store = BufferStore(self.BUFFERS if buffers is None else buffers, self.NONNEGATIVE, self.name)
+        self._work = WorkArea(self._store)
         self._scalar_kinds: dict[str, tuple[str, Any]] = dict(self.KEY_SCALARS if key_scalars is None else key_scalars)
-        self._specs: dict[str, tuple[tuple[int, ...], bool]] = {}
-        self._buffers: dict[str, dict[str, Tensor]] = {family: {} for family in self._families}
-        self._absmax: dict[str, dict[str, Tensor]] = {family: {} for family in self._families}  # int8 buffers
-        self.precision_stats: dict[str, dict[str, float]] = {}
         self._key_scalars: dict[str, dict[str, Any]] = {name: {} for name in self._scalar_kinds}
-        self._scratch: Tensor | None = None
-        self._views: dict[str, dict[str, Tensor]] = {}
-        self._state_dtype: torch.dtype = torch.float32  # of the buffers of real keys (set_state_precision)
-        self._stochastic = False
-        self._rounding_step = 0  # steps taken with stochastic rounding (seeds the rounding; in state_dict)
         for key, tensor in state.items():
             self._check_state_entry(key, tensor)
-            if _is_trainable(tensor):
+            if is_trainable(tensor):
                 self._register(key, tensor)
 
     # --------------------------------------------------------------------- public API
     @property
     def state_dtype(self) -> torch.dtype:
         """The dtype of the buffers of real keys (FP32 unless :meth:`set_state_precision` said otherwise)."""
-        return self._state_dtype
+        return self._store.state_dtype
+
+    @property
+    def track_precision(self) -> bool:
+        """Measure what the buffers' precision does at each step (:attr:`precision_stats`); off by
+        default (it costs passes)."""
+        return self._work.track_precision
+
+    @track_precision.setter
+    def track_precision(self, on: bool) -> None:
+        self._work.track_precision = bool(on)
+
+    @property
+    def precision_stats(self) -> dict[str, dict[str, float]]:
+        """Per low-precision buffer family, for the last step: ``floor`` (the fraction of values stored
+        as 0 although not 0) and ``stuck`` (stored unchanged although the step changed them)."""
+        return self._work.precision_stats
 
     def set_state_precision(self, state_dtype: Any = "float32", stochastic_rounding: bool = False) -> None:
         """Keep the buffers of real keys in ``state_dtype`` (``"float32"``, ``"bfloat16"`` or ``"int8"``),
@@ -156,11 +166,7 @@ class OuterOptimizer(WorkArea):
         if stochastic_rounding and dtype != torch.bfloat16:
             raise ValueError("stochastic_rounding needs state_dtype='bfloat16' (FP32 buffers are not rounded; "
                              "8-bit ones round to the nearest code)")
-        values = {(f, k): self._values(f, k) for f, per_key in self._buffers.items() for k in per_key}
-        self._state_dtype, self._stochastic = dtype, stochastic_rounding
-        for (family, key), value in values.items():
-            self._store(family, key, value)
-        self._views = {}
+        self._store.set_precision(dtype, stochastic_rounding)
         self.options.pop("state_dtype", None)
         self.options.pop("stochastic_rounding", None)
         if dtype != torch.float32:
@@ -214,8 +220,8 @@ class OuterOptimizer(WorkArea):
         items = self._plan(state, delta)
         with torch.no_grad():
             applied = self._apply(items, tau, gated, fragment)
-        if applied and self._stochastic:
-            self._rounding_step += 1
+        if applied and self._store.stochastic:
+            self._store.rounding_step += 1
         logger.debug(
             "%s step: staleness=%s gated=%s fragment=%s keys=%d applied=%s",
             self.name,
@@ -234,19 +240,14 @@ class OuterOptimizer(WorkArea):
         writes them out before the next step, as the master's publication does."""
         out: dict[str, Any] = {"optimizer": self.name}
         out.update(self._scalar_state())
-        if self._stochastic:
-            out["rounding_step"] = self._rounding_step
+        if self._store.stochastic:
+            out["rounding_step"] = self._store.rounding_step
         if self._scalar_kinds:
-            keys = list(self._specs)
+            keys = list(self._store.specs)
             out["keys"] = keys
             for name, per_key in self._key_scalars.items():
                 out[name] = [per_key[k] for k in keys]
-        for family, buffers in self._buffers.items():
-            for key, buf in buffers.items():
-                out[f"{family}/{key}"] = buf.clone() if copy else buf
-                if buf.dtype == torch.uint8:
-                    amax = self._absmax[family][key]
-                    out[f"{family}.absmax/{key}"] = amax.clone() if copy else amax
+        out.update(self._store.state_dict(copy))
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -267,13 +268,13 @@ class OuterOptimizer(WorkArea):
         tensors = {k: v for k, v in state_dict.items() if isinstance(v, Tensor)}
         scalars = {k: v for k, v in state_dict.items() if not isinstance(v, Tensor) and k != "optimizer"}
         rounding_step = self._pop_rounding_step(scalars)
-        buffers = self._parse_buffers(tensors)
+        buffers = self._store.parse(tensors)
         key_scalars = self._parse_key_scalars(scalars)  # pops the per-key entries
         checked = self._check_scalar_state(scalars)
-        self._set_buffers(buffers)
+        self._store.replace(buffers)
         self._key_scalars = key_scalars
         self._set_scalar_state(checked)
-        self._rounding_step = rounding_step
+        self._store.rounding_step = rounding_step
 
     @staticmethod
     def _pop_rounding_step(scalars: dict[str, Any]) -> int:
@@ -299,57 +300,14 @@ class OuterOptimizer(WorkArea):
     def _set_scalar_state(self, scalars: dict[str, Any]) -> None:
         pass
 
-    def _buffer(self, family: str, key: str) -> Tensor:
-        """The ``family`` buffer of ``key`` (created as zeros on first use)."""
-        buffers = self._buffers[family]
-        buf = buffers.get(key)
-        if buf is None:
-            buf = buffers[key] = torch.zeros(self._specs[key][0], dtype=self._buffer_dtype(family, key))
-            if buf.dtype == torch.uint8:  # all-zero maxima: every code stands for 0
-                self._absmax[family][key] = torch.zeros(blocks(buf.numel()))
-        return buf
-
-    def _values(self, family: str, key: str) -> Tensor:
-        """The values of a buffer in its math dtype (8-bit codes decoded)."""
-        buf = self._buffer(family, key)
-        if buf.dtype != torch.uint8:
-            return buf.clone()
-        return dequantize_(torch.empty(buf.shape), buf, self._absmax[family][key], family not in self.NONNEGATIVE)
-
-    def _store(self, family: str, key: str, values: Tensor | tuple[Tensor, Tensor]) -> None:
-        """Keep ``values`` as ``family``'s buffer of ``key`` in its dtype (8-bit: as codes and maxima;
-        ``values`` may be 8-bit ``(codes, maxima)`` already, kept as they are: decoding and coding
-        again is not exact)."""
-        want = self._buffer_dtype(family, key)
-        self._absmax[family].pop(key, None)
-        if isinstance(values, tuple):
-            if want == torch.uint8:
-                self._buffers[family][key], self._absmax[family][key] = values
-                return
-            values = dequantize_(torch.empty(values[0].shape), *values, family not in self.NONNEGATIVE)
-        if want != torch.uint8:
-            self._buffers[family][key] = values.to(want)
-            return
-        codes, amax = torch.empty(values.shape, dtype=torch.uint8), torch.empty(blocks(values.numel()))
-        quantize_(codes, amax, values.float(), family not in self.NONNEGATIVE)
-        self._buffers[family][key], self._absmax[family][key] = codes, amax
-
-    def _buffer_dtype(self, family: str, key: str) -> torch.dtype:
-        """What ``family``'s buffer of ``key`` is stored in: complex64 for a complex buffer, FP32 for the
-        real buffers of a complex key, else the state dtype (FP32 or bf16)."""
-        is_complex = self._specs[key][1]
-        if is_complex:
-            return math_dtype(self._families[family])
-        return self._state_dtype
-
-    def _set_buffers(self, buffers: dict[str, dict[str, Any]]) -> None:
-        """Keep ``buffers`` (values as :meth:`_parse_buffers` gives them), each in its buffer dtype."""
-        self._buffers = {family: {} for family in self._families}
-        self._absmax = {family: {} for family in self._families}
-        for family, per_key in buffers.items():
-            for key, values in per_key.items():
-                self._store(family, key, values)
-        self._views = {}
+    def _run(self, items: list[Item], fn: Callable[[list[Work]], None]) -> None:
+        """Call ``fn`` on batches of :class:`Work` (flat FP32 views of the items and their buffers),
+        then write back (:meth:`WorkArea.run <diloco_lightning.outer.work.WorkArea.run>`). Keys not
+        seen at construction get their buffers (and per-key scalars) first."""
+        for item in items:
+            if item.key not in self._store.specs:
+                self._register(item.key, item.param)
+        self._work.run(items, fn)
 
     def _group(self, batch: list[Work], names: tuple[str, ...]) -> dict[tuple[Any, ...], list[Work]]:
         """Split ``batch`` by the values of the per-key scalars ``names`` (one kernel call per group)."""
@@ -367,9 +325,7 @@ class OuterOptimizer(WorkArea):
             raise TypeError(f"state[{key!r}] is not a tensor: {type(tensor).__name__}")
 
     def _register(self, key: str, tensor: Tensor) -> None:
-        self._specs[key] = (tuple(tensor.shape), tensor.is_complex())
-        for family in self._families:
-            self._buffer(family, key)
+        self._store.register(key, tensor)
         for name, (_, initial) in self._scalar_kinds.items():
             self._key_scalars[name][key] = initial
 
@@ -392,11 +348,11 @@ class OuterOptimizer(WorkArea):
                 raise ValueError(
                     f"shape mismatch for key {key!r}: delta {tuple(d.shape)} vs state {tuple(param.shape)}"
                 )
-            if not (_is_trainable(param) and _is_trainable(d)):
+            if not (is_trainable(param) and is_trainable(d)):
                 continue
             if d.is_complex() and not param.is_complex():
                 raise ValueError(f"delta for key {key!r} is complex but the state tensor is {param.dtype}")
-            spec = self._specs.get(key)
+            spec = self._store.specs.get(key)
             if spec is not None and (spec[0] != param.shape or spec[1] != param.is_complex()):
                 raise ValueError(
                     f"state tensor {key!r} is {tuple(param.shape)} {param.dtype}, but the optimizer's "
@@ -412,43 +368,9 @@ class OuterOptimizer(WorkArea):
             items.append(Item(key, param, d))
         return items
 
-    def _parse_buffers(self, tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Any]]:
-        """Checked buffer values (8-bit ones as ``(codes, maxima)``), zeros where absent."""
-        buffers: dict[str, dict[str, Any]] = {family: {} for family in self._families}
-        maxima = {name: t for name, t in tensors.items() if name.partition("/")[0].endswith(".absmax")}
-        for name, tensor in tensors.items():
-            if name.partition("/")[0].endswith(".absmax"):
-                continue
-            family, sep, key = name.partition("/")
-            if tensor.dtype == torch.uint8 and sep and family in self._families:
-                amax = maxima.pop(f"{family}.absmax/{key}", None)
-                if amax is None or amax.dtype != torch.float32 or amax.numel() != blocks(tensor.numel()):
-                    raise ValueError(f"state_dict entry {name!r} holds 8-bit codes without their {family}.absmax/{key} "
-                                     f"({blocks(tensor.numel())} FP32 block maxima)")
-                spec = self._specs.get(key)
-                if spec is None or spec[1] or tuple(tensor.shape) != spec[0]:
-                    raise ValueError(f"state_dict entry {name!r}: 8-bit codes of shape {tuple(tensor.shape)} do not "
-                                     f"match a real key of the global state")
-                buffers[family][key] = (tensor.detach().to("cpu", copy=True), amax.detach().to("cpu", copy=True))
-                continue
-            if not sep or family not in self._families:
-                raise ValueError(
-                    f"unexpected tensor {name!r} in {self.name} state_dict "
-                    f"(expected '<buffer>/<key>' with buffer in {sorted(self._families)})"
-                )
-            buffers[family][key] = self._checked_buffer(name, key, tensor, self._families[family])
-        # Keys with no saved buffer restart from zero.
-        for family, per_key in buffers.items():
-            for key, (shape, _) in self._specs.items():
-                if key not in per_key:
-                    per_key[key] = torch.zeros(shape, dtype=math_dtype(self._specs[key][1] and self._families[family]))
-        if maxima:
-            raise ValueError(f"unexpected tensor(s) {sorted(maxima)} in {self.name} state_dict (block maxima without codes)")
-        return buffers
-
     def _parse_key_scalars(self, scalars: dict[str, Any]) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {
-            name: {key: initial for key in self._specs} for name, (_, initial) in self._scalar_kinds.items()
+            name: {key: initial for key in self._store.specs} for name, (_, initial) in self._scalar_kinds.items()
         }
         if not self._scalar_kinds:
             return out
@@ -461,7 +383,7 @@ class OuterOptimizer(WorkArea):
         if not isinstance(keys, (list, tuple)) or len(set(keys)) != len(keys):
             raise ValueError("state_dict 'keys' must be a list of distinct key names")
         for key in keys:
-            if key not in self._specs:
+            if key not in self._store.specs:
                 raise ValueError(f"state_dict 'keys' names {key!r}, not a floating key of the global state")
         for name, values in lists.items():
             kind = self._scalar_kinds[name][0]
@@ -476,16 +398,3 @@ class OuterOptimizer(WorkArea):
                 else:
                     out[name][key] = check_real(label, value, low=0.0, low_open=kind == "positive")
         return out
-
-    def _checked_buffer(self, name: str, key: str, tensor: Tensor, follows_complex: bool) -> Tensor:
-        spec = self._specs.get(key)
-        if spec is None:
-            raise ValueError(f"state_dict entry {name!r}: {key!r} is not a floating key of the global state")
-        shape, is_complex = spec
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"state_dict entry {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-        want_complex = is_complex and follows_complex
-        if not _is_trainable(tensor) or (tensor.is_complex() and not want_complex):
-            raise ValueError(f"state_dict entry {name!r} has dtype {tensor.dtype}")
-        # kept in the math dtype here; _set_buffers stores it in the buffer dtype (FP32 -> bf16 to nearest)
-        return tensor.detach().to(device="cpu", dtype=math_dtype(want_complex), copy=True)

@@ -97,7 +97,7 @@ class _StaleCorrected(OuterOptimizer):
 
     # ------------------------------------------------------------------ theta_base
     def _flat_size(self, key: str) -> int:
-        shape, is_complex = self._specs[key]
+        shape, is_complex = self._store.specs[key]
         return math.prod(shape) * (2 if is_complex else 1)
 
     def _diff(self, w: Work, tau: float) -> Tensor | None:
@@ -177,7 +177,7 @@ class _StaleCorrected(OuterOptimizer):
             if not name.startswith("history/"):
                 continue
             _, u_text, key = name.split("/", 2)
-            spec = self._specs.get(key)
+            spec = self._store.specs.get(key)
             if spec is None or not isinstance(tensor, Tensor) or not u_text.isdigit():
                 raise ValueError(f"unexpected entry {name!r} in {self.name} state_dict")
             size = self._flat_size(key)

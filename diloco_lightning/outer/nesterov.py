@@ -134,11 +134,12 @@ class NesterovOuterOptimizer(_NesterovBase):
         return 1.0
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
-        out: dict[str, Any] = {key: buf.clone() if copy else buf for key, buf in self._buffers["momentum"].items()}
-        for key, amax in self._absmax["momentum"].items():  # 8-bit buffers (not a Speedtronic option): their maxima
+        store = self._store
+        out: dict[str, Any] = {key: buf.clone() if copy else buf for key, buf in store.buffers["momentum"].items()}
+        for key, amax in store.absmax["momentum"].items():  # 8-bit buffers (not a Speedtronic option): their maxima
             out[f"momentum.absmax/{key}"] = amax.clone() if copy else amax
-        if self._stochastic:  # not a Speedtronic option: its step count rides along
-            out["rounding_step"] = self._rounding_step
+        if store.stochastic:  # not a Speedtronic option: its step count rides along
+            out["rounding_step"] = store.rounding_step
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -152,8 +153,8 @@ class NesterovOuterOptimizer(_NesterovBase):
             if not isinstance(value, Tensor):
                 raise ValueError(f"nesterov state_dict entry {key!r} is not a tensor: {type(value).__name__}")  # noqa: TRY004
             tensors[key if key.startswith("momentum.absmax/") else f"momentum/{key}"] = value
-        self._set_buffers(self._parse_buffers(tensors))
-        self._rounding_step = rounding_step
+        self._store.load_state_dict(tensors)
+        self._store.rounding_step = rounding_step
 
 
 class FedAvg(NesterovOuterOptimizer):

@@ -85,6 +85,7 @@ class PACGAD(_AdamBase):
 
     name = "pa_cgad"
     STATE_KINDS = ("pa_cgad",)
+    GATES_PER_FRAGMENT = True
 
     def __init__(
         self,

@@ -4,8 +4,9 @@ A step's math runs on :class:`Work` units: contiguous CPU FP32 (complex64) views
 tensor (or a chunk of it), its delta and its buffers. A tensor that is already CPU FP32
 contiguous is used in place; any other is converted, in chunks of :data:`CHUNK_BYTES`, into a
 scratch area of :data:`TEMP_BUDGET_BYTES` kept between steps, and written back afterwards (see
-:mod:`diloco_lightning.outer.base` for the contract). :class:`WorkArea` is the part of
-:class:`~diloco_lightning.outer.base.OuterOptimizer` that does this.
+:mod:`diloco_lightning.outer.base` for the contract). :class:`WorkArea` does this; an
+:class:`~diloco_lightning.outer.base.OuterOptimizer` holds one over its
+:class:`~diloco_lightning.outer.buffers.BufferStore`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from diloco_lightning.outer.blockwise import BLOCK, blocks, dequantize_, quantize_
+from diloco_lightning.outer.buffers import BufferStore, real_view
 from diloco_lightning.outer.precision import math_dtype, stochastic_round_
 
 __all__ = ["CHUNK_BYTES", "TEMP_BUDGET_BYTES", "Back", "Item", "Work", "WorkArea", "real_view"]
@@ -28,11 +30,6 @@ TEMP_BUDGET_BYTES = 16 * 1024 * 1024
 #: Converted tensors are processed in chunks of this many FP32 bytes (about a core's share of cache).
 CHUNK_BYTES = 4 * 1024 * 1024
 assert (CHUNK_BYTES // 4) % BLOCK == 0  # a chunk of an 8-bit blockwise buffer starts on a block
-
-
-def real_view(tensor: Tensor) -> Tensor:
-    """``tensor`` itself, or ``torch.view_as_real(tensor)`` for a complex tensor."""
-    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 @dataclass(frozen=True)
@@ -128,37 +125,28 @@ def _units(item: Item, chunk_floats: int, buffer_conversions: int = 0) -> list[_
 
 
 class WorkArea:
-    """The work area of an :class:`~diloco_lightning.outer.base.OuterOptimizer` (its base class):
-    runs a step's math on :class:`Work` batches. The attributes and the two methods below are the
-    optimizer's (its buffers and their precision)."""
+    """The FP32 work area of one outer optimizer: runs a step's math on :class:`Work` batches over the
+    buffers of a :class:`~diloco_lightning.outer.buffers.BufferStore` (the optimizer's), in a scratch
+    area of its own kept between steps.
 
-    _families: dict[str, bool]
-    _specs: dict[str, tuple[tuple[int, ...], bool]]
-    _scratch: Tensor | None
-    _views: dict[str, dict[str, Tensor]]
-    _state_dtype: torch.dtype
-    _stochastic: bool
-    _rounding_step: int
-    #: 8-bit blockwise buffers: family -> key -> FP32 block maxima
-    _absmax: dict[str, dict[str, Tensor]]
-    #: buffer families whose values are never negative (8-bit: the unsigned code book)
-    NONNEGATIVE: frozenset[str] = frozenset()
-    #: measure what the buffers' precision does at each step (:attr:`precision_stats`); off by default (it costs passes)
-    track_precision: bool = False
-    #: per low-precision buffer family, for the last step: ``floor`` (the fraction of values stored as 0
-    #: although not 0) and ``stuck`` (stored unchanged although the step changed them: rounded away)
-    precision_stats: dict[str, dict[str, float]]
+    Attributes:
+        track_precision: measure what the buffers' precision does at each step (:attr:`precision_stats`);
+            off by default (it costs passes).
+        precision_stats: per low-precision buffer family, for the last step: ``floor`` (the fraction of
+            values stored as 0 although not 0) and ``stuck`` (stored unchanged although the step changed
+            them: rounded away).
+    """
 
-    def _register(self, key: str, tensor: Tensor) -> None:
-        raise NotImplementedError
+    def __init__(self, store: BufferStore) -> None:
+        self.store = store
+        self.track_precision = False
+        self.precision_stats: dict[str, dict[str, float]] = {}
+        self._scratch: Tensor | None = None
 
-    def _buffer(self, family: str, key: str) -> Tensor:
-        raise NotImplementedError
-
-    def _run(self, items: list[Item], fn: Callable[[list[Work]], None]) -> None:
+    def run(self, items: list[Item], fn: Callable[[list[Work]], None]) -> None:
         """Call ``fn`` on batches of :class:`Work` (flat FP32 views of the items), then write back.
 
-        Keys not seen at construction get their buffers here. Conversions (a delta that is not CPU
+        Every item's key must have its buffers (:meth:`BufferStore.register`). Conversions (a delta that is not CPU
         FP32, a state tensor that is not CPU FP32 contiguous) go to a scratch area of
         :data:`TEMP_BUDGET_BYTES` kept between steps (fresh allocations of that size would
         page-fault on every step), in chunks of :data:`CHUNK_BYTES` so that a converted chunk is
@@ -166,7 +154,8 @@ class WorkArea:
         ``fn`` must treat each :class:`Work` on its own (chunks of one key may land in different
         batches): per-key scalars are to be read before and written after :meth:`_run`.
         """
-        low = 0 if self._state_dtype == torch.float32 else len(self._families)
+        store = self.store
+        low = 0 if store.state_dtype == torch.float32 else len(store.families)
         counts: dict[str, list[int]] = {}
         units = [u for item in items
                  for u in _units(item, CHUNK_BYTES // 4, 0 if item.param.is_complex() else low)]
@@ -189,9 +178,6 @@ class WorkArea:
 
         batch: list[Work] = []
         for unit, need in zip(units, needs):
-            key = unit.item.key
-            if key not in self._specs:
-                self._register(key, unit.item.param)
             if scratch is not None and offset + need > scratch.numel():
                 self._flush(batch, fn, counts)
                 batch, offset = [], 0
@@ -207,15 +193,15 @@ class WorkArea:
         for work in batch:
             work.write_back()
             for back in work.buffer_back:
-                if self._stochastic:
-                    seed = zlib.crc32(f"{self._rounding_step}:{back.label}".encode())
+                if self.store.stochastic:
+                    seed = zlib.crc32(f"{self.store.rounding_step}:{back.label}".encode())
                     stochastic_round_(back.math_copy, torch.Generator().manual_seed(seed))
                 if self.track_precision:
                     self._count_precision(back, counts.setdefault(back.family, [0, 0, 0]))
                 if back.absmax is None:
                     back.stored.copy_(back.math_copy)  # to nearest even (exact after a stochastic rounding)
                 else:
-                    quantize_(back.stored, back.absmax, back.math_copy, back.family not in self.NONNEGATIVE)
+                    quantize_(back.stored, back.absmax, back.math_copy, self.store.signed(back.family))
 
     def _count_precision(self, back: Back, count: list[int]) -> None:
         """Add to ``count`` ([floor, stuck, values]) what storing ``back`` will do (before it is stored)."""
@@ -224,7 +210,7 @@ class WorkArea:
             rounded = new.to(old.dtype)
             old_values = old.float()
         else:
-            signed = back.family not in self.NONNEGATIVE
+            signed = self.store.signed(back.family)
             codes, amax = torch.empty_like(old), torch.empty_like(back.absmax)
             quantize_(codes, amax, new, signed)
             old_values = dequantize_(torch.empty(old.shape), old, back.absmax, signed)
@@ -262,21 +248,22 @@ class WorkArea:
                 mode = "copy"
         p_math = p
         back: list[Back] = []
-        if unit.is_complex or self._state_dtype == torch.float32:
+        store = self.store
+        if unit.is_complex or store.state_dtype == torch.float32:
             if whole:
-                bufs = self._buffer_views(item.key)
+                bufs = store.views(item.key)
             else:
-                bufs = {family: real_view(self._buffer(family, item.key).view(-1)[start:stop]) for family in self._families}
+                bufs = {family: real_view(store.buffer(family, item.key).view(-1)[start:stop]) for family in store.families}
         else:  # low-precision buffers: an FP32 copy of each, stored back in _flush
             bufs = {}
-            for family in self._families:
-                buf = self._buffer(family, item.key)
+            for family in store.families:
+                buf = store.buffer(family, item.key)
                 stored = buf if whole else buf.view(-1)[start:stop]
                 math_copy = take(unit).view(stored.shape)
                 absmax = None
                 if buf.dtype == torch.uint8:  # 8-bit blockwise: chunks start on a block (CHUNK_BYTES // 4 % BLOCK == 0)
-                    absmax = self._absmax[family][item.key][start // BLOCK: blocks(stop)]
-                    dequantize_(math_copy, stored, absmax, family not in self.NONNEGATIVE)
+                    absmax = store.absmax[family][item.key][start // BLOCK: blocks(stop)]
+                    dequantize_(math_copy, stored, absmax, store.signed(family))
                 else:
                     math_copy.copy_(stored)
                 bufs[family] = math_copy
@@ -284,10 +271,3 @@ class WorkArea:
         if unit.is_complex:
             p, g = torch.view_as_real(p), torch.view_as_real(g)
         return Work(item.key, p, g, bufs, unit.is_complex, target, p_math, mode, back, 0 if whole else start)
-
-    def _buffer_views(self, key: str) -> dict[str, Tensor]:
-        """``{family: real view of key's buffer}``, cached (the buffers are updated in place)."""
-        views = self._views.get(key)
-        if views is None:
-            views = self._views[key] = {family: real_view(self._buffer(family, key)) for family in self._families}
-        return views

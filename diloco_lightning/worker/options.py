@@ -24,7 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from diloco_lightning.encoding import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, LEVELS, VALUE_BITS, EncodingSpec
+from diloco_lightning.encoding import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, EncodingSpec
+from diloco_lightning.encoding.registry import encoding_class, encoding_names
 from diloco_lightning.wire.fragments import FragmentError, fragment_count
 from diloco_lightning.util.options import OptionError, check_choice, check_number, option
 from diloco_lightning.worker.pacing import AUTO, Pacing, resolve_throttle
@@ -59,7 +60,7 @@ def _torch_dtype_name(value: Any) -> str | None:
         return None
     return str(value).removeprefix("torch.")
 #: how ``topk`` and ``ctopk`` store the values they keep (the first is the default)
-TOPK_VALUES = {"topk": tuple(LEVELS), "ctopk": ("int2", *(v for v in VALUE_BITS if v != "int2"))}
+TOPK_VALUES = {name: encoding_class(name).value_choices() for name in ("topk", "ctopk")}
 
 
 def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> str:
@@ -69,7 +70,10 @@ def parse_delta_dtype(value: Any, argname: str = "delta_dtype") -> str:
         return name
     if isinstance(value, str) and value.lower().removeprefix("torch.") in DELTA_DTYPES:
         return DELTA_DTYPES[value.lower().removeprefix("torch.")]
+    if isinstance(value, str) and value in encoding_names():  # one registered later (encoding/registry.py)
+        return value
     names = sorted(set(DELTA_DTYPES.values()), key=list(DELTA_DTYPES.values()).index)
+    names += [n for n in encoding_names() if n not in names]
     raise OptionError(argname, f"must be one of {names}, got {value!r}")
 
 
@@ -84,7 +88,7 @@ def resolve_encoding(delta_dtype: Any = "float32", topk: Any = 0.01, topk_values
     name = parse_delta_dtype(delta_dtype)
     if isinstance(topk, bool) or not isinstance(topk, (int, float)) or not 0.0 < topk <= 1.0:
         raise OptionError("topk", f"must be a fraction in (0, 1] (0.01 keeps 1 % of each tensor), got {topk!r}")
-    values = TOPK_VALUES["ctopk" if name == "ctopk" else "topk"]
+    values = encoding_class(name).value_choices()
     if topk_values is not None and topk_values not in values:
         raise OptionError("topk_values", f"must be one of {list(values)} for delta_dtype={name}, got {topk_values!r}")
     if isinstance(topk_chunk, bool) or topk_chunk not in CHUNK_SIZES:
@@ -107,8 +111,8 @@ def feedback_of(spec: EncodingSpec, error_feedback: bool | None = None) -> bool:
     """Whether error feedback is on for ``spec``: ``error_feedback``, or (None) on for the quantized
     encodings (int8, int4, topk, ctopk) and off for the float casts; always off for float32."""
     if error_feedback is None:
-        return spec.value_encoding is not None
-    return bool(error_feedback) and spec.name != "float32"
+        return spec.feedback_by_default
+    return bool(error_feedback) and not spec.lossless
 
 
 @dataclass
@@ -233,7 +237,7 @@ class WorkerOptions:
         if _torch_dtype_name(self.delta_dtype) is not None:
             parse_delta_dtype(self.delta_dtype)
         else:
-            check_choice(self, "delta_dtype", tuple(DELTA_DTYPES))
+            check_choice(self, "delta_dtype", (*DELTA_DTYPES, *(n for n in encoding_names() if n not in DELTA_DTYPES)))
         resolve_encoding(self.delta_dtype, self.topk, self.topk_values, self.error_feedback, self.topk_chunk)
         check_decay(self.error_feedback_decay)
         self._check_fragments()

@@ -65,7 +65,7 @@ _ST_DTYPES = {
 }
 
 
-_ST_CODE_OF = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_ST_CODE_OF = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}  # a cast's dtype -> its code
 
 
 _ST_NAMES = {"F64": "float64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C128": "complex128"}
@@ -223,12 +223,12 @@ def _read_open_delta(f, path, path_str, want, reference, max_header, max_file_by
 
     names = sorted(layout.tensors)
     spec = header.encoding
-    if spec is not None and spec.value_encoding is not None:
+    if spec is not None and spec.cast_dtype is None:
         return _read_encoded(f, path, path_str, layout, header, spec, want, reference, signing_key, expected_fingerprint,
                              copy, arena)
     if want is not None:
         _check_keys(path, names, want)
-    cast = None if spec is None else _ST_CODE_OF[spec.name]  # a header naming a cast fixes the dtype
+    cast = None if spec is None else _ST_CODE_OF[spec.cast_dtype]  # a header naming a cast fixes the dtype
     for name in names:
         info = layout.tensors[name]
         if reference is not None and tuple(reference[name].shape) != info.shape:

@@ -38,7 +38,7 @@ def _file_tensors(tensors: Mapping[str, torch.Tensor | EncodedTensor]) -> tuple[
     specs = set()
     plain = []
     for name, t in tensors.items():
-        if isinstance(t, EncodedTensor) and t.spec.value_encoding is None:  # a cast: the plain format
+        if isinstance(t, EncodedTensor) and t.spec.cast_dtype is not None:  # a cast: the plain format
             q = t.parts["q"]
             if t.complex and q.dtype != torch.float32:
                 raise ValueError(f"delta tensor {name!r} is complex: it travels as complex64, not {t.spec.name}")
