@@ -52,6 +52,7 @@ from typing import Any
 
 from diloco_lightning.util import faults
 from diloco_lightning.util.warnonce import WarnOnce
+from diloco_lightning.hub.claim_poll import ClaimPoll
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
@@ -63,8 +64,7 @@ from diloco_lightning.hub.base import (
     HubUnavailableError,
     LeaseConflictError,
     PublishConflictError,
-    check_mirrors,
-    check_publication,
+    Publication,
     default_cache_dir,
 )
 from diloco_lightning.hub.hf_http import (
@@ -124,7 +124,25 @@ class HFHub(HFRequests, Hub):
     ``create=None`` neither creates nor checks the repository at open (no request).
     """
 
+    scheme = "hf"
+    url_forms = ("hf://org/repo",)
     rate_limited_writes = True
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Hub:
+        """``hf://org/repo``: this class's options, and ``layout=`` (``"shared"``, the default, or
+        ``"per_node"``: an :class:`~diloco_lightning.hub.hf_nodes.HFNodesHub`, with ``node_repo=``)."""
+        from diloco_lightning.hub.hf_nodes import LAYOUTS, HFNodesHub
+
+        repo_id = url[len("hf://"):].strip("/")
+        layout = options.pop("layout", None) or "shared"
+        if layout not in LAYOUTS:
+            raise ValueError(f"open_hub: layout must be one of {list(LAYOUTS)}, got {layout!r}")
+        if layout == "per_node":
+            return HFNodesHub(repo_id, **options)
+        if options.pop("node_repo", None) is not None:
+            raise ValueError("open_hub: node_repo applies to layout='per_node' only")
+        return cls(repo_id, **options)
 
     def __init__(
         self,
@@ -169,6 +187,7 @@ class HFHub(HFRequests, Hub):
         self._pins: dict[str, str] = {}
         self._lock = threading.Lock()
         self._warned = WarnOnce(log)
+        self._claim_poll = ClaimPoll(self.url, self._warned)
         self._plain_transient = _plain_transient_types()
         self.commit_budget = CommitBudget(commits_per_hour, commit_burst)
         #: the hub whose crash points this one's are (a per-node hub's repositories report as it)
@@ -310,26 +329,13 @@ class HFHub(HFRequests, Hub):
 
     # ------------------------------------------------------------------ publishing
 
-    def publish(
-        self,
-        manifest: Manifest,
-        files: Mapping[str, str | os.PathLike],
-        *,
-        expected_outer_step: int | None,
-        delete: Iterable[str] = (),
-        expected_digest: str | None = None,
-        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
-    ) -> None:
+    def _publish(self, pub: Publication) -> None:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
         self._ensure_open()
-        # the same transport-independent checks as every hub (nothing written on failure)
-        files, delete = check_publication(
-            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
-            expected_digest=expected_digest,
-        )
-        mirrors = check_mirrors(mirrors, files, delete)
-        delete = sorted(set(delete))
+        manifest, files, mirrors = pub.manifest, pub.files, pub.mirrors
+        expected_outer_step, expected_digest = pub.expected_outer_step, pub.expected_digest
+        delete = sorted(set(pub.delete))
         text = manifest.to_json()
         named = manifest.files()
         data = text.encode()
@@ -458,7 +464,7 @@ class HFHub(HFRequests, Hub):
         return self._parse_claim(data, node_id)
 
     def list_claims(self) -> dict[str, NodeClaim]:
-        return self._claims_from_listing(self._node_files(), self.read_claim)
+        return self._claim_poll.claims(self._node_files(), self.read_claim)
 
     def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
         """The scheme of :meth:`write_lease` on ``nodes/<node_id>/claim.json`` (one commit per write:

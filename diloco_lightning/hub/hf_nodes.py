@@ -62,11 +62,12 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from diloco_lightning.hub.claim_poll import ClaimPoll
 from diloco_lightning.hub.base import (
     DeltaRef,
     Hub,
     HubNotFoundError,
-    check_publication,
+    Publication,
 )
 from diloco_lightning.hub.hf import HFHub
 from diloco_lightning.hub.hf_http import _EntryMissing
@@ -146,6 +147,7 @@ class HFNodesHub(Hub):
         self._ledger: dict[str, int] = {}
         self._key = load_run_key()
         self._warned = WarnOnce(log)
+        self._claim_poll = ClaimPoll(self.url, self._warned)
 
     # ------------------------------------------------------------------ node repositories
 
@@ -330,25 +332,12 @@ class HFNodesHub(Hub):
 
     # ------------------------------------------------------------------ publishing (the master's repository)
 
-    def publish(
-        self,
-        manifest: Manifest,
-        files: Mapping[str, str | os.PathLike],
-        *,
-        expected_outer_step: int | None,
-        delete: Iterable[str] = (),
-        expected_digest: str | None = None,
-        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
-    ) -> None:
-        files, dels = check_publication(
-            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
-            expected_digest=expected_digest,
-        )
+    def _publish(self, pub: Publication) -> None:
         # nodes/ files live in the workers' repositories: each worker deletes its processed deltas
         # with its next upload (module docstring); global/ ones ride in the publication's commit
-        self.master.publish(manifest, files, expected_outer_step=expected_outer_step,
-                            delete=[p for p in dels if p.startswith(GLOBAL_DIR + "/")], expected_digest=expected_digest,
-                            mirrors=mirrors)
+        self.master.publish(pub.manifest, pub.files, expected_outer_step=pub.expected_outer_step,
+                            delete=[p for p in pub.delete if p.startswith(GLOBAL_DIR + "/")],
+                            expected_digest=pub.expected_digest, mirrors=pub.mirrors)
 
     def delete(self, paths: Iterable[str]) -> None:
         paths = sorted({validate_hub_path(p) for p in paths})
@@ -383,7 +372,7 @@ class HFNodesHub(Hub):
         a claim read again only when its blob changed. What the master's membership and the workers'
         Dynamic Local Updates read, on this layout as on every other."""
         entries = [(path, size, blob) for _node, path, size, blob in self._node_entries()]
-        return self._claims_from_listing(entries, lambda node: self._node_hub(node).read_claim(node))
+        return self._claim_poll.claims(entries, lambda node: self._node_hub(node).read_claim(node))
 
     def __repr__(self) -> str:
         return f"HFNodesHub({self.url!r}, node_repo={self.node_repo!r}, endpoint={self.master.endpoint!r})"

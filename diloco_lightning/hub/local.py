@@ -47,8 +47,8 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Iterable, Mapping
-from urllib.parse import quote
+from typing import Any, Iterable, Mapping
+from urllib.parse import quote, unquote, urlparse
 
 from diloco_lightning.util import faults
 from diloco_lightning.util.fileio import RefusedFile, file_kind, temp_prefix
@@ -65,9 +65,9 @@ from diloco_lightning.hub.base import (
     HubNotFoundError,
     LeaseConflictError,
     PublishConflictError,
-    check_mirrors,
-    check_publication,
+    Publication,
     default_cache_dir,
+    own_options,
 )
 from diloco_lightning.hub.folder import HubFolder, HubLinkError
 from diloco_lightning.wire.manifest import MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease, Manifest, ManifestError
@@ -97,7 +97,30 @@ _CLAIM_LOCK = ".claim.lock"
 class FileHub(Hub):
     """A hub in a folder. See the module docstring for the guarantees."""
 
+    scheme = "file"
+    url_forms = ("file:///abs/path", "a plain path")
     private_downloads = False  # files are returned in place: any writer of the folder can change them
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> "FileHub":
+        """``file:///abs/path`` or a plain path; options ``cache_dir``, ``create`` (others given as None
+        are ignored: one configuration serves every transport)."""
+        if url.lower().startswith("file:"):
+            parsed = urlparse(url)
+            if not url.lower().startswith("file://"):
+                raise ValueError(f"open_hub: malformed file URL {url!r}; use file:///abs/path")
+            if parsed.netloc not in ("", "localhost"):
+                raise ValueError(f"open_hub: file URL {url!r} names host {parsed.netloc!r}; use file:///abs/path")
+            if parsed.query or parsed.fragment:
+                raise ValueError(f"open_hub: file URL {url!r} has a query or fragment; use file:///abs/path")
+            path = Path(unquote(parsed.path))
+            if not path.is_absolute():
+                raise ValueError(f"open_hub: file URL {url!r} has no absolute path; use file:///abs/path")
+        elif not url:
+            raise ValueError("open_hub: empty hub URL")
+        else:
+            path = Path(url)
+        return cls(path, **own_options(cls, "the folder hub", url, options))
 
     def __init__(self, root: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, create: bool = True) -> None:
         root = Path(root).expanduser()
@@ -340,22 +363,10 @@ class FileHub(Hub):
 
     # ------------------------------------------------------------------ publishing
 
-    def publish(
-        self,
-        manifest: Manifest,
-        files: Mapping[str, str | os.PathLike],
-        *,
-        expected_outer_step: int | None,
-        delete: Iterable[str] = (),
-        expected_digest: str | None = None,
-        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
-    ) -> None:
-        # every check first: a bad publication writes nothing
-        files, delete = check_publication(
-            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
-            expected_digest=expected_digest,
-        )
-        mirrors = check_mirrors(mirrors, files, delete)
+    def _publish(self, pub: Publication) -> None:
+        # every check first (Hub.publish made the transport-independent ones): a bad publication writes nothing
+        manifest, files, mirrors, delete = pub.manifest, pub.files, pub.mirrors, pub.delete
+        expected_outer_step, expected_digest = pub.expected_outer_step, pub.expected_digest
         for p in manifest.files():
             if p not in files and not self._folder.is_file(p):
                 raise HubError(f"manifest names {p} but it is neither uploaded now nor on {self.url}")

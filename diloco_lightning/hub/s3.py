@@ -86,6 +86,7 @@ from typing import Any
 
 from diloco_lightning.util import faults
 from diloco_lightning.util.warnonce import WarnOnce
+from diloco_lightning.hub.claim_poll import ClaimPoll
 from diloco_lightning.hub.base import (
     ClaimConflictError,
     DeltaExistsError,
@@ -96,9 +97,9 @@ from diloco_lightning.hub.base import (
     HubNotFoundError,
     LeaseConflictError,
     PublishConflictError,
-    check_mirrors,
-    check_publication,
+    Publication,
     default_cache_dir,
+    own_options,
 )
 from diloco_lightning.hub.s3_store import HubUnavailableError, Missing, Precondition, S3Store, TooLarge, parse_s3_url
 from diloco_lightning.wire.manifest import Lease, Manifest, ManifestError
@@ -143,6 +144,16 @@ class S3Hub(Hub):
     not write under ``global/``, e.g. a worker's restricted to ``nodes/``, need False).
     """
 
+    scheme = "s3"
+    url_forms = ("s3://bucket/prefix",)
+    creatable = False  # a bucket is never created (a prefix needs no creating)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> "S3Hub":
+        """``s3://bucket/prefix``; the options of :class:`S3Hub` (others given as None are ignored)."""
+        bucket, prefix = parse_s3_url(url)
+        return cls(bucket, prefix, **own_options(cls, "the S3 hub", url, options))
+
     def __init__(
         self,
         bucket: str,
@@ -171,6 +182,7 @@ class S3Hub(Hub):
             Path(cache_dir) if cache_dir is not None else default_cache_dir(f"{self.endpoint_url}|{self.url}")
         )
         self._warned = WarnOnce(log)
+        self._claim_poll = ClaimPoll(self.url, self._warned)
         #: the conditional-write probe still to pass before this handle's first write (None: passed or not asked)
         self._probe_lock = threading.Lock()
         self._probe_pending = bool(check_conditional_writes)
@@ -285,22 +297,10 @@ class S3Hub(Hub):
     def _global_paths(self) -> set[str]:
         return {p for p, _, _ in self.store.list(GLOBAL_DIR, recursive=False)}
 
-    def publish(
-        self,
-        manifest: Manifest,
-        files: Mapping[str, str | os.PathLike],
-        *,
-        expected_outer_step: int | None,
-        delete: Iterable[str] = (),
-        expected_digest: str | None = None,
-        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
-    ) -> None:
-        files, delete = check_publication(
-            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
-            expected_digest=expected_digest,
-        )
-        mirrors = check_mirrors(mirrors, files, delete)
-        delete = list(dict.fromkeys(delete))
+    def _publish(self, pub: Publication) -> None:
+        manifest, files, mirrors = pub.manifest, pub.files, pub.mirrors
+        expected_outer_step, expected_digest = pub.expected_outer_step, pub.expected_digest
+        delete = list(dict.fromkeys(pub.delete))
         self._ensure_probed()
         data = manifest.to_json().encode()
         current, etag = self.store.read_small(MANIFEST_PATH)
@@ -450,7 +450,7 @@ class S3Hub(Hub):
         return self._claim(data, node_id)
 
     def list_claims(self) -> dict[str, NodeClaim]:
-        return self._claims_from_listing(self.store.list(NODES_DIR, recursive=True), self.read_claim)
+        return self._claim_poll.claims(self.store.list(NODES_DIR, recursive=True), self.read_claim)
 
     def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
         if claim is not None and claim.node_id != node_id:
