@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 
 from diloco_lightning.hub.base import DeltaExistsError, Hub, HubNotFoundError, LeaseConflictError, PublishConflictError
 from diloco_lightning.wire.delta import read_delta, write_delta
+from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.manifest import Lease, Manifest
 from diloco_lightning.wire.names import InvalidNameError, global_outer_state_path, global_weights_path
 
@@ -337,13 +339,9 @@ def test_a_closed_handle_and_a_context_managed_one(make_hub, tmp_path):
 # ----------------------------------------------------------------------------- node claims
 
 
-def _claim(node: str, holder: str, epoch: int = 1, at: float = 1000.0) -> "NodeClaim":
-    import time
-
-    from diloco_lightning.wire.claims import NodeClaim
-
+def _claim(node: str, holder: str, epoch: int = 1) -> NodeClaim:
     now = time.time()
-    return NodeClaim(node, holder, epoch, now, now + at / 1e6, now + 600, {"steps": epoch})
+    return NodeClaim(node, holder, epoch, now, now, now + 600, {"steps": epoch})
 
 
 def test_a_claim_is_compare_and_swap(make_hub):
