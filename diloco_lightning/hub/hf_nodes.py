@@ -69,8 +69,8 @@ from diloco_lightning.hub.base import (
     HubNotFoundError,
     Publication,
 )
-from diloco_lightning.hub.hf import HFHub
-from diloco_lightning.hub.hf_http import _EntryMissing
+from diloco_lightning.hub.hf import HFHub, check_repo_id
+from diloco_lightning.hub.hf_http import EntryMissing
 from diloco_lightning.wire.manifest import Lease, Manifest
 from diloco_lightning.wire.names import (
     GLOBAL_DIR,
@@ -156,7 +156,7 @@ class HFNodesHub(Hub):
         node_id = validate_node_id(node_id)
         rid = f"{self._ns}/{self._prefix}{node_id}{self._suffix}"
         try:
-            HFHub._check_repo_id(rid)
+            check_repo_id(rid)
         except ValueError as e:
             raise InvalidNameError(
                 f"node_id {node_id!r} gives the repository {rid!r} (node_repo {self.node_repo!r}), which the Hub "
@@ -185,7 +185,7 @@ class HFNodesHub(Hub):
                 hub.fault_owner = self
                 self._nodes[node_id] = hub
         if write and node_id not in self._created:
-            hub._call("create the node repository", hub._api.create_repo, rid, private=self._private, exist_ok=True)
+            hub.http.call("create the node repository", hub.http.api.create_repo, rid, private=self._private, exist_ok=True)
             with self._lock:
                 self._created.add(node_id)
         return hub
@@ -233,14 +233,14 @@ class HFNodesHub(Hub):
 
     def _scan(self) -> dict[str, str | None]:
         """Node -> head commit (None if the Hub did not say) of every node repository."""
-        api = self.master._api
+        api = self.master.http.api
 
         def run() -> list[tuple[str, str | None]]:
             found = api.list_models(author=self._ns, search=self._prefix or self._suffix, expand=["sha"])
             return [(m.id, getattr(m, "sha", None)) for m in found]
 
         out: dict[str, str | None] = {}
-        for rid, sha in self.master._call("list the node repositories", run):
+        for rid, sha in self.master.http.call("list the node repositories", run):
             node = self._node_of(str(rid))
             if node is not None:
                 out[node] = sha if isinstance(sha, str) else None
@@ -249,8 +249,8 @@ class HFNodesHub(Hub):
     def _list_tree(self, node_id: str, sha: str | None) -> _Files:
         hub = self._node_hub(node_id)
         try:
-            return hub._tree(f"{NODES_DIR}/{node_id}", recursive=True, revision=sha)
-        except (_EntryMissing, HubNotFoundError):  # nothing under nodes/<node>, or the repository went away
+            return hub.http.tree(f"{NODES_DIR}/{node_id}", recursive=True, revision=sha)
+        except (EntryMissing, HubNotFoundError):  # nothing under nodes/<node>, or the repository went away
             return []
 
     def _files(self) -> dict[str, _Files]:
