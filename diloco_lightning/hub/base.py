@@ -44,6 +44,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Union
 from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util.fileio import cache_root, sweep_stale_files, sweep_temporaries
 from diloco_lightning.wire.manifest import Lease, Manifest
+from diloco_lightning.hub.claims import NodeClaims
 from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.names import (
     GLOBAL_DIR,
@@ -256,6 +257,9 @@ class Hub(abc.ABC):
     #: whether what :meth:`download` returns is this process's own copy (a remote hub's cache),
     #: which no other writer can change while it is read; the folder hub returns files in place
     private_downloads: bool = True
+    #: the part holding this transport's node claims (:class:`~diloco_lightning.hub.claims.NodeClaims`;
+    #: None: it holds none)
+    claims: "NodeClaims | None" = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> "Hub":
@@ -384,24 +388,32 @@ class Hub(abc.ABC):
         """Replace the lease by ``lease`` (None: remove it) iff the current one equals ``expected``;
         else raise ``LeaseConflictError``."""
 
-    # ------------------------------------------------------------------ node claims (not abstract: a
-    # transport without them still works; the worker then cannot detect a duplicate node_id)
+    # ------------------------------------------------------------------ node claims (optional: a transport
+    # without them still works; the worker then cannot detect a duplicate node_id)
 
     def read_claim(self, node_id: str) -> "NodeClaim | None":
         """The current claim on ``node_id`` (``nodes/<node_id>/claim.json``), or None. An unreadable
         claim (malformed, too large, another node's) counts as none, with a warning."""
-        raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+        if self.claims is None:
+            raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+        return self.claims.read(node_id)
 
     def write_claim(self, node_id: str, claim: "NodeClaim | None", *, expected: "NodeClaim | None") -> None:
         """Replace the claim on ``node_id`` by ``claim`` (None: remove it) iff the current one equals
         ``expected`` (None: there is none, or it is unreadable); else raise ``ClaimConflictError``."""
-        raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+        if self.claims is None:
+            raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+        if claim is not None and claim.node_id != node_id:
+            raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
+        self.claims.write(node_id, claim, expected=expected)
 
     def list_claims(self) -> dict[str, "NodeClaim"]:
         """Every readable claim on the hub, by node id (who runs which node, and each heartbeat's
         ``info``): what the master's membership and the workers' Dynamic Local Updates read. An
         unreadable claim (malformed, too large, another node's) is left out, with a warning."""
-        raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+        if self.claims is None:
+            raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+        return self.claims.read_all()
 
     # ------------------------------------------------------------------ common
 

@@ -52,9 +52,8 @@ from typing import Any
 
 from diloco_lightning.util import faults
 from diloco_lightning.util.warnonce import WarnOnce
-from diloco_lightning.hub.claim_poll import ClaimPoll
+from diloco_lightning.hub.hf_claims import HFClaims
 from diloco_lightning.hub.base import (
-    ClaimConflictError,
     DeltaExistsError,
     DeltaRef,
     Hub,
@@ -71,7 +70,6 @@ from diloco_lightning.hub.hf_http import COMMIT_RE, EntryMissing, HFRequests, Pr
 from diloco_lightning.hub.pacing import DEFAULT_COMMITS_PER_HOUR, CommitBudget
 from diloco_lightning.hub.pacing import retry_after as _retry_after  # noqa: F401 - importable from here, as before
 from diloco_lightning.wire.manifest import Lease, Manifest
-from diloco_lightning.wire.claims import ClaimError, NodeClaim
 from diloco_lightning.wire.names import (
     GLOBAL_DIR,
     LEASE_PATH,
@@ -79,7 +77,6 @@ from diloco_lightning.wire.names import (
     MIRROR_PATHS,
     NODES_DIR,
     InvalidNameError,
-    claim_path,
     delta_path,
     init_path,
     parse_claim_path,
@@ -198,7 +195,7 @@ class HFHub(Hub):
         self._pins: dict[str, str] = {}
         self._lock = threading.Lock()
         self._warned = WarnOnce(log)
-        self._claim_poll = ClaimPoll(self.url, self._warned)
+        self.claims = HFClaims(self.http, self._warned)
         #: the hub whose crash points this one's are (a per-node hub's repositories report as it)
         self.fault_owner: Hub | None = None
         if self.http.opening is not None:
@@ -427,51 +424,6 @@ class HFHub(Hub):
             except Precondition:
                 self.http.cas_pause(attempt)
         raise HubError(f"write_lease: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
-
-    # ------------------------------------------------------------------ node claims
-
-    def _parse_claim(self, data: bytes | None, node_id: str) -> NodeClaim | None:
-        if data is None:
-            return None
-        try:
-            return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{claim_path(node_id)}")
-        except ClaimError as e:
-            self._warn_once(f"{claim_path(node_id)}:{len(data)}", "ignoring an unreadable claim: %s", e)
-            return None
-
-    def read_claim(self, node_id: str) -> NodeClaim | None:
-        data, _ = self.http.read_head_file(claim_path(node_id))
-        return self._parse_claim(data, node_id)
-
-    def list_claims(self) -> dict[str, NodeClaim]:
-        return self._claim_poll.claims(self._node_files(), self.read_claim)
-
-    def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
-        """The scheme of :meth:`write_lease` on ``nodes/<node_id>/claim.json`` (one commit per write:
-        the keeper renews at most once per half ``ttl``, well inside the Hub's commit rate limits)."""
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
-        if claim is not None and claim.node_id != node_id:
-            raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
-        path = claim_path(node_id)
-        self.http.ensure_open()
-        for attempt in range(self.max_cas_attempts):
-            data, head = self.http.read_head_file(path)
-            current = self._parse_claim(data, node_id)
-            if current == claim and (claim is not None or data is None):
-                return  # already in place (an earlier attempt of ours landed)
-            if current != expected:
-                raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
-            if claim is None:
-                ops: list[CommitOperationAdd | CommitOperationDelete] = [CommitOperationDelete(path_in_repo=path)]
-            else:
-                ops = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=claim.to_json().encode())]
-            try:
-                self.http.commit(ops, head, f"claim {node_id}: " + ("released" if claim is None else f"{claim.holder} epoch {claim.epoch}"))
-                return
-            except Precondition:
-                self.http.cas_pause(attempt)
-        raise HubError(f"write_claim: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
 
     def commit_wait(self, node_id: str | None = None) -> float:
         """Seconds until this repository's commit budget allows the next commit (every write here is one)."""

@@ -12,13 +12,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from diloco_lightning.hub.base import Hub, HubNotFoundError
+from diloco_lightning.hub.claims import ClaimPoll, NodeClaims
 from diloco_lightning.hub.hf import HFHub, check_repo_id
 from diloco_lightning.hub.hf_http import EntryMissing
 from diloco_lightning.hub.options import parse_node_repo
 from diloco_lightning.util.warnonce import WarnOnce
+from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.names import NODE_ID_RE, NODES_DIR, InvalidNameError, validate_node_id
 
-__all__ = ["HFNodeRepos"]
+__all__ = ["HFNodeRepos", "NodeRepoClaims"]
 
 Files = list[tuple[str, "int | None", "str | None"]]
 
@@ -141,3 +143,26 @@ class HFNodeRepos:
                                     self.repo_id(node), node)
                     continue
                 yield node, path, size, blob
+
+
+class NodeRepoClaims(NodeClaims):
+    """Node claims on the per-node layout: each in its node's repository (written by that node's
+    worker, which creates the repository first)."""
+
+    def __init__(self, nodes: HFNodeRepos, warned: WarnOnce) -> None:
+        self.nodes = nodes
+        self.poll = ClaimPoll(nodes.master.url, warned)
+
+    def read(self, node_id: str) -> NodeClaim | None:
+        return self.nodes.hub(node_id, write=True).read_claim(node_id)  # a worker's own node (as for its deltas)
+
+    def write(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
+        self.nodes.hub(node_id, write=True).write_claim(node_id, claim, expected=expected)
+
+    def read_all(self) -> dict[str, NodeClaim]:
+        """Every node's claim, from the node repositories the discovery finds (the same listing as the
+        deltas': one request per 1000 node repositories, plus a tree listing of each whose head moved),
+        a claim read again only when its blob changed. What the master's membership and the workers'
+        Dynamic Local Updates read, on this layout as on every other."""
+        entries = [(path, size, blob) for _node, path, size, blob in self.nodes.entries()]
+        return self.poll.claims(entries, lambda node: self.nodes.hub(node).read_claim(node))

@@ -40,7 +40,8 @@ finished worker stays (delete the node repositories with the run). The master's 
 publication deletions (``global/``) ride in its commit as before; its deletions under
 ``nodes/`` are left to the workers.
 
-**Membership** (:meth:`HFNodesHub.list_claims`): a node's claim (``nodes/<node>/claim.json``, its
+**Membership** (:meth:`HFNodesHub.list_claims`, through
+:class:`~diloco_lightning.hub.hf_node_repos.NodeRepoClaims`): a node's claim (``nodes/<node>/claim.json``, its
 heartbeat) is in the node's repository, found by the same discovery and tree listings as its
 deltas, so the master's live nodes, a fractional quorum, the adaptive deadline and the workers'
 Dynamic Local Updates work on this layout as on one repository.
@@ -60,7 +61,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from diloco_lightning.hub.claim_poll import ClaimPoll
 from diloco_lightning.hub.base import (
     DeltaRef,
     Hub,
@@ -68,7 +68,7 @@ from diloco_lightning.hub.base import (
     Publication,
 )
 from diloco_lightning.hub.hf import HFHub
-from diloco_lightning.hub.hf_node_repos import HFNodeRepos
+from diloco_lightning.hub.hf_node_repos import HFNodeRepos, NodeRepoClaims
 from diloco_lightning.wire.manifest import Lease, Manifest
 from diloco_lightning.wire.names import (
     GLOBAL_DIR,
@@ -80,7 +80,6 @@ from diloco_lightning.wire.names import (
     validate_hub_path,
 )
 from diloco_lightning.hub.options import DEFAULT_NODE_REPO, LAYOUTS, parse_node_repo
-from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.signing import load_run_key
 from diloco_lightning.util.warnonce import WarnOnce
 
@@ -134,7 +133,7 @@ class HFNodesHub(Hub):
         self._own: dict[str, set[int]] = {}  # this handle's node(s): steps known to be in the node's repository
         self._ledger: dict[str, int] = {}
         self._key = load_run_key()
-        self._claim_poll = ClaimPoll(self.url, self._warned)
+        self.claims = NodeRepoClaims(self.nodes, self._warned)
 
     # ------------------------------------------------------------------ node repositories
 
@@ -255,22 +254,6 @@ class HFNodesHub(Hub):
 
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
         self.master.write_lease(lease, expected=expected)
-
-    # ------------------------------------------------------------------ node claims (the node's repository)
-
-    def read_claim(self, node_id: str) -> NodeClaim | None:
-        return self.nodes.hub(node_id, write=True).read_claim(node_id)  # a worker's own node (as above)
-
-    def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
-        self.nodes.hub(node_id, write=True).write_claim(node_id, claim, expected=expected)
-
-    def list_claims(self) -> dict[str, NodeClaim]:
-        """Every node's claim, from the node repositories the discovery finds (the same listing as the
-        deltas': one request per 1000 node repositories, plus a tree listing of each whose head moved),
-        a claim read again only when its blob changed. What the master's membership and the workers'
-        Dynamic Local Updates read, on this layout as on every other."""
-        entries = [(path, size, blob) for _node, path, size, blob in self.nodes.entries()]
-        return self._claim_poll.claims(entries, lambda node: self.nodes.hub(node).read_claim(node))
 
     def __repr__(self) -> str:
         return f"HFNodesHub({self.url!r}, node_repo={self.node_repo!r}, endpoint={self.master.endpoint!r})"

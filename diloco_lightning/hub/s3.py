@@ -86,9 +86,8 @@ from typing import Any
 
 from diloco_lightning.util import faults
 from diloco_lightning.util.warnonce import WarnOnce
-from diloco_lightning.hub.claim_poll import ClaimPoll
+from diloco_lightning.hub.s3_claims import S3Claims
 from diloco_lightning.hub.base import (
-    ClaimConflictError,
     DeltaExistsError,
     DeltaRef,
     Hub,
@@ -103,7 +102,6 @@ from diloco_lightning.hub.base import (
 )
 from diloco_lightning.hub.s3_store import HubUnavailableError, Missing, Precondition, S3Store, TooLarge, parse_s3_url
 from diloco_lightning.wire.manifest import Lease, Manifest, ManifestError
-from diloco_lightning.wire.claims import ClaimError, NodeClaim
 from diloco_lightning.wire.names import (
     GLOBAL_DIR,
     LEASE_PATH,
@@ -112,7 +110,6 @@ from diloco_lightning.wire.names import (
     NODES_DIR,
     RESERVED_GLOBAL_PATHS,
     InvalidNameError,
-    claim_path,
     delta_path,
     init_path,
     parse_claim_path,
@@ -181,8 +178,8 @@ class S3Hub(Hub):
         self.cache_dir = (
             Path(cache_dir) if cache_dir is not None else default_cache_dir(f"{self.endpoint_url}|{self.url}")
         )
-        self._warned = WarnOnce(log)
-        self._claim_poll = ClaimPoll(self.url, self._warned)
+        self._warned = WarnOnce(log)  # bounded: the names are any hub writer's
+        self.claims = S3Claims(self.store, self._warned, self._ensure_probed)
         #: the conditional-write probe still to pass before this handle's first write (None: passed or not asked)
         self._probe_lock = threading.Lock()
         self._probe_pending = bool(check_conditional_writes)
@@ -206,9 +203,6 @@ class S3Hub(Hub):
 
     def _fault(self, label: str) -> None:
         faults.point(label, self)  # crash points for tests (diloco_lightning.util.faults)
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        self._warned.warn(key, msg, *args)  # bounded: the names are any hub writer's
 
     # ------------------------------------------------------------------ workers
 
@@ -235,7 +229,7 @@ class S3Hub(Hub):
             ident = parse_delta_path(path)
             if ident is None:
                 if parse_init_path(path) is None and parse_claim_path(path) is None:
-                    self._warn_once(path, "ignoring %s on %s: not a delta path", path, self.url)
+                    self._warned.warn(path, "ignoring %s on %s: not a delta path", path, self.url)
                 continue
             if ident.local_step > after.get(ident.node_id, -1):
                 out.append(DeltaRef(ident.node_id, ident.local_step, path, size, etag))
@@ -430,45 +424,6 @@ class S3Hub(Hub):
             except ManifestError:
                 found = "an unreadable lease"
             raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {found}") from None
-
-    # ------------------------------------------------------------------ node claims
-
-    def _claim(self, data: bytes | None, node_id: str) -> NodeClaim | None:
-        if not data:
-            return None  # absent, or released (an empty object, as the lease)
-        if isinstance(data, TooLarge):
-            self._warn_once(f"{claim_path(node_id)}:{bytes(data)!r}", "ignoring an unreadable claim: %s", data.reason)
-            return None
-        try:
-            return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{claim_path(node_id)}")
-        except ClaimError as e:
-            self._warn_once(f"{claim_path(node_id)}:{len(data)}", "ignoring an unreadable claim: %s", e)
-            return None
-
-    def read_claim(self, node_id: str) -> NodeClaim | None:
-        data, _ = self.store.read_small(claim_path(node_id))
-        return self._claim(data, node_id)
-
-    def list_claims(self) -> dict[str, NodeClaim]:
-        return self._claim_poll.claims(self.store.list(NODES_DIR, recursive=True), self.read_claim)
-
-    def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
-        if claim is not None and claim.node_id != node_id:
-            raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
-        path = claim_path(node_id)
-        self._ensure_probed()
-        data, etag = self.store.read_small(path)
-        current = self._claim(data, node_id)
-        if current == claim and (claim is not None or not data):
-            return  # nothing to change (or an earlier attempt of ours landed)
-        if current != expected:
-            raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
-        try:
-            self.store.cas_put(path, b"" if claim is None else claim.to_json().encode(), etag)
-        except Precondition as e:
-            raise ClaimConflictError(
-                f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {self._claim(e.current, node_id)}"
-            ) from None
 
     # ------------------------------------------------------------------ common
 

@@ -1,19 +1,40 @@
-"""How a remote transport lists every node claim at the cost of one listing (``Hub.list_claims``).
+"""Node claims on a hub (``nodes/<node_id>/claim.json``: which worker runs a node id now).
 
-:class:`ClaimPoll` remembers, per node, the version token of the claim file it read last and what
+:class:`NodeClaims` is the part of a transport that holds them (``Hub.claims``: the hub's
+``read_claim``, ``write_claim`` and ``list_claims`` ask it). :class:`ClaimPoll` is how a remote
+transport lists every claim at the cost of one listing: it remembers, per node, the version token of the claim file it read last and what
 it held: a poll reads again only the claims whose token changed, so it costs one listing plus one
 read per heartbeat that changed.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Iterable
 
 from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.wire.claims import MAX_CLAIM_BYTES, NodeClaim
 from diloco_lightning.wire.names import parse_claim_path
 
-__all__ = ["ClaimPoll"]
+__all__ = ["ClaimPoll", "NodeClaims"]
+
+
+class NodeClaims(abc.ABC):
+    """A transport's node claims (see :meth:`~diloco_lightning.hub.base.Hub.read_claim` and its siblings,
+    which check their arguments and ask this part)."""
+
+    @abc.abstractmethod
+    def read(self, node_id: str) -> NodeClaim | None:
+        """The claim on ``node_id`` (None: none, or unreadable, with a warning)."""
+
+    @abc.abstractmethod
+    def write(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
+        """Replace the claim on ``node_id`` by ``claim`` (None: remove it) iff the current one equals ``expected``;
+        else ``ClaimConflictError``. ``claim`` is ``node_id``'s (checked by the hub)."""
+
+    @abc.abstractmethod
+    def read_all(self) -> dict[str, NodeClaim]:
+        """Every readable claim on the hub, by node id."""
 
 
 class ClaimPoll:
