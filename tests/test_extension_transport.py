@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping
 
@@ -48,6 +47,8 @@ from diloco_lightning.wire.names import (
     parse_init_path,
     validate_hub_path,
 )
+
+from support.workers import run_two_workers
 
 from test_hub_contract import *  # noqa: F403 - every contract test, run here on mem:// (its make_hub below)
 from test_hub_contract import _delta, _version
@@ -252,9 +253,8 @@ def test_the_configuration_accepts_its_url():
 
 
 def test_a_master_and_two_workers_meet_on_it(tmp_path):
-    """The real master and two real workers (each worker opening ``mem://run`` by its URL) run rounds on it."""
+    """The real master and two real workers (tests/support/workers.py) run a round on it."""
     from diloco_lightning.master import MasterOuterLoop
-    from diloco_lightning.worker import DiLoCoWorker
 
     rounds: list[dict] = []
     g = torch.Generator().manual_seed(0)
@@ -262,32 +262,8 @@ def test_a_master_and_two_workers_meet_on_it(tmp_path):
     master = MasterOuterLoop(open_hub("mem://run", cache_dir=tmp_path / "m"), init, node_state_dir=tmp_path / "master", poll_interval=0.02,
                              min_deltas=2, keep_globals=8, norm_ratio=None, logger=rounds.append)
     master.start()
-    errors: list[BaseException] = []
-
-    def run(node: str) -> None:
-        try:
-            params = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
-            noise = torch.Generator().manual_seed(int(node[1:]))
-            with DiLoCoWorker("mem://run", node, params, poll_interval=0.01, wait_timeout=10.0,
-                              hub_options={"cache_dir": str(tmp_path / node)}) as w:
-                for _ in range(8):
-                    with torch.no_grad():
-                        params["layer.weight"].add_(torch.randn(4, 3, generator=noise) * 0.01)
-                    w.boundary()
-                assert w.flush()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(n,)) for n in ("w0", "w1")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    deadline = time.monotonic() + 10
-    while master.outer_step < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    master.stop()
-    assert not errors, errors
+    # each worker opens mem://run by its URL (with a cache of its own)
+    run_two_workers(master, None, init, outer_steps=1, hub_for=lambda node: open_hub("mem://run", cache_dir=tmp_path / node))
     assert master.outer_step >= 1  # version 0 from the master's init, then a round of both workers' deltas
     applied = [d for r in rounds for d in r.get("applied") or []]
     assert {d.split("/")[0] for d in applied} == {"w0", "w1"}

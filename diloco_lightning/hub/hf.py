@@ -404,26 +404,12 @@ class HFHub(Hub):
         return self._parse_lease(data)
 
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
-        self.http.ensure_open()
-        for attempt in range(self.max_cas_attempts):
-            data, head = self.http.read_head_file(LEASE_PATH)
-            current = self._parse_lease(data)
-            if current == lease:
-                return  # already in place (nothing to change, or an earlier attempt of ours landed)
-            if current != expected:
-                raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {current}")
-            if lease is None:
-                ops: list[CommitOperationAdd | CommitOperationDelete] = [CommitOperationDelete(path_in_repo=LEASE_PATH)]
-            else:
-                ops = [CommitOperationAdd(path_in_repo=LEASE_PATH, path_or_fileobj=lease.to_json().encode())]
-            try:
-                self.http.commit(ops, head, "lease" if lease is None else f"lease: {lease.holder} epoch {lease.epoch}")
-                return
-            except Precondition:
-                self.http.cas_pause(attempt)
-        raise HubError(f"write_lease: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
+        self.http.swap(
+            LEASE_PATH, None if lease is None else lease.to_json().encode(), parse=self._parse_lease, target=lease,
+            expected=expected, name="write_lease",
+            conflict=lambda found: LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {found}"),
+            message="lease" if lease is None else f"lease: {lease.holder} epoch {lease.epoch}",
+        )
 
     def commit_wait(self, node_id: str | None = None) -> float:
         """Seconds until this repository's commit budget allows the next commit (every write here is one)."""

@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from diloco_lightning.hub.base import ClaimConflictError, HubError
+from diloco_lightning.hub.base import ClaimConflictError
 from diloco_lightning.hub.claims import ClaimPoll, NodeClaims
-from diloco_lightning.hub.hf_http import HFRequests, Precondition
+from diloco_lightning.hub.hf_http import HFRequests
 from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.wire.claims import ClaimError, NodeClaim
 from diloco_lightning.wire.names import NODES_DIR, claim_path
@@ -40,24 +40,10 @@ class HFClaims(NodeClaims):
     def write(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
         """The scheme of :meth:`~diloco_lightning.hub.hf.HFHub.write_lease` on ``nodes/<node_id>/claim.json`` (one commit per write:
         the keeper renews at most once per half ``ttl``, well inside the Hub's commit rate limits)."""
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
-        path = claim_path(node_id)
-        self.http.ensure_open()
-        for attempt in range(self.http.max_cas_attempts):
-            data, head = self.http.read_head_file(path)
-            current = self.parse(data, node_id)
-            if current == claim and (claim is not None or data is None):
-                return  # already in place (an earlier attempt of ours landed)
-            if current != expected:
-                raise ClaimConflictError(f"claim on {node_id!r} changed on {self.http.url}: expected {expected}, found {current}")
-            if claim is None:
-                ops: list[CommitOperationAdd | CommitOperationDelete] = [CommitOperationDelete(path_in_repo=path)]
-            else:
-                ops = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=claim.to_json().encode())]
-            try:
-                self.http.commit(ops, head, f"claim {node_id}: " + ("released" if claim is None else f"{claim.holder} epoch {claim.epoch}"))
-                return
-            except Precondition:
-                self.http.cas_pause(attempt)
-        raise HubError(f"write_claim: gave up after {self.http.max_cas_attempts} attempts; the head of {self.http.url} kept moving")
+        self.http.swap(
+            claim_path(node_id), None if claim is None else claim.to_json().encode(),
+            parse=lambda data: self.parse(data, node_id), target=claim, expected=expected, name="write_claim",
+            conflict=lambda found: ClaimConflictError(
+                f"claim on {node_id!r} changed on {self.http.url}: expected {expected}, found {found}"),
+            message=f"claim {node_id}: " + ("released" if claim is None else f"{claim.holder} epoch {claim.epoch}"),
+        )

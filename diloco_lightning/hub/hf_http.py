@@ -337,6 +337,32 @@ class HFRequests:
         budget.record()
         return getattr(info, "oid", None) or ""
 
+    def swap(self, path: str, new: bytes | None, *, parse: Callable[[bytes | None], Any], target: Any, expected: Any,
+             conflict: Callable[[Any], HubError], message: str, name: str) -> None:
+        """Replace the document ``path`` by ``new`` (None: delete it) in one commit whose parent is the head it
+        was read at, iff what it holds (``parse(bytes or None)``) equals ``expected``, else raise
+        ``conflict(what it holds)``; nothing to do when it holds ``target`` already (an earlier attempt of ours
+        landed). A moved head is read again (``max_cas_attempts``); ``name`` is the operation, for the error
+        when every attempt found the head moved."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        self.ensure_open()
+        for attempt in range(self.max_cas_attempts):
+            data, head = self.read_head_file(path)
+            current = parse(data)
+            if current == target and (target is not None or data is None):
+                return  # already in place (nothing to change, or an earlier attempt of ours landed)
+            if current != expected:
+                raise conflict(current)
+            op = (CommitOperationDelete(path_in_repo=path) if new is None
+                  else CommitOperationAdd(path_in_repo=path, path_or_fileobj=new))
+            try:
+                self.commit([op], head, message)
+                return
+            except Precondition:
+                self.cas_pause(attempt)
+        raise HubError(f"{name}: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
+
     def cas_pause(self, attempt: int) -> None:
         time.sleep(random.uniform(0, min(1.0, 0.02 * (2 ** min(attempt, 6)))))
 

@@ -410,20 +410,11 @@ class S3Hub(Hub):
 
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
         self._ensure_probed()
-        data, etag = self.store.read_small(LEASE_PATH)
-        current = self._lease(data)
-        if current == lease:
-            return  # nothing to change (or an earlier attempt of ours landed)
-        if current != expected:
-            raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {current}")
-        try:
-            self.store.cas_put(LEASE_PATH, b"" if lease is None else lease.to_json().encode(), etag)
-        except Precondition as e:
-            try:
-                found: Any = self._lease(e.current)
-            except ManifestError:
-                found = "an unreadable lease"
-            raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {found}") from None
+        self.store.swap(
+            LEASE_PATH, b"" if lease is None else lease.to_json().encode(), parse=self._lease, target=lease,
+            expected=expected, unreadable="an unreadable lease",
+            conflict=lambda found: LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {found}"),
+        )
 
     # ------------------------------------------------------------------ common
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from diloco_lightning.hub.base import ClaimConflictError
 from diloco_lightning.hub.claims import ClaimPoll, NodeClaims
-from diloco_lightning.hub.s3_store import Precondition, S3Store, TooLarge
+from diloco_lightning.hub.s3_store import S3Store, TooLarge
 from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.wire.claims import ClaimError, NodeClaim
 from diloco_lightning.wire.names import NODES_DIR, claim_path
@@ -45,17 +45,10 @@ class S3Claims(NodeClaims):
         return self.poll.claims(self.store.list(NODES_DIR, recursive=True), self.read)
 
     def write(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
-        path = claim_path(node_id)
         self.before_write()
-        data, etag = self.store.read_small(path)
-        current = self.parse(data, node_id)
-        if current == claim and (claim is not None or not data):
-            return  # nothing to change (or an earlier attempt of ours landed)
-        if current != expected:
-            raise ClaimConflictError(f"claim on {node_id!r} changed on {self.store.url}: expected {expected}, found {current}")
-        try:
-            self.store.cas_put(path, b"" if claim is None else claim.to_json().encode(), etag)
-        except Precondition as e:
-            raise ClaimConflictError(
-                f"claim on {node_id!r} changed on {self.store.url}: expected {expected}, found {self.parse(e.current, node_id)}"
-            ) from None
+        self.store.swap(
+            claim_path(node_id), b"" if claim is None else claim.to_json().encode(),
+            parse=lambda data: self.parse(data, node_id), target=claim, expected=expected,
+            conflict=lambda found: ClaimConflictError(
+                f"claim on {node_id!r} changed on {self.store.url}: expected {expected}, found {found}"),
+        )

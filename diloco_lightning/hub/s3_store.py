@@ -37,6 +37,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, List
 
@@ -200,6 +201,27 @@ class S3Store:
             raise Precondition(str(e), current=now) from None
 
     # ------------------------------------------------------------------ mirrors (replaced, never conditional)
+
+    def swap(self, path: str, new: bytes, *, parse: Callable[[bytes | None], Any], target: Any, expected: Any,
+             conflict: Callable[[Any], HubError], unreadable: str = "an unreadable document") -> None:
+        """Replace the small object ``path`` by ``new`` (a conditional PUT on the ETag read: :meth:`cas_put`) iff
+        what it holds (``parse(bytes or None)``) equals ``expected``, else raise ``conflict(what it holds)``
+        (``unreadable`` when what another writer put there meanwhile does not parse); nothing to do when it
+        holds ``target`` already (an earlier attempt of ours landed)."""
+        data, etag = self.read_small(path)
+        current = parse(data)
+        if current == target and (target is not None or not data):
+            return  # nothing to change (or an earlier attempt of ours landed)
+        if current != expected:
+            raise conflict(current)
+        try:
+            self.cas_put(path, new, etag)
+        except Precondition as e:
+            try:
+                found: Any = parse(e.current)
+            except ValueError:  # a ManifestError (a lease that does not parse)
+                found = unreadable
+            raise conflict(found) from None
 
     def put(self, path: str, src: str | os.PathLike | bytes, what: str) -> None:
         """Write ``path`` from bytes or a local file (at most 5 GiB), replacing what is there: only
