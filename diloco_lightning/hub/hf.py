@@ -46,9 +46,9 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from diloco_lightning.util import faults
 from diloco_lightning.util.warnonce import WarnOnce
@@ -131,18 +131,21 @@ class HFHub(Hub):
     url_forms = ("hf://org/repo",)
     rate_limited_writes = True
 
+    #: the classes of ``layout=`` besides ``"shared"`` (this class), by name: ``"per_node"``,
+    #: :class:`~diloco_lightning.hub.hf_nodes.HFNodesHub`, is registered with the built-in transports
+    layouts: ClassVar[dict[str, Callable[..., Hub]]] = {}
+
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Hub:
-        """``hf://org/repo``: this class's options, and ``layout=`` (``"shared"``, the default, or
-        ``"per_node"``: an :class:`~diloco_lightning.hub.hf_nodes.HFNodesHub`, with ``node_repo=``)."""
-        from diloco_lightning.hub.hf_nodes import LAYOUTS, HFNodesHub
-
+        """``hf://org/repo``: this class's options, and ``layout=`` (``"shared"``, the default, or another
+        of :attr:`layouts`, e.g. ``"per_node"``, with ``node_repo=``)."""
         repo_id = url[len("hf://"):].strip("/")
         layout = options.pop("layout", None) or "shared"
-        if layout not in LAYOUTS:
-            raise ValueError(f"open_hub: layout must be one of {list(LAYOUTS)}, got {layout!r}")
-        if layout == "per_node":
-            return HFNodesHub(repo_id, **options)
+        if layout != "shared":
+            other = cls.layouts.get(layout)
+            if other is None:
+                raise ValueError(f"open_hub: layout must be one of {['shared', *cls.layouts]}, got {layout!r}")
+            return other(repo_id, **options)
         if options.pop("node_repo", None) is not None:
             raise ValueError("open_hub: node_repo applies to layout='per_node' only")
         return cls(repo_id, **options)

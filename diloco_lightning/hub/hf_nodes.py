@@ -80,7 +80,6 @@ from diloco_lightning.wire.names import (
     validate_hub_path,
 )
 from diloco_lightning.hub.options import DEFAULT_NODE_REPO, LAYOUTS, parse_node_repo
-from diloco_lightning.wire.signing import load_run_key
 from diloco_lightning.util.warnonce import WarnOnce
 
 log = logging.getLogger(__name__)
@@ -132,6 +131,8 @@ class HFNodesHub(Hub):
                                  warned=self._warned)
         self._own: dict[str, set[int]] = {}  # this handle's node(s): steps known to be in the node's repository
         self._ledger: dict[str, int] = {}
+        from diloco_lightning.wire.signing import load_run_key  # torch: when a per-node hub is opened only
+
         self._key = load_run_key()
         self.claims = NodeRepoClaims(self.nodes, self._warned)
 

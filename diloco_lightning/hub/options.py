@@ -10,17 +10,20 @@ apply to a URL's transport, so one section serves a folder, ``hf://`` and ``s3:/
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 from diloco_lightning.hub.pacing import DEFAULT_COMMITS_PER_HOUR
-from diloco_lightning.hub.transports import scheme_of
 from diloco_lightning.util.options import OptionError, option
 
-__all__ = ["DEFAULT_NODE_REPO", "LAYOUTS", "HubOptions", "parse_node_repo", "scheme_of"]
+__all__ = ["DEFAULT_NODE_REPO", "LAYOUTS", "SCHEMES", "HubOptions", "parse_node_repo", "scheme_of"]
 
 #: how an ``hf://`` run lays its files out: one repository, or the master's plus one per node
 LAYOUTS = ("shared", "per_node")
+#: the built-in transports' URL schemes ("": a plain path); every registered one:
+#: :data:`diloco_lightning.hub.transports.TRANSPORTS`
+SCHEMES = ("", "file", "hf", "s3")
 #: a node's repository with ``layout="per_node"``: ``{org}`` and ``{repo}`` are the master's, ``{node}`` the node id
 DEFAULT_NODE_REPO = "{repo}-{node}"
 _ADDRESSING = (None, "path", "virtual", "auto")
@@ -44,12 +47,10 @@ def parse_node_repo(pattern: str, org: str, repo: str) -> tuple[str, str, str]:
     return ns, prefix, suffix
 
 
-def __getattr__(name: str) -> Any:
-    if name == "SCHEMES":  # the URL schemes ``open_hub`` knows now ("": a plain path): the registry's
-        from diloco_lightning.hub.transports import TRANSPORTS
-
-        return ("", *TRANSPORTS)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def scheme_of(url: str | os.PathLike) -> str:
+    """``"hf"``, ``"s3"``, ``"file"`` ... (lower case), or ``""`` for a plain path."""
+    text = os.fspath(url)
+    return text.split("://", 1)[0].lower() if "://" in text else ""
 
 
 @dataclass

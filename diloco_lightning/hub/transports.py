@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator, Mapping
 
 from diloco_lightning.hub.base import Hub
+from diloco_lightning.hub.options import scheme_of
 
 __all__ = ["TRANSPORTS", "known_url", "register_transport", "scheme_of", "transport_for", "unregister_transport", "url_forms"]
 
@@ -36,9 +37,11 @@ def _builtins() -> dict[str, type[Hub]]:
     with _lock:
         if not _loaded:
             from diloco_lightning.hub.hf import HFHub
+            from diloco_lightning.hub.hf_nodes import HFNodesHub
             from diloco_lightning.hub.local import FileHub
             from diloco_lightning.hub.s3 import S3Hub
 
+            HFHub.layouts.setdefault("per_node", HFNodesHub)  # hf://'s other layout (open_hub's layout=)
             _loaded = True
             for cls in (FileHub, HFHub, S3Hub):
                 register_transport(cls)
@@ -63,12 +66,6 @@ class _Transports(Mapping[str, "type[Hub]"]):
 
 #: Registry scheme -> transport class (read-only; :func:`register_transport` adds one).
 TRANSPORTS: Mapping[str, type[Hub]] = _Transports()
-
-
-def scheme_of(url: str | os.PathLike) -> str:
-    """``"hf"``, ``"s3"``, ``"file"`` ... (lower case), or ``""`` for a plain path."""
-    text = os.fspath(url)
-    return text.split("://", 1)[0].lower() if "://" in text else ""
 
 
 def register_transport(cls: type[Hub], *, replace: bool = False) -> type[Hub]:
