@@ -8,7 +8,7 @@
 * ``hf_server``: the loopback fake Hugging Face Hub (``tests/support/hf_server.py``).
 * ``s3_endpoint``: a real S3 server on loopback (moto); ``s3_proxy``: the fault-injecting proxy in
   front of it (tests/support/s3_proxy.py); ``s3_bucket``: a fresh bucket there.
-* ``transport``: one hub on each transport (file, hf, hf per node, s3) with its failures
+* ``transport``: one hub on each registered transport (file, hf, hf per node, s3) with its failures
   (``tests/support/transports.py``).
 * ``one_thread``: one intra-op torch thread for a module of tiny-tensor tests
   (``pytestmark = pytest.mark.usefixtures("one_thread")``).
@@ -128,9 +128,20 @@ def _transport(request, tmp_path, kind: str):
     return Transport(kind, tmp_path)
 
 
-# the default run covers the folder and one HF repository; CI's slow run adds the per-node layout and S3
-# (moto behind the proxy: seconds a case), so every test still runs on every transport in CI
-@pytest.fixture(params=["file", "hf", pytest.param("hf_nodes", marks=pytest.mark.slow), pytest.param("s3", marks=pytest.mark.slow)])
+def _transport_params() -> list:
+    """One case per registered transport (``diloco_lightning.hub.TRANSPORTS``) and each of its test stores
+    (``support.transports.KINDS_OF_SCHEME``: hf has two layouts). A transport registered without a test
+    store is a case whose Transport refuses it by name: a new transport is never left out silently. The
+    default run covers the folder and one HF repository; CI's slow run adds the per-node layout and S3
+    (moto behind the proxy: seconds a case), so every test still runs on every transport in CI."""
+    from diloco_lightning.hub import TRANSPORTS
+    from support.transports import KINDS_OF_SCHEME, SLOW_KINDS
+
+    kinds = [kind for scheme in TRANSPORTS for kind in KINDS_OF_SCHEME.get(scheme, (scheme,))]
+    return [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in kinds]
+
+
+@pytest.fixture(params=_transport_params())
 def transport(request, tmp_path):
     """One hub on each transport with its failures (``tests/support/transports.py``): the folder, one Hugging Face
     repository, a repository per node, S3 behind the fault proxy."""

@@ -233,8 +233,8 @@ def test_list_claims_reads_every_claim_and_only_the_ones_that_changed(hubs, tmp_
     a.write_claim("w0", c0, expected=None)
     a.write_claim("w1", c1, expected=None)
     reads: list[str] = []
-    original = b.read_claim
-    b.read_claim = lambda node: (reads.append(node), original(node))[1]
+    original = b.claims.read  # the transport's claims part: what list_claims reads each claim with
+    b.claims.read = lambda node: (reads.append(node), original(node))[1]
     assert b.list_claims() == {"w0": c0, "w1": c1}
     first = sorted(reads)
     reads.clear()

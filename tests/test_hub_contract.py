@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 
 from diloco_lightning.hub.base import DeltaExistsError, Hub, HubNotFoundError, LeaseConflictError, PublishConflictError
 from diloco_lightning.wire.delta import read_delta, write_delta
+from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.manifest import Lease, Manifest
 from diloco_lightning.wire.names import InvalidNameError, global_outer_state_path, global_weights_path
 
@@ -209,3 +211,166 @@ def test_the_lease_is_compare_and_swap(make_hub):
     won = [i for i, r in enumerate(out) if r is None]
     assert len(won) == 1 and all(isinstance(r, LeaseConflictError) for r in out if r is not None), out
     assert make_hub().read_lease() == leases[won[0]]
+
+
+# ----------------------------------------------------------------------------- every transport is covered
+
+
+def test_every_registered_transport_has_a_test_store():
+    """The ``transport`` fixture runs every registered transport: each needs a store in tests/support."""
+    from support.transports import KINDS_OF_SCHEME
+
+    from diloco_lightning.hub import TRANSPORTS
+
+    assert set(TRANSPORTS) <= set(KINDS_OF_SCHEME), "a registered transport has no test store"
+
+
+# ----------------------------------------------------------------------------- the rest of the interface
+
+
+def test_a_nodes_deltas_and_its_own_listing(make_hub, tmp_path):
+    writer, reader = make_hub(), make_hub()
+    for node, step in [("a", 1), ("a", 2), ("b", 1)]:
+        writer.upload_delta(_delta(tmp_path, node, step, seed=step)[0], node, step)
+    assert [r.identity for r in reader.list_node_deltas("a")] == [("a", 1), ("a", 2)]
+    assert [r.identity for r in reader.list_node_deltas("a", after=1)] == [("a", 2)]
+    assert reader.list_node_deltas("c") == []
+    assert [r.identity for r in reader.list_deltas(after={"a": 1})] == [("a", 2), ("b", 1)]
+
+
+def test_the_manifest_bytes_are_what_was_published(make_hub, tmp_path):
+    master = make_hub()
+    assert master.read_manifest_bytes() is None
+    m0, files0 = _version(tmp_path, 0, "0a0a0a0a")
+    master.publish(m0, files0, expected_outer_step=None)
+    data = make_hub().read_manifest_bytes()
+    assert data is not None and Manifest.from_json(data) == m0
+
+
+def test_a_publication_may_replace_a_manifest_by_its_digest(make_hub, tmp_path):
+    master = make_hub()
+    master.publish(*_version(tmp_path, 0, "0a0a0a0a"), expected_outer_step=None)
+    digest = hashlib.sha256(master.read_manifest_bytes() or b"").hexdigest()
+    m1, files1 = _version(tmp_path, 1, "1b1b1b1b")
+    with pytest.raises(PublishConflictError):
+        master.publish(m1, files1, expected_outer_step=None, expected_digest="0" * 64)
+    make_hub().publish(m1, files1, expected_outer_step=None, expected_digest=digest)
+    assert make_hub().read_manifest() == m1
+
+
+def test_a_publication_deletes_and_writes_its_mirrors(make_hub, tmp_path):
+    from diloco_lightning.wire.names import MIRROR_PATHS
+
+    master = make_hub()
+    m0, files0 = _version(tmp_path, 0, "0a0a0a0a")
+    master.publish(m0, files0, expected_outer_step=None)
+    m1, files1 = _version(tmp_path, 1, "1b1b1b1b")
+    latest, count = sorted(MIRROR_PATHS)
+    weights = _blob(tmp_path, "latest", seed=9)
+    master.publish(m1, files1, expected_outer_step=0, delete=sorted(files0), mirrors={latest: weights, count: b'{"n": 1}'})
+    reader = make_hub()
+    assert reader.read_manifest() == m1
+    left = set(reader.list_global())
+    assert not left & set(files0) and set(files1) <= left
+    assert reader.download(latest).read_bytes() == weights.read_bytes()
+    assert reader.download(count).read_bytes() == b'{"n": 1}'
+    m2, files2 = _version(tmp_path, 2, "2c2c2c2c")
+    with pytest.raises(InvalidNameError):  # a refused publication (it deletes what it names) writes nothing
+        master.publish(m2, files2, expected_outer_step=1, delete=sorted(files2))
+    with pytest.raises(InvalidNameError):  # a mirror is no file of a publication's
+        master.publish(m2, {**files2, latest: weights}, expected_outer_step=1)
+    reader = make_hub()
+    assert reader.read_manifest() == m1 and not set(files2) & set(reader.list_global())
+
+
+def test_delete_removes_files_and_ignores_missing_ones(make_hub, tmp_path):
+    writer = make_hub()
+    writer.upload_delta(_delta(tmp_path, "a", 1, seed=1)[0], "a", 1)
+    writer.upload_delta(_delta(tmp_path, "a", 2, seed=2)[0], "a", 2)
+    make_hub().delete(["nodes/a/delta_1.safetensors", "nodes/a/delta_9.safetensors"])
+    reader = make_hub()
+    assert [r.identity for r in reader.list_deltas()] == [("a", 2)]
+    with pytest.raises(HubNotFoundError):
+        reader.download("nodes/a/delta_1.safetensors")
+    with pytest.raises(InvalidNameError):
+        reader.delete(["../outside"])
+
+
+def test_a_download_over_its_limit_is_refused(make_hub, tmp_path):
+    from diloco_lightning.hub.base import HubFileTooLargeError
+
+    path, _ = _delta(tmp_path, "a", 1, seed=1)
+    make_hub().upload_delta(path, "a", 1)
+    reader = make_hub()
+    size = path.stat().st_size
+    with pytest.raises(HubFileTooLargeError):
+        reader.download("nodes/a/delta_1.safetensors", max_bytes=size - 1)
+    assert reader.download("nodes/a/delta_1.safetensors", max_bytes=size).read_bytes() == path.read_bytes()
+
+
+def test_a_released_copy_and_a_swept_cache_leave_the_hub_as_it_was(make_hub, tmp_path):
+    path, _ = _delta(tmp_path, "a", 1, seed=1)
+    make_hub().upload_delta(path, "a", 1)
+    reader = make_hub()
+    ref = reader.list_deltas()[0]
+    got = reader.download_delta(ref)
+    reader.release(got)
+    assert got.exists() != reader.private_downloads  # a private copy is gone; a file in place stays
+    again = reader.download_delta(ref)
+    assert again.read_bytes() == path.read_bytes()
+    swept = reader.sweep_cache(0.0) + reader.sweep(0.0)
+    assert all(isinstance(p, str) for p in swept)
+    assert make_hub().download_delta(ref).read_bytes() == path.read_bytes()
+
+
+def test_without_a_write_limit_a_writer_need_not_wait(make_hub):
+    hub = make_hub()  # the test stores set no commit budget (commits_per_hour=0)
+    assert hub.commit_wait() == 0.0 and hub.commit_wait("a") == 0.0
+
+
+def test_a_closed_handle_and_a_context_managed_one(make_hub, tmp_path):
+    with make_hub() as hub:
+        assert isinstance(hub, Hub)
+        hub.upload_init(_blob(tmp_path, "i", seed=1), "n0")
+    hub.close()  # closing twice is harmless
+    assert make_hub().list_inits() == ["n0"]
+
+
+# ----------------------------------------------------------------------------- node claims
+
+
+def _claim(node: str, holder: str, epoch: int = 1) -> NodeClaim:
+    now = time.time()
+    return NodeClaim(node, holder, epoch, now, now, now + 600, {"steps": epoch})
+
+
+def test_a_claim_is_compare_and_swap(make_hub):
+    from diloco_lightning.hub.base import ClaimConflictError
+
+    a, b = make_hub(), make_hub()
+    assert a.read_claim("n0") is None and a.list_claims() == {}
+    ca, cb = _claim("n0", "host:1:a"), _claim("n0", "host:2:b", 2)
+    a.write_claim("n0", ca, expected=None)
+    with pytest.raises(ClaimConflictError):
+        b.write_claim("n0", cb, expected=None)
+    assert b.read_claim("n0") == ca
+    b.write_claim("n0", cb, expected=ca)
+    with pytest.raises(ClaimConflictError):
+        a.write_claim("n0", _claim("n0", "host:1:a", 3), expected=ca)
+    other = _claim("n1", "host:3:c")
+    a.write_claim("n1", other, expected=None)
+    assert make_hub().list_claims() == {"n0": cb, "n1": other}
+    b.write_claim("n0", None, expected=cb)
+    reader = make_hub()
+    assert reader.read_claim("n0") is None and reader.list_claims() == {"n1": other}
+
+
+def test_racing_claims_one_wins(make_hub):
+    from diloco_lightning.hub.base import ClaimConflictError
+
+    hubs = [make_hub() for _ in range(4)]
+    claims = [_claim("n0", f"h:{i}:w") for i in range(4)]
+    out = _race(4, lambda i: hubs[i].write_claim("n0", claims[i], expected=None))
+    won = [i for i, r in enumerate(out) if r is None]
+    assert len(won) == 1 and all(isinstance(r, ClaimConflictError) for r in out if r is not None), out
+    assert make_hub().read_claim("n0") == claims[won[0]]

@@ -366,9 +366,9 @@ def test_lost_answers_to_applied_commits_are_idempotent(server, make_hub, tmp_pa
 def test_backoff_is_jittered_exponential_and_capped(make_hub):
     hub = make_hub(retry_base_delay=1.0, retry_max_delay=8.0)
     for attempt, full in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (9, 8.0)]:
-        ds = [hub._backoff(attempt) for _ in range(200)]
+        ds = [hub.http.backoff(attempt) for _ in range(200)]
         assert all(full / 2 <= d <= full for d in ds) and len(set(ds)) > 100
-    assert hub._backoff(1, retry_after=5.0) == 5.0 and hub._backoff(1, retry_after=100.0) == 100.0  # honoured
+    assert hub.http.backoff(1, retry_after=5.0) == 5.0 and hub.http.backoff(1, retry_after=100.0) == 100.0  # honoured
     from diloco_lightning.hub.hf import _retry_after
 
     assert _retry_after({"Retry-After": "7"}) == 7.0 and _retry_after({"RateLimit": '"api";r=0;t=42'}) == 42.0
@@ -400,7 +400,7 @@ def test_timeouts_are_retried(server, make_hub, tmp_path):
     hub = make_hub(timeout=0.2)
     server.inject("info", 0, count=1, delay=0.6)  # stalls past the client's timeout once
     server.reset_log()
-    assert hub._head_commit() == server.head(REPO)
+    assert hub.http.head_commit() == server.head(REPO)
     deadline = time.monotonic() + 2
     while server.count("info") < 2 and time.monotonic() < deadline:  # the stalled request logs when it ends
         time.sleep(0.05)
@@ -445,7 +445,7 @@ def test_no_retry_on_client_errors(server, hub, status):
     server.reset_log()
     server.inject("info", status, count=5)
     with pytest.raises(HubError) as ei:
-        hub._head_commit()
+        hub.http.head_commit()
     assert not isinstance(ei.value, HubUnavailableError)
     assert server.count("info") == 1
 

@@ -95,8 +95,8 @@ class DiLoCo(Callback):
     """Asynchronous DiLoCo worker as a Lightning callback (see the module docstring).
 
     Args:
-        hub: ``"file:///abs/path"``, a plain path, ``"hf://org/repo"``, or an open
-            :class:`~diloco_lightning.hub.Hub`.
+        hub: a hub URL (``file:///abs/path``, a plain path, ``hf://org/repo``, ``s3://bucket/prefix``: any
+            registered transport's, :data:`~diloco_lightning.hub.TRANSPORTS`), or an open :class:`~diloco_lightning.hub.Hub`.
         node_id: this worker's name on the hub (1-64 characters of ``[A-Za-z0-9._-]``).
         inner_steps: H, optimizer steps between two exports, or ``"auto"`` (Dynamic Local Updates);
             required unless ``options`` is given.

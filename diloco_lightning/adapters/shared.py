@@ -193,13 +193,14 @@ def open_worker_hub(hub: Any, hub_options: dict[str, Any] | None, create: bool, 
     and then waited on. ``wait`` (``wait_for_hub=True``: the options' ``wait_timeout``): a hub that
     does not exist yet is looked for again every ``poll_interval`` seconds for that long (one line
     says so), so a worker may start before the master creates it; ``stop()`` ends the wait (SIGTERM)."""
-    from diloco_lightning.hub import HubNotFoundError, open_hub
+    from diloco_lightning.hub import HubNotFoundError, open_hub, transport_for
 
     if isinstance(hub, Hub):
         return hub
     opts = dict(hub_options or {})
     url = os.fspath(hub)
-    if not str(url).startswith("s3://"):
+    creatable = transport_for(url).creatable
+    if creatable:
         opts.setdefault("create", bool(create))
     deadline = None if wait is None else time.monotonic() + float(wait)
     said = False
@@ -218,7 +219,7 @@ def open_worker_hub(hub: Any, hub_options: dict[str, Any] | None, create: bool, 
     if deadline is not None:
         raise HubNotFoundError(f"DiLoCo: {error}, and no master created it within wait_timeout={wait:g} s; start "
                                "diloco-master with hub.create=true, or check the spelling") from None
-    if str(url).startswith("s3://"):
+    if not creatable:  # the transport's message says what to do (an S3 bucket is never created)
         raise HubNotFoundError(f"DiLoCo: {error}") from None
     raise HubNotFoundError(f"DiLoCo: {error}; check the spelling, or pass create=True to create it") from None
 

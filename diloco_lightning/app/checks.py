@@ -22,7 +22,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from diloco_lightning.hub.options import SCHEMES, HubOptions, scheme_of
+from diloco_lightning.hub.options import HubOptions
+from diloco_lightning.hub.transports import known_url, url_forms
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.util.errors import ConfigError
 from diloco_lightning.util.options import OptionError, default_of
@@ -101,14 +102,13 @@ def validate_hub(h: DictConfig, prefix: str = "hub.", *, required: bool = False)
     """The hub section (both commands): the URL's form (whether it exists is checked when it is opened)."""
     from omegaconf import MISSING
 
-    _check(not OmegaConf.is_missing(h, "url"), f"{prefix}url", "is required: file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix")
+    _check(not OmegaConf.is_missing(h, "url"), f"{prefix}url", f"is required: {url_forms()}")
     url = h.url
     if url is None or url == MISSING:
-        _check(not required, f"{prefix}url", "is required: file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix")
+        _check(not required, f"{prefix}url", f"is required: {url_forms()}")
         return
     _check(isinstance(url, str) and url.strip() != "", f"{prefix}url", f"must be a non-empty string, got {url!r}")
-    _check(scheme_of(url) in SCHEMES, f"{prefix}url",
-           f"unsupported scheme in {url!r}; use file:///abs/path, a plain path, hf://org/repo or s3://bucket/prefix")
+    _check(known_url(url), f"{prefix}url", f"unsupported scheme in {url!r}; use {url_forms()}")
     try:
         _hub_options(h).validate(url)
     except OptionError as e:
@@ -280,14 +280,14 @@ def hub_options(h: DictConfig, url: str, *, create: bool | None = None) -> dict[
 def open_configured_hub(h: DictConfig, url: str | None = None, *, create: bool | None = None, prefix: str = "hub."):
     """Open the hub a section names (``url`` overrides ``h.url``). A hub that does not exist is a
     :class:`ConfigError` naming ``hub.url`` unless ``hub.create`` (or ``create``) asks to create it."""
-    from diloco_lightning.hub import HubNotFoundError, open_hub
+    from diloco_lightning.hub import HubNotFoundError, open_hub, transport_for
 
     url = url or h.url
     opts = hub_options(h, url, create=create)
     try:
         return open_hub(url, **opts)
     except HubNotFoundError as e:
-        if str(url).startswith("s3://"):  # the transport's message says what to do (a bucket is never created)
+        if not transport_for(url).creatable:  # the transport's message says what to do (a bucket is never created)
             raise ConfigError(f"{prefix}url", str(e)) from None
         raise ConfigError(f"{prefix}url", f"{e}; check the spelling, or pass {prefix}create=true to create it") from None
     except ValueError as e:

@@ -1,4 +1,5 @@
-"""Hubs: where workers and the master meet. ``open_hub(url)`` picks the transport.
+"""Hubs: where workers and the master meet. ``open_hub(url)`` picks the transport registered for the
+URL's scheme (:mod:`diloco_lightning.hub.transports`: a new one is one file and one registration).
 
 * ``file:///abs/path`` or a plain path: a folder (local disk or a shared network filesystem).
 * ``hf://org/repo``: a Hugging Face Hub model repository (``endpoint=``, ``token=``, ``revision=``),
@@ -10,8 +11,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from diloco_lightning.hub.base import (
     ClaimConflictError,
@@ -25,9 +24,13 @@ from diloco_lightning.hub.base import (
     LeaseConflictError,
     PublishConflictError,
 )
+from diloco_lightning.hub.transports import TRANSPORTS, register_transport, transport_for
 
 __all__ = [
     "open_hub",
+    "TRANSPORTS",
+    "register_transport",
+    "transport_for",
     "Hub",
     "DeltaRef",
     "HubError",
@@ -77,57 +80,4 @@ def open_hub(url: str | os.PathLike | Hub, **options) -> Hub:
     text = os.fspath(url)
     if not isinstance(text, str):
         raise TypeError(f"open_hub: expected a URL or path string, got {text!r}")
-    if text.startswith("hf://"):
-        from diloco_lightning.hub.hf import HFHub
-        from diloco_lightning.hub.hf_nodes import LAYOUTS, HFNodesHub
-
-        repo_id = text[len("hf://") :].strip("/")
-        layout = options.pop("layout", None) or "shared"
-        if layout not in LAYOUTS:
-            raise ValueError(f"open_hub: layout must be one of {list(LAYOUTS)}, got {layout!r}")
-        if layout == "per_node":
-            return HFNodesHub(repo_id, **options)
-        if options.pop("node_repo", None) is not None:
-            raise ValueError("open_hub: node_repo applies to layout='per_node' only")
-        return HFHub(repo_id, **options)
-    if text.startswith("s3://"):
-        from diloco_lightning.hub.s3 import S3_OPTIONS, S3Hub, parse_s3_url
-
-        bucket, prefix = parse_s3_url(text)
-        # options meant for other transports are accepted when unset (None), as for the folder hub
-        unknown = sorted(k for k, v in options.items() if k not in S3_OPTIONS and v is not None)
-        if unknown:
-            raise ValueError(
-                f"open_hub: option(s) {unknown} do not apply to the S3 hub {text!r} (it takes {sorted(S3_OPTIONS)})"
-            )
-        return S3Hub(bucket, prefix, **{k: v for k, v in options.items() if k in S3_OPTIONS})
-    if text.lower().startswith("file:"):
-        parsed = urlparse(text)
-        if not text.lower().startswith("file://"):
-            raise ValueError(f"open_hub: malformed file URL {text!r}; use file:///abs/path")
-        if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"open_hub: file URL {text!r} names host {parsed.netloc!r}; use file:///abs/path")
-        if parsed.query or parsed.fragment:
-            raise ValueError(f"open_hub: file URL {text!r} has a query or fragment; use file:///abs/path")
-        path = Path(unquote(parsed.path))
-        if not path.is_absolute():
-            raise ValueError(f"open_hub: file URL {text!r} has no absolute path; use file:///abs/path")
-    elif "://" in text:
-        raise ValueError(
-            f"open_hub: unsupported URL scheme in {text!r}; use file:///abs/path, a plain path, hf://org/repo or "
-            "s3://bucket/prefix"
-        )
-    elif not text:
-        raise ValueError("open_hub: empty hub URL")
-    else:
-        path = Path(text)
-    from diloco_lightning.hub.local import FileHub
-
-    # options meant for remote transports are accepted when unset (None), so one config serves both
-    unknown = sorted(k for k, v in options.items() if k not in _FILE_OPTIONS and v is not None)
-    if unknown:
-        raise ValueError(f"open_hub: option(s) {unknown} do not apply to the folder hub {text!r} (it takes {sorted(_FILE_OPTIONS)})")
-    return FileHub(path, **{k: v for k, v in options.items() if k in _FILE_OPTIONS})
-
-
-_FILE_OPTIONS = frozenset({"cache_dir", "create"})
+    return transport_for(text).from_url(text, **options)

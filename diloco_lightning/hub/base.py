@@ -34,15 +34,17 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import inspect
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Union
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Union
 
 from diloco_lightning.util.errors import DiLoCoError
 from diloco_lightning.util.fileio import cache_root, sweep_stale_files, sweep_temporaries
 from diloco_lightning.wire.manifest import Lease, Manifest
+from diloco_lightning.hub.claims import NodeClaims
 from diloco_lightning.wire.claims import NodeClaim
 from diloco_lightning.wire.names import (
     GLOBAL_DIR,
@@ -202,8 +204,46 @@ def check_mirrors(
     return out
 
 
+def own_options(cls: Callable[..., Any], what: str, url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``options`` that ``cls``'s constructor takes (its keyword-only parameters). One it does not take
+    is a ``ValueError`` naming ``what`` (``"the S3 hub"``) and ``url``, unless it is None (an option meant
+    for another transport and left unset: one configuration serves every transport)."""
+    params = inspect.signature(cls).parameters.values()
+    takes = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    unknown = sorted(k for k, v in options.items() if k not in takes and v is not None)
+    if unknown:
+        raise ValueError(f"open_hub: option(s) {unknown} do not apply to {what} {url!r} (it takes {sorted(takes)})")
+    return {k: v for k, v in options.items() if k in takes}
+
+
+@dataclass(frozen=True)
+class Publication:
+    """One publication, checked (:func:`check_publication`, :func:`check_mirrors`): what
+    :meth:`Hub.publish` hands its transport's ``_publish``. ``files``: hub path -> local file;
+    ``delete``: validated hub paths; ``mirrors``: mirror path -> local file or bytes, in order."""
+
+    manifest: Manifest
+    files: dict[str, str | os.PathLike]
+    delete: list[str]
+    mirrors: dict[str, MirrorSource]
+    expected_outer_step: int | None
+    expected_digest: str | None
+
+
 class Hub(abc.ABC):
-    """A transport. Thread-safe: the worker's uploader thread and the master's download pool share one."""
+    """A transport. Thread-safe: the worker's uploader thread and the master's download pool share one.
+
+    A transport class declares its ``scheme`` and ``url_forms``, its capabilities (``creatable``,
+    ``rate_limited_writes``, ``private_downloads``) and :meth:`from_url`, and is registered once
+    (:mod:`diloco_lightning.hub.transports`)."""
+
+    #: the URL scheme this transport serves (its registry key; ``"file"`` also serves a plain path)
+    scheme: ClassVar[str] = ""
+    #: how its URLs are written, for the error that lists every transport's (``"hf://org/repo"``)
+    url_forms: ClassVar[tuple[str, ...]] = ()
+    #: whether ``create=True`` creates a hub that does not exist (a folder, a repository; never an
+    #: S3 bucket): a caller that cannot create one asks the hub's transport, not its scheme
+    creatable: ClassVar[bool] = True
 
     #: canonical URL (``file:///abs/path`` or ``hf://org/repo``)
     url: str
@@ -217,6 +257,17 @@ class Hub(abc.ABC):
     #: whether what :meth:`download` returns is this process's own copy (a remote hub's cache),
     #: which no other writer can change while it is read; the folder hub returns files in place
     private_downloads: bool = True
+    #: the part holding this transport's node claims (:class:`~diloco_lightning.hub.claims.NodeClaims`;
+    #: None: it holds none)
+    claims: "NodeClaims | None" = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> "Hub":
+        """The hub at ``url`` (of this transport's scheme) opened with ``options``: what
+        :func:`~diloco_lightning.hub.open_hub` calls. Raises ``ValueError`` on a malformed URL or an
+        option this transport does not take (one given as None is ignored: one configuration serves
+        every transport)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be opened from a URL")
 
     # ------------------------------------------------------------------ workers
 
@@ -280,7 +331,6 @@ class Hub(abc.ABC):
             return None
         return Manifest.from_json(data, source=f"{self.url}/{MANIFEST_PATH}")
 
-    @abc.abstractmethod
     def publish(
         self,
         manifest: Manifest,
@@ -314,6 +364,16 @@ class Hub(abc.ABC):
         ``manifest.outer_step`` must exceed ``expected_outer_step``. Every check of
         :func:`check_publication` runs first: a refused publication writes nothing.
         """
+        files, dels = check_publication(
+            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
+            expected_digest=expected_digest,
+        )
+        self._publish(Publication(manifest, files, dels, check_mirrors(mirrors, files, dels), expected_outer_step,
+                                  expected_digest))
+
+    @abc.abstractmethod
+    def _publish(self, pub: Publication) -> None:
+        """:meth:`publish` of this transport, given the publication its checks passed."""
 
     @abc.abstractmethod
     def delete(self, paths: Iterable[str]) -> None:
@@ -328,60 +388,32 @@ class Hub(abc.ABC):
         """Replace the lease by ``lease`` (None: remove it) iff the current one equals ``expected``;
         else raise ``LeaseConflictError``."""
 
-    # ------------------------------------------------------------------ node claims (not abstract: a
-    # transport without them still works; the worker then cannot detect a duplicate node_id)
+    # ------------------------------------------------------------------ node claims (optional: a transport
+    # without them still works; the worker then cannot detect a duplicate node_id)
 
     def read_claim(self, node_id: str) -> "NodeClaim | None":
         """The current claim on ``node_id`` (``nodes/<node_id>/claim.json``), or None. An unreadable
         claim (malformed, too large, another node's) counts as none, with a warning."""
-        raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+        if self.claims is None:
+            raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+        return self.claims.read(node_id)
 
     def write_claim(self, node_id: str, claim: "NodeClaim | None", *, expected: "NodeClaim | None") -> None:
         """Replace the claim on ``node_id`` by ``claim`` (None: remove it) iff the current one equals
         ``expected`` (None: there is none, or it is unreadable); else raise ``ClaimConflictError``."""
-        raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+        if self.claims is None:
+            raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+        if claim is not None and claim.node_id != node_id:
+            raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
+        self.claims.write(node_id, claim, expected=expected)
 
     def list_claims(self) -> dict[str, "NodeClaim"]:
         """Every readable claim on the hub, by node id (who runs which node, and each heartbeat's
         ``info``): what the master's membership and the workers' Dynamic Local Updates read. An
         unreadable claim (malformed, too large, another node's) is left out, with a warning."""
-        raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
-
-    def _claims_from_listing(
-        self, entries: Iterable[tuple[str, int | None, str | None]], read: Callable[[str], "NodeClaim | None"]
-    ) -> dict[str, "NodeClaim"]:
-        """:meth:`list_claims` for a remote transport: ``(path, size, version token)`` of the files
-        under ``nodes/`` (one listing); a claim whose token is the one seen last time is not read
-        again, so a poll costs one listing plus one read per heartbeat that changed."""
-        from diloco_lightning.wire.names import parse_claim_path
-        from diloco_lightning.wire.claims import MAX_CLAIM_BYTES
-
-        cache: dict[str, tuple[str, NodeClaim | None]] = self.__dict__.setdefault("_claim_versions", {})
-        out: dict[str, NodeClaim] = {}
-        seen: set[str] = set()
-        for path, size, version in entries:
-            node = parse_claim_path(path)
-            if node is None or size == 0:  # not a claim, or a released one (an empty object on s3://)
-                continue
-            seen.add(node)
-            if size is not None and size > MAX_CLAIM_BYTES:  # never read: what read_claim would refuse anyway
-                warn = getattr(self, "_warn_once", None)  # the remote transports' (bounded)
-                if warn is not None:
-                    warn(f"{path}:{version}", "ignoring the claim %s on %s: %d bytes, more than the %d a claim may have",
-                         path, getattr(self, "url", "?"), size, MAX_CLAIM_BYTES)
-                continue
-            hit = cache.get(node)
-            if version is not None and hit is not None and hit[0] == version:
-                claim = hit[1]
-            else:
-                claim = read(node)
-                if version is not None:
-                    cache[node] = (version, claim)
-            if claim is not None:
-                out[node] = claim
-        for node in [n for n in cache if n not in seen]:
-            cache.pop(node, None)
-        return out
+        if self.claims is None:
+            raise NotImplementedError(f"{type(self).__name__} does not hold node claims")
+        return self.claims.read_all()
 
     # ------------------------------------------------------------------ common
 

@@ -46,14 +46,14 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from diloco_lightning.util import faults
 from diloco_lightning.util.warnonce import WarnOnce
+from diloco_lightning.hub.hf_claims import HFClaims
 from diloco_lightning.hub.base import (
-    ClaimConflictError,
     DeltaExistsError,
     DeltaRef,
     Hub,
@@ -63,22 +63,13 @@ from diloco_lightning.hub.base import (
     HubUnavailableError,
     LeaseConflictError,
     PublishConflictError,
-    check_mirrors,
-    check_publication,
+    Publication,
     default_cache_dir,
 )
-from diloco_lightning.hub.hf_http import (
-    _COMMIT_RE,
-    HFRequests,
-    _EntryMissing,
-    _GuardOptions,
-    _plain_transient_types,
-    _Precondition,
-    _retry_after,  # noqa: F401 - importable from here, as before
-)
+from diloco_lightning.hub.hf_http import COMMIT_RE, EntryMissing, HFRequests, Precondition
 from diloco_lightning.hub.pacing import DEFAULT_COMMITS_PER_HOUR, CommitBudget
+from diloco_lightning.hub.pacing import retry_after as _retry_after  # noqa: F401 - importable from here, as before
 from diloco_lightning.wire.manifest import Lease, Manifest
-from diloco_lightning.wire.claims import ClaimError, NodeClaim
 from diloco_lightning.wire.names import (
     GLOBAL_DIR,
     LEASE_PATH,
@@ -86,7 +77,6 @@ from diloco_lightning.wire.names import (
     MIRROR_PATHS,
     NODES_DIR,
     InvalidNameError,
-    claim_path,
     delta_path,
     init_path,
     parse_claim_path,
@@ -107,7 +97,20 @@ _REPO_PART_RE = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9][A-Za-z0-9._-]{0,95}(?<![
 # ----------------------------------------------------------------------------- the hub
 
 
-class HFHub(HFRequests, Hub):
+def check_repo_id(repo_id: object) -> str:
+    """``repo_id`` if it is a Hugging Face repository id (``org/name``), else ``TypeError`` / ``ValueError``."""
+    if not isinstance(repo_id, str):
+        raise TypeError(f"HFHub: repo id must be a string like 'org/repo', got {repo_id!r}")
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(_REPO_PART_RE.fullmatch(p) for p in parts):
+        raise ValueError(
+            f"invalid Hugging Face repo id {repo_id!r}: expected 'org/name' (letters, digits, '-', '_', '.';"
+            " no '--' or '..'), as in hf://org/name"
+        )
+    return repo_id
+
+
+class HFHub(Hub):
     """A hub in a Hugging Face model repository. See the module docstring for the guarantees.
 
     Options: ``endpoint`` (default ``$HF_ENDPOINT`` or https://huggingface.co), ``token``
@@ -124,7 +127,28 @@ class HFHub(HFRequests, Hub):
     ``create=None`` neither creates nor checks the repository at open (no request).
     """
 
+    scheme = "hf"
+    url_forms = ("hf://org/repo",)
     rate_limited_writes = True
+
+    #: the classes of ``layout=`` besides ``"shared"`` (this class), by name: ``"per_node"``,
+    #: :class:`~diloco_lightning.hub.hf_nodes.HFNodesHub`, is registered with the built-in transports
+    layouts: ClassVar[dict[str, Callable[..., Hub]]] = {}
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Hub:
+        """``hf://org/repo``: this class's options, and ``layout=`` (``"shared"``, the default, or another
+        of :attr:`layouts`, e.g. ``"per_node"``, with ``node_repo=``)."""
+        repo_id = url[len("hf://"):].strip("/")
+        layout = options.pop("layout", None) or "shared"
+        if layout != "shared":
+            other = cls.layouts.get(layout)
+            if other is None:
+                raise ValueError(f"open_hub: layout must be one of {['shared', *cls.layouts]}, got {layout!r}")
+            return other(repo_id, **options)
+        if options.pop("node_repo", None) is not None:
+            raise ValueError("open_hub: node_repo applies to layout='per_node' only")
+        return cls(repo_id, **options)
 
     def __init__(
         self,
@@ -144,9 +168,9 @@ class HFHub(HFRequests, Hub):
         commits_per_hour: float | None = DEFAULT_COMMITS_PER_HOUR,
         commit_burst: int | None = None,
     ) -> None:
-        from huggingface_hub import HfApi, constants
+        from huggingface_hub import constants
 
-        self.repo_id = self._check_repo_id(repo_id)
+        self.repo_id = check_repo_id(repo_id)
         self.revision = revision or "main"
         if not isinstance(self.revision, str) or not self.revision.strip() or self.revision != self.revision.strip():
             raise ValueError(f"HFHub: revision {self.revision!r} must be a branch name")
@@ -157,57 +181,32 @@ class HFHub(HFRequests, Hub):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(
             f"{self.endpoint}/{self.repo_id}@{self.revision}"
         )
-        self.max_retries = 5 if max_retries is None else int(max_retries)
-        self.retry_base_delay = 0.5 if retry_base_delay is None else float(retry_base_delay)
-        self.retry_max_delay = 30.0 if retry_max_delay is None else float(retry_max_delay)
+        retries = 5 if max_retries is None else int(max_retries)
+        base_delay = 0.5 if retry_base_delay is None else float(retry_base_delay)
+        max_delay = 30.0 if retry_max_delay is None else float(retry_max_delay)
         self.max_cas_attempts = 20 if max_cas_attempts is None else int(max_cas_attempts)
-        if self.max_retries < 0 or self.retry_base_delay < 0 or self.retry_max_delay < 0 or self.max_cas_attempts < 1:
+        if retries < 0 or base_delay < 0 or max_delay < 0 or self.max_cas_attempts < 1:
             raise ValueError("HFHub: max_retries, retry delays must be >= 0 and max_cas_attempts >= 1")
-        self._token = token  # never logged, never put in a message
-        self._guard_opts = _GuardOptions(None if timeout is None else float(timeout))
-        self._api = HfApi(endpoint=self.endpoint, token=token, library_name="diloco_lightning")
+        self.commit_budget = CommitBudget(commits_per_hour, commit_burst)
+        #: the repository's requests: retries, errors, its creation, commits within the budget
+        self.http = HFRequests(
+            self.repo_id, endpoint=self.endpoint, revision=self.revision, token=token, url=self.url,
+            max_retries=retries, retry_base_delay=base_delay, retry_max_delay=max_delay,
+            max_cas_attempts=self.max_cas_attempts, timeout=timeout, commit_budget=self.commit_budget,
+            create=create, private=private,
+        )
         self._pins: dict[str, str] = {}
         self._lock = threading.Lock()
         self._warned = WarnOnce(log)
-        self._plain_transient = _plain_transient_types()
-        self.commit_budget = CommitBudget(commits_per_hour, commit_burst)
+        self.claims = HFClaims(self.http, self._warned)
         #: the hub whose crash points this one's are (a per-node hub's repositories report as it)
         self.fault_owner: Hub | None = None
-        #: the repository's creation (or existence check) still to do: before the first write when the
-        #: Hub could not be reached at open (an outage is never a reason to exit)
-        self._open_pending: tuple[str, Any] | None = None
-        if create:
-            self._open_pending = ("create the repository", lambda: self._api.create_repo(
-                self.repo_id, private=private, exist_ok=True))
-        elif create is not None:
-            self._open_pending = ("open the repository", lambda: self._api.repo_info(self.repo_id, revision=self.revision))
-        if self._open_pending is not None:
+        if self.http.opening is not None:
             try:
-                self._ensure_open()
+                self.http.ensure_open()
             except HubUnavailableError as e:
                 log.warning("cannot reach %s to %s (%s); done before this process's first write", self.url,
-                            self._open_pending[0], e)
-
-    def _ensure_open(self) -> None:
-        """Create (or check) the repository if that could not be done at open: before any write.
-        Raises ``HubUnavailableError`` while the Hub is unreachable (the caller's wait retries)."""
-        pending = self._open_pending
-        if pending is None:
-            return
-        self._call(pending[0], pending[1])
-        self._open_pending = None
-
-    @staticmethod
-    def _check_repo_id(repo_id: object) -> str:
-        if not isinstance(repo_id, str):
-            raise TypeError(f"HFHub: repo id must be a string like 'org/repo', got {repo_id!r}")
-        parts = repo_id.split("/")
-        if len(parts) != 2 or not all(_REPO_PART_RE.fullmatch(p) for p in parts):
-            raise ValueError(
-                f"invalid Hugging Face repo id {repo_id!r}: expected 'org/name' (letters, digits, '-', '_', '.';"
-                " no '--' or '..'), as in hf://org/name"
-            )
-        return repo_id
+                            self.http.opening, e)
 
     # ------------------------------------------------------------------ HTTP plumbing
 
@@ -226,20 +225,20 @@ class HFHub(HFRequests, Hub):
                      delete: Iterable[str] = ()) -> str:
         """See :meth:`Hub.upload_delta`; ``delete``: files removed in the same commit (no extra commit)."""
         hub_path = delta_path(node_id, local_step)
-        if not self._put_new(local_file, hub_path, "upload delta", delete):
+        if not self.http.put_new(local_file, hub_path, "upload delta", delete):
             raise DeltaExistsError(f"{hub_path} already exists on {self.url}; deltas are never rewritten")
         return hub_path
 
     def upload_init(self, local_file: str | os.PathLike, node_id: str) -> str:
         hub_path = init_path(node_id)
-        if not self._put_new(local_file, hub_path, "offer initial weights"):
+        if not self.http.put_new(local_file, hub_path, "offer initial weights"):
             log.info("%s already offered on %s; keeping the first one", hub_path, self.url)
         return hub_path
 
     # ------------------------------------------------------------------ listing
 
     def _node_files(self) -> list[tuple[str, int | None, str | None]]:
-        return self._tree(NODES_DIR, recursive=True)
+        return self.http.tree(NODES_DIR, recursive=True)
 
     def list_deltas(self, after: Mapping[str, int] | None = None) -> list[DeltaRef]:
         after = after or {}
@@ -259,7 +258,7 @@ class HFHub(HFRequests, Hub):
     def list_node_deltas(self, node_id: str, after: int = -1) -> list[DeltaRef]:
         """One node's deltas: a listing of ``nodes/<node_id>/`` only."""
         folder = f"{NODES_DIR}/{validate_node_id(node_id)}"
-        out = [DeltaRef(i.node_id, i.local_step, p, size, blob) for p, size, blob in self._tree(folder, recursive=True)
+        out = [DeltaRef(i.node_id, i.local_step, p, size, blob) for p, size, blob in self.http.tree(folder, recursive=True)
                if (i := parse_delta_path(p)) is not None and i.node_id == node_id and i.local_step > after]
         return sorted(out)
 
@@ -268,7 +267,7 @@ class HFHub(HFRequests, Hub):
 
     def list_global(self) -> list[str]:
         out = []
-        for path, _, _ in self._tree(GLOBAL_DIR, recursive=False):
+        for path, _, _ in self.http.tree(GLOBAL_DIR, recursive=False):
             try:
                 out.append(validate_global_path(path))
             except InvalidNameError:
@@ -289,18 +288,18 @@ class HFHub(HFRequests, Hub):
             pinned = self._pins.get(hub_path)
         for revision in ([pinned] if pinned else []) + [self.revision]:
             try:
-                self._call(f"download {hub_path}", self._stream_to, hub_path, revision, dest, max_bytes)
+                self.http.call(f"download {hub_path}", self.http.stream_to, hub_path, revision, dest, max_bytes)
                 return dest
-            except _EntryMissing:
+            except EntryMissing:
                 continue
         raise HubNotFoundError(f"{hub_path} not found on {self.url}")
 
     def read_manifest_bytes(self) -> bytes | None:
-        data, _ = self._read_head_file(MANIFEST_PATH)
+        data, _ = self.http.read_head_file(MANIFEST_PATH)
         return data
 
     def read_manifest(self) -> Manifest | None:
-        data, commit = self._read_head_file(MANIFEST_PATH)
+        data, commit = self.http.read_head_file(MANIFEST_PATH)
         if data is None:
             return None
         manifest = Manifest.from_json(data, source=f"{self.url}/{MANIFEST_PATH}@{commit[:12]}")
@@ -310,26 +309,13 @@ class HFHub(HFRequests, Hub):
 
     # ------------------------------------------------------------------ publishing
 
-    def publish(
-        self,
-        manifest: Manifest,
-        files: Mapping[str, str | os.PathLike],
-        *,
-        expected_outer_step: int | None,
-        delete: Iterable[str] = (),
-        expected_digest: str | None = None,
-        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
-    ) -> None:
+    def _publish(self, pub: Publication) -> None:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-        self._ensure_open()
-        # the same transport-independent checks as every hub (nothing written on failure)
-        files, delete = check_publication(
-            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
-            expected_digest=expected_digest,
-        )
-        mirrors = check_mirrors(mirrors, files, delete)
-        delete = sorted(set(delete))
+        self.http.ensure_open()
+        manifest, files, mirrors = pub.manifest, pub.files, pub.mirrors
+        expected_outer_step, expected_digest = pub.expected_outer_step, pub.expected_digest
+        delete = sorted(set(pub.delete))
         text = manifest.to_json()
         named = manifest.files()
         data = text.encode()
@@ -337,7 +323,7 @@ class HFHub(HFRequests, Hub):
         need = [p for p in named if p not in files]
         message = f"publish outer_step {manifest.outer_step}"
         for attempt in range(self.max_cas_attempts):
-            current_bytes, head = self._read_head_file(MANIFEST_PATH)
+            current_bytes, head = self.http.read_head_file(MANIFEST_PATH)
             if current_bytes is not None and current_bytes == data:
                 log.info("%s: outer_step %d is already on %s (an earlier attempt landed)", message, manifest.outer_step, self.url)
                 self._set_pins(named, head)
@@ -351,7 +337,7 @@ class HFHub(HFRequests, Hub):
                 found = None if current is None else current.outer_step
                 if found != expected_outer_step:
                     raise PublishConflictError(expected_outer_step, found)
-            present = self._paths_present([*need, *delete, *files], head)
+            present = self.http.paths_present([*need, *delete, *files], head)
             missing = [p for p in need if p not in present]
             if missing:
                 raise HubError(f"manifest names {missing} but they are neither uploaded now nor on {self.url}")
@@ -366,16 +352,16 @@ class HFHub(HFRequests, Hub):
             ops += [CommitOperationDelete(path_in_repo=p) for p in delete if p in present]
             # upload everything that must be uploaded first (LFS/Xet content on the real Hub); the commit
             # below is then the single atomic step
-            self._call("upload publication files", self._api.preupload_lfs_files, self.repo_id,
+            self.http.call("upload publication files", self.http.api.preupload_lfs_files, self.repo_id,
                        additions=[op for op in ops if isinstance(op, CommitOperationAdd)], revision=self.revision,
                        free_memory=False)
             self._fault("files")
             self._fault("locked")
             try:
-                commit = self._commit(ops, head, message)
-            except _Precondition:
+                commit = self.http.commit(ops, head, message)
+            except Precondition:
                 log.info("%s: the head of %s moved (worker commits?); re-reading the manifest", message, self.url)
-                self._cas_pause(attempt)
+                self.http.cas_pause(attempt)
                 continue
             self._set_pins(named, commit)
             self._fault("committed")
@@ -385,7 +371,7 @@ class HFHub(HFRequests, Hub):
         raise HubError(f"{message}: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
 
     def _set_pins(self, paths: Iterable[str], commit: str | None) -> None:
-        if commit and _COMMIT_RE.fullmatch(commit):
+        if commit and COMMIT_RE.fullmatch(commit):
             with self._lock:
                 self._pins = {p: commit for p in paths}
 
@@ -396,19 +382,19 @@ class HFHub(HFRequests, Hub):
         for p in paths:
             if p in (MANIFEST_PATH, LEASE_PATH):
                 raise InvalidNameError(f"refusing to delete {p!r}")
-        self._ensure_open()
+        self.http.ensure_open()
         if not paths:
             return
         for attempt in range(self.max_cas_attempts):
-            head = self._head_commit()
-            present = self._paths_present(paths, head)
+            head = self.http.head_commit()
+            present = self.http.paths_present(paths, head)
             if not present:
                 return
             try:
-                self._commit([CommitOperationDelete(path_in_repo=p) for p in sorted(present)], head, f"delete {len(present)} file(s)")
+                self.http.commit([CommitOperationDelete(path_in_repo=p) for p in sorted(present)], head, f"delete {len(present)} file(s)")
                 return
-            except _Precondition:
-                self._cas_pause(attempt)
+            except Precondition:
+                self.http.cas_pause(attempt)
         raise HubError(f"delete: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
 
     # ------------------------------------------------------------------ lease
@@ -417,75 +403,16 @@ class HFHub(HFRequests, Hub):
         return None if data is None else Lease.from_hub_bytes(data, source=f"{self.url}/{LEASE_PATH}")
 
     def read_lease(self) -> Lease | None:
-        data, _ = self._read_head_file(LEASE_PATH)
+        data, _ = self.http.read_head_file(LEASE_PATH)
         return self._parse_lease(data)
 
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
-        self._ensure_open()
-        for attempt in range(self.max_cas_attempts):
-            data, head = self._read_head_file(LEASE_PATH)
-            current = self._parse_lease(data)
-            if current == lease:
-                return  # already in place (nothing to change, or an earlier attempt of ours landed)
-            if current != expected:
-                raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {current}")
-            if lease is None:
-                ops: list[CommitOperationAdd | CommitOperationDelete] = [CommitOperationDelete(path_in_repo=LEASE_PATH)]
-            else:
-                ops = [CommitOperationAdd(path_in_repo=LEASE_PATH, path_or_fileobj=lease.to_json().encode())]
-            try:
-                self._commit(ops, head, "lease" if lease is None else f"lease: {lease.holder} epoch {lease.epoch}")
-                return
-            except _Precondition:
-                self._cas_pause(attempt)
-        raise HubError(f"write_lease: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
-
-    # ------------------------------------------------------------------ node claims
-
-    def _parse_claim(self, data: bytes | None, node_id: str) -> NodeClaim | None:
-        if data is None:
-            return None
-        try:
-            return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{claim_path(node_id)}")
-        except ClaimError as e:
-            self._warn_once(f"{claim_path(node_id)}:{len(data)}", "ignoring an unreadable claim: %s", e)
-            return None
-
-    def read_claim(self, node_id: str) -> NodeClaim | None:
-        data, _ = self._read_head_file(claim_path(node_id))
-        return self._parse_claim(data, node_id)
-
-    def list_claims(self) -> dict[str, NodeClaim]:
-        return self._claims_from_listing(self._node_files(), self.read_claim)
-
-    def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
-        """The scheme of :meth:`write_lease` on ``nodes/<node_id>/claim.json`` (one commit per write:
-        the keeper renews at most once per half ``ttl``, well inside the Hub's commit rate limits)."""
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
-        if claim is not None and claim.node_id != node_id:
-            raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
-        path = claim_path(node_id)
-        self._ensure_open()
-        for attempt in range(self.max_cas_attempts):
-            data, head = self._read_head_file(path)
-            current = self._parse_claim(data, node_id)
-            if current == claim and (claim is not None or data is None):
-                return  # already in place (an earlier attempt of ours landed)
-            if current != expected:
-                raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
-            if claim is None:
-                ops: list[CommitOperationAdd | CommitOperationDelete] = [CommitOperationDelete(path_in_repo=path)]
-            else:
-                ops = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=claim.to_json().encode())]
-            try:
-                self._commit(ops, head, f"claim {node_id}: " + ("released" if claim is None else f"{claim.holder} epoch {claim.epoch}"))
-                return
-            except _Precondition:
-                self._cas_pause(attempt)
-        raise HubError(f"write_claim: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
+        self.http.swap(
+            LEASE_PATH, None if lease is None else lease.to_json().encode(), parse=self._parse_lease, target=lease,
+            expected=expected, name="write_lease",
+            conflict=lambda found: LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {found}"),
+            message="lease" if lease is None else f"lease: {lease.holder} epoch {lease.epoch}",
+        )
 
     def commit_wait(self, node_id: str | None = None) -> float:
         """Seconds until this repository's commit budget allows the next commit (every write here is one)."""

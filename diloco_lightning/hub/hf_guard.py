@@ -4,7 +4,7 @@
 pages, downloads; up to 5 times, sleeping 1-8 s). So that its retries do not multiply
 ours, a pass-through wrapper is put around the transport of its shared HTTP client: while
 one of our calls runs (a context variable, so other users of the client are untouched) a
-retryable status or a network error is raised at once as ``_TransientError`` (with the
+retryable status or a network error is raised at once as ``TransientError`` (with the
 server's ``Retry-After``), which ``huggingface_hub`` does not retry and ``hf_http`` does; the
 wrapper also gives those calls a timeout (``timeout=``; the shared client has none). On a
 ``huggingface_hub`` whose client cannot be wrapped, its own retries stay (bounded: at most
@@ -19,6 +19,7 @@ import contextvars
 import importlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +30,10 @@ from diloco_lightning.hub.pacing import retry_after
 
 log = logging.getLogger(__name__)
 
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504}) | frozenset(range(500, 600))
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504}) | frozenset(range(500, 600))
 
 
-class _TransientError(DiLoCoError):
+class TransientError(DiLoCoError):
     """A retryable failure (429, 5xx, timeout, connection error) seen under our guard."""
 
     def __init__(self, reason: str, status: int | None = None, retry_after: float | None = None) -> None:
@@ -45,34 +46,28 @@ class _TransientError(DiLoCoError):
 
 
 @dataclass(frozen=True)
-class _GuardOptions:
+class GuardOptions:
     timeout: float | None
 
 
-_GUARD: contextvars.ContextVar[_GuardOptions | None] = contextvars.ContextVar("diloco_hf_guard", default=None)
+GUARD: contextvars.ContextVar[GuardOptions | None] = contextvars.ContextVar("diloco_hf_guard", default=None)
 _GUARD_LOCK = threading.Lock()
-
-
-def _retry_after(headers: Any) -> float | None:
-    """Seconds the server asked us to wait (``Retry-After`` in seconds or as an HTTP date, or the
-    Hub's ``RateLimit: "api";r=0;t=N``); see :func:`diloco_lightning.hub.pacing.retry_after`."""
-    return retry_after(headers)
+#: the clients already guarded (weakly held: a client that goes away is forgotten)
+_GUARDED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _guarded_send(request: Any, send: Callable[[], Any], transient_exc: tuple[type[BaseException], ...]) -> Any:
     """``send()`` the request under the guard (httpx and requests alike): a network error in
-    ``transient_exc`` or a 429/5xx answer (closed) raises ``_TransientError``."""
+    ``transient_exc`` or a 429/5xx answer (closed) raises ``TransientError``."""
     try:
         response = send()
     except transient_exc as e:
-        raise _TransientError(f"{type(e).__name__} on {request.method} {request.url}: {e}") from e
-    if response.status_code in _RETRY_STATUS:
-        retry_after = _retry_after(response.headers)
+        raise TransientError(f"{type(e).__name__} on {request.method} {request.url}: {e}") from e
+    if response.status_code in RETRY_STATUS:
+        wait = retry_after(response.headers)
         with contextlib.suppress(Exception):
             response.close()
-        raise _TransientError(
-            f"HTTP {response.status_code} on {request.method} {request.url}", response.status_code, retry_after
-        )
+        raise TransientError(f"HTTP {response.status_code} on {request.method} {request.url}", response.status_code, wait)
     return response
 
 
@@ -82,7 +77,7 @@ def _make_guard_transport(httpx_mod: Any, inner: Any) -> Any:
 
     class _GuardTransport(base):  # type: ignore[misc, valid-type]
         """Pass-through unless a diloco call is running: then 429/5xx and network errors raise
-        ``_TransientError`` (which ``huggingface_hub`` does not retry), and a timeout is set."""
+        ``TransientError`` (which ``huggingface_hub`` does not retry), and a timeout is set."""
 
         _diloco_guard = True
 
@@ -90,7 +85,7 @@ def _make_guard_transport(httpx_mod: Any, inner: Any) -> Any:
             self._inner = inner_transport
 
         def handle_request(self, request: Any) -> Any:
-            opts = _GUARD.get()
+            opts = GUARD.get()
             if opts is None:
                 return self._inner.handle_request(request)
             t = request.extensions.get("timeout")
@@ -116,7 +111,7 @@ def _make_requests_guard_adapter(requests_mod: Any, inner: Any) -> Any:
             self._inner = inner_adapter
 
         def send(self, request: Any, stream: bool = False, timeout: Any = None, **kwargs: Any) -> Any:
-            opts = _GUARD.get()
+            opts = GUARD.get()
             if opts is None:
                 return self._inner.send(request, stream=stream, timeout=timeout, **kwargs)
             if timeout is None:
@@ -131,21 +126,33 @@ def _make_requests_guard_adapter(requests_mod: Any, inner: Any) -> Any:
     return _GuardAdapter(inner)
 
 
-def _ensure_guard() -> None:
+def ensure_guard() -> None:
     """Wrap the transport(s) of ``huggingface_hub``'s shared client once (see the module docstring)."""
     from huggingface_hub.utils import get_session
 
     guard_client(get_session())
 
 
+def _guarded(client: Any) -> bool:
+    try:
+        return client in _GUARDED
+    except TypeError:  # not weakly referable: never marked
+        return False
+
+
+def _mark_guarded(client: Any) -> None:
+    with contextlib.suppress(TypeError):
+        _GUARDED.add(client)
+
+
 def guard_client(client: Any) -> None:
     """Wrap the transport(s) of ``client`` (a ``requests.Session``: ``huggingface_hub < 1.0``; an
-    ``httpx`` client: 1.0 and later) once: while a call of ours runs (``_GUARD`` set), a retryable
-    answer or a network error raises ``_TransientError``."""
-    if getattr(client, "_diloco_guarded", False):
+    ``httpx`` client: 1.0 and later) once: while a call of ours runs (``GUARD`` set), a retryable
+    answer or a network error raises ``TransientError``."""
+    if _guarded(client):
         return
     with _GUARD_LOCK:
-        if getattr(client, "_diloco_guarded", False):
+        if _guarded(client):
             return
         try:
             mod = importlib.import_module(type(client).__module__.split(".")[0])
@@ -153,7 +160,7 @@ def guard_client(client: Any) -> None:
                 for prefix, adapter in list(client.adapters.items()):
                     if not getattr(adapter, "_diloco_guard", False):
                         client.adapters[prefix] = _make_requests_guard_adapter(mod, adapter)
-                client._diloco_guarded = True
+                _mark_guarded(client)
                 return
             base = getattr(mod, "BaseTransport", None)
             transport = getattr(client, "_transport", None)
@@ -168,11 +175,10 @@ def guard_client(client: Any) -> None:
                 log.debug("huggingface_hub client %s cannot be guarded; its own retries stay", type(client).__name__)
         except Exception as e:  # never fail an operation because the guard could not be installed
             log.debug("could not guard the huggingface_hub client: %s", e)
-        with contextlib.suppress(Exception):
-            client._diloco_guarded = True
+        _mark_guarded(client)
 
 
-def _plain_transient_types() -> tuple[type[BaseException], ...]:
+def plain_transient_types() -> tuple[type[BaseException], ...]:
     """Network exceptions of the HTTP library ``huggingface_hub`` uses (when the guard is absent)."""
     out: list[type[BaseException]] = []
     for name, attrs in (
@@ -186,3 +192,7 @@ def _plain_transient_types() -> tuple[type[BaseException], ...]:
             continue
         out.extend(getattr(mod, a) for a in attrs if isinstance(getattr(mod, a, None), type))
     return tuple(out)
+
+
+# the names these had before (tests/test_hf_stream.py imports them)
+_GUARD, _GuardOptions, _TransientError = GUARD, GuardOptions, TransientError

@@ -32,31 +32,24 @@ from diloco_lightning.hub.base import (
     HubNotFoundError,
     HubUnavailableError,
 )
-from diloco_lightning.hub.hf_guard import (
-    _GUARD,
-    _RETRY_STATUS,
-    _ensure_guard,
-    _GuardOptions,
-    _plain_transient_types,
-    _retry_after,
-    _TransientError,
-)
+from diloco_lightning.hub.hf_guard import GUARD, RETRY_STATUS, GuardOptions, TransientError, ensure_guard, plain_transient_types
 from diloco_lightning.hub.hf_stream import iter_body, read_capped, stream_get
 from diloco_lightning.hub.pacing import CommitBudget
+from diloco_lightning.hub.pacing import retry_after as asked_wait
 from diloco_lightning.wire.manifest import MAX_MANIFEST_BYTES
 from diloco_lightning.wire.names import validate_hub_path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HFRequests", "HubUnavailableError", "_GuardOptions", "_plain_transient_types", "_retry_after"]
+__all__ = ["COMMIT_RE", "EntryMissing", "HFRequests", "HubUnavailableError", "Precondition"]
 
-_COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 _CHUNK = 8 << 20
 #: a hub document (manifest, lease, claim) is read up to one byte past the largest one, the manifest:
 #: a larger file is refused by its size, its first bytes standing for it, never read whole
 SMALL_READ_LIMIT = MAX_MANIFEST_BYTES + 1
 
-class _EntryMissing(HubNotFoundError):
+class EntryMissing(HubNotFoundError):
     """404 on a file or folder of an existing repository; ``commit`` is the revision's head if the Hub said."""
 
     def __init__(self, msg: str, commit: str | None = None) -> None:
@@ -64,7 +57,7 @@ class _EntryMissing(HubNotFoundError):
         self.commit = commit
 
 
-class _Precondition(HubError):
+class Precondition(HubError):
     """409/412 on a commit: the branch head is not the ``parent_commit`` we gave."""
 
 
@@ -90,28 +83,66 @@ def _norm_etag(value: str | None) -> str | None:
 
 
 class HFRequests:
-    """The requests of :class:`~diloco_lightning.hub.hf.HFHub` (a mixin: it reads the hub's
-    ``repo_id``, ``revision``, ``endpoint``, ``url``, ``_token``, ``_api``, ``_guard_opts``,
-    ``_plain_transient`` and the retry options)."""
+    """The requests to one Hugging Face repository (held by :class:`~diloco_lightning.hub.hf.HFHub` as
+    ``http``): each call retried or mapped to the hub's errors (module docstring), the repository's
+    creation (or check) before the first write, reads at a known head and commits with
+    ``parent_commit`` within the repository's :class:`~diloco_lightning.hub.pacing.CommitBudget`.
 
-    def _ensure_open(self) -> None:  # noqa: B027 - HFHub's: the repository created (or checked) before a write
-        """Nothing to do here; ``HFHub`` creates its repository before the first write when it could not at open."""
+    ``create``: create the repository if missing (``private=`` for a new one); False: check that it
+    exists; None: neither (no request). Done at open when the Hub answers, else before the first
+    write (:meth:`ensure_open`): an outage is never a reason to exit."""
 
-    url: str
-    repo_id: str
-    revision: str
-    endpoint: str
-    max_retries: int
-    retry_base_delay: float
-    retry_max_delay: float
-    max_cas_attempts: int
-    _token: str | bool | None
-    _api: Any
-    _guard_opts: _GuardOptions
-    _plain_transient: tuple[type[BaseException], ...]
-    commit_budget: CommitBudget
-    #: no request before this time.monotonic() (the last 429/503 Retry-After)
-    _pause_until: float = 0.0
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        endpoint: str,
+        revision: str,
+        token: str | bool | None,
+        url: str,
+        max_retries: int,
+        retry_base_delay: float,
+        retry_max_delay: float,
+        max_cas_attempts: int,
+        timeout: float | None,
+        commit_budget: CommitBudget,
+        create: bool | None,
+        private: bool | None,
+    ) -> None:
+        from huggingface_hub import HfApi
+
+        self.repo_id, self.endpoint, self.revision, self.url = repo_id, endpoint, revision, url
+        self.max_retries, self.max_cas_attempts = max_retries, max_cas_attempts
+        self.retry_base_delay, self.retry_max_delay = retry_base_delay, retry_max_delay
+        self.commit_budget = commit_budget
+        self._token = token  # never logged, never put in a message
+        self._guard_opts = GuardOptions(None if timeout is None else float(timeout))
+        self._plain_transient = plain_transient_types()
+        #: no request before this time.monotonic() (the last 429/503 Retry-After)
+        self._pause_until = 0.0
+        self.api = HfApi(endpoint=endpoint, token=token, library_name="diloco_lightning")
+        #: the repository's creation (or existence check) still to do: before the first write when the
+        #: Hub could not be reached at open
+        self._open_pending: tuple[str, Callable[[], Any]] | None = None
+        if create:
+            self._open_pending = ("create the repository", lambda: self.api.create_repo(
+                repo_id, private=private, exist_ok=True))
+        elif create is not None:
+            self._open_pending = ("open the repository", lambda: self.api.repo_info(repo_id, revision=revision))
+
+    @property
+    def opening(self) -> str | None:
+        """What :meth:`ensure_open` still has to do (None: nothing)."""
+        return None if self._open_pending is None else self._open_pending[0]
+
+    def ensure_open(self) -> None:
+        """Create (or check) the repository if that could not be done at open: before any write.
+        Raises ``HubUnavailableError`` while the Hub is unreachable (the caller's wait retries)."""
+        pending = self._open_pending
+        if pending is None:
+            return
+        self.call(pending[0], pending[1])
+        self._open_pending = None
 
     def _scrub(self, text: str) -> str:
         tok = self._token
@@ -119,7 +150,7 @@ class HFRequests:
             text = text.replace(tok, "<token>")
         return text
 
-    def _backoff(self, attempt: int, retry_after: float | None = None) -> float:
+    def backoff(self, attempt: int, retry_after: float | None = None) -> float:
         """The pause before retry ``attempt``: ``min(max, base * 2**(attempt-1))`` jittered to 50-100 %,
         and never shorter than the server's ``Retry-After``."""
         d = min(self.retry_max_delay, self.retry_base_delay * (2 ** (attempt - 1)))
@@ -128,7 +159,7 @@ class HFRequests:
             d = max(d, retry_after)
         return d
 
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, budget: CommitBudget | None = None,
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, budget: CommitBudget | None = None,
               **kwargs: Any) -> Any:
         """Run one ``huggingface_hub`` call; retry 429/5xx/timeouts/connection errors; map the rest.
 
@@ -147,27 +178,27 @@ class HFRequests:
         attempt = 0
         while True:
             self._wait_for_server(what)
-            _ensure_guard()
-            token = _GUARD.set(self._guard_opts)
+            ensure_guard()
+            token = GUARD.set(self._guard_opts)
             try:
                 return fn(*args, **kwargs)
-            except _TransientError as e:
+            except TransientError as e:
                 reason, retry_after, status = str(e), e.retry_after, e.status
             except OfflineModeIsEnabled as e:  # type: ignore[misc]
                 raise HubError(f"{what} on {self.url}: HF_HUB_OFFLINE is set; unset it to use an hf:// hub") from e
             except HfHubHTTPError as e:
                 response: Any = getattr(e, "response", None)
                 status = getattr(response, "status_code", None)
-                if status not in _RETRY_STATUS:
+                if status not in RETRY_STATUS:
                     raise self._map_http_error(e, status, what) from e
-                reason, retry_after = f"HTTP {status}", _retry_after(getattr(response, "headers", {}))
+                reason, retry_after = f"HTTP {status}", asked_wait(getattr(response, "headers", {}))
             except self._plain_transient as e:  # only reached when the guard is absent
                 reason, retry_after, status = f"{type(e).__name__}: {e}", None, None
             finally:
-                _GUARD.reset(token)
+                GUARD.reset(token)
             attempt += 1
             reason = self._scrub(reason)
-            delay = self._backoff(attempt, retry_after)
+            delay = self.backoff(attempt, retry_after)
             if budget is not None and status == 429:
                 budget.block(delay)  # the repository's commits wait too, not only this one
             if retry_after is not None and status in (429, 503):  # no request of ours before the server's time
@@ -187,7 +218,7 @@ class HFRequests:
 
     def _wait_for_server(self, what: str) -> None:
         """Honour the last ``Retry-After`` (429/503) before sending anything: sleep it when short, else
-        raise at once without a request (the caller waits, see :meth:`_call`)."""
+        raise at once without a request (the caller waits, see :meth:`call`)."""
         left = self._pause_until - time.monotonic()
         if left > self.retry_max_delay:
             raise HubUnavailableError(
@@ -222,9 +253,9 @@ class HFRequests:
             commit = None
             with contextlib.suppress(Exception):
                 commit = response.headers.get("X-Repo-Commit")
-            return _EntryMissing(f"{what}: not found on {self.url}{detail}", commit)
+            return EntryMissing(f"{what}: not found on {self.url}{detail}", commit)
         if status in (409, 412):
-            return _Precondition(f"{what} on {self.url}: HTTP {status}, the branch head moved{detail}")
+            return Precondition(f"{what} on {self.url}: HTTP {status}, the branch head moved{detail}")
         return HubError(f"{what} on {self.url} ({self.endpoint}) failed: HTTP {status}{detail}")
 
     def _headers(self) -> dict[str, str]:
@@ -232,7 +263,7 @@ class HFRequests:
 
         return build_hf_headers(token=self._token, library_name="diloco_lightning")
 
-    def _file_url(self, hub_path: str, revision: str) -> str:
+    def file_url(self, hub_path: str, revision: str) -> str:
         from huggingface_hub import hf_hub_url
 
         return hf_hub_url(self.repo_id, hub_path, revision=revision, endpoint=self.endpoint)
@@ -241,44 +272,44 @@ class HFRequests:
         from huggingface_hub.utils import get_session, hf_raise_for_status
 
         session: Any = get_session()  # requests.Session or an httpx client (hf_stream.py)
-        with stream_get(session, self._file_url(hub_path, revision), self._headers()) as r:
+        with stream_get(session, self.file_url(hub_path, revision), self._headers()) as r:
             hf_raise_for_status(r)
             # SMALL_READ_LIMIT module comment
             return read_capped(r, SMALL_READ_LIMIT, _CHUNK), r.headers.get("X-Repo-Commit")
 
-    def _head_commit(self) -> str:
-        info = self._call("read the branch head", self._api.repo_info, self.repo_id, revision=self.revision)
-        if not isinstance(info.sha, str) or not _COMMIT_RE.fullmatch(info.sha):
+    def head_commit(self) -> str:
+        info = self.call("read the branch head", self.api.repo_info, self.repo_id, revision=self.revision)
+        if not isinstance(info.sha, str) or not COMMIT_RE.fullmatch(info.sha):
             raise HubError(f"{self.url}: the Hub gave no commit id for revision {self.revision!r}")
         return info.sha
 
-    def _read_head_file(self, hub_path: str) -> tuple[bytes | None, str]:
+    def read_head_file(self, hub_path: str) -> tuple[bytes | None, str]:
         """``hub_path``'s content (None if absent) and the head commit it was read at, consistently."""
         try:
-            data, commit = self._call(f"read {hub_path}", self._get_small, hub_path, self.revision)
-        except _EntryMissing as e:
+            data, commit = self.call(f"read {hub_path}", self._get_small, hub_path, self.revision)
+        except EntryMissing as e:
             data, commit = None, e.commit
-        if commit and _COMMIT_RE.fullmatch(commit):
+        if commit and COMMIT_RE.fullmatch(commit):
             return data, commit
-        commit = self._head_commit()  # no X-Repo-Commit: resolve the head, then read at it
+        commit = self.head_commit()  # no X-Repo-Commit: resolve the head, then read at it
         try:
-            data, _ = self._call(f"read {hub_path}", self._get_small, hub_path, commit)
-        except _EntryMissing:
+            data, _ = self.call(f"read {hub_path}", self._get_small, hub_path, commit)
+        except EntryMissing:
             data = None
         return data, commit
 
-    def _paths_present(self, paths: Iterable[str], revision: str) -> set[str]:
+    def paths_present(self, paths: Iterable[str], revision: str) -> set[str]:
         from huggingface_hub.hf_api import RepoFile
 
         paths = sorted(set(paths))
         present: set[str] = set()
         for i in range(0, len(paths), 200):
             batch = paths[i : i + 200]
-            infos = self._call("check files", self._api.get_paths_info, self.repo_id, batch, revision=revision)
+            infos = self.call("check files", self.api.get_paths_info, self.repo_id, batch, revision=revision)
             present.update(x.path for x in infos if isinstance(x, RepoFile))
         return present
 
-    def _commit(self, operations: list, parent: str, message: str) -> str:
+    def commit(self, operations: list, parent: str, message: str) -> str:
         """One ``create_commit`` with ``parent_commit``, within the repository's commit budget: a
         wait up to ``retry_max_delay`` is slept here, a longer one is the caller's
         (``HubUnavailableError`` with ``retry_after``; nothing was sent)."""
@@ -293,9 +324,9 @@ class HFRequests:
         if wait > 0:
             log.info("commit (%s) on %s: waiting %.1fs for the commit budget", message, self.url, wait)
             budget.acquire()
-        info = self._call(
+        info = self.call(
             f"commit ({message})",
-            self._api.create_commit,
+            self.api.create_commit,
             self.repo_id,
             operations=operations,
             commit_message=message,
@@ -306,10 +337,36 @@ class HFRequests:
         budget.record()
         return getattr(info, "oid", None) or ""
 
-    def _cas_pause(self, attempt: int) -> None:
+    def swap(self, path: str, new: bytes | None, *, parse: Callable[[bytes | None], Any], target: Any, expected: Any,
+             conflict: Callable[[Any], HubError], message: str, name: str) -> None:
+        """Replace the document ``path`` by ``new`` (None: delete it) in one commit whose parent is the head it
+        was read at, iff what it holds (``parse(bytes or None)``) equals ``expected``, else raise
+        ``conflict(what it holds)``; nothing to do when it holds ``target`` already (an earlier attempt of ours
+        landed). A moved head is read again (``max_cas_attempts``); ``name`` is the operation, for the error
+        when every attempt found the head moved."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        self.ensure_open()
+        for attempt in range(self.max_cas_attempts):
+            data, head = self.read_head_file(path)
+            current = parse(data)
+            if current == target and (target is not None or data is None):
+                return  # already in place (nothing to change, or an earlier attempt of ours landed)
+            if current != expected:
+                raise conflict(current)
+            op = (CommitOperationDelete(path_in_repo=path) if new is None
+                  else CommitOperationAdd(path_in_repo=path, path_or_fileobj=new))
+            try:
+                self.commit([op], head, message)
+                return
+            except Precondition:
+                self.cas_pause(attempt)
+        raise HubError(f"{name}: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
+
+    def cas_pause(self, attempt: int) -> None:
         time.sleep(random.uniform(0, min(1.0, 0.02 * (2 ** min(attempt, 6)))))
 
-    def _stream_to(self, hub_path: str, revision: str, dest: Path, max_bytes: int | None = None) -> None:
+    def stream_to(self, hub_path: str, revision: str, dest: Path, max_bytes: int | None = None) -> None:
         from huggingface_hub.utils import get_session, hf_raise_for_status
 
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -318,7 +375,7 @@ class HFRequests:
         try:
             headers = {**self._headers(), "Accept-Encoding": "identity"}
             session: Any = get_session()  # requests.Session or an httpx client (hf_stream.py)
-            with stream_get(session, self._file_url(hub_path, revision), headers) as r:
+            with stream_get(session, self.file_url(hub_path, revision), headers) as r:
                 hf_raise_for_status(r)
                 length = r.headers.get("Content-Length")
                 expected = int(length) if length and length.isdigit() and len(length) <= 18 else None
@@ -347,23 +404,23 @@ class HFRequests:
                     f.flush()
                     os.fsync(f.fileno())
             if expected is not None and n != expected:
-                raise _TransientError(f"download of {hub_path} truncated: {n} of {expected} bytes")
+                raise TransientError(f"download of {hub_path} truncated: {n} of {expected} bytes")
             if linked and len(linked) == 64 and sha256.hexdigest() != linked:
-                raise _TransientError(f"download of {hub_path}: sha256 does not match the Hub's ({linked[:12]}...)")
+                raise TransientError(f"download of {hub_path}: sha256 does not match the Hub's ({linked[:12]}...)")
             if etag and len(etag) == 40 and sha1 is not None and sha1.hexdigest() != etag:
-                raise _TransientError(f"download of {hub_path}: git oid does not match the Hub's ETag ({etag[:12]}...)")
+                raise TransientError(f"download of {hub_path}: git oid does not match the Hub's ETag ({etag[:12]}...)")
             os.replace(tmp, dest)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
 
-    def _put_new(self, local_file: str | os.PathLike, hub_path: str, what: str, delete: Iterable[str] = ()) -> bool:
+    def put_new(self, local_file: str | os.PathLike, hub_path: str, what: str, delete: Iterable[str] = ()) -> bool:
         """Commit ``local_file`` as ``hub_path`` unless it exists. True if written (or the same
         bytes are already there: an earlier attempt of ours), False if another file is there.
         ``delete``: files removed in the same commit (those still there at its parent)."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-        self._ensure_open()
+        self.ensure_open()
 
         delete = sorted({validate_hub_path(p) for p in delete} - {hub_path})
 
@@ -373,31 +430,31 @@ class HFRequests:
         op = CommitOperationAdd(path_in_repo=hub_path, path_or_fileobj=str(local))
         for attempt in range(self.max_cas_attempts):
             try:
-                meta = self._call(f"check {hub_path}", self._api.get_hf_file_metadata, url=self._file_url(hub_path, self.revision))
-            except _EntryMissing as e:
-                head = e.commit if e.commit and _COMMIT_RE.fullmatch(e.commit) else None
+                meta = self.call(f"check {hub_path}", self.api.get_hf_file_metadata, url=self.file_url(hub_path, self.revision))
+            except EntryMissing as e:
+                head = e.commit if e.commit and COMMIT_RE.fullmatch(e.commit) else None
                 if head is None:  # no X-Repo-Commit: resolve the head, then check at it
-                    head = self._head_commit()
-                    if hub_path in self._paths_present([hub_path], head):
+                    head = self.head_commit()
+                    if hub_path in self.paths_present([hub_path], head):
                         return self._same_file(hub_path, local, head)
             else:
                 return self._same_file(hub_path, local, None, etag=meta.etag)
             ops: list[Any] = [op]
             if delete:
-                ops += [CommitOperationDelete(path_in_repo=p) for p in sorted(self._paths_present(delete, head))]
+                ops += [CommitOperationDelete(path_in_repo=p) for p in sorted(self.paths_present(delete, head))]
             try:
-                self._commit(ops, head, f"{what}: {hub_path}" + (f" (and delete {len(ops) - 1})" if len(ops) > 1 else ""))
+                self.commit(ops, head, f"{what}: {hub_path}" + (f" (and delete {len(ops) - 1})" if len(ops) > 1 else ""))
                 return True
-            except _Precondition:
+            except Precondition:
                 log.debug("%s: the head of %s moved; checking %s again", what, self.url, hub_path)
-                self._cas_pause(attempt)
+                self.cas_pause(attempt)
         raise HubError(f"{what}: gave up after {self.max_cas_attempts} attempts; the head of {self.url} kept moving")
 
     def _same_file(self, hub_path: str, local: Path, revision: str | None, etag: str | None = None) -> bool:
         if etag is None:
             with contextlib.suppress(HubError):
-                meta = self._call(
-                    f"check {hub_path}", self._api.get_hf_file_metadata, url=self._file_url(hub_path, revision or self.revision)
+                meta = self.call(
+                    f"check {hub_path}", self.api.get_hf_file_metadata, url=self.file_url(hub_path, revision or self.revision)
                 )
                 etag = meta.etag
         etag = _norm_etag(etag)
@@ -409,16 +466,16 @@ class HFRequests:
             return _git_blob_sha1(local) == etag
         return False
 
-    def _tree(self, folder: str, recursive: bool, revision: str | None = None) -> list[tuple[str, int | None, str | None]]:
+    def tree(self, folder: str, recursive: bool, revision: str | None = None) -> list[tuple[str, int | None, str | None]]:
         """``(path, size, blob id)`` of the files under ``folder`` (at ``revision``, default the branch)."""
         from huggingface_hub.hf_api import RepoFile
 
         def run() -> list[tuple[str, int | None, str | None]]:
-            items = self._api.list_repo_tree(self.repo_id, path_in_repo=folder, recursive=recursive,
+            items = self.api.list_repo_tree(self.repo_id, path_in_repo=folder, recursive=recursive,
                                              revision=revision or self.revision)
             return [(x.path, x.size, getattr(x, "blob_id", None)) for x in items if isinstance(x, RepoFile)]
 
         try:
-            return self._call(f"list {folder}/", run)
-        except _EntryMissing:
+            return self.call(f"list {folder}/", run)
+        except EntryMissing:
             return []

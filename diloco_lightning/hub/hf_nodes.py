@@ -40,7 +40,8 @@ finished worker stays (delete the node repositories with the run). The master's 
 publication deletions (``global/``) ride in its commit as before; its deletions under
 ``nodes/`` are left to the workers.
 
-**Membership** (:meth:`HFNodesHub.list_claims`): a node's claim (``nodes/<node>/claim.json``, its
+**Membership** (:meth:`HFNodesHub.list_claims`, through
+:class:`~diloco_lightning.hub.hf_node_repos.NodeRepoClaims`): a node's claim (``nodes/<node>/claim.json``, its
 heartbeat) is in the node's repository, found by the same discovery and tree listings as its
 deltas, so the master's live nodes, a fractional quorum, the adaptive deadline and the workers'
 Dynamic Local Updates work on this layout as on one repository.
@@ -53,11 +54,9 @@ repository's.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -66,34 +65,26 @@ from diloco_lightning.hub.base import (
     DeltaRef,
     Hub,
     HubNotFoundError,
-    check_publication,
+    Publication,
 )
 from diloco_lightning.hub.hf import HFHub
-from diloco_lightning.hub.hf_http import _EntryMissing
+from diloco_lightning.hub.hf_node_repos import HFNodeRepos, NodeRepoClaims
 from diloco_lightning.wire.manifest import Lease, Manifest
 from diloco_lightning.wire.names import (
     GLOBAL_DIR,
-    NODE_ID_RE,
     NODES_DIR,
-    InvalidNameError,
     delta_path,
     parse_claim_path,
     parse_delta_path,
     parse_init_path,
     validate_hub_path,
-    validate_node_id,
 )
 from diloco_lightning.hub.options import DEFAULT_NODE_REPO, LAYOUTS, parse_node_repo
-from diloco_lightning.wire.claims import NodeClaim
-from diloco_lightning.wire.signing import load_run_key
 from diloco_lightning.util.warnonce import WarnOnce
 
 log = logging.getLogger(__name__)
 
 __all__ = ["HFNodesHub", "DEFAULT_NODE_REPO", "LAYOUTS", "parse_node_repo"]
-
-
-_Files = list[tuple[str, "int | None", "str | None"]]
 
 
 class HFNodesHub(Hub):
@@ -131,62 +122,25 @@ class HFNodesHub(Hub):
         self.repo_id = self.master.repo_id
         self.cache_dir = self.master.cache_dir  # hub paths never collide across the run's repositories
         self.node_repo = node_repo or DEFAULT_NODE_REPO
-        self._org, self._name = self.repo_id.split("/")
-        self._ns, self._prefix, self._suffix = parse_node_repo(self.node_repo, self._org, self._name)
-        self.rescan_interval = float(rescan_interval)
-        self.list_workers = int(list_workers)
-        self._private = private
-        self._options = dict(options, endpoint=self.master.endpoint, cache_dir=self.cache_dir)
         self._lock = threading.Lock()
-        self._nodes: dict[str, HFHub] = {}
-        self._created: set[str] = set()
-        self._trees: dict[str, tuple[str | None, _Files]] = {}
-        self._full_at = -float("inf")
+        self._warned = WarnOnce(log)
+        #: the node repositories: names, handles, discovery
+        self.nodes = HFNodeRepos(self.master, self.node_repo, private=private,
+                                 options=dict(options, endpoint=self.master.endpoint, cache_dir=self.cache_dir),
+                                 rescan_interval=rescan_interval, list_workers=list_workers, owner=self,
+                                 warned=self._warned)
         self._own: dict[str, set[int]] = {}  # this handle's node(s): steps known to be in the node's repository
         self._ledger: dict[str, int] = {}
+        from diloco_lightning.wire.signing import load_run_key  # torch: when a per-node hub is opened only
+
         self._key = load_run_key()
-        self._warned = WarnOnce(log)
+        self.claims = NodeRepoClaims(self.nodes, self._warned)
 
     # ------------------------------------------------------------------ node repositories
 
     def node_repo_id(self, node_id: str) -> str:
         """The repository of ``node_id`` (``InvalidNameError`` if the Hub would refuse its name)."""
-        node_id = validate_node_id(node_id)
-        rid = f"{self._ns}/{self._prefix}{node_id}{self._suffix}"
-        try:
-            HFHub._check_repo_id(rid)
-        except ValueError as e:
-            raise InvalidNameError(
-                f"node_id {node_id!r} gives the repository {rid!r} (node_repo {self.node_repo!r}), which the Hub "
-                f"refuses: {e}. Use node ids without '--', '..' or a trailing '-' / '.'"
-            ) from None
-        return rid
-
-    def _node_of(self, repo_id: str) -> str | None:
-        ns, _, name = repo_id.partition("/")
-        if ns != self._ns or not name.startswith(self._prefix) or not name.endswith(self._suffix):
-            return None
-        node = name[len(self._prefix) : len(name) - len(self._suffix)]
-        if not node or NODE_ID_RE.fullmatch(node) is None:
-            return None
-        try:
-            return node if self.node_repo_id(node) == repo_id else None
-        except InvalidNameError:
-            return None
-
-    def _node_hub(self, node_id: str, *, write: bool = False) -> HFHub:
-        rid = self.node_repo_id(node_id)
-        with self._lock:
-            hub = self._nodes.get(node_id)
-            if hub is None:
-                hub = HFHub(rid, create=None, private=self._private, **self._options)
-                hub.fault_owner = self
-                self._nodes[node_id] = hub
-        if write and node_id not in self._created:
-            hub._call("create the node repository", hub._api.create_repo, rid, private=self._private, exist_ok=True)
-            with self._lock:
-                self._created.add(node_id)
-        return hub
+        return self.nodes.repo_id(node_id)
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         self._warned.warn(key, msg, *args)  # bounded: the names are any hub writer's
@@ -205,7 +159,7 @@ class HFNodesHub(Hub):
         return [delta_path(node_id, s) for s in sorted(own) if s <= floor]
 
     def upload_delta(self, local_file: str | os.PathLike, node_id: str, local_step: int) -> str:
-        hub = self._node_hub(node_id, write=True)
+        hub = self.nodes.hub(node_id, write=True)
         stale = self._processed(node_id, hub)
         path = hub.upload_delta(local_file, node_id, local_step, delete=stale)
         with self._lock:
@@ -215,78 +169,24 @@ class HFNodesHub(Hub):
         return path
 
     def upload_init(self, local_file: str | os.PathLike, node_id: str) -> str:
-        return self._node_hub(node_id, write=True).upload_init(local_file, node_id)
+        return self.nodes.hub(node_id, write=True).upload_init(local_file, node_id)
 
     def list_node_deltas(self, node_id: str, after: int = -1) -> list[DeltaRef]:
         # a worker asks about its own node: its repository is created first (a missing private
         # repository may answer 401 rather than 404)
-        return self._node_hub(node_id, write=True).list_node_deltas(node_id, after)
+        return self.nodes.hub(node_id, write=True).list_node_deltas(node_id, after)
 
     def commit_wait(self, node_id: str | None = None) -> float:
         if node_id is None:
             return self.master.commit_wait()
-        return self._node_hub(node_id).commit_wait()
+        return self.nodes.hub(node_id).commit_wait()
 
     # ------------------------------------------------------------------ listing (the master)
-
-    def _scan(self) -> dict[str, str | None]:
-        """Node -> head commit (None if the Hub did not say) of every node repository."""
-        api = self.master._api
-
-        def run() -> list[tuple[str, str | None]]:
-            found = api.list_models(author=self._ns, search=self._prefix or self._suffix, expand=["sha"])
-            return [(m.id, getattr(m, "sha", None)) for m in found]
-
-        out: dict[str, str | None] = {}
-        for rid, sha in self.master._call("list the node repositories", run):
-            node = self._node_of(str(rid))
-            if node is not None:
-                out[node] = sha if isinstance(sha, str) else None
-        return out
-
-    def _list_tree(self, node_id: str, sha: str | None) -> _Files:
-        hub = self._node_hub(node_id)
-        try:
-            return hub._tree(f"{NODES_DIR}/{node_id}", recursive=True, revision=sha)
-        except (_EntryMissing, HubNotFoundError):  # nothing under nodes/<node>, or the repository went away
-            return []
-
-    def _files(self) -> dict[str, _Files]:
-        """Node -> its repository's files, listed again where the head moved (or all, every
-        ``rescan_interval``)."""
-        heads = self._scan()
-        now = time.monotonic()
-        full = now - self._full_at >= self.rescan_interval
-        with self._lock:
-            known = dict(self._trees)
-        todo = [n for n, sha in heads.items() if full or sha is None or n not in known or known[n][0] != sha]
-        fresh: dict[str, _Files] = {}
-        if todo:
-            workers = min(self.list_workers, len(todo))
-            with concurrent.futures.ThreadPoolExecutor(workers, "diloco-hf-list") as pool:
-                for node, files in zip(todo, pool.map(lambda n: self._list_tree(n, heads[n]), todo)):
-                    fresh[node] = files
-        trees = {n: (heads[n], fresh[n]) if n in fresh else known[n] for n in heads}
-        with self._lock:
-            self._trees = trees
-            if full:
-                self._full_at = now
-        return {n: files for n, (_, files) in trees.items()}
-
-    def _node_entries(self) -> Iterable[tuple[str, str, int | None, str | None]]:
-        for node, files in sorted(self._files().items()):
-            for path, size, blob in files:
-                owner = path.split("/")[1] if path.count("/") >= 2 else None
-                if owner != node:
-                    self._warn_once(f"{node}:{path}", "ignoring %s in %s: not node %s's file", path,
-                                    self.node_repo_id(node), node)
-                    continue
-                yield node, path, size, blob
 
     def list_deltas(self, after: Mapping[str, int] | None = None) -> list[DeltaRef]:
         after = after or {}
         out: list[DeltaRef] = []
-        for node, path, size, blob in self._node_entries():
+        for node, path, size, blob in self.nodes.entries():
             ident = parse_delta_path(path)
             if ident is None:
                 if parse_init_path(path) is None and parse_claim_path(path) is None:
@@ -298,7 +198,7 @@ class HFNodesHub(Hub):
         return out
 
     def list_inits(self) -> list[str]:
-        return sorted({node for node, path, _, _ in self._node_entries() if parse_init_path(path) == node})
+        return sorted({node for node, path, _, _ in self.nodes.entries() if parse_init_path(path) == node})
 
     def list_global(self) -> list[str]:
         return self.master.list_global()
@@ -308,7 +208,7 @@ class HFNodesHub(Hub):
     def download(self, hub_path: str, *, max_bytes: int | None = None) -> Path:
         hub_path = validate_hub_path(hub_path)
         if hub_path.startswith(NODES_DIR + "/"):
-            return self._node_hub(hub_path.split("/")[1]).download(hub_path, max_bytes=max_bytes)
+            return self.nodes.hub(hub_path.split("/")[1]).download(hub_path, max_bytes=max_bytes)
         return self.master.download(hub_path, max_bytes=max_bytes)
 
     def read_manifest_bytes(self) -> bytes | None:
@@ -330,25 +230,12 @@ class HFNodesHub(Hub):
 
     # ------------------------------------------------------------------ publishing (the master's repository)
 
-    def publish(
-        self,
-        manifest: Manifest,
-        files: Mapping[str, str | os.PathLike],
-        *,
-        expected_outer_step: int | None,
-        delete: Iterable[str] = (),
-        expected_digest: str | None = None,
-        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
-    ) -> None:
-        files, dels = check_publication(
-            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
-            expected_digest=expected_digest,
-        )
+    def _publish(self, pub: Publication) -> None:
         # nodes/ files live in the workers' repositories: each worker deletes its processed deltas
         # with its next upload (module docstring); global/ ones ride in the publication's commit
-        self.master.publish(manifest, files, expected_outer_step=expected_outer_step,
-                            delete=[p for p in dels if p.startswith(GLOBAL_DIR + "/")], expected_digest=expected_digest,
-                            mirrors=mirrors)
+        self.master.publish(pub.manifest, pub.files, expected_outer_step=pub.expected_outer_step,
+                            delete=[p for p in pub.delete if p.startswith(GLOBAL_DIR + "/")],
+                            expected_digest=pub.expected_digest, mirrors=pub.mirrors)
 
     def delete(self, paths: Iterable[str]) -> None:
         paths = sorted({validate_hub_path(p) for p in paths})
@@ -359,7 +246,7 @@ class HFNodesHub(Hub):
         self.master.delete([p for p in paths if not p.startswith(NODES_DIR + "/")])
         for node, node_paths in by_node.items():
             try:
-                self._node_hub(node).delete(node_paths)
+                self.nodes.hub(node).delete(node_paths)
             except HubNotFoundError:
                 continue
 
@@ -368,22 +255,6 @@ class HFNodesHub(Hub):
 
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
         self.master.write_lease(lease, expected=expected)
-
-    # ------------------------------------------------------------------ node claims (the node's repository)
-
-    def read_claim(self, node_id: str) -> NodeClaim | None:
-        return self._node_hub(node_id, write=True).read_claim(node_id)  # a worker's own node (as above)
-
-    def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
-        self._node_hub(node_id, write=True).write_claim(node_id, claim, expected=expected)
-
-    def list_claims(self) -> dict[str, NodeClaim]:
-        """Every node's claim, from the node repositories the discovery finds (the same listing as the
-        deltas': one request per 1000 node repositories, plus a tree listing of each whose head moved),
-        a claim read again only when its blob changed. What the master's membership and the workers'
-        Dynamic Local Updates read, on this layout as on every other."""
-        entries = [(path, size, blob) for _node, path, size, blob in self._node_entries()]
-        return self._claims_from_listing(entries, lambda node: self._node_hub(node).read_claim(node))
 
     def __repr__(self) -> str:
         return f"HFNodesHub({self.url!r}, node_repo={self.node_repo!r}, endpoint={self.master.endpoint!r})"

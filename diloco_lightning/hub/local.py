@@ -47,8 +47,8 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Iterable, Mapping
-from urllib.parse import quote
+from typing import Any, Iterable, Mapping
+from urllib.parse import quote, unquote, urlparse
 
 from diloco_lightning.util import faults
 from diloco_lightning.util.fileio import RefusedFile, file_kind, temp_prefix
@@ -56,7 +56,6 @@ from diloco_lightning.util.heldfile import HeldFile
 from diloco_lightning.util.heldfile import release as release_held
 from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import (
-    ClaimConflictError,
     DeltaExistsError,
     DeltaRef,
     Hub,
@@ -65,13 +64,13 @@ from diloco_lightning.hub.base import (
     HubNotFoundError,
     LeaseConflictError,
     PublishConflictError,
-    check_mirrors,
-    check_publication,
+    Publication,
     default_cache_dir,
+    own_options,
 )
 from diloco_lightning.hub.folder import HubFolder, HubLinkError
+from diloco_lightning.hub.folder_claims import FolderClaims
 from diloco_lightning.wire.manifest import MAX_LEASE_BYTES, MAX_MANIFEST_BYTES, Lease, Manifest, ManifestError
-from diloco_lightning.wire.claims import MAX_CLAIM_BYTES, ClaimError, NodeClaim
 from diloco_lightning.wire.names import (
     CLAIM_NAME,
     GLOBAL_DIR,
@@ -81,7 +80,6 @@ from diloco_lightning.wire.names import (
     NODES_DIR,
     RESERVED_GLOBAL_PATHS,
     InvalidNameError,
-    claim_path,
     delta_path,
     init_path,
     parse_delta_path,
@@ -91,13 +89,35 @@ from diloco_lightning.wire.names import (
 
 log = logging.getLogger(__name__)
 
-_CLAIM_LOCK = ".claim.lock"
 
 
 class FileHub(Hub):
     """A hub in a folder. See the module docstring for the guarantees."""
 
+    scheme = "file"
+    url_forms = ("file:///abs/path", "a plain path")
     private_downloads = False  # files are returned in place: any writer of the folder can change them
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> "FileHub":
+        """``file:///abs/path`` or a plain path; options ``cache_dir``, ``create`` (others given as None
+        are ignored: one configuration serves every transport)."""
+        if url.lower().startswith("file:"):
+            parsed = urlparse(url)
+            if not url.lower().startswith("file://"):
+                raise ValueError(f"open_hub: malformed file URL {url!r}; use file:///abs/path")
+            if parsed.netloc not in ("", "localhost"):
+                raise ValueError(f"open_hub: file URL {url!r} names host {parsed.netloc!r}; use file:///abs/path")
+            if parsed.query or parsed.fragment:
+                raise ValueError(f"open_hub: file URL {url!r} has a query or fragment; use file:///abs/path")
+            path = Path(unquote(parsed.path))
+            if not path.is_absolute():
+                raise ValueError(f"open_hub: file URL {url!r} has no absolute path; use file:///abs/path")
+        elif not url:
+            raise ValueError("open_hub: empty hub URL")
+        else:
+            path = Path(url)
+        return cls(path, **own_options(cls, "the folder hub", url, options))
 
     def __init__(self, root: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, create: bool = True) -> None:
         root = Path(root).expanduser()
@@ -115,6 +135,7 @@ class FileHub(Hub):
         self._warned = WarnOnce(log)
         # every read, listing, write, removal and lock goes through it: never through a symbolic link
         self._folder = HubFolder(root, self.url)
+        self.claims = FolderClaims(self._folder, self._warned, self._node_ids)
         if create:
             for sub in (NODES_DIR, GLOBAL_DIR):
                 try:
@@ -340,22 +361,10 @@ class FileHub(Hub):
 
     # ------------------------------------------------------------------ publishing
 
-    def publish(
-        self,
-        manifest: Manifest,
-        files: Mapping[str, str | os.PathLike],
-        *,
-        expected_outer_step: int | None,
-        delete: Iterable[str] = (),
-        expected_digest: str | None = None,
-        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
-    ) -> None:
-        # every check first: a bad publication writes nothing
-        files, delete = check_publication(
-            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
-            expected_digest=expected_digest,
-        )
-        mirrors = check_mirrors(mirrors, files, delete)
+    def _publish(self, pub: Publication) -> None:
+        # every check first (Hub.publish made the transport-independent ones): a bad publication writes nothing
+        manifest, files, mirrors, delete = pub.manifest, pub.files, pub.mirrors, pub.delete
+        expected_outer_step, expected_digest = pub.expected_outer_step, pub.expected_digest
         for p in manifest.files():
             if p not in files and not self._folder.is_file(p):
                 raise HubError(f"manifest names {p} but it is neither uploaded now nor on {self.url}")
@@ -442,45 +451,3 @@ class FileHub(Hub):
                 self._folder.unlink(LEASE_PATH)  # never through a symbolic link
             else:
                 self._folder.replace_bytes(LEASE_PATH, lease.to_json().encode())  # never through a link
-
-    # ------------------------------------------------------------------ node claims
-
-    def _read_claim_file(self, node_id: str) -> NodeClaim | None:
-        path = claim_path(node_id)
-        data = self._folder.read_document(path, MAX_CLAIM_BYTES, name=path)
-        if data is None:
-            return None
-        if isinstance(data, RefusedFile):  # a link, a FIFO, a device, a file over its size: no claim
-            self._warn_once(f"{path}:{bytes(data)!r}", "ignoring the claim %s on %s: %s", path, self.url, data.reason)
-            return None
-        try:
-            return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{path}")
-        except ClaimError as e:
-            self._warn_once(f"{path}:{len(data)}", "ignoring an unreadable claim: %s", e)
-            return None
-
-    def read_claim(self, node_id: str) -> NodeClaim | None:
-        return self._read_claim_file(node_id)
-
-    def list_claims(self) -> dict[str, NodeClaim]:
-        out: dict[str, NodeClaim] = {}
-        for node in self._node_ids():
-            claim = self._read_claim_file(node)  # a folder that became a link meanwhile: no claim
-            if claim is not None:
-                out[node] = claim
-        return out
-
-    def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
-        if claim is not None and claim.node_id != node_id:
-            raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
-        path = claim_path(node_id)  # validates node_id
-        text = None if claim is None else claim.to_json().encode()
-        # the lock, the read and the write each go through folder descriptors: never through a link
-        with self._folder.locked([NODES_DIR, node_id], _CLAIM_LOCK):
-            current = self._read_claim_file(node_id)
-            if current != expected:
-                raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
-            if text is None:
-                self._folder.unlink(path)
-            else:
-                self._folder.replace_bytes(path, text)

@@ -10,6 +10,7 @@ apply to a URL's transport, so one section serves a folder, ``hf://`` and ``s3:/
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -20,10 +21,11 @@ __all__ = ["DEFAULT_NODE_REPO", "LAYOUTS", "SCHEMES", "HubOptions", "parse_node_
 
 #: how an ``hf://`` run lays its files out: one repository, or the master's plus one per node
 LAYOUTS = ("shared", "per_node")
+#: the built-in transports' URL schemes ("": a plain path); every registered one:
+#: :data:`diloco_lightning.hub.transports.TRANSPORTS`
+SCHEMES = ("", "file", "hf", "s3")
 #: a node's repository with ``layout="per_node"``: ``{org}`` and ``{repo}`` are the master's, ``{node}`` the node id
 DEFAULT_NODE_REPO = "{repo}-{node}"
-#: the URL schemes ``open_hub`` knows ("": a plain path)
-SCHEMES = ("", "file", "hf", "s3")
 _ADDRESSING = (None, "path", "virtual", "auto")
 
 
@@ -45,9 +47,10 @@ def parse_node_repo(pattern: str, org: str, repo: str) -> tuple[str, str, str]:
     return ns, prefix, suffix
 
 
-def scheme_of(url: str) -> str:
-    """``"hf"``, ``"s3"``, ``"file"``, or ``""`` for a plain path."""
-    return url.split("://", 1)[0].lower() if "://" in url else ""
+def scheme_of(url: str | os.PathLike) -> str:
+    """``"hf"``, ``"s3"``, ``"file"`` ... (lower case), or ``""`` for a plain path."""
+    text = os.fspath(url)
+    return text.split("://", 1)[0].lower() if "://" in text else ""
 
 
 @dataclass

@@ -86,8 +86,8 @@ from typing import Any
 
 from diloco_lightning.util import faults
 from diloco_lightning.util.warnonce import WarnOnce
+from diloco_lightning.hub.s3_claims import S3Claims
 from diloco_lightning.hub.base import (
-    ClaimConflictError,
     DeltaExistsError,
     DeltaRef,
     Hub,
@@ -96,13 +96,12 @@ from diloco_lightning.hub.base import (
     HubNotFoundError,
     LeaseConflictError,
     PublishConflictError,
-    check_mirrors,
-    check_publication,
+    Publication,
     default_cache_dir,
+    own_options,
 )
 from diloco_lightning.hub.s3_store import HubUnavailableError, Missing, Precondition, S3Store, TooLarge, parse_s3_url
 from diloco_lightning.wire.manifest import Lease, Manifest, ManifestError
-from diloco_lightning.wire.claims import ClaimError, NodeClaim
 from diloco_lightning.wire.names import (
     GLOBAL_DIR,
     LEASE_PATH,
@@ -111,7 +110,6 @@ from diloco_lightning.wire.names import (
     NODES_DIR,
     RESERVED_GLOBAL_PATHS,
     InvalidNameError,
-    claim_path,
     delta_path,
     init_path,
     parse_claim_path,
@@ -143,6 +141,16 @@ class S3Hub(Hub):
     not write under ``global/``, e.g. a worker's restricted to ``nodes/``, need False).
     """
 
+    scheme = "s3"
+    url_forms = ("s3://bucket/prefix",)
+    creatable = False  # a bucket is never created (a prefix needs no creating)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> "S3Hub":
+        """``s3://bucket/prefix``; the options of :class:`S3Hub` (others given as None are ignored)."""
+        bucket, prefix = parse_s3_url(url)
+        return cls(bucket, prefix, **own_options(cls, "the S3 hub", url, options))
+
     def __init__(
         self,
         bucket: str,
@@ -170,7 +178,8 @@ class S3Hub(Hub):
         self.cache_dir = (
             Path(cache_dir) if cache_dir is not None else default_cache_dir(f"{self.endpoint_url}|{self.url}")
         )
-        self._warned = WarnOnce(log)
+        self._warned = WarnOnce(log)  # bounded: the names are any hub writer's
+        self.claims = S3Claims(self.store, self._warned, self._ensure_probed)
         #: the conditional-write probe still to pass before this handle's first write (None: passed or not asked)
         self._probe_lock = threading.Lock()
         self._probe_pending = bool(check_conditional_writes)
@@ -194,9 +203,6 @@ class S3Hub(Hub):
 
     def _fault(self, label: str) -> None:
         faults.point(label, self)  # crash points for tests (diloco_lightning.util.faults)
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        self._warned.warn(key, msg, *args)  # bounded: the names are any hub writer's
 
     # ------------------------------------------------------------------ workers
 
@@ -223,7 +229,7 @@ class S3Hub(Hub):
             ident = parse_delta_path(path)
             if ident is None:
                 if parse_init_path(path) is None and parse_claim_path(path) is None:
-                    self._warn_once(path, "ignoring %s on %s: not a delta path", path, self.url)
+                    self._warned.warn(path, "ignoring %s on %s: not a delta path", path, self.url)
                 continue
             if ident.local_step > after.get(ident.node_id, -1):
                 out.append(DeltaRef(ident.node_id, ident.local_step, path, size, etag))
@@ -285,22 +291,10 @@ class S3Hub(Hub):
     def _global_paths(self) -> set[str]:
         return {p for p, _, _ in self.store.list(GLOBAL_DIR, recursive=False)}
 
-    def publish(
-        self,
-        manifest: Manifest,
-        files: Mapping[str, str | os.PathLike],
-        *,
-        expected_outer_step: int | None,
-        delete: Iterable[str] = (),
-        expected_digest: str | None = None,
-        mirrors: Mapping[str, str | os.PathLike | bytes] | None = None,
-    ) -> None:
-        files, delete = check_publication(
-            manifest, files, expected_outer_step=expected_outer_step, delete=delete, source=self.url,
-            expected_digest=expected_digest,
-        )
-        mirrors = check_mirrors(mirrors, files, delete)
-        delete = list(dict.fromkeys(delete))
+    def _publish(self, pub: Publication) -> None:
+        manifest, files, mirrors = pub.manifest, pub.files, pub.mirrors
+        expected_outer_step, expected_digest = pub.expected_outer_step, pub.expected_digest
+        delete = list(dict.fromkeys(pub.delete))
         self._ensure_probed()
         data = manifest.to_json().encode()
         current, etag = self.store.read_small(MANIFEST_PATH)
@@ -416,59 +410,11 @@ class S3Hub(Hub):
 
     def write_lease(self, lease: Lease | None, *, expected: Lease | None) -> None:
         self._ensure_probed()
-        data, etag = self.store.read_small(LEASE_PATH)
-        current = self._lease(data)
-        if current == lease:
-            return  # nothing to change (or an earlier attempt of ours landed)
-        if current != expected:
-            raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {current}")
-        try:
-            self.store.cas_put(LEASE_PATH, b"" if lease is None else lease.to_json().encode(), etag)
-        except Precondition as e:
-            try:
-                found: Any = self._lease(e.current)
-            except ManifestError:
-                found = "an unreadable lease"
-            raise LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {found}") from None
-
-    # ------------------------------------------------------------------ node claims
-
-    def _claim(self, data: bytes | None, node_id: str) -> NodeClaim | None:
-        if not data:
-            return None  # absent, or released (an empty object, as the lease)
-        if isinstance(data, TooLarge):
-            self._warn_once(f"{claim_path(node_id)}:{bytes(data)!r}", "ignoring an unreadable claim: %s", data.reason)
-            return None
-        try:
-            return NodeClaim.from_json(data, node_id=node_id, source=f"{self.url}/{claim_path(node_id)}")
-        except ClaimError as e:
-            self._warn_once(f"{claim_path(node_id)}:{len(data)}", "ignoring an unreadable claim: %s", e)
-            return None
-
-    def read_claim(self, node_id: str) -> NodeClaim | None:
-        data, _ = self.store.read_small(claim_path(node_id))
-        return self._claim(data, node_id)
-
-    def list_claims(self) -> dict[str, NodeClaim]:
-        return self._claims_from_listing(self.store.list(NODES_DIR, recursive=True), self.read_claim)
-
-    def write_claim(self, node_id: str, claim: NodeClaim | None, *, expected: NodeClaim | None) -> None:
-        if claim is not None and claim.node_id != node_id:
-            raise ValueError(f"write_claim: a claim for {claim.node_id!r} written as {node_id!r}'s")
-        path = claim_path(node_id)
-        self._ensure_probed()
-        data, etag = self.store.read_small(path)
-        current = self._claim(data, node_id)
-        if current == claim and (claim is not None or not data):
-            return  # nothing to change (or an earlier attempt of ours landed)
-        if current != expected:
-            raise ClaimConflictError(f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {current}")
-        try:
-            self.store.cas_put(path, b"" if claim is None else claim.to_json().encode(), etag)
-        except Precondition as e:
-            raise ClaimConflictError(
-                f"claim on {node_id!r} changed on {self.url}: expected {expected}, found {self._claim(e.current, node_id)}"
-            ) from None
+        self.store.swap(
+            LEASE_PATH, b"" if lease is None else lease.to_json().encode(), parse=self._lease, target=lease,
+            expected=expected, unreadable="an unreadable lease",
+            conflict=lambda found: LeaseConflictError(f"lease changed on {self.url}: expected {expected}, found {found}"),
+        )
 
     # ------------------------------------------------------------------ common
 

@@ -1,9 +1,9 @@
 """The boto3 client of one ``s3://bucket/prefix``: its options, retried requests, errors mapped.
 
-:class:`S3Client` is the base of :class:`~diloco_lightning.hub.s3_store.S3Store` (the conditional
-writes, multipart uploads, listing and deletion the hub needs): it parses the URL, checks the
-options, makes one boto3 client (thread-safe, in a session of its own) and runs every request
-through :meth:`S3Client.call`.
+:class:`S3Client` is the part of :class:`~diloco_lightning.hub.s3_store.S3Store` (the conditional
+writes, multipart uploads, listing and deletion the hub needs) that talks to S3: it parses the URL,
+checks the options, makes one boto3 client (thread-safe, in a session of its own) and runs every
+request through :meth:`S3Client.call`.
 
 Requests: only 5xx (but 501), 408/429, ``SlowDown`` and other throttling codes, 409
 ``ConditionalRequestConflict`` (S3 under concurrent conditional writes), timeouts, connection
@@ -102,8 +102,6 @@ class S3Client:
         retry_base_delay: float | None = None,
         retry_max_delay: float | None = None,
         timeout: float | None = 60.0,
-        multipart_threshold: int | None = None,
-        part_size: int | None = None,
     ) -> None:
         try:
             import boto3
@@ -117,7 +115,8 @@ class S3Client:
             raise ValueError(f"S3 hub: bucket must be a bucket name (no '/'), got {bucket!r}")
         self.bucket, self.prefix = parse_s3_url(f"s3://{bucket}/{prefix or ''}")
         self.url = f"s3://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
-        self._root = f"{self.prefix}/" if self.prefix else ""
+        #: the keys' common beginning (the prefix and a "/", or nothing)
+        self.root = f"{self.prefix}/" if self.prefix else ""
         if endpoint_url is not None and not re.match(r"https?://[^/\s]+", str(endpoint_url)):
             raise ValueError(f"S3 hub: endpoint_url {endpoint_url!r} must be an http:// or https:// URL")
         if addressing_style is not None and addressing_style not in ADDRESSING_STYLES:
@@ -129,12 +128,6 @@ class S3Client:
             raise ValueError("S3 hub: max_retries, retry_base_delay and retry_max_delay must be >= 0")
         if timeout is not None and not float(timeout) > 0:
             raise ValueError(f"S3 hub: timeout must be a positive number of seconds, got {timeout!r}")
-        self.multipart_threshold = 64 * MiB if multipart_threshold is None else int(multipart_threshold)
-        self.part_size = 32 * MiB if part_size is None else int(part_size)
-        if self.multipart_threshold < 0:
-            raise ValueError(f"S3 hub: multipart_threshold must be >= 0, got {multipart_threshold!r}")
-        if not MIN_PART <= self.part_size <= MAX_PUT:
-            raise ValueError(f"S3 hub: part_size must be between 5 MiB and 5 GiB (S3's limits), got {part_size!r}")
         config = Config(
             retries={"total_max_attempts": 1, "mode": "standard"},  # every retry is ours (see call)
             connect_timeout=None if timeout is None else float(timeout),
@@ -152,15 +145,11 @@ class S3Client:
             raise HubError(
                 f"the s3:// hub needs boto3 >= 1.36 (conditional writes); this is botocore {botocore.__version__}"
             )
-        self._part_checksums = getattr(self.client.meta.config, "request_checksum_calculation", None) != "when_required"
-        #: False when the store ignores If-None-Match on CompleteMultipartUpload (set by the probe):
-        #: files up to 5 GiB then go up in one conditional PutObject, larger ones are refused
-        self.conditional_multipart = True
-        #: False once the store refused DeleteObjects (then one DeleteObject per object)
-        self.batch_delete = True
+        #: whether boto3 computes a checksum of every part (else the store's uploads send their MD5)
+        self.part_checksums = getattr(self.client.meta.config, "request_checksum_calculation", None) != "when_required"
 
     def key(self, path: str) -> str:
-        return self._root + path
+        return self.root + path
 
     # ------------------------------------------------------------------ requests, retries, errors
 
@@ -237,7 +226,7 @@ class S3Client:
             hint = ("the machine's clock is off; fix the time" if code == "RequestTimeTooSkewed" else
                     "check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the role): they "
                     "must be valid and allow s3:GetObject, s3:PutObject, s3:DeleteObject and s3:ListBucket on "
-                    f"{self.bucket}/{self._root}*")
+                    f"{self.bucket}/{self.root}*")
             return HubAuthError(f"{where}: HTTP {status}, not authorized ({detail}); {hint}")
         if status == 404 or code in ("NoSuchKey", "NoSuchUpload", "NotFound"):
             return Missing(f"{where}: not found ({detail})")

@@ -30,21 +30,20 @@ until the bucket's ``AbortIncompleteMultipartUpload`` lifecycle rule removes it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import hashlib
 import logging
-import math
 import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, List
 
-from diloco_lightning.util import faults
 from diloco_lightning.util.fileio import UnreadDocument, atomic_path, is_dead_or_old, owner_tag
 from diloco_lightning.hub.base import HubAuthError, HubError, HubFileTooLargeError, HubNotFoundError, HubUnavailableError
+from diloco_lightning.hub.s3_multipart import MultipartUpload, multipart_etag
 from diloco_lightning.hub.s3_client import (  # noqa: F401 - re-exported: the store's names, importable from here
     ADDRESSING_STYLES,
     MAX_PUT,
@@ -82,12 +81,40 @@ class TooLarge(UnreadDocument):
                                f"{path} on {url} is {size} bytes, more than the {SMALL_LIMIT} a hub document is read up to")
 
 
-class S3Store(S3Client):
+class S3Store:
     """Objects under ``s3://bucket/prefix``, addressed by their path below the prefix. Thread-safe
-    (one boto3 client, which is). See the module docstring; the options are ``S3Hub``'s."""
+    (one boto3 client, which is). See the module docstring; the options are ``S3Hub``'s: the
+    multipart ones here, the others its :class:`~diloco_lightning.hub.s3_client.S3Client`'s (``s3``)."""
 
     #: keys per ListObjectsV2 page (S3's maximum; tests lower it to exercise pagination)
     list_page_size = 1000
+
+    def __init__(self, bucket: str, prefix: str = "", *, multipart_threshold: int | None = None,
+                 part_size: int | None = None, **client_options: Any) -> None:
+        self.multipart_threshold = 64 * MiB if multipart_threshold is None else int(multipart_threshold)
+        self.part_size = 32 * MiB if part_size is None else int(part_size)
+        #: the requests: the boto3 client, retries, errors
+        self.s3 = S3Client(bucket, prefix, **client_options)
+        if self.multipart_threshold < 0:
+            raise ValueError(f"S3 hub: multipart_threshold must be >= 0, got {multipart_threshold!r}")
+        if not MIN_PART <= self.part_size <= MAX_PUT:
+            raise ValueError(f"S3 hub: part_size must be between 5 MiB and 5 GiB (S3's limits), got {part_size!r}")
+        self.bucket, self.prefix, self.url, self.endpoint_url = self.s3.bucket, self.s3.prefix, self.s3.url, self.s3.endpoint_url
+        self.client, self.call, self.key = self.s3.client, self.s3.call, self.s3.key
+        #: False when the store ignores If-None-Match on CompleteMultipartUpload (set by the probe):
+        #: files up to 5 GiB then go up in one conditional PutObject, larger ones are refused
+        self.conditional_multipart = True
+        #: False once the store refused DeleteObjects (then one DeleteObject per object)
+        self.batch_delete = True
+        #: large files go up in parts (conditionally completed)
+        self.multipart = MultipartUpload(self.s3, self.part_size)
+
+    def backoff(self, attempt: int, retry_after: float | None = None) -> float:
+        """The pause before retry ``attempt`` (:meth:`S3Client.backoff`)."""
+        return self.s3.backoff(attempt, retry_after)
+
+    def close(self) -> None:
+        self.s3.close()
 
     # ------------------------------------------------------------------ the store's capabilities
 
@@ -130,34 +157,11 @@ class S3Store(S3Client):
                 raise self._unsupported("a second PutObject with 'If-None-Match: *' on an existing object succeeded")
             if not refused("If-Match", IfMatch='"' + "0" * 32 + '"'):
                 raise self._unsupported("a PutObject with 'If-Match: <another etag>' succeeded")
-            self.conditional_multipart = self._probe_multipart(key)
+            self.conditional_multipart = self.multipart.probe(key)
         finally:
             if created:
                 with contextlib.suppress(Exception):
                     self.client.delete_object(Bucket=self.bucket, Key=key)
-
-    def _probe_multipart(self, key: str) -> bool:
-        upload_id = self._mpu_start(key, "probe multipart")
-        try:
-            part = self._mpu_part(key, upload_id, 1, b"4", "probe multipart")
-            faults.point("s3.probing")  # crash tests: a killed probe leaves its object and this upload
-            self._mpu_complete(key, upload_id, [part], "probe multipart")
-        except Precondition:
-            return True
-        except (HubAuthError, HubNotFoundError, HubUnavailableError):
-            raise
-        except HubError as e:
-            reason = str(e)
-        else:
-            reason = "it completed over an existing object"
-        finally:
-            with contextlib.suppress(Exception):
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-        log.warning(
-            "%s (%s): CompleteMultipartUpload ignores 'If-None-Match: *' (%s); files up to 5 GiB go up in one "
-            "conditional PutObject, larger ones are refused", self.url, self.endpoint_url, reason,
-        )
-        return False
 
     # ------------------------------------------------------------------ small objects with compare-and-swap
 
@@ -198,6 +202,27 @@ class S3Store(S3Client):
 
     # ------------------------------------------------------------------ mirrors (replaced, never conditional)
 
+    def swap(self, path: str, new: bytes, *, parse: Callable[[bytes | None], Any], target: Any, expected: Any,
+             conflict: Callable[[Any], HubError], unreadable: str = "an unreadable document") -> None:
+        """Replace the small object ``path`` by ``new`` (a conditional PUT on the ETag read: :meth:`cas_put`) iff
+        what it holds (``parse(bytes or None)``) equals ``expected``, else raise ``conflict(what it holds)``
+        (``unreadable`` when what another writer put there meanwhile does not parse); nothing to do when it
+        holds ``target`` already (an earlier attempt of ours landed)."""
+        data, etag = self.read_small(path)
+        current = parse(data)
+        if current == target and (target is not None or not data):
+            return  # nothing to change (or an earlier attempt of ours landed)
+        if current != expected:
+            raise conflict(current)
+        try:
+            self.cas_put(path, new, etag)
+        except Precondition as e:
+            try:
+                found: Any = parse(e.current)
+            except ValueError:  # a ManifestError (a lease that does not parse)
+                found = unreadable
+            raise conflict(found) from None
+
     def put(self, path: str, src: str | os.PathLike | bytes, what: str) -> None:
         """Write ``path`` from bytes or a local file (at most 5 GiB), replacing what is there: only
         for the fixed-name mirrors, whose writer is the master holding the lease."""
@@ -237,7 +262,7 @@ class S3Store(S3Client):
                     f"{what}: {local} is {size} bytes, over the 5 GiB of one PutObject, and {self.endpoint_url} ignores "
                     "'If-None-Match' on multipart uploads, so it could overwrite an existing file; refused"
                 )
-            created = self._put_multipart(local, path, size, what)
+            created = self.multipart.put(local, path, size, what)
         else:
 
             def put() -> None:
@@ -251,59 +276,6 @@ class S3Store(S3Client):
                 created = False
         return created or self._same_file(path, local, size)
 
-    def _part_size_for(self, size: int) -> int:
-        return max(self.part_size, math.ceil(math.ceil(size / _MAX_PARTS) / MiB) * MiB)
-
-    def _mpu_start(self, key: str, what: str) -> str:
-        extra = {"ChecksumAlgorithm": "CRC32"} if self._part_checksums else {}
-        return self.call(what, self.client.create_multipart_upload, Bucket=self.bucket, Key=key, **extra)["UploadId"]
-
-    def _mpu_part(self, key: str, upload_id: str, number: int, body: bytes, what: str) -> dict:
-        extra = {"ChecksumAlgorithm": "CRC32"} if self._part_checksums else {}
-        r = self.call(what, self.client.upload_part, Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                      Body=body, **extra)
-        part = {"ETag": r["ETag"], "PartNumber": number}
-        if r.get("ChecksumCRC32"):
-            part["ChecksumCRC32"] = r["ChecksumCRC32"]
-        return part
-
-    def _mpu_complete(self, key: str, upload_id: str, parts: list[dict], what: str) -> None:
-        """Complete with ``If-None-Match: *``: the object appears only if nothing is there."""
-        self.call(what, self.client.complete_multipart_upload, Bucket=self.bucket, Key=key, UploadId=upload_id,
-                  MultipartUpload={"Parts": parts}, IfNoneMatch="*")
-
-    def _put_multipart(self, local: Path, path: str, size: int, what: str) -> bool:
-        key, part_size = self.key(path), self._part_size_for(size)
-        n_parts = math.ceil(size / part_size)
-        upload_id = self._mpu_start(key, f"{what}: start {path}")
-        done = False
-
-        def send(number: int) -> dict:
-            with open(local, "rb") as f:
-                f.seek((number - 1) * part_size)
-                chunk = f.read(part_size)
-            return self._mpu_part(key, upload_id, number, chunk, f"{what}: part {number}/{n_parts} of {path}")
-
-        try:
-            with concurrent.futures.ThreadPoolExecutor(min(_PART_CONCURRENCY, n_parts), "diloco-s3-part") as pool:
-                futures = [pool.submit(send, i) for i in range(1, n_parts + 1)]
-                try:
-                    parts = [f.result() for f in futures]
-                except BaseException:
-                    for f in futures:
-                        f.cancel()
-                    raise
-            try:
-                self._mpu_complete(key, upload_id, parts, f"{what}: complete {path}")
-                done = True
-                return True
-            except (Precondition, Missing):  # 404 NoSuchUpload: a completion whose answer was lost
-                return False
-        finally:
-            if not done:
-                with contextlib.suppress(Exception):
-                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-
     def _same_file(self, path: str, local: Path, size: int) -> bool:
         """Whether ``path`` holds exactly the bytes of ``local``: the size, then the ETag where it is
         an MD5 (single upload) or a multipart MD5 with our part size, else the bytes themselves."""
@@ -316,7 +288,7 @@ class S3Store(S3Client):
         etag = str(head.get("ETag") or "").strip().removeprefix("W/").strip('"').lower()
         if _MD5_ETAG_RE.fullmatch(etag) and etag == _file_md5(local):
             return True
-        if _MULTIPART_ETAG_RE.fullmatch(etag) and etag == _multipart_etag(local, self._part_size_for(size)):
+        if _MULTIPART_ETAG_RE.fullmatch(etag) and etag == multipart_etag(local, self.multipart.part_size_for(size)):
             return True
         try:  # an ETag that is not a plain or multipart MD5 of ours (SSE-KMS, another part size ...)
             return self.call(f"compare {path}", self._same_bytes, path, local)
@@ -348,8 +320,8 @@ class S3Store(S3Client):
             if is_dead_or_old(key.rsplit("/", 1)[-1], now - _age(obj.get("LastModified"), now), max_age, now):
                 with contextlib.suppress(HubError):
                     self.call(f"delete {key}", self.client.delete_object, Bucket=self.bucket, Key=key)
-                    removed.append(key[len(self._root):])
-        kw = {"Bucket": self.bucket, "Prefix": self._root}
+                    removed.append(key[len(self.s3.root):])
+        kw = {"Bucket": self.bucket, "Prefix": self.s3.root}
         while True:
             try:
                 page = self.call("list incomplete multipart uploads", self.client.list_multipart_uploads, **kw)
@@ -366,7 +338,7 @@ class S3Store(S3Client):
                     with contextlib.suppress(HubError):
                         self.call(f"abort the upload of {key}", self.client.abort_multipart_upload, Bucket=self.bucket,
                                   Key=key, UploadId=upload_id)
-                        removed.append(f"{key[len(self._root):]} (incomplete upload)")
+                        removed.append(f"{key[len(self.s3.root):]} (incomplete upload)")
             if not page.get("IsTruncated"):
                 break
             kw["KeyMarker"], kw["UploadIdMarker"] = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
@@ -387,8 +359,8 @@ class S3Store(S3Client):
             page = self.call(f"list {folder}/", self.client.list_objects_v2, **kw)
             for obj in page.get("Contents") or []:
                 key, size = obj.get("Key"), obj.get("Size")
-                if isinstance(key, str) and key.startswith(self._root):
-                    out.append((key[len(self._root):], size if isinstance(size, int) else None, obj.get("ETag")))
+                if isinstance(key, str) and key.startswith(self.s3.root):
+                    out.append((key[len(self.s3.root):], size if isinstance(size, int) else None, obj.get("ETag")))
             if not page.get("IsTruncated"):
                 return out
             if not page.get("NextContinuationToken"):
@@ -443,7 +415,7 @@ class S3Store(S3Client):
                     self.batch_delete = False
                 else:
                     errors = [e for e in r.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
-                    failed += [f"{str(e.get('Key', ''))[len(self._root):]} ({e.get('Code')})" for e in errors]
+                    failed += [f"{str(e.get('Key', ''))[len(self.s3.root):]} ({e.get('Code')})" for e in errors]
                     continue
             for path in batch:
                 try:
@@ -469,19 +441,3 @@ def _file_md5(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _multipart_etag(path: Path, part_size: int) -> str:
-    """The ETag S3 gives a multipart upload of ``path`` in ``part_size`` parts: MD5 of the parts' MD5s, ``-N``."""
-    digests = []
-    with open(path, "rb") as f:
-        while True:
-            part = hashlib.md5(usedforsecurity=False)
-            left = part_size
-            while left > 0 and (chunk := f.read(min(_CHUNK, left))):
-                part.update(chunk)
-                left -= len(chunk)
-            if left == part_size:
-                break
-            digests.append(part.digest())
-    return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(digests)}"

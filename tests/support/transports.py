@@ -25,7 +25,11 @@ from diloco_lightning.hub.local import FileHub
 
 REPO = "org/exactly"
 TOKEN = "hf_exactlyONCEtoken0123456789"
-KINDS = ("file", "hf", "hf_nodes", "s3")
+#: the test stores of each registered transport's scheme (``diloco_lightning.hub.TRANSPORTS``)
+KINDS_OF_SCHEME = {"file": ("file",), "hf": ("hf", "hf_nodes"), "s3": ("s3",)}
+KINDS = tuple(kind for kinds in KINDS_OF_SCHEME.values() for kind in kinds)
+#: the stores only CI's slow run covers (seconds a case)
+SLOW_KINDS = frozenset({"hf_nodes", "s3"})
 
 #: remote handles retry little and fast in tests (an outage must surface in well under a second)
 FAST_REMOTE = {"max_retries": 1, "retry_base_delay": 0.01, "retry_max_delay": 0.05, "timeout": 5}
@@ -77,7 +81,8 @@ class Transport:
 
     def __init__(self, kind: str, tmp: Path, *, server: Any = None, s3: str | None = None, proxy: Any = None) -> None:
         if kind not in KINDS:
-            raise ValueError(f"unknown transport {kind!r}")
+            raise ValueError(f"unknown transport {kind!r}: no test store for it (add one to KINDS_OF_SCHEME and Transport "
+                             "in tests/support/transports.py)")
         self.kind, self.tmp, self.server, self.s3, self.proxy = kind, Path(tmp), server, s3, proxy
         self.root = self.tmp / "hub"
         self._state = _State()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,14 @@ __all__ = ["run_two_workers"]
 FAST = dict(poll_interval=0.01, wait_timeout=10.0)
 
 
-def run_two_workers(master: Any, root: Path, init: Mapping[str, torch.Tensor], *, outer_steps: int,
-                    phases: int = 8, pause: float = 0.0, **options: Any) -> dict[str, DiLoCoWorker]:
+def run_two_workers(master: Any, root: Path | None, init: Mapping[str, torch.Tensor], *, outer_steps: int,
+                    phases: int = 8, pause: float = 0.0, hub_for: Callable[[str], Any] | None = None,
+                    **options: Any) -> dict[str, DiLoCoWorker]:
     """Run workers ``w0`` and ``w1`` (``DiLoCoWorker(FileHub(root), node, params, **FAST, **options)``,
     each on its own copy of ``init``, its noise seeded by its number) for ``phases`` boundaries each,
     ``pause`` seconds after each; then wait for the started ``master`` to reach ``outer_steps`` and
-    stop it. Returns the (closed) workers by node."""
+    stop it. Returns the (closed) workers by node. ``hub_for(node)``: a worker's hub (an open one or a
+    URL) instead of ``FileHub(root)``."""
     errors: list[BaseException] = []
     workers: dict[str, DiLoCoWorker] = {}
 
@@ -36,7 +38,8 @@ def run_two_workers(master: Any, root: Path, init: Mapping[str, torch.Tensor], *
             params = {k: (torch.nn.Parameter(v.clone()) if v.is_floating_point() else v.clone()) for k, v in init.items()}
             g = torch.Generator().manual_seed(int(node[1:]))
             weight = params["layer.weight"]
-            with DiLoCoWorker(FileHub(root), node, params, **{**FAST, **options}) as w:
+            hub = FileHub(root) if hub_for is None else hub_for(node)
+            with DiLoCoWorker(hub, node, params, **{**FAST, **options}) as w:
                 workers[node] = w
                 for _ in range(phases):
                     with torch.no_grad():
