@@ -175,7 +175,7 @@ def test_deltas_go_through_the_workers_encoding_and_error_feedback():
     worker's error-feedback residual, decoded as the master decodes it."""
     exact, _ = _encoded_run("float32")
     int8, sim8 = _encoded_run("int8")
-    assert sim8.encoding.name == "int8" and all(f.enabled for f in sim8._feedback)
+    assert sim8.encoding.name == "int8" and all(f.enabled for f in sim8.transfers.feedback)
     # one int8 code per value and one FP32 scale per (here: the only) block, against 4 bytes a value
     assert int8.bytes_sent == int8.deltas * (N + 4) and exact.bytes_sent == exact.deltas * 4 * N
     torch.testing.assert_close(int8.final_state["w"], exact.final_state["w"], atol=2e-2, rtol=0)
@@ -202,7 +202,7 @@ def test_deltas_go_through_the_workers_encoding_and_error_feedback():
         sim = Simulator(workers, master, sync="lockstep", delay=0, delta_dtype="topk", error_feedback=feedback)
         sim.run()
         for k, w in enumerate(workers):
-            residual = sim._feedback[k].residual
+            residual = sim.transfers.feedback[k].residual
             if feedback:
                 torch.testing.assert_close(got[w.node_id] + residual["w"], true[w.node_id], atol=1e-6, rtol=0)
             else:
@@ -264,7 +264,7 @@ def test_per_worker_draw_is_the_products():
     workers = _quad_workers(4, 1)
     master = SimMaster({"w": torch.zeros(N)}, MasterConfig(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0))
     sim = Simulator(workers, master, delay=spec)
-    assert sim._worker_delay == [resolve_delay(spec, f"w{i}", i) for i in range(4)]
+    assert sim.delays.per_worker == [resolve_delay(spec, f"w{i}", i) for i in range(4)]
 
 
 # ----------------------------------------------------------------------------- the product's command
@@ -362,7 +362,7 @@ def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, r
     os.environ["DILOCO_CACHE_DIR"] = str(cache)
     try:
         sim = build_simulator(cfg)
-        sim._prune = lambda: None  # keep every version to compare
+        sim.master.prune = lambda keep_from: None  # keep every version to compare
         result = sim.run()
     finally:
         torch.set_num_threads(threads)

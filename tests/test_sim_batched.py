@@ -65,7 +65,7 @@ def _simulate(hydra_configs, tmp_path, batched, *overrides):
     torch.set_num_threads(1)
     try:
         sim = build_simulator(cfg)
-        sim._prune = lambda: None  # keep every version to compare
+        sim.master.prune = lambda keep_from: None  # keep every version to compare
         result = sim.run()
     finally:
         torch.set_num_threads(threads)

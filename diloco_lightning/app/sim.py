@@ -265,10 +265,10 @@ def _histogram(values) -> dict[str, int]:
 
 def _worker_summary(cfg: DictConfig, sim, w) -> dict[str, Any]:
     return {
-        "node_id": w.node_id, "delay": sim._worker_delay[w.index] if not sim._per_delta else "per delta",
+        "node_id": w.node_id, "delay": "per delta" if sim.delays.per_delta else sim.delays.fixed(w.index),
         "speed": w.speed, "wall_seconds": w.compute_seconds, "steps": w.steps, "tokens": w.inner.tokens,
         "final_train_loss": w.last_loss, "deltas_sent": w.boundaries,
-        "bytes_sent": int(sim.bytes_sent * w.boundaries / max(1, sim.deltas)),
+        "bytes_sent": int(sim.transfers.bytes_sent * w.boundaries / max(1, sim.transfers.deltas)),
     }
 
 
@@ -286,7 +286,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
     pending = sim.master.pending_record()
     if pending is not None:
         rejected += int(pending.get("rejected", 0))
-    delays = [sim._worker_delay[i] if not sim._per_delta else None for i in range(cfg.workers)]
+    delays = [sim.delays.fixed(i) for i in range(cfg.workers)]
     return {
         "run_id": cfg.run_id, "recipe": label, "outer": cfg.outer.name, "outer_lr": cfg.outer.lr,
         "tau": tau_label(cfg), "regime": regime(cfg), "delays": delays,
