@@ -1,6 +1,6 @@
 """MasterOuterLoop with real files: on a folder hub and on the loopback Hugging Face server.
 
-Exactness checks use the outer step of SPEC.md: with Nesterov ``lr=1, momentum=0`` a round
+Exactness checks use the outer step of docs/spec.md: with Nesterov ``lr=1, momentum=0`` a round
 subtracts the (weighted) mean of its deltas, and in arrival mode every delta is subtracted
 once, so integer-valued deltas give bit-exact expectations. Crash (kill -9) tests are in
 tests/test_master_crash.py.

@@ -54,11 +54,6 @@ def build(cfg):
     return hub, master
 
 
-def _hub_label(hub) -> str:
-    root = hub.local_root
-    return str(root) if root is not None else hub.url
-
-
 def serve_command(master, **kw) -> int:
     """A master in the foreground of a command (``diloco-master``, ``train.py role=master``): one
     line saying what it runs, progress lines on stdout, SIGINT/SIGTERM stop it after a final
