@@ -34,6 +34,7 @@ import torch
 from diloco_lightning.master import MasterOuterLoop
 from diloco_lightning.util import faults
 from diloco_lightning.worker import DiLoCoWorker
+from support.workers import run_crash_script
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -122,13 +123,8 @@ def test_a_definite_failure_is_still_merged_into_the_next_delta(transport, tmp_p
 # ============================================================================ 2. a restart without a checkpoint
 
 
-def _run_worker(cfg: dict, faults: str | None, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_DISABLE_TELEMETRY="1")
-    env.pop("DILOCO_FAULTS", None)
-    if faults:
-        env["DILOCO_FAULTS"] = faults
-    return subprocess.run([sys.executable, str(TESTS / "support" / "worker_crash_script.py"), json.dumps(cfg)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+def _run_worker(cfg: dict, faults: str | None) -> subprocess.CompletedProcess:
+    return run_crash_script(cfg, faults, timeout=240)
 
 
 SLOW = pytest.mark.slow

@@ -31,6 +31,7 @@ from diloco_lightning.sim import InnerLoop, SimMaster, SimOptions, SimWorker, Si
 from diloco_lightning.worker.sync import draw_delay
 from speed import default_first
 from support.env import repo_env
+from support.sim import simulate_keeping_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["data.max_bytes=1000000", "data.seq_len=64", "data.vocab_size=1024", "trainer.log_every_n_steps=4"]
@@ -345,7 +346,6 @@ def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, r
     outer steps (a boundary every H / F steps)."""
     from omegaconf import OmegaConf
 
-    from diloco_lightning.app.sim import build_simulator
     from diloco_lightning.hub.versions import load_global
     from diloco_lightning.hub import open_hub
     from diloco_lightning.worker.sync import load_version
@@ -356,16 +356,11 @@ def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, r
     rdir = tmp_path / "runs" / run_id
     cfg = OmegaConf.load(rdir / "config.yaml")
     cfg.launch.kind = "sim"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each real worker ran
     old = os.environ.get("DILOCO_CACHE_DIR")
     os.environ["DILOCO_CACHE_DIR"] = str(cache)
     try:
-        sim = build_simulator(cfg)
-        sim.master.prune = lambda keep_from: None  # keep every version to compare
-        result = sim.run()
+        sim, result = simulate_keeping_versions(cfg)  # one thread per op, as each real worker ran
     finally:
-        torch.set_num_threads(threads)
         if old is None:
             os.environ.pop("DILOCO_CACHE_DIR")
         else:

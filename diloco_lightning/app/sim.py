@@ -40,7 +40,7 @@ from diloco_lightning.app.build import (
 )
 from diloco_lightning.app.config import sim_options
 from diloco_lightning.app.console import log_to_file
-from diloco_lightning.app.local import _mean_curve, finished_message, finished_results, print_round
+from diloco_lightning.app.local import mean_curve, finished_message, finished_results, print_round
 
 __all__ = ["build_simulator", "run_sim"]
 
@@ -295,7 +295,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
         "final_train_loss": final_train, "eval_loss": eval_loss, "chance_loss": chance, "eval_windows": val_windows(cfg),
         "diverged": not math.isfinite(eval_loss) or eval_loss > chance, "wall_seconds": wall, "tokens": tokens,
         "tokens_per_second": tokens / wall if wall > 0 else 0.0, "bytes_sent": result.bytes_sent,
-        "deltas_accepted": accepted, "deltas_rejected": rejected, "train_curve": _mean_curve(curves),
+        "deltas_accepted": accepted, "deltas_rejected": rejected, "train_curve": mean_curve(curves),
         "eval_curve": result.eval_curve, "workers_summary": [_worker_summary(cfg, sim, w) for w in sim.workers],
         "launch": "sim",
         "sim": {
