@@ -38,6 +38,7 @@ from diloco_lightning.worker import DiLoCoWorker  # noqa: E402
 from diloco_lightning.worker.sync import WaitTimeoutError  # noqa: E402
 
 from support.hf_server import FakeHubServer  # noqa: E402
+from support.spies import count_downloads  # noqa: E402
 from support.workers import run_crash_script  # noqa: E402
 
 REPO = "org/hardening"
@@ -167,18 +168,6 @@ def make_master(hub, tmp: Path, name: str = "m", **kw) -> MasterOuterLoop:
     opts.update(kw)
     state = opts.pop("state", s0())
     return MasterOuterLoop(hub, state, node_state_dir=tmp / name, **opts)
-
-
-def count_downloads(hub) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    orig = hub.download
-
-    def download(path, **kw):
-        counts[path] = counts.get(path, 0) + 1
-        return orig(path, **kw)
-
-    hub.download = download
-    return counts
 
 
 # ============================================================================ 1. no header value stops the master
