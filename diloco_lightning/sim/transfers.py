@@ -291,7 +291,7 @@ class Transfers:
     def _published(self, v: int, t: float) -> None:
         """Version ``v`` is on the hub at ``t``: the workers waiting for it download it, gated uploads go."""
         self.visible = max(self.visible, v)
-        for k in sorted(self._gated_on(v)):
+        for k in sorted({k for k, box in enumerate(self._outbox) if box and box[0].gate == v}):  # gated on v
             self.clock.push(t, _PUMP, k, None)  # after the events already due now, as a poll would see it
         for k in self._waiting.pop(v, []):
             self.need(k, v, t)
@@ -299,9 +299,6 @@ class Transfers:
             self.phases.new_version(v, t)
         if self.options.deadline is not None and not self.arrival:
             self.clock.push(t + self.options.deadline, _DEADLINE, -1, v)
-
-    def _gated_on(self, v: int) -> set[int]:
-        return {k for k, box in enumerate(self._outbox) if box and box[0].gate == v}
 
     def _prune(self) -> None:
         """Drop the versions no worker can start from any more (nor an evaluation read)."""
