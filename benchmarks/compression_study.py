@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from study import COMMON, _prepare_data, run_job  # noqa: E402 - benchmarks/study.py, beside this file
+from study import COMMON, _prepare_data, final_loss, read_results, run_job  # noqa: E402 - benchmarks/study.py, beside this file
 from tuning import bracket  # noqa: E402
 
 MAX_EXTEND = 3  # at most 3 points past the first grid's edges (8x beyond)
@@ -194,16 +194,10 @@ class CompressionStudy:
                        lambda lr: lr / 2, lambda lr: lr * 2, MAX_EXTEND)
 
     def results(self, j: dict) -> dict | None:
-        try:
-            return json.loads((self.root / "runs" / j["id"] / "results.json").read_text())
-        except (OSError, ValueError):
-            return None
+        return read_results(self.root, j)
 
     def loss(self, j: dict) -> float:
-        r = self.results(j)
-        if r is None:
-            return math.nan
-        return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else r["eval_loss"]
+        return final_loss(self.results(j))
 
     def best_lr(self, row: str, setting: str) -> float | None:
         """The grid's best outer lr on seed 0 (ties to the smaller); for a row run ``--lr-from`` another

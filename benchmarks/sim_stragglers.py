@@ -80,7 +80,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # one way to compose a config and run a job with the product's launch=sim code, for every study
-from study import _compose, _prepare_data, run_job  # noqa: E402 - benchmarks/study.py, beside this file
+from study import _compose, _prepare_data, failed_jobs, final_loss, read_results, run_job  # noqa: E402 - benchmarks/study.py, beside this file
 
 H, K = 8, 4
 MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128",
@@ -255,22 +255,13 @@ class Study:
             self._steps = json.loads(p.read_text())
 
     def results(self, j: dict) -> dict | None:
-        try:
-            return json.loads((self.root / "runs" / j["id"] / "results.json").read_text())
-        except (OSError, ValueError):
-            return None
+        return read_results(self.root, j)
 
     def loss(self, j: dict) -> float:
-        r = self.results(j)
-        if r is None:
-            return math.nan
-        return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else float(r["eval_loss"])
+        return final_loss(self.results(j))
 
     def failed(self) -> set[str]:
-        p = self.root / "failures.jsonl"
-        if not p.is_file() or self.args.retry_failed:
-            return set()
-        return {json.loads(x)["id"] for x in p.read_text().splitlines() if x.strip()}
+        return failed_jobs(self.root, retry=self.args.retry_failed)
 
     # ------------------------------------------------------------------ tuning: a grid per (scenario, arm, family)
 

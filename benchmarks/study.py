@@ -216,6 +216,14 @@ def final_loss(r: dict | None) -> float:
     return math.inf if r.get("diverged") or not math.isfinite(r["eval_loss"]) else float(r["eval_loss"])
 
 
+def failed_jobs(root: Path, *, retry: bool) -> set[str]:
+    """The ids of the jobs ``root/failures.jsonl`` records as failed (none when they are to be ``retry``-ed)."""
+    p = root / "failures.jsonl"
+    if not p.is_file() or retry:
+        return set()
+    return {json.loads(x)["id"] for x in p.read_text().splitlines() if x.strip()}
+
+
 @dataclass
 class Cell:
     setting: str
@@ -252,10 +260,7 @@ class Study:
         return final_loss(self.results(j))
 
     def failed(self) -> set[str]:
-        p = self.root / "failures.jsonl"
-        if not p.is_file() or self.args.retry_failed:
-            return set()
-        return {json.loads(x)["id"] for x in p.read_text().splitlines() if x.strip()}
+        return failed_jobs(self.root, retry=self.args.retry_failed)
 
     # ------------------------------------------------------------------ tuning
     def grid(self, setting: str, method: str) -> list[int]:

@@ -9,11 +9,7 @@ master process never pays for ``import lightning``.
 
 from __future__ import annotations
 
-from diloco_lightning.util import aliases as _aliases
-
 __version__ = "0.1.0"
-
-_aliases.install()  # old import paths (``diloco_lightning.deltafile``, ``.accelerate`` ...) keep working
 
 __all__ = ["DiLoCo", "__version__"]
 

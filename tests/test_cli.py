@@ -117,6 +117,39 @@ def test_master_checks_what_train_checks(tmp_path, args, key):
     assert lines[0].startswith(f"diloco-master: error: {key}"), lines
 
 
+_WITHOUT_TORCH = """
+import sys
+sys.argv = [sys.argv[0], *sys.argv[1:]]
+from diloco_lightning.app import master
+from diloco_lightning.app.cli import train_main
+try:
+    master.main() if sys.argv.pop(1) == "master" else train_main()
+except SystemExit as e:
+    print("status", e.code)
+print("torch imported", "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("command, args, key", [
+    ("train", ["trainer.precision=99"], "trainer.precision"),
+    ("train", ["data.seq_len=0"], "data.seq_len"),
+    ("train", ["master.quorum=-1"], "master.quorum"),
+    ("train", ["supervise.restarts=-1"], "supervise.restarts"),
+    ("train", ["launch=sim", "sim.quorum=-3"], "sim.quorum"),
+    ("master", ["max_rounds=-1"], "max_rounds"),
+])
+def test_a_bad_value_is_refused_before_torch_is_imported(tmp_path, command, args, key):
+    """Start-up: every check but the outer optimizer's (which builds one on a probe) runs before
+    anything imports torch, so a bad value is refused in well under a second."""
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, command, *args, f"hub.url={hub}",
+                           *([f"run_root={tmp_path / 'runs'}"] if command == "train" else [])],
+                          cwd=tmp_path, env=repo_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert "status 2" in proc.stdout and key in proc.stderr, (proc.stdout, proc.stderr[-2000:])
+    assert "torch imported False" in proc.stdout, proc.stdout
+
+
 @pytest.mark.slow  # starts processes for a whole run: CI's slow run (tests/speed.py)
 def test_verbose_and_hydra_full_error_show_the_traceback(tmp_path):
     for proc in (_train(tmp_path, "diloco.inner_steps=0", "-v"), _train(tmp_path, "diloco.inner_steps=0", HYDRA_FULL_ERROR="1")):

@@ -2,11 +2,15 @@
 reference in ``README.md``, ``docs/*.md`` and the package's docstrings must resolve.
 
 * A dotted name is imported (the longest importable module prefix) and the rest looked up as
-  attributes, so a re-export or an old import path (``util/aliases.py``) counts.
+  attributes, so a re-export counts (the old flat paths, ``diloco_lightning.deltafile``, are gone).
 * A file path (``worker/core.py``, ``diloco_lightning/hub/s3.py``, ``benchmarks/study.py``: relative to
   the package or to the repository) must exist; ``path.py: Name`` or ``path.py: Class.attr`` must be
   defined in it (a function, a class, a module-level name, an import, a method, or an attribute the
-  class's methods set on ``self``)."""
+  class's methods set on ``self``).
+* A bare file name in backticks (```read.py```, ```nodeclaim.py's```) must be a file of this repository,
+  and a ``.md`` page named (``SPEC.md``, ``docs/spec.md``) must exist in it.
+* ```module.name``` (``compression.encode_delta``: the first layout's flat module names) must be a
+  configuration key (``diloco.claim_ttl``) or a package module's (or folder's) name."""
 
 from __future__ import annotations
 
@@ -149,9 +153,96 @@ def test_docs_and_docstrings_name_only_what_exists():
     ("see `master/nothing_here.py`", False),
     ("see `diloco_lightning.master.MasterOuterLoop`", True),
     ("see :class:`~diloco_lightning.master.validation.NoSuchThing`", False),
-    ("`diloco_lightning.deltafile` still imports", True),  # an old path (util/aliases.py)
+    ("`diloco_lightning.deltafile` still imports", False),  # the first layout's flat paths are gone
 ])
 def test_the_checker_sees_what_it_should(text, ok):
     found = [m.group(1) for m in DOTTED.finditer(text) if not _resolve_dotted(m.group(1))]
     found += [p for m in PATH_REF.finditer(text) if (p := _resolve_path_ref(m.group(1), m.group(2)))]
+    assert (not found) == ok, found
+
+
+# ----------------------------------------------------------------------------- bare file names, pages, module.name
+
+BARE_PY = re.compile(r"`([A-Za-z_]\w*\.py)(?:'s)?\b")
+MD_REF = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.md)\b")
+MODULE_NAME = re.compile(r"`~?([a-z_]\w*)\.([A-Za-z_]\w*)(?:\(\))?`")
+#: files named that are not this repository's, and why
+FOREIGN_FILES = {
+    "main.py": "a user's training script (docs/plugin.md)",
+    "outer.py": "Speedtronic's module (master/compat.py)",
+    "diloco.py": "Speedtronic's module (master/compat.py)",
+    "tensors.py": "Speedtronic's module (master/compat.py)",
+    "summary.md": "the table diloco_lightning.app.summarize writes into a results folder",
+}
+
+
+def _repo_files(suffix: str) -> set[str]:
+    return {p.name for p in ROOT.rglob(f"*{suffix}") if not ({".git", "runs", "outputs"} & set(p.relative_to(ROOT).parts))}
+
+
+@functools.lru_cache(maxsize=None)
+def _config_keys() -> frozenset[str]:
+    from diloco_lightning.app.config import MasterCommandConf, TrainConf, describe
+
+    return frozenset(k for schema in (TrainConf, MasterCommandConf) for k, _, _ in describe(schema))
+
+
+@functools.lru_cache(maxsize=None)
+def _package_names() -> tuple[frozenset[str], frozenset[str]]:
+    """(module stems and folder names of the package, names every module defines at its top level)."""
+    places = {p.stem for p in PACKAGE.rglob("*.py")} | {p.name for p in PACKAGE.rglob("*") if p.is_dir()}
+    defined = set()
+    for p in PACKAGE.rglob("*.py"):
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+    return frozenset(places), frozenset(defined)
+
+
+def _more_problems(text: str) -> list[str]:
+    """What a text names that is missing: a bare ``x.py`` no file of the repository is, a ``.md`` page
+    that is not here, or ``module.name`` (a name the package defines) under a module that does not exist."""
+    bad = []
+    py_files, md_files = _repo_files(".py"), _repo_files(".md")
+    for m in BARE_PY.finditer(text):
+        if m.group(1) not in py_files and m.group(1) not in FOREIGN_FILES:
+            bad.append(f"no file {m.group(1)}")
+    for m in MD_REF.finditer(text):
+        path = m.group(1)
+        if "/" in path:
+            if not (ROOT / path.split("/")[0]).is_dir():
+                continue  # another repository's (shared/SPEC.md: where the contract came from)
+            if not (ROOT / path).is_file():
+                bad.append(f"no page {path}")
+        elif path not in md_files and path not in FOREIGN_FILES:
+            bad.append(f"no page {path}")
+    places, defined = _package_names()
+    keys = _config_keys()
+    for m in MODULE_NAME.finditer(text):
+        mod, name = m.groups()
+        if mod in places or mod in ("cfg", "diloco_lightning") or name not in defined:
+            continue
+        if f"{mod}.{name}" in keys or any(k.startswith(f"{mod}.{name}.") for k in keys):
+            continue  # a configuration key
+        bad.append(f"no module {mod} (for {mod}.{name})")
+    return bad
+
+
+def test_docs_name_only_files_pages_and_modules_that_exist():
+    bad = sorted({f"{where}: {p}" for where, text in _sources() for p in _more_problems(text)})
+    assert not bad, "references to files, pages or modules that do not exist:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("`deltafile.read_delta` (`deltaread.py`) checks", False),  # the first layout's names
+    ("(`nodeclaim.py: NodeReport`)", False),
+    ("`compression.encode_delta` + `deltafile.write_delta`", False),
+    ("the contract (SPEC.md, \"Hub layout\")", False),
+    ("the contract (docs/spec.md, \"Hub layout\"; given as shared/SPEC.md)", True),
+    ("`read.py` and `wire/claims.py: NodeReport`; `diloco.claim_ttl`, `sim.rebase`", True),
+    ("`encoding/feedback.py: encode_delta`, `feedback.encode_delta`", True),
+])
+def test_the_second_checker_sees_what_it_should(text, ok):
+    found = _more_problems(text)
+    found += [p for m in PATH_REF.finditer(text) if "/" in m.group(1) and (p := _resolve_path_ref(m.group(1), m.group(2)))]
     assert (not found) == ok, found

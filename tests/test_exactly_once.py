@@ -34,6 +34,7 @@ import torch
 from diloco_lightning.master import MasterOuterLoop
 from diloco_lightning.util import faults
 from diloco_lightning.worker import DiLoCoWorker
+from support.workers import run_crash_script
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -70,16 +71,22 @@ def applied(m: MasterOuterLoop) -> float:
 # ============================================================================ 1. a doubt resolved by the ledger
 
 
-def test_a_doubt_applied_during_an_outage_is_never_sent_again(transport, tmp_path):
-    """The 48-of-40 double application: delta_1 lands, its answer is lost, the store goes down (the
-    uploader's retries and its "did it land?" listing fail: a doubt); back up, the master applies and
-    deletes delta_1 before the worker asks again; the worker must find it in the ledger."""
+def _after_one_phase(transport, tmp_path):
+    """A counter master with version 0 published, and worker ``w0`` started with one phase trained."""
     m = counter_master(transport.open("m"), tmp_path)
     assert m.sync_once()
     params = {"p": torch.nn.Parameter(torch.full((8,), 10.0))}
     w = DiLoCoWorker(transport.open("w"), "w0", params, poll_interval=0.01, wait_timeout=30, claim=False)
     w.start()
     phase(params)
+    return m, params, w
+
+
+def test_a_doubt_applied_during_an_outage_is_never_sent_again(transport, tmp_path):
+    """The 48-of-40 double application: delta_1 lands, its answer is lost, the store goes down (the
+    uploader's retries and its "did it land?" listing fail: a doubt); back up, the master applies and
+    deletes delta_1 before the worker asks again; the worker must find it in the ledger."""
+    m, params, w = _after_one_phase(transport, tmp_path)
     transport.lose_next_delta_answer()
     w.boundary()
     assert w._uploader.wait_idle(30)
@@ -100,12 +107,7 @@ def test_a_doubt_applied_during_an_outage_is_never_sent_again(transport, tmp_pat
 
 def test_a_definite_failure_is_still_merged_into_the_next_delta(transport, tmp_path):
     """The other side of the rule: a delta that did not land (not listed, not in the ledger) is merged."""
-    m = counter_master(transport.open("m"), tmp_path)
-    assert m.sync_once()
-    params = {"p": torch.nn.Parameter(torch.full((8,), 10.0))}
-    w = DiLoCoWorker(transport.open("w"), "w0", params, poll_interval=0.01, wait_timeout=30, claim=False)
-    w.start()
-    phase(params)
+    m, params, w = _after_one_phase(transport, tmp_path)
     transport.down()
     w.boundary()
     assert w._uploader.wait_idle(30)
@@ -122,13 +124,8 @@ def test_a_definite_failure_is_still_merged_into_the_next_delta(transport, tmp_p
 # ============================================================================ 2. a restart without a checkpoint
 
 
-def _run_worker(cfg: dict, faults: str | None, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_DISABLE_TELEMETRY="1")
-    env.pop("DILOCO_FAULTS", None)
-    if faults:
-        env["DILOCO_FAULTS"] = faults
-    return subprocess.run([sys.executable, str(TESTS / "support" / "worker_crash_script.py"), json.dumps(cfg)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+def _run_worker(cfg: dict, faults: str | None) -> subprocess.CompletedProcess:
+    return run_crash_script(cfg, faults, timeout=240)
 
 
 SLOW = pytest.mark.slow

@@ -656,7 +656,7 @@ def test_worker_kill9_with_per_fragment_error_feedback(frag_hubs, tmp_path, poin
 
 
 def _kill9_fragment_run(frag_hubs, tmp_path, point, encoding=None):
-    from test_hardening import _run_worker
+    from support.workers import run_crash_script
 
     from diloco_lightning.master import MasterOuterLoop
 
@@ -670,9 +670,9 @@ def _kill9_fragment_run(frag_hubs, tmp_path, point, encoding=None):
     options = dict(frag_hubs.options, commits_per_hour=0) if frag_hubs.kind == "hf" else frag_hubs.options
     cfg = dict(hub=frag_hubs.url, hub_options=options, ckpt_dir=str(tmp_path / "ckpt"), max_steps=20,
                inner_steps=4, fragments=2, encoding=encoding or {})
-    first = _run_worker(cfg, f"{point}:3")
+    first = run_crash_script(cfg, f"{point}:3", timeout=180)
     assert first.returncode == -9, first.stderr[-3000:]
-    second = _run_worker(cfg, None)
+    second = run_crash_script(cfg, None, timeout=180)
     assert second.returncode == 0 and "done 20" in second.stdout, second.stderr[-3000:]
     for _ in range(50):
         m.sync_once(force=True)

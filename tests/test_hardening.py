@@ -38,6 +38,8 @@ from diloco_lightning.worker import DiLoCoWorker  # noqa: E402
 from diloco_lightning.worker.sync import WaitTimeoutError  # noqa: E402
 
 from support.hf_server import FakeHubServer  # noqa: E402
+from support.spies import count_downloads  # noqa: E402
+from support.workers import run_crash_script  # noqa: E402
 
 REPO = "org/hardening"
 TOKEN = "hf_hardeningTESTtoken0123456789"
@@ -166,18 +168,6 @@ def make_master(hub, tmp: Path, name: str = "m", **kw) -> MasterOuterLoop:
     opts.update(kw)
     state = opts.pop("state", s0())
     return MasterOuterLoop(hub, state, node_state_dir=tmp / name, **opts)
-
-
-def count_downloads(hub) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    orig = hub.download
-
-    def download(path, **kw):
-        counts[path] = counts.get(path, 0) + 1
-        return orig(path, **kw)
-
-    hub.download = download
-    return counts
 
 
 # ============================================================================ 1. no header value stops the master
@@ -456,13 +446,8 @@ def test_a_download_stops_at_the_honest_size(tmp_path):
 # ============================================================================ 6. exactly once across a worker's crashes
 
 
-def _run_worker(cfg: dict, faults: str | None, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_DISABLE_TELEMETRY="1")
-    env.pop("DILOCO_FAULTS", None)
-    if faults:
-        env["DILOCO_FAULTS"] = faults
-    return subprocess.run([sys.executable, str(TESTS / "support" / "worker_crash_script.py"), json.dumps(cfg)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+def _run_worker(cfg: dict, faults: str | None) -> subprocess.CompletedProcess:
+    return run_crash_script(cfg, faults, timeout=180)
 
 
 # the point after the upload (the replay that must not be applied twice) by default; all three in the slow run

@@ -232,7 +232,7 @@ if kill_at is not None:
         seen.append(at)
         if len(seen) - 1 == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-    from diloco_lightning import faults
+    from diloco_lightning.util import faults
     faults.install(hub, fault)
 manifest = Manifest.from_json(open(args["manifest"]).read())
 try:

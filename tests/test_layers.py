@@ -141,18 +141,3 @@ def test_each_layer_imports_only_the_layers_below():
             elif dst != src and RANK[dst] >= RANK[src]:
                 bad.append((m, d))
     assert not bad, "imports of a layer at or above the importer's own:\n" + "\n".join(f"  {m} -> {d}" for m, d in sorted(bad))
-
-
-def test_the_old_module_names_are_the_moved_modules():
-    import importlib
-
-    from diloco_lightning.util.aliases import MOVED
-
-    for old, new in MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    from diloco_lightning.accelerate import DiLoCo as old_accelerate
-    from diloco_lightning.adapters.accelerate import DiLoCo as new_accelerate
-    from diloco_lightning.deltafile import read_delta, write_delta
-    from diloco_lightning.wire.delta import read_delta as new_read, write_delta as new_write
-
-    assert old_accelerate is new_accelerate and read_delta is new_read and write_delta is new_write

@@ -1,6 +1,6 @@
 """MasterOuterLoop with real files: on a folder hub and on the loopback Hugging Face server.
 
-Exactness checks use the outer step of SPEC.md: with Nesterov ``lr=1, momentum=0`` a round
+Exactness checks use the outer step of docs/spec.md: with Nesterov ``lr=1, momentum=0`` a round
 subtracts the (weighted) mean of its deltas, and in arrival mode every delta is subtracted
 once, so integer-valued deltas give bit-exact expectations. Crash (kill -9) tests are in
 tests/test_master_crash.py.
@@ -34,6 +34,7 @@ from diloco_lightning.wire.signing import RunKey  # noqa: E402
 from diloco_lightning.wire.statefile import load_state_file, load_weights_file, save_state_file, save_weights_file  # noqa: E402
 
 from support.hf_server import FakeHubServer  # noqa: E402
+from support.spies import count_downloads  # noqa: E402
 
 REPO = "org/master-run"
 TOKEN = "hf_masterTESTtoken0123456789"
@@ -139,18 +140,6 @@ def make_master(hub, tmp: Path, name: str = "m", state=s0, **kw) -> MasterOuterL
     opts.update(kw)
     st = state() if callable(state) else state
     return MasterOuterLoop(hub, st, node_state_dir=tmp / name, **opts)
-
-
-def count_downloads(hub) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    orig = hub.download
-
-    def download(path, **kw):
-        counts[path] = counts.get(path, 0) + 1
-        return orig(path, **kw)
-
-    hub.download = download
-    return counts
 
 
 def drain(master: MasterOuterLoop, n: int = 20) -> None:

@@ -31,6 +31,7 @@ from diloco_lightning.sim import InnerLoop, SimMaster, SimOptions, SimWorker, Si
 from diloco_lightning.worker.sync import draw_delay
 from speed import default_first
 from support.env import repo_env
+from support.sim import simulate_keeping_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["data.max_bytes=1000000", "data.seq_len=64", "data.vocab_size=1024", "trainer.log_every_n_steps=4"]
@@ -175,7 +176,7 @@ def test_deltas_go_through_the_workers_encoding_and_error_feedback():
     worker's error-feedback residual, decoded as the master decodes it."""
     exact, _ = _encoded_run("float32")
     int8, sim8 = _encoded_run("int8")
-    assert sim8.encoding.name == "int8" and all(f.enabled for f in sim8._feedback)
+    assert sim8.encoding.name == "int8" and all(f.enabled for f in sim8.transfers.feedback)
     # one int8 code per value and one FP32 scale per (here: the only) block, against 4 bytes a value
     assert int8.bytes_sent == int8.deltas * (N + 4) and exact.bytes_sent == exact.deltas * 4 * N
     torch.testing.assert_close(int8.final_state["w"], exact.final_state["w"], atol=2e-2, rtol=0)
@@ -202,7 +203,7 @@ def test_deltas_go_through_the_workers_encoding_and_error_feedback():
         sim = Simulator(workers, master, sync="lockstep", delay=0, delta_dtype="topk", error_feedback=feedback)
         sim.run()
         for k, w in enumerate(workers):
-            residual = sim._feedback[k].residual
+            residual = sim.transfers.feedback[k].residual
             if feedback:
                 torch.testing.assert_close(got[w.node_id] + residual["w"], true[w.node_id], atol=1e-6, rtol=0)
             else:
@@ -264,7 +265,7 @@ def test_per_worker_draw_is_the_products():
     workers = _quad_workers(4, 1)
     master = SimMaster({"w": torch.zeros(N)}, MasterConfig(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0))
     sim = Simulator(workers, master, delay=spec)
-    assert sim._worker_delay == [resolve_delay(spec, f"w{i}", i) for i in range(4)]
+    assert sim.delays.per_worker == [resolve_delay(spec, f"w{i}", i) for i in range(4)]
 
 
 # ----------------------------------------------------------------------------- the product's command
@@ -345,7 +346,6 @@ def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, r
     outer steps (a boundary every H / F steps)."""
     from omegaconf import OmegaConf
 
-    from diloco_lightning.app.sim import build_simulator
     from diloco_lightning.hub.versions import load_global
     from diloco_lightning.hub import open_hub
     from diloco_lightning.worker.sync import load_version
@@ -356,16 +356,11 @@ def _versions_match(tmp_path: Path, cache: Path, run_id: str, *overrides: str, r
     rdir = tmp_path / "runs" / run_id
     cfg = OmegaConf.load(rdir / "config.yaml")
     cfg.launch.kind = "sim"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each real worker ran
     old = os.environ.get("DILOCO_CACHE_DIR")
     os.environ["DILOCO_CACHE_DIR"] = str(cache)
     try:
-        sim = build_simulator(cfg)
-        sim._prune = lambda: None  # keep every version to compare
-        result = sim.run()
+        sim, result = simulate_keeping_versions(cfg)  # one thread per op, as each real worker ran
     finally:
-        torch.set_num_threads(threads)
         if old is None:
             os.environ.pop("DILOCO_CACHE_DIR")
         else:

@@ -32,6 +32,7 @@ from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.sim import InnerLoop, SimMaster, SimOptions, SimWorker, Simulator
 from diloco_lightning.sim.batched import StackedWorkers, why_not_batched
 from diloco_lightning.util.options import OptionError
+from support.sim import simulate_keeping_versions
 
 SMALL = ["recipe=tiny", "data.tokenizer=byte", "data.max_bytes=300000", "data.seq_len=32", "data.batch_size=4",
          "data.val_batches=2", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
@@ -55,21 +56,11 @@ def _simulate(hydra_configs, tmp_path, batched, *overrides):
 
     from diloco_lightning.app.build import build_datamodule
     from diloco_lightning.app.config import validate
-    from diloco_lightning.app.sim import build_simulator
-
     with initialize_config_dir(str(hydra_configs), version_base=None):
         cfg = validate(compose("train", overrides=[*SMALL, *overrides, f"sim.batched={batched}",
                                                   f"run_root={tmp_path}", "run_id=b"]))
     build_datamodule(cfg).prepare_data()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        sim = build_simulator(cfg)
-        sim._prune = lambda: None  # keep every version to compare
-        result = sim.run()
-    finally:
-        torch.set_num_threads(threads)
-    return sim, result
+    return simulate_keeping_versions(cfg)
 
 
 def _same_run(a, b):

@@ -49,7 +49,7 @@ def _run(fragments, *, k=2, h=4, boundaries=6, delay=0, outer="nesterov", aggreg
                           fragments=fragments)
     master = SimMaster({n: torch.zeros(N) for n in TARGET}, config)
     sim = Simulator(workers, master, sync=sync, delay=delay, options=SimOptions())
-    sim._prune = lambda: None  # keep every version
+    sim.master.prune = lambda keep_from: None  # keep every version
     return sim.run(), master, workers
 
 
@@ -121,7 +121,7 @@ def test_pa_cgad_gates_each_fragment_on_its_age():
                               norm_global_ratio=None, fragments=2)
         master = SimMaster({n: torch.zeros(N) for n in TARGET}, config)
         sim = Simulator(workers, master, sync="lockstep", options=SimOptions())
-        sim._prune = lambda: None
+        sim.master.prune = lambda keep_from: None
         result = sim.run()
         assert result.staleness_histogram == {"0": 4}
         runs[outer] = master.versions
@@ -143,7 +143,7 @@ def test_async_two_speeds_with_fragments():
                           norm_ratio=None, norm_global_ratio=None, fragments=2)
     master = SimMaster({n: torch.zeros(N) for n in TARGET}, config)
     sim = Simulator(workers, master, sync="async", options=SimOptions())
-    sim._prune = lambda: None  # keep every version
+    sim.master.prune = lambda keep_from: None  # keep every version
     result = sim.run()
     assert result.deltas == 12 and result.outer_steps == 12
     assert sum(master.version_steps[result.outer_steps].values()) == 12
@@ -205,7 +205,7 @@ def test_error_feedback_with_fragments_keeps_one_residual_per_fragment(decay):
     result = sim.run()
     assert result.outer_steps == 8
     for k, w in enumerate(workers):
-        residual = sim._feedback[k].residual
+        residual = sim.transfers.feedback[k].residual
         assert residual is not None and sorted(residual) == sorted(TARGET)  # one per fragment's key
         for n in TARGET:
             torch.testing.assert_close(residual[n], owed[w.node_id][n], atol=1e-6, rtol=0)

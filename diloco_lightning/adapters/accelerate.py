@@ -53,7 +53,7 @@ from diloco_lightning.worker.sync import WorkerStopped
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DiLoCo", "AccelerateDiLoCo"]
+__all__ = ["DiLoCo"]
 
 _STATE_VERSION = 1
 
@@ -351,6 +351,3 @@ class DiLoCo:
         self._last_boundary = int(last) if isinstance(last, int) else self.num_steps - self.num_steps % h
         self.pacing.load_state_dict(state.get("pacing") or {})
         self._restored = {"worker": state.get("worker"), "anchor": state.get("anchor")}
-
-
-AccelerateDiLoCo = DiLoCo

@@ -167,8 +167,6 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", f"must be two values in [0, 1), got {list(o.betas)}")
     _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
-    validate_outer(cfg.outer, "outer.")
-    validate_master_section(cfg.master, "master.")
     validate_hub(cfg.hub, "hub.")
     validate_supervise_section(cfg)
     t = cfg.trainer
@@ -197,7 +195,15 @@ def validate(cfg: DictConfig) -> DictConfig:
     _check(la.timeout > 0, "launch.timeout", "must be > 0")
     if la.kind == "sim":
         validate_sim_section(cfg)
+    _check_outer_sections(cfg.master, "master.", cfg.outer)
     return cfg
+
+
+def _check_outer_sections(master: DictConfig, master_prefix: str, outer: DictConfig) -> None:
+    """The master's and the outer optimizer's sections, after every other check: each builds the outer
+    optimizer on a probe, which imports torch (a bad value elsewhere is refused without it)."""
+    validate_master_section(master, master_prefix)
+    validate_outer(outer, "outer.")
 
 
 def _check_reaches_a_boundary(cfg: DictConfig) -> None:
@@ -234,7 +240,7 @@ def validate_supervise_section(cfg: DictConfig) -> None:
 
 def validate_sim_section(cfg: DictConfig) -> None:
     """``launch=sim``: the ``sim`` section, and what the simulator does not reproduce."""
-    from diloco_lightning.sim.inner import PRECISIONS as SIM_PRECISIONS
+    from diloco_lightning.sim.options import PRECISIONS as SIM_PRECISIONS
 
     try:
         opts = sim_options(cfg)
@@ -257,14 +263,13 @@ def validate_sim_section(cfg: DictConfig) -> None:
 def validate_master_command(cfg: DictConfig) -> DictConfig:
     """``diloco-master``'s checks: the same section checks as a training run's. Returns ``cfg``."""
     validate_hub(cfg.hub, "hub.", required=True)
-    validate_outer(cfg.outer, "outer.")
-    validate_master_section(cfg, "")
     _check(cfg.max_rounds is None or cfg.max_rounds >= 0, "max_rounds", f"must be >= 0, got {cfg.max_rounds}")
     _check(cfg.max_seconds is None or cfg.max_seconds > 0, "max_seconds", f"must be > 0, got {cfg.max_seconds}")
     _check(str(cfg.log_level).upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
            f"must be DEBUG, INFO, WARNING or ERROR, got {cfg.log_level!r}")
     if cfg.init is not None:
         _check(Path(cfg.init).expanduser().is_file(), "init", f"no such weights file: {cfg.init}")
+    _check_outer_sections(cfg, "", cfg.outer)
     return cfg
 
 

@@ -325,13 +325,6 @@ class MasterCommandConf(MasterConf):  # type: ignore[valid-type,misc]
 # ----------------------------------------------------------------------------- help and docs
 
 
-def field_help(cls: type, name: str) -> str:
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            return f.metadata.get("help", "")
-    return ""
-
-
 def describe(schema: type, cfg: DictConfig | None = None, prefix: str = "") -> list[tuple[str, Any, str]]:
     """``(key, value, help)`` for every key of ``schema`` (depth first); values from ``cfg`` when given."""
     out: list[tuple[str, Any, str]] = []

@@ -370,7 +370,7 @@ def finish_run(cfg: DictConfig, rdir: Path, hub, dm, evaluator: Evaluator, launc
     wall, launch_wall = launches.whole_seconds(), launches.seconds()
     summaries = [json.loads((rdir / "nodes" / node_id(i) / "summary.json").read_text()) for i in range(cfg.workers)]
     curves = [_read_progress(rdir / "nodes" / node_id(i) / "progress.jsonl") for i in range(cfg.workers)]
-    train_curve = _mean_curve(curves)
+    train_curve = mean_curve(curves)
     chance = math.log(dm.vocab_size)
     # the whole run's rounds (metrics.jsonl is appended by every launch) and this launch's
     accepted, rejected = round_counts(r for r in read_jsonl(rdir / "master" / "metrics.jsonl") if is_round(r))
@@ -489,7 +489,8 @@ def _watch(rdir: Path, procs: list[subprocess.Popen], master: Any, evaluator: Ev
         time.sleep(0.2)
 
 
-def _mean_curve(curves: list[list[tuple[int, float]]]) -> list[list[float]]:
+def mean_curve(curves: list[list[tuple[int, float]]]) -> list[list[float]]:
+    """The workers' training curves averaged per step: ``[[step, mean loss], ...]`` (results.json's ``train_curve``)."""
     by_step: dict[int, list[float]] = {}
     for c in curves:
         for s, v in c:

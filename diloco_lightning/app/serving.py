@@ -25,12 +25,13 @@ def default_state_dir(hub) -> Path:
 def build(cfg):
     """The hub and the :class:`~diloco_lightning.master.MasterOuterLoop` a config describes."""
     from diloco_lightning.app.config import master_config, open_configured_hub, validate_master_command
+
+    validate_master_command(cfg)  # before anything imports torch: a configuration error is refused without it
     from diloco_lightning.master import MasterOuterLoop
     from diloco_lightning.master.runstate import check_state
     from diloco_lightning.util.errors import ConfigError
     from diloco_lightning.wire.statefile import StateFileError, load_weights_file
 
-    validate_master_command(cfg)
     hub = open_configured_hub(cfg.hub)
     state_dir = Path(cfg.node_state_dir) if cfg.get("node_state_dir") else default_state_dir(hub)
     state = None
@@ -52,11 +53,6 @@ def build(cfg):
         logger=lambda m: None,  # serve() prints its own progress line
     )
     return hub, master
-
-
-def _hub_label(hub) -> str:
-    root = hub.local_root
-    return str(root) if root is not None else hub.url
 
 
 def serve_command(master, **kw) -> int:

@@ -40,7 +40,7 @@ from diloco_lightning.app.build import (
 )
 from diloco_lightning.app.config import sim_options
 from diloco_lightning.app.console import log_to_file
-from diloco_lightning.app.local import _mean_curve, finished_message, finished_results, print_round
+from diloco_lightning.app.local import mean_curve, finished_message, finished_results, print_round
 
 __all__ = ["build_simulator", "run_sim"]
 
@@ -265,10 +265,10 @@ def _histogram(values) -> dict[str, int]:
 
 def _worker_summary(cfg: DictConfig, sim, w) -> dict[str, Any]:
     return {
-        "node_id": w.node_id, "delay": sim._worker_delay[w.index] if not sim._per_delta else "per delta",
+        "node_id": w.node_id, "delay": "per delta" if sim.delays.per_delta else sim.delays.fixed(w.index),
         "speed": w.speed, "wall_seconds": w.compute_seconds, "steps": w.steps, "tokens": w.inner.tokens,
         "final_train_loss": w.last_loss, "deltas_sent": w.boundaries,
-        "bytes_sent": int(sim.bytes_sent * w.boundaries / max(1, sim.deltas)),
+        "bytes_sent": int(sim.transfers.bytes_sent * w.boundaries / max(1, sim.transfers.deltas)),
     }
 
 
@@ -286,7 +286,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
     pending = sim.master.pending_record()
     if pending is not None:
         rejected += int(pending.get("rejected", 0))
-    delays = [sim._worker_delay[i] if not sim._per_delta else None for i in range(cfg.workers)]
+    delays = [sim.delays.fixed(i) for i in range(cfg.workers)]
     return {
         "run_id": cfg.run_id, "recipe": label, "outer": cfg.outer.name, "outer_lr": cfg.outer.lr,
         "tau": tau_label(cfg), "regime": regime(cfg), "delays": delays,
@@ -295,7 +295,7 @@ def _results(cfg: DictConfig, sim, result, vocab_size: int, wall: float, label: 
         "final_train_loss": final_train, "eval_loss": eval_loss, "chance_loss": chance, "eval_windows": val_windows(cfg),
         "diverged": not math.isfinite(eval_loss) or eval_loss > chance, "wall_seconds": wall, "tokens": tokens,
         "tokens_per_second": tokens / wall if wall > 0 else 0.0, "bytes_sent": result.bytes_sent,
-        "deltas_accepted": accepted, "deltas_rejected": rejected, "train_curve": _mean_curve(curves),
+        "deltas_accepted": accepted, "deltas_rejected": rejected, "train_curve": mean_curve(curves),
         "eval_curve": result.eval_curve, "workers_summary": [_worker_summary(cfg, sim, w) for w in sim.workers],
         "launch": "sim",
         "sim": {

@@ -26,7 +26,6 @@ values per group of chunks (:func:`decoded_groups`), never a full-size tensor.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -309,16 +308,3 @@ def validate_ctopk(parts: Mapping[str, Tensor], lay: ChunkLayout, chunk_values: 
             if (off.numel() > 1 and not bool((off[1:] > off[:-1]).all())) or int(off.max()) >= lay.tail:
                 return f"part 'idx' offsets of the last chunk must increase and stay below its {lay.tail} values"
     return None
-
-
-def kept_fraction(lay: ChunkLayout) -> float:
-    """The fraction of the values kept (for reports)."""
-    return lay.kept / lay.n if lay.n else 0.0
-
-
-def bits_per_value(lay: ChunkLayout) -> float:
-    """Bits on the wire per dense value: positions, codes and scales (the header aside)."""
-    if not lay.n:
-        return 0.0
-    total = sum(math.prod(shape) * (4 if dtype == torch.float32 else 1) for dtype, shape in lay.parts().values())
-    return 8.0 * total / lay.n

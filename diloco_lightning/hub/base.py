@@ -1,6 +1,6 @@
 """The hub interface: the only channel between workers and the master.
 
-A hub holds (SPEC.md, "Hub layout")::
+A hub holds (docs/spec.md, "Hub layout")::
 
     nodes/<node_id>/delta_<local_step>.safetensors   one worker writes it once, never rewritten
     nodes/<node_id>/init.safetensors                 a worker's offered initial weights

@@ -1,7 +1,7 @@
 """The Hugging Face Hub transport (``hf://org/repo``), through ``huggingface_hub.HfApi``.
 
 One model repository (branch ``revision``, default ``main``) holds the hub layout of
-SPEC.md. Workers commit deltas to it while the master publishes, so the branch head
+docs/spec.md. Workers commit deltas to it while the master publishes, so the branch head
 moves all the time; every write is a ``create_commit`` with ``parent_commit`` as the
 compare-and-swap:
 

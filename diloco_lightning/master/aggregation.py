@@ -1,6 +1,6 @@
 """What a round does with the deltas it accepted: pure functions of tensors, nothing else.
 
-SPEC.md, "Master round": over the accepted deltas, with weights ``w_i`` (1, or ``num_tokens``)
+docs/spec.md, "Master round": over the accepted deltas, with weights ``w_i`` (1, or ``num_tokens``)
 and gates ``sigma(tau_i)``::
 
     g = sum_i w_i * sigma(tau_i) * delta_i / sum_i w_i

@@ -35,7 +35,7 @@
 * **No litter.** At start and with garbage collection, the master sweeps the temporary
   files that dead writers left on the hub, in its cache and in its state folder.
 * **Staleness-aware.** Any optimizer of :mod:`diloco_lightning.outer` by name. In
-  ``aggregation="round"`` (SPEC.md, "Master round") the accepted deltas of a round give
+  ``aggregation="round"`` (docs/spec.md, "Master round") the accepted deltas of a round give
   ``g = sum(w_i * gate(tau_i) * delta_i) / sum(w_i)`` (``w_i`` 1, or ``num_tokens`` with
   ``weighting="tokens"``), then one step with ``gated=True``. In ``aggregation="arrival"``
   every accepted delta is its own outer step and its own published version, with its own

@@ -1,6 +1,6 @@
 """A round's procedure: list, fetch, check, aggregate, apply, publish, in either aggregation.
 
-* ``round`` (SPEC.md, "Master round"): the accepted deltas of a round, gated by their own
+* ``round`` (docs/spec.md, "Master round"): the accepted deltas of a round, gated by their own
   staleness, make one weighted mean (:class:`~diloco_lightning.master.aggregation.RoundSum`,
   kept across polls until the quorum), then one outer step with ``gated=True``, then one
   publication. ``pa_cgad`` gates each delta on ``max(tau_i, age_f)`` before it is averaged, as the

@@ -1,7 +1,7 @@
 """Staleness gates: the scale a staleness-aware outer optimizer puts on a pseudo-gradient.
 
 ``staleness`` (tau) is ``outer_step at application - base_outer_step`` (see the contract,
-``SPEC.md``). A gate maps tau to a factor in ``[0, 1]`` that multiplies the pseudo-gradient
+``docs/spec.md``). A gate maps tau to a factor in ``[0, 1]`` that multiplies the pseudo-gradient
 *before* it enters the optimizer's buffers.
 
 - :func:`cgad_gate`: Cosine-Gated Adam-Decay (Shah & Sun 2026, arXiv 2605.09126),

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time each is imported 
     from diloco_lightning.sim.engine import SimResult
     from diloco_lightning.sim.engine import Simulator
     from diloco_lightning.sim.engine import as_received
-    from diloco_lightning.sim.inner import PRECISIONS
+    from diloco_lightning.sim.options import PRECISIONS
     from diloco_lightning.sim.inner import InnerLoop
     from diloco_lightning.sim.inner import SimWorker
     from diloco_lightning.sim.master import SimMaster
@@ -26,7 +26,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     'SimResult': 'diloco_lightning.sim.engine',
     'Simulator': 'diloco_lightning.sim.engine',
     'as_received': 'diloco_lightning.sim.engine',
-    'PRECISIONS': 'diloco_lightning.sim.inner',
+    'PRECISIONS': 'diloco_lightning.sim.options',
     'InnerLoop': 'diloco_lightning.sim.inner',
     'SimWorker': 'diloco_lightning.sim.inner',
     'SimMaster': 'diloco_lightning.sim.master',

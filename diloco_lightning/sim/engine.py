@@ -7,9 +7,12 @@ model, any inner optimizer), the master is :class:`~diloco_lightning.sim.master.
 queue on a simulated clock: worker ``k`` runs a phase of ``inner_steps`` steps in
 ``inner_steps / speed_k`` units of time, and events are processed in time order, ties by the
 order they were queued (so by worker index at equal speeds). Nothing else decides the order, so
-a run is a pure function of its options and seeds. This module is the clock and the workers'
-phases; :mod:`~diloco_lightning.sim.transfers` (a base class) is what travels between them and
-the master: uploads, the master's rounds, publications, downloads.
+a run is a pure function of its options and seeds. This module is the workers' phases; it holds
+the parts: :class:`~diloco_lightning.sim.clock.EventQueue` (the clock),
+:class:`~diloco_lightning.sim.transfers.Transfers` (uploads, the master's rounds, publications,
+downloads), :class:`~diloco_lightning.sim.delays.Delays` (the staleness lockstep imposes),
+:class:`~diloco_lightning.sim.starts.PhaseStarts` (what a phase starts from) and
+:class:`~diloco_lightning.sim.evaluations.Evaluations`.
 
 Staleness, as the product's ``sync`` modes define it:
 
@@ -28,15 +31,13 @@ Staleness, as the product's ``sync`` modes define it:
   from an older version is applied where it arrives (``late="apply"``) or its phase is given up
   when the newer version is published (``late="drop"``: the worker starts over from it).
 
-``tau`` is the ``delay`` option: an int, a per-worker list, or a distribution drawn once per
-worker (:func:`~diloco_lightning.worker.sync.resolve_delay`, the product's draw) or, with
-``delay_per="delta"``, once per delta (:func:`~diloco_lightning.worker.sync.draw_delay`),
-capped at ``max_delay``; during the first ``burn_in`` outer steps it is 0.
+``tau`` is the ``delay`` option (:mod:`~diloco_lightning.sim.delays`): an int, a per-worker
+list, or a distribution drawn once per worker or once per delta, capped at ``max_delay``; during
+the first ``burn_in`` outer steps it is 0.
 
-Phases are computed by a runner (:mod:`diloco_lightning.sim.runners`): batched with the other
-workers' begun phases (:mod:`diloco_lightning.sim.batched`, equal to the unbatched ones to float
-tolerance), on threads, or one at a time; arrival-mode lockstep learns a phase's version only
-when its delta arrives, and computes it then.
+Phases are computed by a runner (:mod:`diloco_lightning.sim.runners`: batched, equal to the
+unbatched ones to float tolerance, on threads, or one at a time); arrival-mode lockstep learns a
+phase's version only when its delta arrives, and computes it then.
 
 The clock: ``speed_jitter`` multiplies each phase's duration by a log-normal factor drawn from
 the seed, worker and phase; traces change speeds over time. Churn
@@ -59,14 +60,12 @@ with the product's rule (:func:`~diloco_lightning.worker.pacing.dylu_inner_steps
 rates a heartbeat would carry (each worker's steps per unit of time over its last finished phase;
 the peers' of the workers still live).
 
-The pseudo-gradient is encoded as a real worker encodes it (``delta_dtype``, with the worker's
-error-feedback residual: :class:`~diloco_lightning.encoding.feedback.ErrorFeedback`) and decoded
-as the master decodes it, before the master sees it.
+The pseudo-gradient is encoded as a real worker encodes it (``delta_dtype``, with its
+error-feedback residual) and decoded as the master decodes it, before the master sees it.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import random
@@ -80,17 +79,20 @@ from torch import Tensor
 from diloco_lightning.encoding import EncodingSpec
 from diloco_lightning.encoding.feedback import ErrorFeedback
 from diloco_lightning.sim.churn import Churn
-from diloco_lightning.sim.inner import SimWorker, average_optimizer_states, check_fragments
+from diloco_lightning.sim.clock import EventQueue
+from diloco_lightning.sim.delays import Delays
+from diloco_lightning.sim.evaluations import Evaluations
+from diloco_lightning.sim.inner import SimWorker, check_fragments
 from diloco_lightning.sim.master import SimMaster
 from diloco_lightning.sim.options import SimOptions, phase_end
 from diloco_lightning.sim.rebase import SimOwnDeltas
 from diloco_lightning.sim.result import SimResult, as_received
-from diloco_lightning.sim.runners import PhaseRunner, choose_runner
-from diloco_lightning.sim.transfers import _DEADLINE, Transfers
+from diloco_lightning.sim.runners import choose_runner
+from diloco_lightning.sim.starts import PhaseStarts
+from diloco_lightning.sim.transfers import Transfers
 from diloco_lightning.util.options import OptionError
 from diloco_lightning.worker.options import SYNC_MODES, feedback_of, resolve_encoding
 from diloco_lightning.worker.pacing import dylu_inner_steps
-from diloco_lightning.worker.sync import draw_delay, resolve_delay
 
 __all__ = ["SimResult", "Simulator", "as_received"]
 
@@ -99,7 +101,7 @@ log = logging.getLogger(__name__)
 _PHASE_END, _JOIN, _LOST = 0, 1, 2
 
 
-class Simulator(Transfers):
+class Simulator:
     """See the module docstring.
 
     Args:
@@ -170,7 +172,6 @@ class Simulator(Transfers):
         else:
             spec, feedback = resolve_encoding(delta_dtype, error_feedback=error_feedback)
         self.encoding = spec
-        self._feedback = [ErrorFeedback(spec, enabled=feedback, decay=error_feedback_decay) for _ in self.workers]
         self.dylu: dict[str, Any] | None = None
         if dylu is not None:
             self.dylu = {"max_steps": int(dylu["max_steps"]), "min_steps": dylu.get("min_steps"),
@@ -181,10 +182,9 @@ class Simulator(Transfers):
         self.rebase = (SimOwnDeltas.build(master.opt, n, master.plan is not None, fallback=not self.options.rebase,
                                           lookahead=lookahead)
                        if self.options.rebase or rebase else None)
-        self.reset_inner_optimizer = bool(reset_inner_optimizer)
-        self._phase_base: dict[int, int] = {}  # each worker's last phase's version (reset_inner_optimizer)
-        #: sim.sync_inner_state: the last version whose phases began from the workers' averaged inner state
-        self._synced_base: int | None = None
+        self.starts = PhaseStarts(self.workers, master, rebase=self.rebase, exact=sync != "async",
+                                  reset_inner_optimizer=bool(reset_inner_optimizer),
+                                  sync_inner_state=self.options.sync_inner_state)
         if self.options.sync_inner_state:
             why = [what for what, bad in (("diloco.sync=lockstep", sync != "lockstep"),
                                           ("master.aggregation=round", master.config.aggregation != "round"),
@@ -195,9 +195,6 @@ class Simulator(Transfers):
         self.max_time = self.options.max_time
         if self.max_time is None and any(w.max_steps is None for w in self.workers):
             raise ValueError("a worker without max_steps needs a time budget (options.max_time), or the run never ends")
-        self.evaluate = evaluate
-        self.eval_points = sorted(set(int(p) for p in eval_points))
-        self.on_version = on_version
         self.arrival = master.config.aggregation == "arrival"
         self.seed = int(seed)
         if self.options.changes_membership() and sync != "async":
@@ -208,25 +205,18 @@ class Simulator(Transfers):
                               "master.aggregation=round")
         self.churn = Churn(n, join_at=self.options.join_at, leave_at=self.options.leave_at, preempt=self.options.preempt)
         self.quorum = n if sync == "lockstep" else (self.options.quorum or n)
-        self._delay_spec = delay
-        self._per_delta = isinstance(delay, Mapping) and self.options.delay_per == "delta"
-        self._seed = delay.get("seed", 0) if isinstance(delay, Mapping) else 0
-        self._worker_delay = [min(resolve_delay(delay, w.node_id, w.index), self.options.max_delay)
-                              if not self._per_delta else 0 for w in self.workers]
+        #: the staleness lockstep imposes (the ``delay`` option resolved for the workers)
+        self.delays = Delays(delay, self.workers, self.options)
         if sync == "async" and delay not in (0, None):
             log.warning("sync=async: the delay option is ignored (the clock makes the staleness), as in the product")
         # the clock and the workers
-        self._heap: list[tuple[float, int, int, int, Any]] = []
-        self._seq = 0
-        self.now = 0.0
+        self.clock = EventQueue()
         self._up = [False] * n  # up and taking part (not down, not done)
         self._active = [False] * n  # computing a phase or about to (for DyLU's peers and pruning)
         self._begun = [0] * n  # phases begun per worker (a lost one is begun again)
         self._phase: dict[tuple[int, int], tuple[float, int]] = {}  # (worker, r) -> (start, steps)
         self._rate: list[float | None] = [None] * n  # steps per unit of time, last finished phase
         self._base: list[int] = [0] * n  # the version each worker's current phase started from
-        self._held = [0] * n  # the version each worker holds (downloaded; lockstep: installed)
-        self._fetching = [-1] * n  # the version each worker's fetcher is downloading (-1: none)
         self._lost: dict[tuple[int, int], float] = {}  # phases that will be lost -> when
         self._token: dict[tuple[int, int], int] = {}  # (worker, r) -> the phase's token (its events carry it)
         self._over = False  # the run has ended: nothing begins any more
@@ -234,16 +224,16 @@ class Simulator(Transfers):
         self.lost_phases = 0
         self.abandoned_phases = 0
         self._use = [{"compute": 0.0, "lost": 0.0, "down": 0.0} for _ in range(n)]
-        self._init_transfers(n)
-        # evaluations
-        self.eval_curve: list[list[float]] = []
-        self.eval_times: list[float] = []
-        self.eval_tokens: list[int] = []
-        self._eval_at = sorted(set(float(t) for t in eval_times))
-        self._last_eval: tuple[int, float] | None = None  # (outer step, loss) of the last evaluation
-        self.stopped_early = False  # an evaluation above options.stop_above ended the run
-        self.batched_reason: str | None = None  # why the phases are not batched (None: they are)
-        self.runner = self._runner(parallel)
+        self.evaluations = Evaluations(evaluate, master, self.clock, points=eval_points, times=eval_times,
+                                       stop_above=self.options.stop_above)
+        #: the hub and the master: uploads, rounds, publications, downloads (sim/transfers.py)
+        self.transfers = Transfers(
+            self.workers, master, self.options, self.clock, self, self.evaluations, encoding=spec,
+            feedback=[ErrorFeedback(spec, enabled=feedback, decay=error_feedback_decay) for _ in self.workers],
+            sync=sync, quorum=self.quorum, rebase=self.rebase, on_version=on_version)
+        # how the phases are computed, and why they are not batched (None: they are)
+        self.runner, self.batched_reason = choose_runner(self.workers, self.options.batched, parallel,
+                                                         known_at_delivery=self._base_known_at_delivery)
 
     @property
     def _base_known_at_delivery(self) -> bool:
@@ -256,22 +246,11 @@ class Simulator(Transfers):
         """A phase may be given up before it ends (synchronous rounds that drop late deltas)."""
         return self.options.barrier and self.options.late == "drop"
 
-    def _runner(self, parallel: int) -> PhaseRunner:
-        """How the phases are computed: :func:`~diloco_lightning.sim.runners.choose_runner`."""
-        runner, self.batched_reason = choose_runner(self.workers, self.options.batched, parallel,
-                                                    known_at_delivery=self._base_known_at_delivery)
-        return runner
-
     # ------------------------------------------------------------------ delays
 
     def delay_of(self, index: int, r: int, applied_at: int) -> int:
         """The staleness imposed on worker ``index``'s ``r``-th delta, applied at outer step ``applied_at``."""
-        if applied_at < self.options.burn_in:
-            return 0
-        if self._per_delta:
-            tau = draw_delay(self._delay_spec, random.Random(f"{self._seed}:{index}:{r}"))
-            return min(tau, self.options.max_delay)
-        return self._worker_delay[index]
+        return self.delays.of(index, r, applied_at)
 
     def _base_of(self, k: int, r: int) -> int:
         """The version worker ``k``'s delta ``r`` starts from."""
@@ -282,11 +261,7 @@ class Simulator(Transfers):
 
     # ------------------------------------------------------------------ the clock
 
-    def _push(self, t: float, kind: int, k: int, data: Any = None) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, kind, k, data))
-
-    def _begin(self, k: int, t: float) -> None:
+    def begin(self, k: int, t: float) -> None:
         """Worker ``k``, holding the version its next phase starts from, begins it at ``t`` (if it is
         up and its step cap and the time budget leave it one: a phase that would end after
         ``max_time`` is not run)."""
@@ -298,7 +273,7 @@ class Simulator(Transfers):
         if back > t:  # down now: it comes back later (or never)
             self._up[k] = self._active[k] = False
             if math.isfinite(back) and (self.max_time is None or back < self.max_time):
-                self._push(back, _JOIN, k)
+                self.clock.push(back, _JOIN, k)
             return
         steps = self.next_inner_steps(k)
         r = self._begun[k] + 1
@@ -311,28 +286,21 @@ class Simulator(Transfers):
         self._begun[k] = r
         w.begin_phase(steps)
         self._phase[(k, r)] = (t, steps)
-        self._base[k] = self._held[k]
-        self._seq += 1
-        token = self._token[(k, r)] = self._seq  # a phase begun again under the same number is another one
+        self._base[k] = self.transfers.held[k]
+        token = self._token[(k, r)] = self.clock.ticket()  # a phase begun again under the same number is another one
         down = self.churn.next_down(k, t)
         if down < end:  # preempted (or gone) before it ends: lost, never computed
             self._lost[(k, r)] = down
-            self._push(down, _LOST, k, (r, token))
+            self.clock.push(down, _LOST, k, (r, token))
             return
         if not self._base_known_at_delivery and not self._abandonable:
             self._give(k, r)
-        self._push(end, _PHASE_END, k, (r, token))
+        self.clock.push(end, _PHASE_END, k, (r, token))
 
     def _give(self, k: int, r: int) -> None:
         """Hand phase ``r`` of worker ``k`` (its version known) to the runner."""
         base = self._base_of(k, r)
-        self.runner.begin(k, r, (base, self._start(k, base), self._phase_args(k, base), self._phase[(k, r)][1]))
-
-    def _start(self, k: int, base: int) -> Mapping[str, Tensor]:
-        """What worker ``k``'s phase from version ``base`` starts from: that version, or with
-        ``sim.rebase`` that version minus the worker's own deltas it does not contain yet."""
-        state = self.master.versions[base]
-        return state if self.rebase is None else self.rebase.start(k, base, state, min(self.master.versions))
+        self.runner.begin(k, r, (base, self.starts.state(k, base), self.starts.args(k, base), self._phase[(k, r)][1]))
 
     def next_inner_steps(self, k: int) -> int:
         """Inner steps of worker ``k``'s next phase: its ``phase_steps`` (H, or H / F with
@@ -356,37 +324,20 @@ class Simulator(Transfers):
         the jitter's draw."""
         return self._end_of(k, r, start, self.workers[k].phase_steps if steps is None else steps) - start
 
-    def _phase_args(self, k: int, base: int) -> dict[str, Any]:
-        """What worker ``k``'s phase starting from version ``base`` is given besides that version,
-        with fragments: its number, its fragments' outer step counts, and whether the fragment due
-        is installed whatever they say (lockstep installs exactly its target version, async only
-        what updated the fragment)."""
-        args: dict[str, Any] = {}
-        if self.options.sync_inner_state and base > 0 and self._synced_base != base:
-            # a synchronous round: every worker's last phase is computed (the version holds all their
-            # deltas) and none has begun the next one yet; the first of them to begin averages all
-            average_optimizer_states([w.inner.optimizer for w in self.workers])
-            self._synced_base = base
-        if self.reset_inner_optimizer:  # the product clears the inner state after each install of a new version
-            args["reset"] = self._phase_base.get(k) != base
-            self._phase_base[k] = base
-        if self.workers[k].plan is None:
-            return args
-        return {**args, "version": base, "steps": self.master.version_steps.get(base), "exact": self.sync != "async"}
-
     def run(self) -> SimResult:
         started = time.perf_counter()
+        clock, transfers, evals = self.clock, self.transfers, self.evaluations
         try:
-            self._evaluate_due()
-            self._evaluate_times(0.0, inclusive=False)
+            evals.after_step(transfers.tokens_in)
+            evals.until(0.0, inclusive=False, visible=transfers.visible, tokens=transfers.tokens_in)
             for k in range(len(self.workers)):
-                self._begin(k, 0.0)
-            if self.options.deadline is not None and not self.arrival:
-                self._push(self.options.deadline, _DEADLINE, -1, 0)  # the first round's
-            while self._heap and not self.stopped_early:
-                t, _, kind, k, data = heapq.heappop(self._heap)
-                self._evaluate_times(t, inclusive=False)  # the versions published before t
-                self.now = t
+                self.begin(k, 0.0)
+            transfers.start()  # the first round's deadline
+            while clock and not evals.stopped_early:
+                t, kind, k, data = clock.pop()
+                # the versions published before t
+                evals.until(t, inclusive=False, visible=transfers.visible, tokens=transfers.tokens_in)
+                clock.now = t
                 if kind in (_PHASE_END, _LOST):
                     r, token = data
                     if self._token.get((k, r)) != token:
@@ -398,36 +349,26 @@ class Simulator(Transfers):
                 elif kind == _JOIN:
                     self._join(k, t)
                 else:
-                    self._handle(kind, k, data, t)
+                    transfers.handle(kind, k, data, t)
         finally:
             self.runner.close()
             self._over = True  # nothing begins any more
         # the master drains what is pending at the end; under a time budget a lockstep round that
         # some worker could not finish is not applied (the product's master would still wait)
-        if (not self.arrival and self.master.open_deltas and not self.stopped_early
-                and not (self.sync == "lockstep" and self.max_time is not None)):
-            self._publish(self.master.close_round(self.now))
-        self._visible = self.master.outer_step
-        pending = self.master.pending_record()
-        if pending is not None:
-            self._emit(pending)
-        if self._eval_at:
-            self._evaluate_times(math.inf, inclusive=True)  # the points past the last event: the final state
-        elif not self.eval_curve or self.eval_curve[-1][0] != self.master.outer_step:
-            if self.evaluate is not None:
-                self.eval_curve.append([self.master.outer_step, float(self.evaluate(self.master.state))])
-                self.eval_times.append(self.now)
-                self.eval_tokens.append(self._tokens_in)
-        end = self.now if self.max_time is None else max(self.now, float(self.max_time))
+        transfers.drain(close=not self.arrival and not evals.stopped_early
+                        and not (self.sync == "lockstep" and self.max_time is not None))
+        # the points past the last event are taken on the final state
+        evals.final(visible=transfers.visible, tokens=transfers.tokens_in)
+        end = self.clock.now if self.max_time is None else max(self.clock.now, float(self.max_time))
         for k, use in enumerate(self._use):
             use["down"] = self.churn.down_time(k, end)
         return SimResult(
             outer_steps=self.master.outer_step, final_state=self.master.state, records=self.master.records,
-            eval_curve=self.eval_curve, sim_time=self.now, wall_seconds=time.perf_counter() - started,
-            inner_steps=sum(w.steps for w in self.workers), bytes_sent=self.bytes_sent, deltas=self.deltas,
-            staleness_histogram=dict(sorted(self.histogram.items(), key=lambda kv: int(kv[0]))),
-            eval_times=list(self.eval_times), lost_phases=self.lost_phases, eval_tokens=list(self.eval_tokens),
-            time_use=[dict(u) for u in self._use], comm=self.comm_summary(), stopped_early=self.stopped_early,
+            eval_curve=evals.curve, sim_time=self.clock.now, wall_seconds=time.perf_counter() - started,
+            inner_steps=sum(w.steps for w in self.workers), bytes_sent=transfers.bytes_sent, deltas=transfers.deltas,
+            staleness_histogram=dict(sorted(transfers.histogram.items(), key=lambda kv: int(kv[0]))),
+            eval_times=list(evals.times), lost_phases=self.lost_phases, eval_tokens=list(evals.tokens),
+            time_use=[dict(u) for u in self._use], comm=transfers.comm_summary(), stopped_early=evals.stopped_early,
         )
 
     # ------------------------------------------------------------------ the workers' events
@@ -439,16 +380,16 @@ class Simulator(Transfers):
         self._use[k]["compute"] += t - start
         if self._abandonable:
             self._give(k, r)  # it can no longer be given up
-        self.hand_in(k, r, t)
+        self.transfers.hand_in(k, r, t)
         if self.sync == "lockstep" and not self.arrival:
             # the worker waits for the version its next delta starts from
-            self.need(k, max(0, r - self.delay_of(k, r + 1, r)), t)
+            self.transfers.need(k, max(0, r - self.delay_of(k, r + 1, r)), t)
         elif self.options.barrier:
             self._wait_newer(k, self._base[k], t)
         elif self._blocked(k):
             self._idle[k] = ("room",)  # fragments: a whole cycle of deltas is held (the product's backpressure)
         else:
-            self._begin(k, t)  # async, or arrival lockstep: never waits
+            self.begin(k, t)  # async, or arrival lockstep: never waits
 
     def _lose(self, k: int, r: int, t: float) -> None:
         """Worker ``k`` went down at ``t`` during its phase ``r``: the phase is lost."""
@@ -462,7 +403,7 @@ class Simulator(Transfers):
         log.info("worker %s went down at %.1f: its phase %d is lost%s", self.workers[k].node_id, t, r,
                  "" if math.isinf(back) else f" (back at {back:.1f})")
         if math.isfinite(back) and (self.max_time is None or back < self.max_time):
-            self._push(back, _JOIN, k)
+            self.clock.push(back, _JOIN, k)
 
     def _undo(self, k: int, steps: int) -> None:
         """A phase of worker ``k`` that will never be computed: its steps and its number are free again."""
@@ -475,35 +416,41 @@ class Simulator(Transfers):
         """Worker ``k`` (re)joins at ``t``: it gets the version its next phase starts from, then begins."""
         self._up[k] = True
         if self.sync == "lockstep" and not self.arrival:
-            self.need(k, self._base_of(k, self._begun[k] + 1), t)
+            self.transfers.need(k, self._base_of(k, self._begun[k] + 1), t)
         elif self.sync == "async":
             self._idle[k] = ("join",)
-            self.fetch(k, t)
-            if self._idle[k] == ("join",) and not self.links[k].downloading(t):
-                self._begin(k, t)  # holds the newest already
+            self.transfers.fetch(k, t)
+            if self._idle[k] == ("join",) and not self.transfers.links[k].downloading(t):
+                self.begin(k, t)  # holds the newest already
         else:
-            self._begin(k, t)
+            self.begin(k, t)
 
     def _wait_newer(self, k: int, base: int, t: float) -> None:
         """Synchronous rounds: worker ``k`` begins once it holds a version newer than ``base``."""
-        if self._held[k] > base:
-            self._begin(k, t)
+        if self.transfers.held[k] > base:
+            self.begin(k, t)
         else:
             self._idle[k] = ("newer", base)
 
-    def _holds(self, k: int, v: int, t: float) -> None:
+    # ------------------------------------------------------------------ what the transfers ask (transfers.Phases)
+
+    def holds(self, k: int, v: int, t: float) -> None:
         """Worker ``k`` has downloaded version ``v`` at ``t``."""
         idle = self._idle[k]
         if self.sync == "lockstep":
             if not self._base_known_at_delivery:
-                self._begin(k, t)
+                self.begin(k, t)
         elif idle is not None and idle[0] == "newer" and v > idle[1]:
-            self._begin(k, t)
-        elif idle == ("join",) and not self.links[k].downloading(t):
-            self._begin(k, t)
+            self.begin(k, t)
+        elif idle == ("join",) and not self.transfers.links[k].downloading(t):
+            self.begin(k, t)
 
-    def _on_new_version(self, v: int, t: float) -> None:
-        """Version ``v`` is published: with ``late="drop"``, phases from older versions are given up."""
+    def new_version(self, v: int, t: float) -> None:
+        """Asynchronously, version ``v`` is published at ``t``: each live worker's fetcher downloads it,
+        and with ``late="drop"`` phases from older versions are given up."""
+        for k in range(len(self.workers)):
+            if self._up[k]:
+                self.transfers.fetch(k, t)
         if not self._abandonable:
             return
         for (k, r), (start, steps) in list(self._phase.items()):
@@ -515,13 +462,37 @@ class Simulator(Transfers):
                 self._use[k]["lost"] += t - start
                 self._undo(k, steps)
                 self._idle[k] = ("newer", self._base[k])
-                if self._held[k] > self._base[k]:
-                    self._begin(k, t)
+                if self.transfers.held[k] > self._base[k]:
+                    self.begin(k, t)
 
     def _blocked(self, k: int) -> bool:
         w = self.workers[k]
-        return self.sync == "async" and w.plan is not None and len(self._outbox[k]) >= w.plan.count
+        return self.sync == "async" and w.plan is not None and self.transfers.queued(k) >= w.plan.count
 
-    def _unblock(self, k: int, t: float) -> None:
+    def unblock(self, k: int, t: float) -> None:
+        """Worker ``k``'s outbox has room again at ``t``: a worker held back by it begins."""
         if self._idle[k] == ("room",) and not self._blocked(k):
-            self._begin(k, t)
+            self.begin(k, t)
+
+    def delta_of(self, k: int, r: int) -> tuple[int, dict[str, Tensor]]:
+        """Worker ``k``'s phase ``r``, computed (now if its version was known only at delivery):
+        ``(the version it started from, its delta)``."""
+        if self._base_known_at_delivery:
+            b = self._base_of(k, r)
+            d = self.runner.now(k, self.starts.state(k, b), self.starts.args(k, b), self._phase[(k, r)][1])
+        else:
+            b, d = self.runner.result(k, r)
+        self._phase.pop((k, r), None)
+        return b, d
+
+    def oldest_needed(self) -> int:
+        """The oldest version a worker may still start a phase from."""
+        s = self.master.outer_step
+        held, visible = self.transfers.held, self.transfers.visible
+        if self.sync == "async":  # a worker that is down downloads the newest version when it comes back
+            keep = min([min(b, h) for b, h, a in zip(self._base, held, self._up) if a] + [visible])
+        else:
+            keep = s - self.delays.largest()
+        if self.sync == "lockstep" and not self.arrival:
+            keep -= 1  # a round's deltas start from version (round - tau)
+        return keep

@@ -33,16 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from diloco_lightning.sim.options import PRECISIONS
 from diloco_lightning.wire.delta import synced_keys
 from diloco_lightning.wire.fragments import build_plan
 from diloco_lightning.worker.fragstate import FragmentBook
 from diloco_lightning.worker.params import copy_into
 
 __all__ = ["PRECISIONS", "InnerLoop", "SimWorker", "average_optimizer_states", "check_fragments", "precision_context"]
-
-#: the trainer precisions the simulator reproduces (``16-mixed`` needs a GradScaler: not simulated)
-PRECISIONS = ("32-true", "bf16-true", "bf16-mixed")
-
 
 def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     """What Lightning wraps a training step in: nothing for ``32-true`` and ``bf16-true`` (whose

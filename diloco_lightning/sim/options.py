@@ -27,7 +27,10 @@ from typing import Any
 from diloco_lightning.sim.churn import PREEMPT_LAWS
 from diloco_lightning.util.options import OptionError, check_choice, check_number, option
 
-__all__ = ["DELAY_PER", "LATE", "SPEED_LAWS", "SimOptions", "phase_end"]
+__all__ = ["DELAY_PER", "LATE", "PRECISIONS", "SPEED_LAWS", "SimOptions", "phase_end"]
+
+#: the trainer precisions the simulator reproduces (``16-mixed`` needs a GradScaler: not simulated)
+PRECISIONS = ("32-true", "bf16-true", "bf16-mixed")
 
 #: ``worker``: a distribution ``delay`` is drawn once per worker (the product's draw); ``delta``:
 #: a fresh draw for every delta

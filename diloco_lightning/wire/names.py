@@ -45,7 +45,7 @@ MIRROR_PATHS = frozenset({LATEST_WEIGHTS_PATH, STEP_COUNT_PATH})
 
 
 class InvalidNameError(DiLoCoError, ValueError):
-    """A node id, local step or hub path outside what SPEC.md allows."""
+    """A node id, local step or hub path outside what docs/spec.md allows."""
 
 
 class DeltaId(NamedTuple):

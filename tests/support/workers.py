@@ -5,6 +5,10 @@ the workers end). A worker's error fails the test with the error itself."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -16,7 +20,10 @@ import torch
 from diloco_lightning.hub.local import FileHub
 from diloco_lightning.worker import DiLoCoWorker
 
-__all__ = ["run_two_workers"]
+__all__ = ["run_crash_script", "run_two_workers"]
+
+SUPPORT = Path(__file__).resolve().parent
+ROOT = SUPPORT.parents[1]
 
 #: a worker that polls often and gives up on a wait soon (the tests' hubs are local folders)
 FAST = dict(poll_interval=0.01, wait_timeout=10.0)
@@ -63,3 +70,14 @@ def run_two_workers(master: Any, root: Path | None, init: Mapping[str, torch.Ten
     if errors:
         raise errors[0]
     return workers
+
+
+def run_crash_script(cfg: dict, faults: str | None, timeout: float) -> subprocess.CompletedProcess:
+    """``support/worker_crash_script.py`` with ``cfg`` in a process of its own, with the crash points
+    ``faults`` armed (``DILOCO_FAULTS``; None: none)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_DISABLE_TELEMETRY="1")
+    env.pop("DILOCO_FAULTS", None)
+    if faults:
+        env["DILOCO_FAULTS"] = faults
+    return subprocess.run([sys.executable, str(SUPPORT / "worker_crash_script.py"), json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=timeout, env=env)

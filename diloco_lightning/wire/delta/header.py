@@ -3,7 +3,7 @@
 A delta is a safetensors file holding the pseudo-gradient ``anchor - local`` of one
 worker's inner phase, one tensor per floating (or complex) key of the global state,
 with a header (safetensors metadata, all strings) that says who made it and from
-which global version (``base_outer_step``). See SPEC.md for the contract.
+which global version (``base_outer_step``). See docs/spec.md for the contract.
 
 Every problem a reader finds is a :class:`DeltaFileError` subclass whose ``reason`` is a short
 code (``"unreadable"``, ``"format"``, ...); the master logs and counts rejections by that code.
@@ -295,5 +295,5 @@ def _parse_header(path: str | Path, md: Mapping[str, str] | None) -> DeltaHeader
 #: parses a header (default :func:`parse_header`; a master in a compatibility mode passes its own)
 HeaderParser = Callable[[Union[str, Path], Optional[Mapping[str, str]]], DeltaHeader]
 
-#: the header of a ``diloco-delta/1`` file (SPEC.md), checked
+#: the header of a ``diloco-delta/1`` file (docs/spec.md), checked
 parse_header: HeaderParser = _parse_header
