@@ -94,12 +94,12 @@ def test_configuration_errors_are_one_family():
 
 
 def test_the_command_line_keeps_its_exit_statuses():
-    from diloco_lightning.app.cli import _is_config_error, is_user_error
+    from diloco_lightning.app.cli import is_config_error, is_user_error
     from diloco_lightning.master.config import MasterConfigError
     from diloco_lightning.util.options import OptionError
 
-    assert is_user_error(ConfigError("seed", "must be >= 0")) and _is_config_error(ConfigError("seed", "must be >= 0"))
-    assert is_user_error(OptionError("x", "bad")) and _is_config_error(OptionError("x", "bad"))
+    assert is_user_error(ConfigError("seed", "must be >= 0")) and is_config_error(ConfigError("seed", "must be >= 0"))
+    assert is_user_error(OptionError("x", "bad")) and is_config_error(OptionError("x", "bad"))
     # a run on the hub that does not match this master: a user error, status 1 (no key to look up in --help)
-    assert is_user_error(MasterConfigError("mismatch")) and not _is_config_error(MasterConfigError("mismatch"))
+    assert is_user_error(MasterConfigError("mismatch")) and not is_config_error(MasterConfigError("mismatch"))
     assert not is_user_error(DiLoCoError("a bug"))

@@ -172,17 +172,17 @@ def test_starting_the_writeback_early_changes_no_byte(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("slice_values", [1 << 20, 1000])
 def test_the_update_norm_on_lanes_is_the_one_thread_float(monkeypatch, slice_values):
-    import diloco_lightning.master.rounds as rounds
+    import diloco_lightning.master.weights as weights
 
-    monkeypatch.setattr(rounds, "_DISTANCE_SLICE", slice_values)
+    monkeypatch.setattr(weights, "_DISTANCE_SLICE", slice_values)
     new, old = _delta(6), _delta(7)
     new["half"], old["half"] = torch.randn(3000).to(torch.bfloat16), torch.randn(3000).to(torch.bfloat16)
     lanes = Lanes(2, min_weight=0)
     try:
         fp32 = {k: v for k, v in new.items() if k != "half"}
-        assert rounds._distance(fp32, old, lanes) == rounds._distance(fp32, old)
-        assert rounds._distance(new, old, lanes) == rounds._distance(new, old)  # a BF16 key: taken one way
+        assert weights.update_distance(fp32, old, lanes) == weights.update_distance(fp32, old)
+        assert weights.update_distance(new, old, lanes) == weights.update_distance(new, old)  # a BF16 key: taken one way
         want = math.sqrt(sum(float(torch.dist(new[k].float(), old[k].float())) ** 2 for k in new))
-        assert math.isclose(rounds._distance(new, old, lanes), want, rel_tol=1e-6)
+        assert math.isclose(weights.update_distance(new, old, lanes), want, rel_tol=1e-6)
     finally:
         lanes.close()

@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from diloco_lightning.app.errors import _is_config_error, is_user_error, short_message  # noqa: F401 - their old home
+from diloco_lightning.app.errors import is_config_error, is_user_error, short_message  # noqa: F401 - their old home
 
 __all__ = ["run_app", "train_main", "help_text", "short_message", "is_user_error", "configuration_markdown"]
 
@@ -59,10 +59,10 @@ def _schema(name: str) -> type:
 # ----------------------------------------------------------------------------- errors
 
 
-def _report(prog: str, e: BaseException) -> int:
+def report_error(prog: str, e: BaseException) -> int:
     from diloco_lightning.app.errors import RunError
 
-    config = _is_config_error(e)
+    config = is_config_error(e)
     if isinstance(e, RunError):  # a failed run: its message carries the failing worker's log tail
         print(f"{prog}: error: {e}", file=sys.stderr)
     else:
@@ -225,7 +225,7 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
     except Exception as e:  # noqa: BLE001 - an unknown key: refused before Hydra creates anything
         if verbose or not is_user_error(e):
             raise
-        sys.exit(_report(prog, e))
+        sys.exit(report_error(prog, e))
     if any(a in _HELP_FLAGS for a in args):
         overrides = [a for a in args if "=" in a and not a.startswith("-")]
         try:
@@ -233,7 +233,7 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
         except Exception as e:  # noqa: BLE001 - a bad override given with --help
             if verbose or not is_user_error(e):
                 raise
-            sys.exit(_report(prog, e))
+            sys.exit(report_error(prog, e))
         return
     sys.argv = [sys.argv[0]] + args
     register_configs()
@@ -274,9 +274,9 @@ def run_app(prog: str, config_name: str, task: Callable[[Any], Any], argv: list[
             sys.exit(first.exit_code if first is not None else 130)
         if verbose or not is_user_error(e):
             raise
-        sys.exit(_report(prog, e))
+        sys.exit(report_error(prog, e))
     if caught:
-        sys.exit(_report(prog, caught[0]))
+        sys.exit(report_error(prog, caught[0]))
 
 
 def _train_task(cfg) -> float | None:

@@ -331,7 +331,7 @@ def describe(schema: type, cfg: DictConfig | None = None, prefix: str = "") -> l
     for f in dataclasses.fields(schema):
         key = prefix + f.name
         node = None if cfg is None else OmegaConf.select(cfg, f.name, default=None, throw_on_missing=False)
-        sub = _dataclass_of(f.type)
+        sub = dataclass_of(f.type)
         if sub is not None:
             out.extend(describe(sub, node if isinstance(node, DictConfig) else None, key + "."))
             continue
@@ -352,7 +352,7 @@ _SECTION_TYPES = {
 }
 
 
-def _dataclass_of(t: Any) -> type | None:
+def dataclass_of(t: Any) -> type | None:
     if isinstance(t, type) and dataclasses.is_dataclass(t):
         return t
     return _SECTION_TYPES.get(t) if isinstance(t, str) else None

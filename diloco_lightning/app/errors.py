@@ -81,7 +81,7 @@ def is_user_error(e: BaseException) -> bool:
     return False
 
 
-def _is_config_error(e: BaseException) -> bool:
+def is_config_error(e: BaseException) -> bool:
     from hydra.errors import CompactHydraException
     from omegaconf.errors import MissingMandatoryValue
 

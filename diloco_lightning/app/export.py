@@ -80,7 +80,7 @@ def export(argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """The ``diloco-export`` console script."""
-    from diloco_lightning.app.cli import _report, is_user_error
+    from diloco_lightning.app.cli import report_error, is_user_error
     from diloco_lightning.hub.versions import NothingPublishedError
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # noqa: BLE001 - a user error in one or two lines; anything else with its traceback
         if verbose or not is_user_error(e):
             raise
-        sys.exit(_report("diloco-export", e))
+        sys.exit(report_error("diloco-export", e))
     print(f"diloco-export: wrote {path} (and {path.rsplit('/', 1)[0]}/diloco_global.json)")
 
 

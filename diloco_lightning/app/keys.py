@@ -44,7 +44,7 @@ def _is_free_form(t: Any) -> bool:
 def known_keys(schema: type, prefix: str = "") -> tuple[set[str], set[str]]:
     """``(keys, free)``: every dotted key of ``schema`` (sections included), and the free-form ones
     (below which any key is the field's owner's to check)."""
-    from diloco_lightning.app.config import _dataclass_of
+    from diloco_lightning.app.config import dataclass_of
 
     keys: set[str] = set()
     free: set[str] = set()
@@ -52,7 +52,7 @@ def known_keys(schema: type, prefix: str = "") -> tuple[set[str], set[str]]:
     for f in dataclasses.fields(schema):
         key = prefix + f.name
         keys.add(key)
-        sub = _dataclass_of(hints.get(f.name, f.type))
+        sub = dataclass_of(hints.get(f.name, f.type))
         if sub is not None:
             k, fr = known_keys(sub, key + ".")
             keys |= k

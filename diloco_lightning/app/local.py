@@ -50,7 +50,8 @@ from diloco_lightning.app.console import log_to_file
 from diloco_lightning.app.launches import Launches, invoked_as, read_jsonl, resume_command, round_counts
 from diloco_lightning.app.errors import Interrupted, RunError, Signal, terminate_as_exception
 from diloco_lightning.app.supervise import Restarts, Spare, SuperviseOptions, describe_exit
-from diloco_lightning.app.worker import worker_command, worker_env
+from diloco_lightning.app.processes import process_env, restart_worker, start_worker, stop_workers
+from diloco_lightning.app.worker import worker_command
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     def restart(i: int, line: str) -> None:
         device = devices[i % len(devices)] if devices else None
         spare = spares[i] if spares else None
-        _restart_worker(config_path, rdir, i, threads, device, procs, logs, line, spare)
+        restart_worker(config_path, rdir, i, threads, device, procs, logs, line, spare)
         began[i] = time.monotonic()
 
     def keep_spares() -> None:
@@ -237,10 +238,10 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
         with terminate_as_exception():
             for i in range(cfg.workers):
                 device = devices[i % len(devices)] if devices else None
-                _start_worker(config_path, rdir, i, threads, device, procs, logs)
+                start_worker(config_path, rdir, i, threads, device, procs, logs)
                 began.append(time.monotonic())
                 if supervise.spare and supervise.restarts > 0:
-                    spares.append(Spare(worker_command(config_path, i), env=_worker_env(threads, device),
+                    spares.append(Spare(worker_command(config_path, i), env=process_env(threads, device),
                                         stdout=logs[i][0], stderr=subprocess.STDOUT))
             failed = _watch(rdir, procs, master, evaluator, eval_points(cfg), eval_curve, started,
                             timeout=float(cfg.launch.timeout), max_steps=int(cfg.trainer.max_steps),
@@ -255,7 +256,7 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
         for sp in spares:
             sp.close()
         if failed or interrupted or error is not None:
-            _stop_workers(procs)
+            stop_workers(procs)
         for fh, _ in logs:
             fh.close()
         master.stop(drain=not (failed or interrupted or error is not None))
@@ -280,57 +281,6 @@ def _opening_line(cfg: DictConfig) -> str:
     return (f"run {cfg.run_id}{named}: {cfg.workers} workers, model {cfg.model.preset}, "
             f"outer {cfg.outer.name} (lr {cfg.outer.lr}), H={cfg.diloco.inner_steps}, sync {cfg.diloco.sync}, "
             f"tau {tau_label(cfg)}, {cfg.trainer.max_steps} steps; hub {hub_label(cfg)}" + (f"\n{note}" if note else ""))
-
-
-def _start_worker(config_path: Path, rdir: Path, index: int, threads: int, device: str | None,
-                  procs: list[subprocess.Popen], logs: list[tuple[Any, Path]]) -> None:
-    """Start worker ``index`` (``train.py role=worker`` on the saved config), its output in
-    ``nodes/<node>/worker.log``; appended to ``procs`` and ``logs`` as soon as it exists (an
-    interrupted start stops the ones already started)."""
-    log_path = rdir / "nodes" / node_id(index) / "worker.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(log_path, "ab")
-    logs.append((fh, log_path))
-    procs.append(_spawn(config_path, index, threads, device, fh))
-
-
-def _worker_env(threads: int, device: str | None) -> dict[str, str]:
-    env = worker_env(OMP_NUM_THREADS=str(threads))
-    if device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = device
-    return env
-
-
-def _spawn(config_path: Path, index: int, threads: int, device: str | None, fh: Any) -> subprocess.Popen:
-    return subprocess.Popen(worker_command(config_path, index), env=_worker_env(threads, device), stdout=fh,
-                            stderr=subprocess.STDOUT)
-
-
-def _restart_worker(config_path: Path, rdir: Path, index: int, threads: int, device: str | None,
-                    procs: list[subprocess.Popen], logs: list[tuple[Any, Path]], line: str,
-                    spare: Spare | None = None) -> None:
-    """Start worker ``index`` again (it resumes from its checkpoint), in place in ``procs``: its warm
-    spare told to go when it has one (``supervise.spare``), else a new process; its log goes on, after
-    ``line`` (the restart's)."""
-    fh, log_path = logs[index]
-    fh.write(f"\n{line}\n".encode())
-    fh.flush()
-    woken = spare.take() if spare is not None else None
-    procs[index] = woken or _spawn(config_path, index, threads, device, fh)
-
-
-def _stop_workers(procs: list[subprocess.Popen], timeout: float = 40.0) -> None:
-    """SIGTERM to each live worker: it uploads what is pending and exits (status 143); killed
-    after ``timeout`` seconds."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _interrupted(signum: int, outer_step: int | None, workers: int, rdir: Path) -> Interrupted:

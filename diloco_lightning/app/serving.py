@@ -28,7 +28,7 @@ def build(cfg):
 
     validate_master_command(cfg)  # before anything imports torch: a configuration error is refused without it
     from diloco_lightning.master import MasterOuterLoop
-    from diloco_lightning.master.runstate import check_state
+    from diloco_lightning.master.weights import check_state
     from diloco_lightning.util.errors import ConfigError
     from diloco_lightning.wire.statefile import StateFileError, load_weights_file
 

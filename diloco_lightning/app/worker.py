@@ -245,14 +245,14 @@ def exit_status(e: BaseException) -> int | None:
     """The exit status of a worker process that ``e`` ended: :data:`~diloco_lightning.app.supervise.EXIT_HUB_AWAY` for a hub or master that
     stayed away, :data:`~diloco_lightning.app.supervise.EXIT_CONFIG` / ``EXIT_USER`` for what its user fixes, None for a bug (the
     traceback is kept, status 1: a crash, restarted)."""
-    from diloco_lightning.app.errors import _is_config_error, is_user_error
+    from diloco_lightning.app.errors import is_config_error, is_user_error
     from diloco_lightning.app.supervise import EXIT_CONFIG, EXIT_HUB_AWAY, EXIT_USER
     from diloco_lightning.hub.base import HubUnavailableError
     from diloco_lightning.worker.sync import WaitTimeoutError
 
     if isinstance(e, (HubUnavailableError, WaitTimeoutError)):
         return EXIT_HUB_AWAY
-    if _is_config_error(e):
+    if is_config_error(e):
         return EXIT_CONFIG
     if is_user_error(e):
         return EXIT_USER

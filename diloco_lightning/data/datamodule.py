@@ -14,11 +14,11 @@ from torch.utils.data import DataLoader
 
 from diloco_lightning.data.corpus import DEFAULT_STDLIB_BYTES, CorpusFile, stdlib_corpus, text_corpus
 from diloco_lightning.data.dataset import (
-    _STREAM_KEYS,
+    STREAM_KEYS,
     HeldOutDataset,
     ShardedTokenDataset,
-    _check_int,
-    _stream_state,
+    check_int,
+    stream_state,
     held_out_start,
 )
 from diloco_lightning.data.tokenizer import DEFAULT_VOCAB_SIZE, ByteTokenizer, load_tokenizer
@@ -85,12 +85,12 @@ class TextDataModule(L.LightningDataModule):
             ("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("num_nodes", num_nodes, 1),
             ("node_rank", node_rank, 0), ("seed", seed, 0), ("num_workers", num_workers, 0),
         ):
-            _check_int(name, value, minimum)
+            check_int(name, value, minimum)
         optional = (("val_batch_size", val_batch_size, 1), ("val_windows", val_windows, 1), ("max_bytes", max_bytes, 1),
                     ("vocab_size", vocab_size, 2))
         for name, given, minimum in optional:
             if given is not None:
-                _check_int(name, given, minimum)
+                check_int(name, given, minimum)
         if node_rank >= num_nodes:
             raise ValueError(f"node_rank must be < num_nodes={num_nodes}, got {node_rank}")
         if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
@@ -270,13 +270,13 @@ class TextDataModule(L.LightningDataModule):
         return self._position
 
     def state_dict(self) -> dict[str, Any]:
-        return _stream_state(self, self.position)
+        return stream_state(self, self.position)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         position = state_dict["position"]
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             raise ValueError(f"position must be an int >= 0, got {position!r}")
-        for key in _STREAM_KEYS:
+        for key in STREAM_KEYS:
             if key in state_dict and state_dict[key] != getattr(self, key):
                 log.warning("data state saved with %s=%r, this run uses %r", key, state_dict[key], getattr(self, key))
         self._position = position

@@ -98,11 +98,11 @@ class ShardedTokenDataset(_TokenFileMixin, IterableDataset):
         batch_size: int = 1,
     ) -> None:
         super().__init__()
-        _check_int("seq_len", seq_len, 1)
-        _check_int("num_nodes", num_nodes, 1)
-        _check_int("node_rank", node_rank, 0)
-        _check_int("seed", seed, 0)
-        _check_int("batch_size", batch_size, 1)
+        check_int("seq_len", seq_len, 1)
+        check_int("num_nodes", num_nodes, 1)
+        check_int("node_rank", node_rank, 0)
+        check_int("seed", seed, 0)
+        check_int("batch_size", batch_size, 1)
         if node_rank >= num_nodes:
             raise ValueError(f"node_rank must be < num_nodes={num_nodes}, got {node_rank}")
         self.path, self.dtype = Path(path), check_token_dtype(token_dtype)
@@ -159,11 +159,11 @@ class ShardedTokenDataset(_TokenFileMixin, IterableDataset):
             b += info.num_workers
 
     def state_dict(self) -> dict[str, Any]:
-        return _stream_state(self, self.position)
+        return stream_state(self, self.position)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _warn_mismatch(self, state)
-        _check_int("position", state["position"], 0)
+        check_int("position", state["position"], 0)
         self.position = int(state["position"])
 
 
@@ -176,7 +176,7 @@ class HeldOutDataset(_TokenFileMixin, Dataset):
         self, path: str | os.PathLike, token_dtype: str, *, seq_len: int, start: int, end: int | None = None,
         limit: int | None = None,
     ) -> None:
-        _check_int("seq_len", seq_len, 1)
+        check_int("seq_len", seq_len, 1)
         self.path, self.dtype, self.seq_len = Path(path), check_token_dtype(token_dtype), seq_len
         self._tokens = None
         n_tokens = len(self._data())
@@ -187,7 +187,7 @@ class HeldOutDataset(_TokenFileMixin, Dataset):
         if self.n == 0:
             raise ValueError(f"seq_len: {self.end - self.start} held-out tokens hold no window of {seq_len + 1}")
         if limit is not None:
-            _check_int("limit", limit, 1)
+            check_int("limit", limit, 1)
             if limit > self.n:
                 log.warning("held-out set: %d windows asked for, the split holds %d: scoring all of them", limit, self.n)
             self.n = min(self.n, limit)
@@ -201,22 +201,22 @@ class HeldOutDataset(_TokenFileMixin, Dataset):
         return self._window(self.start + i * (self.seq_len + 1))
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 #: what fixes a node's sample stream besides its position (a data state saved with others warns on load)
-_STREAM_KEYS = ("seed", "node_rank", "num_nodes", "seq_len")
+STREAM_KEYS = ("seed", "node_rank", "num_nodes", "seq_len")
 
 
-def _stream_state(src: Any, position: int) -> dict[str, Any]:
+def stream_state(src: Any, position: int) -> dict[str, Any]:
     """A data ``state_dict`` (the dataset's and the datamodule's): ``position``, then ``src``'s stream keys."""
-    return {"position": position, **{key: getattr(src, key) for key in _STREAM_KEYS}}
+    return {"position": position, **{key: getattr(src, key) for key in STREAM_KEYS}}
 
 
 def _warn_mismatch(ds: ShardedTokenDataset, state: dict[str, Any]) -> None:
-    for key in _STREAM_KEYS:
+    for key in STREAM_KEYS:
         if key in state and state[key] != getattr(ds, key):
             log.warning(
                 "data state was saved with %s=%r but this run uses %r; continuing at position %d of the new stream",

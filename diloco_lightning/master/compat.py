@@ -110,7 +110,7 @@ from diloco_lightning.wire.delta import (
 from diloco_lightning.hub.base import Hub, HubError, HubFileTooLargeError, HubNotFoundError
 from diloco_lightning.wire.manifest import Manifest
 from diloco_lightning.master.config import MasterConfigError
-from diloco_lightning.master.runstate import check_state
+from diloco_lightning.master.weights import check_state
 from diloco_lightning.wire.names import (
     LATEST_WEIGHTS_PATH,
     MAX_ADOPTED_STEP,

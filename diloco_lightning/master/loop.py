@@ -97,7 +97,8 @@ from diloco_lightning.master.membership import Membership
 from diloco_lightning.master.metrics import MetricsSink, RoundMetrics
 from diloco_lightning.master.publication import Publisher
 from diloco_lightning.master.rounds import Rounds
-from diloco_lightning.master.runstate import RunState, check_state, cpu_clone
+from diloco_lightning.master.runstate import RunState
+from diloco_lightning.master.weights import check_state, cpu_clone
 from diloco_lightning.master.validation import DeltaValidator
 from diloco_lightning.util.errors import ConfigError
 from diloco_lightning.wire.names import parse_delta_path

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from diloco_lightning.util import faults
-from diloco_lightning.util.lanes import Lanes
 from diloco_lightning.encoding.feedback import decode_delta
 from diloco_lightning.wire.delta import Delta, is_synced
 from diloco_lightning.hub.base import DeltaRef, Hub, PublishConflictError
@@ -63,6 +62,7 @@ from diloco_lightning.master.membership import Membership
 from diloco_lightning.master.metrics import RoundMetrics
 from diloco_lightning.master.publication import LeaseLost, Publisher
 from diloco_lightning.master.runstate import RunState
+from diloco_lightning.master.weights import owns_its_memory, update_distance
 from diloco_lightning.master.quorum import AUTO, ArrivalDeadline, is_fraction, quorum_count, quorum_size
 from diloco_lightning.master.validation import Accepted, DeltaRejected, DeltaValidator, max_abs, state_norm
 
@@ -275,7 +275,7 @@ class Rounds:
         # optimizer state is copied for publication (the round's peak stays one buffer lower)
         box = [mean]
         # its memory is the next round's read buffer (wire/arena.py): held by the arena once the step used it
-        spent = {k: t for k, t in mean.items() if _owns_its_memory(t)}
+        spent = {k: t for k, t in mean.items() if owns_its_memory(t)}
         del mean
         stepper = round_step(self.run.opt, self.config.outer_optimizer, legacy=legacy, tau_max=tau_max)
 
@@ -461,7 +461,7 @@ class Rounds:
         except BaseException:
             self.roll_back(buf, backup)
             raise
-        update = _distance(buf, run.state, self.validator.arena.lanes) if run.state is not None else math.nan
+        update = update_distance(buf, run.state, self.validator.arena.lanes) if run.state is not None else math.nan
         at = applied_at if applied_at is not None else [new_step - 1] * len(accepted)
         # per outer step: a pass of several steps is not a sign of divergence (health.py compares versions)
         update /= max(1, new_step - run.outer_step)
@@ -478,41 +478,3 @@ class Rounds:
         m.published += 1
         self.on_published()
         return True
-
-
-def _owns_its_memory(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the whole of its storage, contiguous (not a view into a larger buffer)."""
-    return (t.is_contiguous() and t.data_ptr() == t.untyped_storage().data_ptr()
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
-
-
-#: elements per slice of :func:`_distance` (4 MiB of FP32): its temporaries stay that small
-_DISTANCE_SLICE = 1 << 20
-
-
-def _distance(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], lanes: Lanes | None = None) -> float:
-    """``|new - old|`` over the synced keys (the outer update's L2 norm), a slice of a key at a
-    time: ``torch.dist`` of a whole key makes a temporary of its size (71 MB for a 25M model's
-    embedding), which was the round's peak memory. With ``lanes``, the slices side by side, their
-    squares summed in the same order (the same float)."""
-    pairs = [(t, old[k]) for k, t in new.items() if k in old and is_synced(t) and old[k].shape == t.shape]
-
-    def slice_sq(a: torch.Tensor, b: torch.Tensor) -> float:
-        real = not a.is_complex()  # FP32 arithmetic for half precision; a complex key keeps its imaginary part
-        x, y = (a.float(), b.float()) if real else (a, b)
-        return float(torch.dist(x, y)) ** 2
-
-    total = 0.0
-    with torch.no_grad():
-        spans = None
-        if lanes is not None:
-            spans = lanes.over_spans(slice_sq, pairs, _DISTANCE_SLICE * 4)  # 4 bytes an FP32 value: the same slices
-            if spans is not None and any(a.element_size() != 4 for a, _ in pairs):
-                spans = None  # slices are counted in values: only FP32 keys slice the same way in bytes
-        if spans is None:
-            spans = [[slice_sq(a.reshape(-1)[i:i + _DISTANCE_SLICE], b.reshape(-1)[i:i + _DISTANCE_SLICE])
-                      for i in range(0, a.numel(), _DISTANCE_SLICE)] for a, b in pairs]
-        for squares in spans:
-            for sq in squares:
-                total += sq
-    return math.sqrt(total)

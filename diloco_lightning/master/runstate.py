@@ -35,6 +35,7 @@ from diloco_lightning.hub.versions import load_global, load_outer_state
 from diloco_lightning.hub.base import Hub
 from diloco_lightning.wire.manifest import Manifest, ManifestError, parse_fragments
 from diloco_lightning.master import localstate
+from diloco_lightning.master.weights import check_state, cpu_clone  # noqa: F401 - also their old home
 from diloco_lightning.master.config import MasterConfig, MasterConfigError, with_run_fragments
 from diloco_lightning.wire.names import init_path
 from diloco_lightning.wire.signing import RunKey
@@ -46,36 +47,6 @@ __all__ = ["RunState", "check_state", "STATE_DICT_FORMAT"]
 log = logging.getLogger(__name__)
 
 STATE_DICT_FORMAT = "diloco-master/1"
-
-
-def check_state(state: Any, what: str) -> Mapping[str, torch.Tensor]:
-    """``state`` if it is a non-empty ``str -> Tensor`` mapping with a floating tensor and no NaN or
-    infinite value, else ``ValueError`` naming the problem (a run started from NaN weights would
-    refuse every delta, every round)."""
-    if not isinstance(state, Mapping) or not state:
-        raise ValueError(f"{what} must be a non-empty mapping of str to Tensor")
-    for k, v in state.items():
-        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
-            raise ValueError(f"{what} must map str to Tensor; entry {str(k)[:80]!r} is {type(v).__name__}")
-    if not any(is_synced(v) for v in state.values()):
-        raise ValueError(f"{what} has no floating point tensor to train")
-    for k, v in state.items():
-        if not is_synced(v):
-            continue
-        if v.dtype not in _GLOBAL_DTYPES:
-            raise ValueError(f"{what}: {k[:80]!r} is {str(v.dtype).removeprefix('torch.')}; the outer optimizer updates "
-                             f"{', '.join(str(d).removeprefix('torch.') for d in _GLOBAL_DTYPES)} weights")
-        if v.numel() and not bool(torch.isfinite(v).all()):
-            raise ValueError(f"{what}: {k[:80]!r} holds NaN or infinite values")
-    return state
-
-
-#: the floating (and complex) dtypes a global state's synced tensors may have
-_GLOBAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64, torch.complex128)
-
-
-def cpu_clone(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
 class RunState:

@@ -105,7 +105,7 @@ def check_cgad_gate_args(alpha: Any, tau_cut: Any) -> tuple[float, float]:
     return alpha, (int(tau_cut) if float(tau_cut).is_integer() else tau_cut_f)
 
 
-class _AdamBase(OuterOptimizer):
+class AdamBase(OuterOptimizer):
     """Bias-corrected Adam on gated pseudo-gradients; subclasses choose the gate.
 
     Step counts and moment scales are kept per key, so a key a delta does not carry is left
@@ -243,7 +243,7 @@ class _AdamBase(OuterOptimizer):
         return self._t
 
 
-class CGAD(_AdamBase):
+class CGAD(AdamBase):
     """Cosine-Gated Adam-Decay (Shah & Sun 2026, arXiv 2605.09126).
 
     Args:
@@ -278,7 +278,7 @@ class CGAD(_AdamBase):
         return cgad_gate(staleness, self.alpha, self.tau_cut)
 
 
-class AdamDecay(_AdamBase):
+class AdamDecay(AdamBase):
     """Adam-Decay: CGAD without the cosine cut, ``gate = exp(-alpha*tau)`` (arXiv 2605.09126).
 
     Args: as :class:`CGAD`, without ``tau_cut``.

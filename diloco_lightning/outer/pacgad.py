@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import Tensor
 
-from diloco_lightning.outer.adam import _AdamBase, check_cgad_gate_args
+from diloco_lightning.outer.adam import AdamBase, check_cgad_gate_args
 from diloco_lightning.outer.base import check_int
 from diloco_lightning.outer.gates import cgad_gate, check_staleness
 from diloco_lightning.outer.work import Item
@@ -68,7 +68,7 @@ def _matches(entry: str, key: str) -> bool:
     return key == entry or key.startswith(entry + ".")
 
 
-class PACGAD(_AdamBase):
+class PACGAD(AdamBase):
     """Per-fragment CGAD: fragment ``f`` is gated on ``max(tau, age_f)`` (arXiv 2605.09126).
 
     Args:

@@ -234,7 +234,7 @@ class Delta:
         return self.header.base_outer_step
 
 
-_KNOWN_KEYS = {"format", "node_id", "local_step", "base_outer_step", "num_tokens", "model_fingerprint", "signature",
+KNOWN_KEYS = {"format", "node_id", "local_step", "base_outer_step", "num_tokens", "model_fingerprint", "signature",
                *ENCODING_KEYS}
 
 
@@ -286,7 +286,7 @@ def _parse_header(path: str | Path, md: Mapping[str, str] | None) -> DeltaHeader
     fp = md.get("model_fingerprint") or None
     if fp is not None and (len(fp) != 64 or any(c not in "0123456789abcdef" for c in fp)):
         raise HeaderError(path, f"header 'model_fingerprint' is not a SHA-256 hex digest: {fp!r}")
-    extra = {k: v for k, v in md.items() if k not in _KNOWN_KEYS}
+    extra = {k: v for k, v in md.items() if k not in KNOWN_KEYS}
     encoding = _parse_encoding(path, md)
     return DeltaHeader(node_id, local_step, base, num_tokens, fp, md.get("signature") or None, extra, encoding=encoding)
 

@@ -43,7 +43,7 @@ from diloco_lightning.wire.delta.header import (
     SignatureError,
     SizeError,
     UnreadableDeltaError,
-    _parse_header,
+    parse_header,
     synced_keys,
 )
 from diloco_lightning.encoding import EncodedTensor, EncodingError, check_layout, part_name, split_part_name
@@ -111,7 +111,7 @@ def _layout(source, path: str | Path, *, max_header: int, max_file: int | None):
 
 def read_delta_header(path: str | Path, *, max_header: int = 100 << 20, header_parser: HeaderParser | None = None) -> DeltaHeader:
     """Parse and check the header only (no tensor byte is read; the file's layout is checked)."""
-    return (header_parser or _parse_header)(path, _layout(path, path, max_header=max_header, max_file=None).metadata)
+    return (header_parser or parse_header)(path, _layout(path, path, max_header=max_header, max_file=None).metadata)
 
 
 def read_delta(
@@ -196,7 +196,7 @@ def read_delta(
         raise UnreadableDeltaError(path, f"cannot open ({type(e).__name__}: {e.strerror or e})") from None
     with f:
         return _read_open_delta(f, path, path_str, want, reference, max_header, max_file_bytes, hub_path,
-                                expected_fingerprint, signing_key, check_finite, copy, header_parser or _parse_header,
+                                expected_fingerprint, signing_key, check_finite, copy, header_parser or parse_header,
                                 arena if copy else None)
 
 

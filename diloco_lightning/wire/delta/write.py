@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from diloco_lightning.encoding import PART_SEP, EncodedTensor, EncodingSpec
 from diloco_lightning.util.fileio import atomic_write
 from diloco_lightning.wire.delta.header import (
-    _KNOWN_KEYS,
+    KNOWN_KEYS,
     COMPLEX_DELTA_DTYPES,
     DELTA_DTYPES,
     MAX_NUM_TOKENS,
@@ -99,7 +99,7 @@ def write_delta(
         base_outer_step=base_outer_step,
         num_tokens=num_tokens,
         model_fingerprint=model_fingerprint,
-        extra={k: str(v) for k, v in (extra_metadata or {}).items() if k not in _KNOWN_KEYS},
+        extra={k: str(v) for k, v in (extra_metadata or {}).items() if k not in KNOWN_KEYS},
         encoding=encoding,
     )
     md = header.to_metadata()
