@@ -98,27 +98,34 @@ def _cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def _until_first_step(proc: subprocess.Popen, timeline: Path, deadline: float) -> float | None:
+    """Wait for ``proc``'s first training step (or its end); its CPU seconds then."""
+    while time.monotonic() < deadline:
+        if "first_step" in _marks(timeline, proc.pid) or proc.poll() is not None:
+            return _cpu_seconds(proc.pid)
+        time.sleep(0.05)
+    return None
+
+
+def _first_marks(proc: subprocess.Popen, timeline: Path, cwd: Path) -> dict[str, float]:
+    marks = _marks(timeline, proc.pid)
+    if "first_step" not in marks:
+        raise RuntimeError(f"the restarted worker reached no training step (see {cwd / 'restart.log'}): {marks}")
+    return marks
+
+
 def _restart(cwd: Path, args: list[str], timeline: Path, timeout: float) -> dict[str, float]:
     """One worker process from spawn to its first training step (then SIGKILL): its marks, and its
     CPU seconds then (``cpu``: steadier than wall time on a shared machine)."""
     log = open(cwd / "restart.log", "ab")  # noqa: SIM115 - the child's output, for a failed start
     spawn = time.time()
     proc = subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=cwd, env=_env(timeline), stdout=log, stderr=log)
-    cpu = None
     try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            marks = _marks(timeline, proc.pid)
-            if "first_step" in marks or proc.poll() is not None:
-                cpu = _cpu_seconds(proc.pid)
-                break
-            time.sleep(0.05)
+        cpu = _until_first_step(proc, timeline, time.monotonic() + timeout)
     finally:
         _kill(proc)
         log.close()
-    marks = _marks(timeline, proc.pid)
-    if "first_step" not in marks:
-        raise RuntimeError(f"the restarted worker reached no training step (see {cwd / 'restart.log'}): {marks}")
+    marks = _first_marks(proc, timeline, cwd)
     marks["spawn"] = spawn
     if cpu is not None:
         marks["cpu"] = cpu
@@ -133,7 +140,7 @@ def _restart_spare(cwd: Path, config: Path, timeline: Path, timeout: float) -> d
     proc = subprocess.Popen([sys.executable, "-m", "diloco_lightning.app.worker", "--config", str(config),
                              "--node-index", "0", "--spare"], cwd=cwd, env=_env(timeline), stdin=subprocess.PIPE,
                             stdout=log, stderr=log)
-    cpu = cpu_at_go = None
+    cpu = cpu_at_go = go = None
     try:
         deadline = time.monotonic() + timeout
         while "spare_ready" not in _marks(timeline, proc.pid):
@@ -146,18 +153,11 @@ def _restart_spare(cwd: Path, config: Path, timeline: Path, timeout: float) -> d
         assert proc.stdin is not None
         proc.stdin.write(b"go\n")
         proc.stdin.close()
-        while time.monotonic() < deadline:
-            marks = _marks(timeline, proc.pid)
-            if "first_step" in marks or proc.poll() is not None:
-                cpu = _cpu_seconds(proc.pid)
-                break
-            time.sleep(0.05)
+        cpu = _until_first_step(proc, timeline, deadline)
     finally:
         _kill(proc)
         log.close()
-    marks = _marks(timeline, proc.pid)
-    if "first_step" not in marks:
-        raise RuntimeError(f"the spare reached no training step (see {cwd / 'restart.log'}): {marks}")
+    marks = _first_marks(proc, timeline, cwd)
     marks["spawn"] = go
     if cpu is not None and cpu_at_go is not None:
         marks["cpu"] = cpu - cpu_at_go
