@@ -47,6 +47,16 @@ On a quiet machine (load 0.6-0.9, ``--n 8 --repeat 3``): ours 0.935 s best / 0.9
 Speedtronic 2.789 / 2.808 s, 1696 MB: 0.335x its time, 0.369x its memory (CPU 0.93 s against 2.15 s).
 ``MASTER_ROUND_PROFILE=1`` on the child prints where a round goes (1.08 s there: reads 0.22 s, the
 per-delta norms 0.17 s, the sum 0.13 s, fsync 0.11 s, SHA-256 0.11 s).
+Then (2026-12-07 20:05 UTC, load 0.9-1.1, ``--n 8 --repeat 3``) the round on lanes (``round_threads``,
+util/lanes.py: each delta read with ``preadv`` and normed in 8 MB spans on both cores, the sum, the
+mean's check, the update norm and the state copy likewise, folded in order: the same bits) and the
+staged files' writeback started as they are written (the hub's fsync then finds them on disk): ours
+0.617 s best / 0.643 s median, 629 MB; Speedtronic 2.950 / 2.986 s, 1696 MB: **0.209x its time,
+0.371x its memory** (CPU 0.97 s against 2.31 s). With ``--speedtronic-threads 0`` (its torch default,
+both cores): 0.634 against 2.663 s, 0.238x. With ``--round-threads 1`` (one lane: the writeback
+alone): 0.87 against 2.89 s, 0.300x. What is left at N = 8 is bandwidth: 805 MB copied out of the
+page cache and normed (0.24 s on two lanes, where one lane takes 0.30 s), the sum and the mean
+(0.16 s), SHA-256 and the writes of the two 101 MB files (0.145 s on two threads).
 With torch's default 2 threads on the busy machine, N=8 took 2.7-3.9 s: OpenMP barriers
 stall when the cores are shared, hence ``torch_threads=1`` for a dedicated master.
 """

@@ -414,7 +414,8 @@ class Rounds:
         assert run.state is not None
         # the round's read buffer becomes the state buffer stepped on (no memory faulted in; wire/arena.py)
         storage = self.validator.arena.give(run.state)
-        return run.spare_buffer(storage), None if run.committed_outer_file is not None else run.opt.state_dict()
+        return (run.spare_buffer(storage, self.validator.arena.lanes),
+                None if run.committed_outer_file is not None else run.opt.state_dict())
 
     def roll_back(self, buf: dict[str, torch.Tensor], backup: Any) -> None:
         """Undo steps taken on ``buf`` and forget what was processed but not published."""

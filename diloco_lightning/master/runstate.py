@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from diloco_lightning.util.fileio import copy_checked
+from diloco_lightning.util.lanes import Lanes
 from diloco_lightning.wire.delta import is_synced, model_fingerprint
 from diloco_lightning.wire.fragments import (
     FragmentError,
@@ -197,11 +198,11 @@ class RunState:
 
     # ------------------------------------------------------------------ the working buffer
 
-    def spare_buffer(self, storage: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def spare_buffer(self, storage: Mapping[str, torch.Tensor] | None = None, lanes: Lanes | None = None) -> dict[str, torch.Tensor]:
         """A second state buffer holding a copy of the current state (allocated once, reused): a
         round steps on it and swaps it in after publishing, so readers never wait. ``storage``:
         tensors of some keys' shapes and dtypes to use when there is no spare (the round's read
-        buffer, memory already in place)."""
+        buffer, memory already in place). ``lanes``: the copy in spans on the round's threads."""
         assert self.state is not None
         spare = self._spare
         if spare is None or spare.keys() != self.state.keys() or any(
@@ -210,8 +211,10 @@ class RunState:
             have = storage or {}
             spare = {k: have[k] if k in have and have[k].shape == v.shape and have[k].dtype == v.dtype
                      else torch.empty_like(v) for k, v in self.state.items()}
-        for k, v in self.state.items():
-            spare[k].copy_(v)
+        pairs = [(spare[k], v) for k, v in self.state.items()]
+        if lanes is None or lanes.over_spans(lambda a, b: a.copy_(b), pairs) is None:  # side by side, else whole
+            for a, b in pairs:
+                a.copy_(b)
         self._spare = None
         return spare
 
