@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default="ckpt,fresh,spare",
                     help="ckpt (a new process resumed from its checkpoint), fresh (without it), spare (a warm spare "
                          "told to go, supervise.spare: timed from the go; with its checkpoint)")
+    ap.add_argument("--recipe", default="tiny", help="the recipe every process runs (default tiny, the study model)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a start may take before it counts as failed")
     ap.add_argument("--keep", default=None, help="run in this folder and keep it (default: a temporary one)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k for k in args.kinds.split(",") if k]
     cwd = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="restart-time-"))
     cwd.mkdir(parents=True, exist_ok=True)
-    common = ["recipe=tiny", "workers=1", "run_id=restart_time", "trainer.max_steps=100000", *args.overrides]
+    common = [f"recipe={args.recipe}", "workers=1", "run_id=restart_time", "trainer.max_steps=100000", *args.overrides]
     # the restarts run their worker in the command's process (no supervisor: one process, timed from its spawn)
     worker = [*common, "role=worker", "node_index=0", "supervise.restarts=0"]
     run = cwd / "runs" / "restart_time"
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     wall, imports = _import_profile(cwd, [*common, "diloco.inner_steps=oops"])
     load = os.getloadavg()
     names = [name for name, _, _ in PHASES] + ["checkpoint", "total", "cpu_total"]
-    print(f"\nrestart to first training step, recipe=tiny, median of {args.repeats} (seconds; load average "
+    print(f"\nrestart to first training step, recipe={args.recipe}, median of {args.repeats} (seconds; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs)")
     print(f"{'phase':<18}" + "".join(f"{k:>10}" for k in kinds))
     medians: dict[str, dict[str, float]] = {k: {} for k in kinds}
