@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import importlib
 import re
 from pathlib import Path
@@ -176,8 +177,15 @@ FOREIGN_FILES = {
 }
 
 
-def _repo_files(suffix: str) -> set[str]:
-    return {p.name for p in ROOT.rglob(f"*{suffix}") if not ({".git", "runs", "outputs"} & set(p.relative_to(ROOT).parts))}
+@functools.lru_cache(maxsize=None)
+def _repo_files(suffix: str) -> frozenset[str]:
+    """The names of the repository's files ending in ``suffix``: one walk, its run folders and hidden
+    folders (``.git``) not entered."""
+    names: set[str] = set()
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in {"runs", "outputs", "__pycache__"}]
+        names.update(f for f in files if f.endswith(suffix))
+    return frozenset(names)
 
 
 @functools.lru_cache(maxsize=None)
