@@ -182,7 +182,7 @@ def _repo_files(suffix: str) -> frozenset[str]:
     """The names of the repository's files ending in ``suffix``: one walk, its run folders and hidden
     folders (``.git``) not entered."""
     names: set[str] = set()
-    for folder, dirs, files in os.walk(ROOT):
+    for _folder, dirs, files in os.walk(ROOT):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in {"runs", "outputs", "__pycache__"}]
         names.update(f for f in files if f.endswith(suffix))
     return frozenset(names)
