@@ -137,6 +137,8 @@ print("torch imported", "torch" in sys.modules)
     ("train", ["supervise.restarts=-1"], "supervise.restarts"),
     ("train", ["launch=sim", "sim.quorum=-3"], "sim.quorum"),
     ("master", ["max_rounds=-1"], "max_rounds"),
+    ("train", ["outer.lr=-1"], "outer.lr"),  # the outer optimizer's other options need it built on a probe (torch)
+    ("master", ["outer.lr=0"], "outer.lr"),
 ])
 def test_a_bad_value_is_refused_before_torch_is_imported(tmp_path, command, args, key):
     """Start-up: every check but the outer optimizer's (which builds one on a probe) runs before

@@ -26,7 +26,7 @@ from diloco_lightning.hub.options import HubOptions
 from diloco_lightning.hub.transports import known_url, url_forms
 from diloco_lightning.master.config import MasterConfig
 from diloco_lightning.util.errors import ConfigError
-from diloco_lightning.util.options import OptionError, default_of
+from diloco_lightning.util.options import OptionError, check_number, default_of
 from diloco_lightning.sim.options import SimOptions
 from diloco_lightning.worker.options import WorkerOptions
 
@@ -71,12 +71,24 @@ def validate_outer(o: DictConfig, prefix: str = "outer.") -> None:
         raise ConfigError(f"{prefix}options", str(e)) from None
 
 
+def check_outer_lr(o: DictConfig, prefix: str = "outer.") -> None:
+    """``outer.lr``: null or a number > 0 (``MasterConfig.outer_lr``'s rule), checked before the optimizers'
+    package imports torch, so the commonest bad outer value is refused in well under a second."""
+    from types import SimpleNamespace
+
+    try:
+        check_number(SimpleNamespace(lr=o.lr), "lr", low=0.0, strict=True, optional=True)
+    except OptionError as e:
+        raise ConfigError(f"{prefix}lr", e.detail) from None
+
+
 def outer_options(o: DictConfig, prefix: str = "outer.") -> dict[str, Any]:
     """``{"lr": o.lr, **o.options}`` for the named optimizer (:func:`diloco_lightning.outer.options.outer_options`:
     options it does not take are dropped with a warning, so ``outer.name=X`` works on top of another
     group's options); a :class:`ConfigError` naming the key. ``options.lr`` (the library's spelling) is
     the lr when ``lr`` is null, and an error when both are given and differ (it used to be dropped
     silently in favour of ``lr``)."""
+    check_outer_lr(o, prefix)
     from diloco_lightning.master.config import default_lr
     from diloco_lightning.outer.options import outer_options as checked
 
@@ -201,7 +213,9 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 def _check_outer_sections(master: DictConfig, master_prefix: str, outer: DictConfig) -> None:
     """The master's and the outer optimizer's sections, after every other check: each builds the outer
-    optimizer on a probe, which imports torch (a bad value elsewhere is refused without it)."""
+    optimizer on a probe, which imports torch (a bad value elsewhere is refused without it, and so is
+    a bad ``outer.lr``)."""
+    check_outer_lr(outer, "outer.")
     validate_master_section(master, master_prefix)
     validate_outer(outer, "outer.")
 

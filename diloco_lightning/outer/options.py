@@ -26,16 +26,17 @@ def outer_options(name: Any, lr: Any, options: Any, *, state_dtype: Any = "float
                   where: str = "") -> dict[str, Any]:
     """``{"lr": lr, **options}`` for the optimizer ``name`` (see the module docstring); ``where``
     prefixes the option names in the warning about dropped ones (``"outer."``)."""
+    # what needs no optimizer class first: a bad lr is refused before torch is imported (the CLI's start-up)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or not lr > 0:
+        raise OptionError("lr", f"must be a number > 0, got {lr}")
+    if not isinstance(options, Mapping):
+        raise OptionError("options", "must be a mapping")
     from diloco_lightning.outer import OUTER_OPTIMIZERS, outer_optimizer_options
     from diloco_lightning.outer.precision import STATE_DTYPES
 
     if name not in OUTER_OPTIMIZERS:
         raise OptionError("name", f"unknown outer optimizer {name!r}; valid: {', '.join(sorted(OUTER_OPTIMIZERS))}",
                           f"unknown outer optimizer {name!r}; valid: {', '.join(sorted(OUTER_OPTIMIZERS))}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or not lr > 0:
-        raise OptionError("lr", f"must be a number > 0, got {lr}")
-    if not isinstance(options, Mapping):
-        raise OptionError("options", "must be a mapping")
     state_dtype = str(state_dtype)
     if state_dtype not in STATE_DTYPES:
         raise OptionError("state_dtype", f"must be float32 (fp32), bfloat16 (bf16) or int8, got {state_dtype!r}")
