@@ -69,7 +69,7 @@ class SuperviseOptions:
         600.0, "seconds a restarted worker must run for its restart count and back-off to start again from zero"
     )
     spare: bool = option(
-        True, "keep a warm spare of a supervised worker (train.py role=worker): a process with torch and Lightning "
+        True, "keep a warm spare of each supervised worker (role=worker and role=all): a process with torch and Lightning "
         "imported, waiting, that a restart wakes instead of starting one (no import time); it holds no hub, data or "
         "model until then"
     )
