@@ -459,8 +459,10 @@ def test_worker_progress_is_applied_exactly_once_across_kill_9(crash_hubs, tmp_p
     restarts (a master that already processed one is the other test below); then a master applies
     them all. The global must end at exactly 10 + 20 steps of progress."""
     hub = crash_hubs.open()
+    # a short lease: the master is not running while the workers do, so a finished worker's final install
+    # (worker/final.py) sees it gone at once instead of waiting out 30 s of lease
     m = MasterOuterLoop(hub, {"p": torch.full((8,), 10.0)}, node_state_dir=tmp_path / "m", outer_optimizer="nesterov", outer_lr=1.0,
-                        outer_momentum=0.0, aggregation="arrival", lease_ttl=30)
+                        outer_momentum=0.0, aggregation="arrival", lease_ttl=2)
     assert m.sync_once()  # outer step 0: what the worker installs
     cfg = dict(hub=crash_hubs.url, hub_options=crash_hubs.options, ckpt_dir=str(tmp_path / "ckpt"), max_steps=20, inner_steps=2)
     first = _run_worker(cfg, f"{point}:3")
