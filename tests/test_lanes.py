@@ -90,13 +90,13 @@ def small_spans(request, monkeypatch):
     """Lanes over whole tensors (the default spans, larger than these tensors), or over spans of a
     few read chunks each (several per tensor, one ending inside a tensor)."""
     if request.param == "spans":
-        import diloco_lightning.master.aggregation as aggregation
+        import diloco_lightning.util.lanes as lanes
         import diloco_lightning.wire.delta.read as read
         import diloco_lightning.wire.layout as layout
 
         monkeypatch.setattr(layout, "_READ_CHUNK", 4096)
         monkeypatch.setattr(read, "_SPAN", 3 * 4096)
-        monkeypatch.setattr(aggregation, "_SPAN", 5000)
+        monkeypatch.setattr(lanes, "SPAN_BYTES", 5000)
     return request.param
 
 

@@ -61,10 +61,6 @@ class NonFiniteAggregate(DiLoCoError, ValueError):
         super().__init__(f"the aggregate of key {key!r} is not finite")
 
 
-#: bytes of one tensor a lane takes at a time (``Lanes.over_spans``; a test makes it small)
-_SPAN = 8 << 20
-
-
 def _is_synced(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
@@ -157,7 +153,7 @@ class RoundSum:
         the flattened tensors (``Lanes.over_spans``: elementwise, the same bits as whole tensors).
         Per pair, whether no call returned False. Encoded values are taken whole, one at a time
         (their decoders make no promise about threads)."""
-        spans = None if self._lanes is None else self._lanes.over_spans(fn, pairs, _SPAN)
+        spans = None if self._lanes is None else self._lanes.over_spans(fn, pairs)
         if spans is None:
             return [fn(s, d) is not False for s, d in pairs]
         return [all(r is not False for r in results) for results in spans]
