@@ -54,6 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from diloco_lightning.app.supervise import Spare  # noqa: E402
+
 WORKER = ROOT / "tests" / "support" / "worker_crash_script.py"
 START = 10.0  # the counter's initial value
 
@@ -129,33 +131,27 @@ class Proc:
         self.lives: list[dict[str, Any]] = []
         self.popen: subprocess.Popen | None = None
         self.done = False
-        #: the next life started ahead of need with ``--spare`` (the product's ``supervise.spare``): its imports
-        #: done, waiting for a go on its standard input; its life is counted from the go
+        #: the next life started ahead of need (the product's ``supervise.spare``, app/supervise.py: Spare): its
+        #: imports done, waiting for a go; its life is counted from the go. One per life: a spare that died is not
+        #: started again before the next life
         self.with_spare = spare
-        self.spare: subprocess.Popen | None = None
+        self.spare: Spare | None = None
 
     def prepare_spare(self) -> None:
-        if self.with_spare and not self.done and (self.spare is None or self.spare.poll() is not None):
+        if self.with_spare and not self.done and self.spare is None:
             n = len(self.lives)  # the life it will be
-            out = open(self.logs / f"{self.name}.{n}.log", "w")  # noqa: SIM115 - the child writes it
-            self.spare = subprocess.Popen([*self.argv_for_life(n), "--spare"], stdin=subprocess.PIPE, stdout=out,
-                                          stderr=subprocess.STDOUT, env=self.env)
-            out.close()
+            with open(self.logs / f"{self.name}.{n}.log", "w") as out:  # the child writes it
+                self.spare = Spare(self.argv_for_life(n), stdout=out, stderr=subprocess.STDOUT, env=self.env)
+                self.spare.prepare()
 
     def start(self) -> None:
         n = len(self.lives)
         spare, self.spare = self.spare, None
-        if spare is not None and spare.poll() is None:
-            try:
-                assert spare.stdin is not None
-                spare.stdin.write(b"go\n")
-                spare.stdin.close()
-                self.popen = spare
-                self.lives.append({"start": time.monotonic(), "end": None, "how": None, "spare": True})
-                return
-            except OSError:
-                spare.kill()
-                spare.wait()
+        woken = spare.take() if spare is not None else None
+        if woken is not None:
+            self.popen = woken
+            self.lives.append({"start": time.monotonic(), "end": None, "how": None, "spare": True})
+            return
         out = open(self.logs / f"{self.name}.{n}.log", "w")  # noqa: SIM115 - the child writes it
         self.popen = subprocess.Popen(self.argv_for_life(n), stdout=out, stderr=subprocess.STDOUT, env=self.env)
         out.close()
@@ -164,8 +160,7 @@ class Proc:
     def close_spare(self) -> None:
         spare, self.spare = self.spare, None
         if spare is not None:
-            spare.kill()
-            spare.wait()
+            spare.close()
 
     def poll(self) -> int | None:
         if self.popen is None:
