@@ -48,7 +48,9 @@ from pathlib import Path
 from typing import Iterator
 
 from diloco_lightning.util import faults
-from diloco_lightning.util.fileio import RefusedFile, file_kind, read_document, sweep_temporaries_at, temp_prefix
+from diloco_lightning.util.fileio import (
+    RefusedFile, file_kind, read_document, sweep_temporaries_at, temp_prefix, write_all,
+)
 from diloco_lightning.util.warnonce import WarnOnce
 from diloco_lightning.hub.base import HubError
 from diloco_lightning.wire.names import GLOBAL_DIR, NODE_ID_RE, NODES_DIR
@@ -245,9 +247,7 @@ class HubFolder:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
         try:
             if isinstance(src, bytes):
-                view = memoryview(src)
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, src)
             else:
                 self.copy_into(src, fd)
             os.fsync(fd)

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 
 from diloco_lightning.wire.delta import model_fingerprint
-from diloco_lightning.util.fileio import sha256_file, start_writeback
+from diloco_lightning.util.fileio import sha256_file, start_writeback, write_all
 from diloco_lightning.hub.versions import StagedGlobal
 from diloco_lightning.wire.names import global_outer_state_path, global_weights_path
 from diloco_lightning.wire.statefile import STATE_FORMAT, pack_state_dict, save_state_file, save_weights_file
@@ -100,7 +100,7 @@ def write_safetensors_hashed(path: str | os.PathLike, tensors: Mapping[str, torc
     h.update(prefix)
     with open(path, "wb", buffering=0) as f:
         fd = f.fileno()
-        written = flushed = _write_all(fd, prefix)
+        written = flushed = write_all(fd, prefix)
         for name in names:
             t = tensors[name]
             if t.numel() == 0:
@@ -108,7 +108,7 @@ def write_safetensors_hashed(path: str | os.PathLike, tensors: Mapping[str, torc
             buf = memoryview(_raw(t))
             for i in range(0, len(buf), _PIECE):  # each piece hashed right after it is written: still in cache
                 piece = buf[i:i + _PIECE]
-                written += _write_all(fd, piece)
+                written += write_all(fd, piece)
                 h.update(piece)
                 if written - flushed >= _WRITEBACK:  # the disk writes while the rest is written and hashed
                     start_writeback(fd, flushed, written - flushed)
@@ -116,13 +116,6 @@ def write_safetensors_hashed(path: str | os.PathLike, tensors: Mapping[str, torc
         start_writeback(fd, flushed, written - flushed)
     return h.hexdigest()
 
-
-def _write_all(fd: int, data) -> int:
-    view = memoryview(data)
-    total = len(view)
-    while view:
-        view = view[os.write(fd, view):]
-    return total
 
 
 def _stage_weights(path: Path, outer_step: int, state: Mapping[str, torch.Tensor]) -> str:

@@ -44,6 +44,16 @@ log = logging.getLogger(__name__)
 _CHUNK = 8 << 20
 
 
+def write_all(fd: int, data) -> int:
+    """Write every byte of ``data`` (any buffer) to the descriptor ``fd`` (``os.write`` may write
+    less than asked); the number written."""
+    view = memoryview(data).cast("B")
+    total = len(view)
+    while view:
+        view = view[os.write(fd, view):]
+    return total
+
+
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, wait for nothing
 _sync_file_range: Callable[[int, int, int, int], int] | None | bool = False  # False: not looked up yet
 
