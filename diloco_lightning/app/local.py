@@ -216,24 +216,18 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
     supervise = SuperviseOptions(**{k: cfg.supervise[k] for k in SuperviseOptions.names()}).validate()
     policies = [Restarts(supervise, f"worker {node_id(i)}") for i in range(cfg.workers)]
 
-    spares: list[Spare] = []
-    began: list[float] = []  # when each worker process started (its spare comes supervise.spare_after seconds later)
-    spared: list[bool] = []  # whether this life of each worker has had its spare started
+    spares: list[Spare] = []  # one per worker when supervise.spare (each knows its worker's life)
 
     def restart(i: int, line: str) -> None:
         device = devices[i % len(devices)] if devices else None
         spare = spares[i] if spares else None
         restart_worker(config_path, rdir, i, threads, device, procs, logs, line, spare)
-        began[i] = time.monotonic()
-        spared[i] = False
 
     def keep_spares() -> None:
-        now = time.monotonic()
         for i, sp in enumerate(spares):
             code = procs[i].poll()
-            if code is None and now - began[i] >= supervise.spare_after and not spared[i]:
-                spared[i] = True  # one spare per life: a spare that dies is not started again until the next life
-                sp.prepare()
+            if code is None:
+                sp.keep(supervise.spare_after)
             elif code == 0:  # this worker is done: no restart will need its spare
                 sp.close()
 
@@ -242,8 +236,6 @@ def run_all(cfg: DictConfig) -> dict[str, Any]:
             for i in range(cfg.workers):
                 device = devices[i % len(devices)] if devices else None
                 start_worker(config_path, rdir, i, threads, device, procs, logs)
-                began.append(time.monotonic())
-                spared.append(False)
                 if supervise.spare and supervise.restarts > 0:
                     spares.append(Spare(worker_command(config_path, i), env=process_env(threads, device),
                                         stdout=logs[i][0], stderr=subprocess.STDOUT))

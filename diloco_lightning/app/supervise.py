@@ -156,6 +156,15 @@ class Spare:
         self.command = [*command, SPARE_FLAG]
         self.popen = popen
         self._proc: subprocess.Popen | None = None
+        self._life = time.monotonic()  # when the worker's current life began (now: it is started with its Spare)
+        self._spared = False  # whether that life has had its spare started
+
+    def keep(self, after: float) -> None:
+        """Start the spare once the worker's current life has run ``after`` seconds; once per life (a spare
+        that died is not started again before the next life: :meth:`take` begins one)."""
+        if not self._spared and time.monotonic() - self._life >= after:
+            self._spared = True
+            self.prepare()
 
     @property
     def ready(self) -> bool:
@@ -168,8 +177,10 @@ class Spare:
             self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, **self.popen)
 
     def take(self) -> subprocess.Popen | None:
-        """The spare, told to go (it is the worker from now on), or None when there is none alive."""
+        """The spare, told to go (it is the worker from now on), or None when there is none alive (the caller
+        starts a process). Either way a new life of the worker begins."""
         proc, self._proc = self._proc, None
+        self._life, self._spared = time.monotonic(), False
         if proc is None or proc.poll() is not None:
             return None
         try:
