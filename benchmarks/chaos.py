@@ -28,7 +28,9 @@ oracle reads the hub:
   woken from a warm spare counts from its go: the spare waited idle, its imports done, as the
   product's ``supervise.spare`` does);
 * kills by kind, kills during an outage, and where the worker kills landed (the inner step within its
-  phase: 0 is just after a boundary).
+  phase: 0 is just after a boundary);
+* ``timeline``: every life of every process (``--timeline`` prints it), and ``losses_s``: where the
+  workers' process seconds that did not train went (start-up, stalls on the hub, replays, tails).
 
 Results go to ``runs/perf/chaos.json`` (one entry per run). Exit status 1 when anything was lost or
 duplicated.
@@ -211,6 +213,62 @@ def _trained_for(p: Proc, is_master: bool, logs: Path, now: float) -> float:
     return now - steps[0][0] if steps else -1.0
 
 
+def _timeline(master: Proc, workers: list[Proc], logs: Path, t0: float, step_s: float
+              ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Every life (seconds from the monkey's start) and where the workers' process seconds went.
+
+    A worker life is ``start`` (its spawn, or its go when woken from a warm spare), ``first`` (its first
+    inner step), ``last`` (its last), ``end`` (exit or kill, ``how``). Its seconds split into: start-up
+    (``start`` to ``first``, and the first step's own time), training at the median step time, stalls (steps
+    slower than that: boundaries that waited on the hub), replays (steps a life executed again after a kill:
+    its first step is below the previous life's last + 1) and the tail (``last`` to ``end``: a killed life's
+    unfinished step, or an exiting one's final flush). The losses over the workers' process seconds are 1 -
+    time goodput, up to the applied steps that no life counted twice."""
+    rows: list[dict[str, Any]] = []
+    losses = {"startup": 0.0, "stalls": 0.0, "replays": 0.0, "tail": 0.0}
+    for p in [master, *workers]:
+        done = 0  # the highest global step a previous life of this worker executed
+        for n, life in enumerate(p.lives):
+            end = life["end"] if life["end"] is not None else time.monotonic()
+            row: dict[str, Any] = {"who": p.name, "life": n, "start": round(life["start"] - t0, 2),
+                                   "end": round(end - t0, 2), "how": life["how"] or "running",
+                                   "spare": bool(life.get("spare"))}
+            if p is not master:
+                steps = _steps(logs / f"{p.name}.{n}.steps")
+                if steps:
+                    first, last = steps[0], steps[-1]
+                    replayed = sum(1 for _, g in steps if g <= done)
+                    stall = sum(max(0.0, b[0] - a[0] - step_s) for a, b in zip(steps, steps[1:]))
+                    row.update(first=round(first[0] - t0, 2), last=round(last[0] - t0, 2), steps=len(steps),
+                               from_step=first[1], to_step=last[1], replayed=replayed,
+                               startup_s=round(first[0] - life["start"], 2), stall_s=round(stall, 2),
+                               tail_s=round(end - last[0], 2))
+                    losses["startup"] += first[0] - life["start"]
+                    losses["stalls"] += stall
+                    losses["replays"] += replayed * step_s
+                    losses["tail"] += end - last[0]
+                    done = max(done, last[1])
+                else:
+                    row.update(steps=0, startup_s=round(end - life["start"], 2))
+                    losses["startup"] += end - life["start"]
+            rows.append(row)
+    rows.sort(key=lambda r: r["start"])
+    return rows, {k: round(v, 1) for k, v in losses.items()}
+
+
+def _print_timeline(res: dict[str, Any]) -> None:
+    print(f"{'who':>7} {'life':>4} {'start':>8} {'first':>8} {'last':>8} {'end':>8}  {'how':<8} {'spare':<5} "
+          f"{'steps':>6} {'from':>6} {'replay':>6} {'startup':>7} {'stall':>6} {'tail':>6}")
+    for r in res.get("timeline", []):
+        print(f"{r['who']:>7} {r['life']:>4} {r['start']:>8} {r.get('first', ''):>8} {r.get('last', ''):>8} "
+              f"{r['end']:>8}  {r['how']:<8} {str(r['spare']):<5} {r.get('steps', ''):>6} {r.get('from_step', ''):>6} "
+              f"{r.get('replayed', ''):>6} {r.get('startup_s', ''):>7} {r.get('stall_s', ''):>6} {r.get('tail_s', ''):>6}")
+    ws = res.get("worker_seconds") or 0
+    if ws:
+        print("losses (s, share of the workers' process seconds): " + ", ".join(
+            f"{k} {v:g} ({v / ws:.3f})" for k, v in res.get("losses_s", {}).items()))
+
+
 # ----------------------------------------------------------------------------- one run
 
 
@@ -343,6 +401,7 @@ def run(args) -> dict[str, Any]:
                 intervals += [b[0] - a[0] for a, b in zip(steps, steps[1:]) if b[1] == a[1] + 1]
         step_s = statistics.median(intervals) if intervals else float("nan")
         worker_s = sum(w.seconds() for w in workers)
+        timeline, losses = _timeline(master, workers, logs, t0, step_s)
         result.update({
             "all_elements_equal": bool((p == p[0]).all()), "expected_steps": expected, "applied_steps": applied,
             "lost": max(0.0, expected - applied), "duplicated": max(0.0, applied - expected),
@@ -355,6 +414,7 @@ def run(args) -> dict[str, Any]:
             "failed_lives": {p.name: [life["how"] for life in p.lives if life["how"] not in (None, "exit", "killed")]
                              for p in procs},
             "ledger": manifest.ledger, "outer_step": manifest.outer_step,
+            "losses_s": losses, "timeline": timeline,
             "wall_s": round(time.monotonic() - t0, 1),
         })
     finally:
@@ -401,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outage-seconds", type=float, default=15.0, help="the longest outage (drawn in [1/3, 1] of it)")
     ap.add_argument("--drain-timeout", type=float, default=600.0, help="seconds after the kills for the run to end")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeline", action="store_true", help="print every life (start-up, stalls, replays, tail)")
     ap.add_argument("--keep", action="store_true", help="keep the run's folder (logs, hub)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "perf" / "chaos.json"))
     args = ap.parse_args(argv)
@@ -408,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         master_main(json.loads(args.config))
         return 0
     res = run(args)
+    if args.timeline:
+        _print_timeline(res)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out.read_text()) if out.exists() else []

@@ -277,3 +277,218 @@ def test_a_loop_that_does_not_replay_loses_nothing_after_a_restart(tmp_path):
     drain(m, m.hub)
     assert applied(m) == 5 * H, f"{applied(m) / H:g} of 5 phases applied"
     assert m.ledger == {"w0": 5}
+
+
+# ============================================================================ 4. a checkpoint while a delta uploads
+
+
+def _gated_hub(root: Path, *, create: bool = False):
+    """A folder hub whose delta uploads wait for ``gate`` (``lose``: the upload then fails without landing;
+    ``ended`` is set when an attempt is over)."""
+    from diloco_lightning.hub.local import FileHub
+
+    class Gated(FileHub):
+        def __init__(self) -> None:
+            super().__init__(root, create=create)
+            self.gate, self.entered, self.ended = threading.Event(), threading.Event(), threading.Event()
+            self.lose = False
+
+        def upload_delta(self, local, node_id, local_step):
+            self.entered.set()
+            try:
+                assert self.gate.wait(30)
+                if self.lose:
+                    raise ConnectionError("the connection dropped")
+                return super().upload_delta(local, node_id, local_step)
+            finally:
+                self.ended.set()
+
+    return Gated()
+
+
+def _checkpoint_mid_upload(tmp_path: Path, root: Path, params: dict[str, torch.Tensor], *, lands: bool, **kw):
+    """Worker w0 trains a phase (its delta_1 held at the gate), checkpoints with the upload in flight,
+    then the upload lands or fails and the process dies before it sends anything else."""
+    hub = _gated_hub(root)
+    w = DiLoCoWorker(hub, "w0", params, poll_interval=0.01, wait_timeout=30, claim=False, **kw)
+    w.start()
+    phase(params)
+    w.boundary()
+    assert hub.entered.wait(10)
+    counters, anchor = w.state_dict(), w.anchor_state()
+    assert not hub.gate.is_set()  # the checkpoint did not wait for the network
+    local = {k: v.detach().clone() for k, v in params.items()}
+    hub.lose = not lands
+    hub.gate.set()
+    assert hub.ended.wait(10)
+    w.close(flush=False)  # the process dies: nothing is sent after the attempt
+    return counters, anchor, local
+
+
+@pytest.mark.parametrize("lands,applied_first", [(True, False), (True, True), (False, False)],
+                         ids=["landed", "landed-applied-deleted", "lost"])
+def test_a_checkpoint_taken_while_a_delta_uploads_does_not_wait_and_loses_nothing(tmp_path, lands, applied_first):
+    """The checkpoint records the delta in flight as a doubt at its step instead of waiting for it: a
+    worker restarted from it asks the hub and sends it again only if it never landed (also when the master
+    applied and deleted it meanwhile: the ledger says so). Every phase is applied once."""
+    from diloco_lightning.hub.local import FileHub
+
+    root = tmp_path / "hub"
+    m = counter_master(FileHub(root, create=True), tmp_path)
+    assert m.sync_once()
+    params = {"p": torch.nn.Parameter(torch.full((8,), 10.0))}
+    counters, anchor, local = _checkpoint_mid_upload(tmp_path, root, params, lands=lands)
+    assert anchor["unsent"]["doubt"]["local_step"] == 1 and "fresh" not in anchor["unsent"]
+    assert torch.equal(anchor["unsent"]["doubt"]["tensors"]["p"], torch.full((8,), -4.0))
+    assert sorted(p.name for p in (root / "nodes" / "w0").glob("delta_*")) == (["delta_1.safetensors"] if lands else [])
+    if applied_first:
+        drain(m, FileHub(root))
+        assert m.ledger == {"w0": 1} and not list((root / "nodes" / "w0").glob("delta_*"))
+    params2 = {"p": torch.nn.Parameter(local["p"].clone())}  # the checkpoint's weights
+    w2 = DiLoCoWorker(FileHub(root), "w0", params2, poll_interval=0.01, wait_timeout=30, claim=False)
+    w2.load_state_dict(counters)
+    w2.load_anchor_state(anchor)
+    w2.start()
+    phase(params2)
+    w2.boundary()
+    assert w2.flush()
+    w2.close()
+    drain(m, FileHub(root))
+    assert m.ledger == {"w0": 2} and applied(m) == 2 * H
+
+
+def test_a_checkpoints_doubt_keeps_the_error_feedback_exact(tmp_path):
+    """With int8 and error feedback: after a restart from a checkpoint taken mid-upload, the next delta is
+    bit for bit the one a worker that never stopped sends (the landed doubt's residual is owed again)."""
+    from diloco_lightning.encoding.feedback import decode_delta
+    from diloco_lightning.hub.local import FileHub
+    from diloco_lightning.wire.delta import read_delta
+
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.randn(64, generator=g) * 1e-2 for _ in range(2)]
+
+    out = {}
+    for name, crash in (("ref", False), ("crash", True)):
+        root = tmp_path / name
+        hub = FileHub(root, create=True)
+        m = MasterOuterLoop(hub, {"p": torch.zeros(64)}, node_state_dir=tmp_path / f"{name}-m", outer_lr=1.0,
+                            outer_optimizer="nesterov", outer_momentum=0.0, aggregation="arrival", norm_global_ratio=None)
+        assert m.sync_once()  # version 0 (nothing applied after it: the deltas stay on the hub to be read)
+        params = {"p": torch.nn.Parameter(torch.zeros(64))}
+        if crash:
+            hub2 = _gated_hub(root)
+            w = DiLoCoWorker(hub2, "w0", params, poll_interval=0.01, wait_timeout=30, claim=False, delta_dtype="int8")
+            w.start()
+            with torch.no_grad():
+                params["p"].add_(steps[0])
+            w.boundary()
+            assert hub2.entered.wait(10)
+            counters, anchor = w.state_dict(), w.anchor_state()
+            assert not hub2.gate.is_set() and anchor["unsent"]["doubt"]["local_step"] == 1
+            assert anchor["residual"] is None  # the residual travels in the doubt
+            hub2.gate.set()
+            assert hub2.ended.wait(10)
+            w.close(flush=False)
+            params = {"p": torch.nn.Parameter(params["p"].detach().clone())}
+            w = DiLoCoWorker(FileHub(root), "w0", params, poll_interval=0.01, wait_timeout=30, claim=False,
+                             delta_dtype="int8")
+            w.load_state_dict(counters)
+            w.load_anchor_state(anchor)
+            w.start()
+        else:
+            w = DiLoCoWorker(hub, "w0", params, poll_interval=0.01, wait_timeout=30, claim=False, delta_dtype="int8")
+            w.start()
+            with torch.no_grad():
+                params["p"].add_(steps[0])
+            w.boundary()
+            assert w.flush()
+        with torch.no_grad():
+            params["p"].add_(steps[1])
+        w.boundary()
+        assert w.flush()
+        w.close()
+        out[name] = decode_delta(read_delta(root / "nodes" / "w0" / "delta_2.safetensors",
+                                           reference={"p": torch.zeros(64)}).encoded)["p"]
+    assert torch.equal(out["ref"], out["crash"])
+
+
+@pytest.mark.parametrize("second_sent", [True, False], ids=["next-delta-sent", "died-in-the-outage"])
+def test_a_checkpoint_taken_while_a_doubt_is_settled_keeps_the_doubt_and_the_new_phase(tmp_path, second_sent):
+    """delta_1 lands but its answer is lost and the hub goes down: it is a doubt. At the next boundary the
+    uploader asks the hub about it (the question hangs) while the checkpoint is taken: the checkpoint keeps
+    the doubt and the new phase, without waiting. Restarted from it, the worker sends neither again if the hub
+    has them, and every phase is applied once."""
+    from diloco_lightning.hub.local import FileHub
+
+    class Flaky(FileHub):
+        def __init__(self) -> None:
+            super().__init__(root)
+            self.down, self.asking, self.answer = False, threading.Event(), threading.Event()
+
+        def upload_delta(self, local, node_id, local_step):
+            if self.down:
+                raise ConnectionError("the hub is down")
+            out = super().upload_delta(local, node_id, local_step)
+            if local_step == 1:  # it landed; the answer is lost and the hub goes down
+                self.down = True
+                raise ConnectionError("the connection dropped")
+            return out
+
+        def list_node_deltas(self, node_id, after=-1):
+            if self.down:
+                self.asking.set()
+                assert self.answer.wait(30)
+                if self.down:
+                    raise ConnectionError("the hub is down")
+            return super().list_node_deltas(node_id, after)
+
+        def read_manifest(self):
+            if self.down:
+                raise ConnectionError("the hub is down")
+            return super().read_manifest()
+
+    root = tmp_path / "hub"
+    m = counter_master(FileHub(root, create=True), tmp_path)
+    assert m.sync_once()
+    params = {"p": torch.nn.Parameter(torch.full((8,), 10.0))}
+    hub = Flaky()
+    w = DiLoCoWorker(hub, "w0", params, poll_interval=0.01, wait_timeout=30, claim=False)
+    w.start()
+    phase(params)
+    w.boundary()
+    assert hub.asking.wait(10)  # delta_1 landed, its answer lost: the uploader asks whether it landed
+    hub.answer.set()            # the hub cannot say: a doubt comes back
+    for _ in range(500):
+        if w.totals["upload_failures_total"]:
+            break
+        threading.Event().wait(0.01)
+    hub.answer.clear()
+    hub.asking.clear()
+    phase(params)
+    w.boundary()                # the doubt and boundary 2's phase go out together: the question hangs
+    assert hub.asking.wait(10)
+    counters, anchor = w.state_dict(), w.anchor_state()
+    assert not hub.answer.is_set()  # it did not wait for the hub
+    unsent = anchor["unsent"]
+    assert unsent["doubt"]["local_step"] == 1 and torch.equal(unsent["doubt"]["tensors"]["p"], torch.full((8,), -4.0))
+    assert unsent["fresh"]["phases"] == 1 and torch.equal(unsent["fresh"]["tensors"]["p"], torch.full((8,), -4.0))
+    local = params["p"].detach().clone()
+    if second_sent:
+        hub.down = False  # back: the doubt is on the hub, boundary 2's phase goes out as delta_2
+    hub.answer.set()
+    if second_sent:
+        assert w.flush(timeout=10)
+    w.close(flush=False)  # the process dies
+    assert sorted(p.name for p in (root / "nodes" / "w0").glob("delta_*")) == (
+        ["delta_1.safetensors", "delta_2.safetensors"] if second_sent else ["delta_1.safetensors"])
+    params2 = {"p": torch.nn.Parameter(local.clone())}
+    w2 = DiLoCoWorker(FileHub(root), "w0", params2, poll_interval=0.01, wait_timeout=30, claim=False)
+    w2.load_state_dict(counters)
+    w2.load_anchor_state(anchor)
+    w2.start()
+    phase(params2)
+    w2.boundary()
+    assert w2.flush()
+    w2.close()
+    drain(m, FileHub(root))
+    assert m.ledger == {"w0": 3} and applied(m) == 3 * H

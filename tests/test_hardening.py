@@ -475,12 +475,16 @@ def test_worker_progress_is_applied_exactly_once_across_kill_9(crash_hubs, tmp_p
             break
     assert m.ledger["w0"] == 10
     assert torch.equal(m.snapshot()[1]["p"], torch.full((8,), 30.0)), m.snapshot()[1]["p"]
-    if point == "worker.uploaded":
+    # after the upload: the kill races the checkpoint of boundary 3, which does not wait for the network (it
+    # records the delta in flight as a doubt). Written first, the restart finds the doubt on the hub and
+    # replays nothing; killed first, the restart replays boundary 3 from boundary 2's checkpoint and drops it
+    if point == "worker.uploaded" and "this replay of it is dropped" in second.stderr:
         assert "will not be sent again" in second.stderr
         # the replayed boundary 3 was trained and dropped: reported with its reason, to the master too
-        assert "this replay of it is dropped" in second.stderr
         assert m.membership.nodes["w0"].report.replayed == 1
         assert m.last_metrics["replayed"] == {"w0": 1}, m.last_metrics
+    elif point == "worker.uploaded":
+        assert "will not be sent again" not in second.stderr and not m.membership.nodes["w0"].report.replayed
 
 
 @pytest.mark.parametrize("resumed", [False, True])

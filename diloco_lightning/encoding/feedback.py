@@ -185,6 +185,13 @@ class ErrorFeedback:
             self._owed.difference_update(delta)
         return encoded
 
+    def state_without(self, keys: Iterable[str]) -> dict[str, Any]:
+        """:meth:`state_dict` with copies of the buffers and ``keys`` owing nothing (their residual
+        travels in a delta that is kept to be sent again, e.g. a checkpoint's doubtful upload)."""
+        drop = set(keys)
+        owed = {k: self._buf[k].clone() for k in sorted(self._owed) if k not in drop}
+        return {"residual": owed or None}
+
     def forget(self, keys: Iterable[str] | None = None) -> None:
         """The residual of ``keys`` (None: all) went back into a pseudo-gradient that will be sent
         again: nothing is owed for them now."""

@@ -23,7 +23,7 @@ from diloco_lightning.worker.outbox import Outbox
 from diloco_lightning.worker.params import LocalModel, anchor_copy
 from diloco_lightning.worker.progress import STATE_VERSION, Progress, step_offset_of
 from diloco_lightning.worker.sync import WorkerError
-from diloco_lightning.worker.jobs import Job, Part
+from diloco_lightning.worker.jobs import Job, Part, merge_jobs
 
 __all__ = ["STATE_VERSION", "pack_unsent", "unpack_unsent", "pack_residual", "unpack_residual", "step_offset_of",
            "settle_uploads", "anchor_state", "load_anchor_state"]
@@ -106,19 +106,32 @@ def unpack_residual(residual: Mapping[str, torch.Tensor] | None,
     return {"residual": dict(residual)}
 
 
-def settle_uploads(outbox: Outbox, timeout: float, node_id: str) -> None:
-    """Before a checkpoint: wait (up to ``timeout``) for an upload in flight, so the checkpoint
-    records exactly what is still undelivered (failed uploads are not retried here)."""
+def settle_uploads(outbox: Outbox, timeout: float, node_id: str) -> tuple[Job | None, dict[str, Any]]:
+    """Before a checkpoint: what the uploader has not delivered, and its error-feedback state.
+
+    An upload in flight is not waited for: it is recorded as a doubtful delta (``Uploader.snapshot``),
+    which a worker restarted from the checkpoint settles by asking the hub whether it landed, so a
+    checkpoint never stalls training on the network. Where that cannot be told (lockstep's queue, a
+    fragment's delta, a doubt being settled) it waits up to ``timeout`` for the upload, as before."""
+    outbox.collect()
+    view = outbox.uploader.snapshot()
+    held = outbox.jobs.get(None)
+    if view is not None and not (view[0] is not None and held is not None and held.doubt is not None):
+        outbox.collect()  # a job that ended just before the snapshot: its report (nothing ends after it)
+        return view
     busy = not outbox.uploader.wait_idle(timeout)
     outbox.collect()
     if busy:
         log.warning("node %s: an upload is still running at checkpoint time; if this process dies now, "
                     "the phases it carries are not in the checkpoint", node_id)
+    return None, outbox.uploader.feedback_state()
 
 
-def anchor_state(progress: Progress, model: LocalModel, outbox: Outbox, feedback: Mapping[str, Any]) -> dict[str, Any]:
-    """The anchor (CPU FP32) and whatever is not yet on the hub (held in ``outbox``), with the
-    error-feedback residual of ``feedback`` (``ErrorFeedback.state_dict``): ``DiLoCoWorker.anchor_state``."""
+def anchor_state(progress: Progress, model: LocalModel, outbox: Outbox, feedback: Mapping[str, Any],
+                 in_flight: Job | None = None) -> dict[str, Any]:
+    """The anchor (CPU FP32) and whatever is not yet on the hub (held in ``outbox``, and ``in_flight``:
+    the doubtful upload of :func:`settle_uploads`), with the error-feedback residual of ``feedback``
+    (``ErrorFeedback.state_dict``): ``DiLoCoWorker.anchor_state``."""
     assert progress.anchor is not None  # the worker refuses before
     if model.pin:
         torch.cuda.synchronize()
@@ -130,7 +143,7 @@ def anchor_state(progress: Progress, model: LocalModel, outbox: Outbox, feedback
         **extra,
         **progress.counters(),
         "anchor": dict(progress.anchor),
-        "unsent": pack_unsent(outbox.jobs.get(None)),
+        "unsent": pack_unsent(merge_jobs(in_flight, outbox.jobs.get(None))),
         "residual": pack_residual(feedback),
     }
 

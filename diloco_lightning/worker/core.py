@@ -434,16 +434,20 @@ class DiLoCoWorker:
     def anchor_state(self, timeout: float | None = None) -> dict[str, Any]:
         """The anchor (CPU FP32) and whatever is not yet on the hub, for a checkpoint.
 
-        Waits (up to ``timeout``, default ``wait_timeout``) for an upload in flight to finish, so
-        the checkpoint records exactly what is still undelivered; failed uploads are not retried
-        here (a hub outage never blocks checkpointing beyond one attempt).
+        An upload in flight is recorded as a doubtful delta, not waited for (a restarted worker asks
+        the hub whether it landed: ``checkpoint.settle_uploads``); in lockstep and with fragments the
+        checkpoint waits for it, up to ``timeout`` (default ``wait_timeout``). Failed uploads are not
+        retried here (a hub outage never blocks checkpointing beyond one attempt).
         """
         if self.progress.anchor is None:
             raise WorkerError("the worker has no anchor yet (call start() first)")
+        in_flight = None
         if self._started:
-            checkpoint.settle_uploads(self._outbox, self.wait_timeout if timeout is None else timeout, self.node_id)
-        feedback = self._uploader.feedback_state() if self._uploader is not None else self._feedback.state_dict()
-        return checkpoint.anchor_state(self.progress, self.model, self._outbox, feedback)
+            in_flight, feedback = checkpoint.settle_uploads(
+                self._outbox, self.wait_timeout if timeout is None else timeout, self.node_id)
+        else:
+            feedback = self._uploader.feedback_state() if self._uploader is not None else self._feedback.state_dict()
+        return checkpoint.anchor_state(self.progress, self.model, self._outbox, feedback, in_flight)
 
     def load_anchor_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`anchor_state` (before :meth:`start`): the first delta after resume is

@@ -62,6 +62,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -143,6 +144,11 @@ class Uploader:
         self._queue: deque[tuple[Job, int | None]] = deque()
         self._active = False
         self._active_phases = 0
+        #: the job being processed (popped from the queue), whether its doubt turned out to have landed, and
+        #: once encoded the part it sends (the residual added): what :meth:`snapshot` reports of it
+        self._inflight: Job | None = None
+        self._doubt_landed = False
+        self._sent: tuple[Part, bool] | None = None  # and whether it was encoded (its residual renewed)
         self._closed = False
         self._results: list[UploadReport] = []
         self._failures_in_row = 0
@@ -172,6 +178,40 @@ class Uploader:
             if st["residual"] is not None:
                 st["residual"] = {k: v.clone() for k, v in st["residual"].items()}
             return st
+
+    def snapshot(self) -> tuple[Job | None, dict[str, Any]] | None:
+        """What a checkpoint records of the uploader, without waiting for the network: ``(job, feedback)``.
+
+        ``job`` is what the job in flight still owes the hub: once its delta is encoded, that delta as a
+        *doubt* at the ``local_step`` it is sent under (holding the residual it carries, which ``feedback``,
+        the error-feedback state, then no longer owes); before that, the job as it was handed over (an
+        earlier doubt it is settling, and its fresh part with the residual still owed), less a doubt
+        found to have landed. A worker restarted from the checkpoint asks the hub whether a doubt landed
+        (then what its encoding dropped is owed again) or sends it again, as after an upload whose answer
+        was lost. ``job`` is None when nothing is in flight. None when it cannot be told this way
+        (lockstep's queue, fragments): the caller waits for the upload instead."""
+        with self._cond:  # the thread cannot report (and end) the job while this is held
+            if not self._active and not self._queue:
+                with self._feedback_lock:
+                    return None, self.feedback.state_without(())
+            job = self._inflight if self._inflight is not None else self._queue[0][0]
+            waiting = len(self._queue) - (0 if self._inflight is not None else 1)
+            part = job.fresh if job.fresh is not None else job.doubt[1] if job.doubt is not None else None
+            if self.persistent or waiting or part is None or part.fragment is not None:
+                return None
+            with self._feedback_lock:
+                sent = self._sent
+                if sent is None:  # not encoded yet: the residual is still owed to it
+                    feedback = self.feedback.state_without(())
+                    if self._doubt_landed:
+                        job = Job(fresh=job.fresh)
+                    return (None if job.empty else job), feedback
+                part, encoded = sent
+                assert part.residual is not None  # a materialized part
+                content = {k: v.clone() for k, v in part.residual.items()}
+                feedback = self.feedback.state_without(content if encoded else ())
+            step = part.boundary + self.step_offset
+        return Job(doubt=(step, dataclasses.replace(part, residual=content))), feedback
 
     def submit(self, job: Job, not_before: int | None = None) -> None:
         with self._cond:
@@ -257,6 +297,7 @@ class Uploader:
                 continue
             with self._cond:
                 job, gate = self._queue.popleft()
+                self._inflight, self._sent, self._doubt_landed = job, None, False
             try:
                 report = self._process(job)
             except BaseException as e:  # never let the thread die with a job: hand it back
@@ -273,6 +314,8 @@ class Uploader:
                     retry = True
                 self._results.append(report)
                 self._active = False
+                self._inflight = self._sent = None
+                self._doubt_landed = False
                 self._cond.notify_all()
             if retry and not self._sleep(max(retry_pause(self.retry_interval, self._failures_in_row), self._commit_wait())):
                 return
@@ -339,6 +382,7 @@ class Uploader:
         with self._feedback_lock:  # what its encoding dropped is owed to the next delta
             self.feedback.absorb(part.residual if part.anchor is None and part.residual is not None
                                  else part.materialize())
+            self._doubt_landed = True
         return job.fresh, (step, part.phases)
 
     def _encode(self, fresh: Part) -> tuple[Mapping[str, torch.Tensor | EncodedTensor], Part, float, bool]:
@@ -362,6 +406,8 @@ class Uploader:
             tensors = delta
         content = Part(fresh.base_outer_step, fresh.num_tokens, fresh.phases, residual=delta, boundary=fresh.boundary,
                        fragment=fresh.fragment, base_fragment_step=fresh.base_fragment_step)
+        with self._feedback_lock:
+            self._sent = (content, encoded)
         return tensors, content, norm, encoded
 
     def _forget_residual(self, content: Part, encoded: bool) -> None:
