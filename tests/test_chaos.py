@@ -36,5 +36,11 @@ def test_a_short_chaos_run_loses_nothing_and_duplicates_nothing(tmp_path, transp
     assert sum(res["kills"].values()) >= 3, res  # the monkey did kill
     assert res["lost"] == 0 and res["duplicated"] == 0 and res["all_elements_equal"], res
     assert res["applied_steps"] == 2 * 240 and sorted(res["ledger"]) == ["w0", "w1"], res
+    # the timeline: every life of every process, each worker life's steps in order, the losses accounted for
+    lives = [r for r in res["timeline"] if r["who"] != "master"]
+    assert len(lives) == sum(n for who, n in res["lives"].items() if who != "master"), res["timeline"]
+    assert sum(r.get("steps", 0) for r in lives) == res["executed_steps"], res["timeline"]
+    assert all(r["start"] <= r.get("first", r["end"]) <= r.get("last", r["end"]) <= r["end"] for r in lives), lives
+    assert set(res["losses_s"]) == {"startup", "stalls", "replays", "tail"}, res["losses_s"]
     print(proc.stdout.strip())  # the run's figures (pytest -s shows them)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -492,3 +492,30 @@ def test_a_checkpoint_taken_while_a_doubt_is_settled_keeps_the_doubt_and_the_new
     w2.close()
     drain(m, FileHub(root))
     assert m.ledger == {"w0": 3} and applied(m) == 3 * H
+
+
+# ============================================================================ 5. killed after its last checkpoint
+
+
+def test_a_worker_killed_in_its_final_flush_delivers_its_last_phases_when_restarted(tmp_path):
+    """The hub refuses the last two deltas (an outage past the end of training), so the last checkpoint
+    (at max_steps) holds them undelivered; the process is kill -9ed as its final flush starts. Restarted
+    from that checkpoint, Lightning has nothing left to train and skips the training hooks: the callback
+    still delivers what the checkpoint held (``on_fit_end``) and installs the global. Every phase once."""
+    from diloco_lightning.hub.local import FileHub
+
+    root = tmp_path / "hub"
+    m = counter_master(FileHub(root, create=True), tmp_path, lease_ttl=2)
+    assert m.sync_once()
+    cfg = dict(hub=str(root), ckpt_dir=str(tmp_path / "ckpt"), max_steps=8, inner_steps=2)
+    first = run_crash_script({**cfg, "refuse_uploads_from": 3}, "worker.finishing", timeout=180)
+    assert first.returncode == -9, first.stderr[-3000:]
+    assert sorted(p.name for p in (root / "nodes" / "w0").glob("delta_*")) == ["delta_1.safetensors",
+                                                                               "delta_2.safetensors"]
+    drain(m, FileHub(root))
+    assert m.ledger == {"w0": 2} and applied(m) == 4
+    second = run_crash_script(cfg, None, timeout=180)
+    assert second.returncode == 0 and "done 8" in second.stdout, second.stderr[-3000:]
+    assert "started" not in second.stdout  # nothing was trained: the training hooks did not run
+    drain(m, FileHub(root))
+    assert m.ledger["w0"] >= 3 and applied(m) == 8, (m.ledger, second.stderr[-3000:])

@@ -172,6 +172,9 @@ class DiLoCo(Callback):
         self._restored_sync_step: int | None = None
         self._restored_counters: dict[str, Any] | None = None
         self._restored_anchor: dict[str, Any] | None = None
+        #: this fit restored a checkpoint with a DiLoCo anchor / its training started (``on_fit_end``)
+        self._loaded_this_fit = False
+        self._trained_this_fit = False
         self._loss = PhaseLoss()  # the phase's mean training loss goes in the heartbeat
         self._params: dict[str, torch.Tensor] | None = None
 
@@ -207,6 +210,7 @@ class DiLoCo(Callback):
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._restored_anchor = checkpoint.get(CHECKPOINT_KEY)
+        self._loaded_this_fit = self._restored_anchor is not None
         timeline.mark("checkpoint_loaded")
         if self._restored_anchor is None and trainer.is_global_zero:
             log.warning(
@@ -226,6 +230,7 @@ class DiLoCo(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._seed_node()  # before the data is iterated, after the model was built
+            self._loaded_this_fit = self._trained_this_fit = False
         names = {cls.__name__ for cls in type(trainer.strategy).__mro__}
         sharded = sorted(names.intersection(_SHARDED))
         if sharded:
@@ -289,6 +294,7 @@ class DiLoCo(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         timeline.mark("train_start")
+        self._trained_this_fit = True
         self._first_step_seen = False
         self._sigterm.install()
         self._params = module_state(pl_module)
@@ -417,6 +423,19 @@ class DiLoCo(Callback):
         installed = self._rank0(trainer, finish)
         self._after_install(trainer, installed)
         self._close(flush=True)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A fit resumed from a checkpoint saved at the end of training (its process was killed after it,
+        e.g. while the last deltas waited out a hub outage) trains nothing: Lightning skips the training
+        hooks. What that checkpoint had not delivered is sent now, and the global installed, as at the
+        end of training."""
+        if self._loaded_this_fit and not self._trained_this_fit:
+            self._loaded_this_fit = False
+            log.info("DiLoCo %s: resumed at the end of training (step %d): delivering what the checkpoint had not "
+                     "sent", self.node_id, trainer.global_step)
+            self.on_train_start(trainer, pl_module)
+            self.on_train_end(trainer, pl_module)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

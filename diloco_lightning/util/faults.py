@@ -17,7 +17,8 @@ Labels (each documented where it is used): the master's round ``listed``, ``down
 Hub), ``delete:<hub path>``, ``deleted``; ``worker.exported`` (a boundary's pseudo-gradient
 was taken, nothing sent yet), ``worker.uploading`` (the delta file is written, the upload
 starts), ``worker.uploaded`` (the hub holds the delta; the worker has not recorded it yet, and
-no checkpoint after it was written), ``hub.placing`` (the folder hub has copied a file to a
+no checkpoint after it was written), ``worker.finishing`` (training is over, its last checkpoint
+written; the final flush starts), ``hub.placing`` (the folder hub has copied a file to a
 temporary name beside its destination and not yet linked it into place), ``s3.probing`` (the S3
 conditional-write probe has its scratch object and an incomplete multipart upload of it).
 """

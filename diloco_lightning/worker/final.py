@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from diloco_lightning.hub.base import Hub
+from diloco_lightning.util import faults
 from diloco_lightning.wire.manifest import Manifest
 from diloco_lightning.worker.results import InstallResult
 from diloco_lightning.worker.sync import WorkerStopped
@@ -89,6 +90,7 @@ def finish_training(worker: Any, *, trailing_steps: int = 0) -> InstallResult | 
     wait = float(opts.wait_timeout if opts.final_wait is None else opts.final_wait)
     node, url = worker.node_id, worker.hub.url
     deadline = time.monotonic() + wait
+    faults.point("worker.finishing")
     try:
         delivered = worker.flush(wait)
     except WorkerStopped:

@@ -14,7 +14,9 @@ Config: ``hub`` (a URL), ``hub_options``, ``ckpt_dir``, ``max_steps``, ``inner_s
 ``signing_key`` (optional); for the elasticity tests (tests/test_elastic.py) also ``node_id``
 (default w0), ``throttle`` (seconds slept per step) and ``claim_ttl``; for the fragment tests
 (tests/test_fragments.py) ``fragments`` (then the model has a second vector ``q``, the same rule); for
-benchmarks/chaos.py ``step_log`` (a file each executed step appends ``<monotonic time> <global step>`` to).
+benchmarks/chaos.py ``step_log`` (a file each executed step appends ``<monotonic time> <global step>`` to);
+``refuse_uploads_from`` (a folder hub's path as ``hub``): uploads of this node's deltas at that step and
+above fail, as in an outage that lasts past the end of training.
 Prints ``started <outer_step> step <global step>`` once the worker has installed its starting version (a
 restart without a checkpoint resumes past the phases the hub has), and ``done <steps>`` at the end.
 ``sync`` / ``delay``: the sync mode (default async). ``--spare`` after the config: a warm spare, which
@@ -60,8 +62,19 @@ def main() -> None:
             return
     cfg = json.loads(sys.argv[1])
     ckpt_dir = Path(cfg["ckpt_dir"])
+    hub = cfg["hub"]
+    if cfg.get("refuse_uploads_from") is not None:  # a folder hub that refuses this node's deltas from a step on
+        from diloco_lightning.hub.local import FileHub
+
+        class Refusing(FileHub):
+            def upload_delta(self, local, node_id, local_step):
+                if local_step >= cfg["refuse_uploads_from"]:
+                    raise ConnectionRefusedError(f"refusing delta_{local_step} (the test's outage)")
+                return super().upload_delta(local, node_id, local_step)
+
+        hub = Refusing(cfg["hub"].removeprefix("file://"))
     diloco = DiLoCo(
-        hub=cfg["hub"], node_id=cfg.get("node_id", "w0"), inner_steps=cfg["inner_steps"],
+        hub=hub, node_id=cfg.get("node_id", "w0"), inner_steps=cfg["inner_steps"],
         hub_options=cfg.get("hub_options") or None, signing_key=cfg.get("signing_key"), poll_interval=0.02,
         wait_timeout=60.0, token_counter=False, throttle=cfg.get("throttle", 0.0), claim_ttl=cfg.get("claim_ttl"),
         fragments=cfg.get("fragments"), **cfg.get("encoding", {}),
