@@ -325,6 +325,22 @@ def _checkpoint_mid_upload(tmp_path: Path, root: Path, params: dict[str, torch.T
     return counters, anchor, local
 
 
+def _resume_and_train_a_phase(root: Path, counters, anchor, weights: torch.Tensor) -> None:
+    """A new life of w0 restored from the checkpoint (``counters``, ``anchor``, the model's ``weights``)
+    trains one more phase and delivers everything."""
+    from diloco_lightning.hub.local import FileHub
+
+    params = {"p": torch.nn.Parameter(weights.clone())}
+    w = DiLoCoWorker(FileHub(root), "w0", params, poll_interval=0.01, wait_timeout=30, claim=False)
+    w.load_state_dict(counters)
+    w.load_anchor_state(anchor)
+    w.start()
+    phase(params)
+    w.boundary()
+    assert w.flush()
+    w.close()
+
+
 @pytest.mark.parametrize("lands,applied_first", [(True, False), (True, True), (False, False)],
                          ids=["landed", "landed-applied-deleted", "lost"])
 def test_a_checkpoint_taken_while_a_delta_uploads_does_not_wait_and_loses_nothing(tmp_path, lands, applied_first):
@@ -344,15 +360,7 @@ def test_a_checkpoint_taken_while_a_delta_uploads_does_not_wait_and_loses_nothin
     if applied_first:
         drain(m, FileHub(root))
         assert m.ledger == {"w0": 1} and not list((root / "nodes" / "w0").glob("delta_*"))
-    params2 = {"p": torch.nn.Parameter(local["p"].clone())}  # the checkpoint's weights
-    w2 = DiLoCoWorker(FileHub(root), "w0", params2, poll_interval=0.01, wait_timeout=30, claim=False)
-    w2.load_state_dict(counters)
-    w2.load_anchor_state(anchor)
-    w2.start()
-    phase(params2)
-    w2.boundary()
-    assert w2.flush()
-    w2.close()
+    _resume_and_train_a_phase(root, counters, anchor, local["p"])
     drain(m, FileHub(root))
     assert m.ledger == {"w0": 2} and applied(m) == 2 * H
 
@@ -481,15 +489,7 @@ def test_a_checkpoint_taken_while_a_doubt_is_settled_keeps_the_doubt_and_the_new
     w.close(flush=False)  # the process dies
     assert sorted(p.name for p in (root / "nodes" / "w0").glob("delta_*")) == (
         ["delta_1.safetensors", "delta_2.safetensors"] if second_sent else ["delta_1.safetensors"])
-    params2 = {"p": torch.nn.Parameter(local.clone())}
-    w2 = DiLoCoWorker(FileHub(root), "w0", params2, poll_interval=0.01, wait_timeout=30, claim=False)
-    w2.load_state_dict(counters)
-    w2.load_anchor_state(anchor)
-    w2.start()
-    phase(params2)
-    w2.boundary()
-    assert w2.flush()
-    w2.close()
+    _resume_and_train_a_phase(root, counters, anchor, local)
     drain(m, FileHub(root))
     assert m.ledger == {"w0": 3} and applied(m) == 3 * H
 
