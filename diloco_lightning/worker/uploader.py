@@ -397,17 +397,14 @@ class Uploader:
         norm = math.sqrt(sq)
         encoded = math.isfinite(norm) or all(bool(torch.isfinite(d).all()) for d in delta.values())
         tensors: Mapping[str, torch.Tensor | EncodedTensor]
-        if encoded:
-            with self._feedback_lock:  # delta += residual, in place: what comes back on a failure holds it
-                tensors = self.feedback.encode(delta, in_place=True)
-        else:
-            log.error("node %s: the pseudo-gradient has NaN or inf values (diverged?); sending it in plain float32, "
-                      "the master will refuse it", self.node_id)
-            tensors = delta
         content = Part(fresh.base_outer_step, fresh.num_tokens, fresh.phases, residual=delta, boundary=fresh.boundary,
                        fragment=fresh.fragment, base_fragment_step=fresh.base_fragment_step)
-        with self._feedback_lock:
-            self._sent = (content, encoded)
+        if not encoded:
+            log.error("node %s: the pseudo-gradient has NaN or inf values (diverged?); sending it in plain float32, "
+                      "the master will refuse it", self.node_id)
+        with self._feedback_lock:  # delta += residual, in place: what comes back on a failure holds it
+            tensors = self.feedback.encode(delta, in_place=True) if encoded else delta
+            self._sent = (content, encoded)  # in the same hold: a snapshot sees the residual renewed and what holds it
         return tensors, content, norm, encoded
 
     def _forget_residual(self, content: Part, encoded: bool) -> None:
