@@ -213,9 +213,10 @@ def _trained_for(p: Proc, is_master: bool, logs: Path, now: float) -> float:
     return now - steps[0][0] if steps else -1.0
 
 
-def _timeline(master: Proc, workers: list[Proc], logs: Path, t0: float, step_s: float
-              ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Every life (seconds from the monkey's start) and where the workers' process seconds went.
+def _timeline(master: Proc, workers: list[Proc], lives: dict[tuple[str, int], list[tuple[float, int]]], t0: float,
+              step_s: float) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Every life (seconds from the monkey's start) and where the workers' process seconds went
+    (``lives``: each worker life's step log, by name and life).
 
     A worker life is ``start`` (its spawn, or its go when woken from a warm spare), ``first`` (its first
     inner step), ``last`` (its last), ``end`` (exit or kill, ``how``). Its seconds split into: start-up
@@ -234,7 +235,7 @@ def _timeline(master: Proc, workers: list[Proc], logs: Path, t0: float, step_s: 
                                    "end": round(end - t0, 2), "how": life["how"] or "running",
                                    "spare": bool(life.get("spare"))}
             if p is not master:
-                steps = _steps(logs / f"{p.name}.{n}.steps")
+                steps = lives[(p.name, n)]
                 if steps:
                     first, last = steps[0], steps[-1]
                     replayed = sum(1 for _, g in steps if g <= done)
@@ -392,16 +393,12 @@ def run(args) -> dict[str, Any]:
         p = state["p"]
         applied = float(p[0]) - START
         expected = float(args.workers * args.steps)
-        executed = 0
-        intervals: list[float] = []
-        for w in workers:
-            for n in range(len(w.lives)):
-                steps = _steps(logs / f"{w.name}.{n}.steps")
-                executed += len(steps)
-                intervals += [b[0] - a[0] for a, b in zip(steps, steps[1:]) if b[1] == a[1] + 1]
+        lives = {(w.name, n): _steps(logs / f"{w.name}.{n}.steps") for w in workers for n in range(len(w.lives))}
+        executed = sum(len(steps) for steps in lives.values())
+        intervals = [b[0] - a[0] for steps in lives.values() for a, b in zip(steps, steps[1:]) if b[1] == a[1] + 1]
         step_s = statistics.median(intervals) if intervals else float("nan")
         worker_s = sum(w.seconds() for w in workers)
-        timeline, losses = _timeline(master, workers, logs, t0, step_s)
+        timeline, losses = _timeline(master, workers, lives, t0, step_s)
         result.update({
             "all_elements_equal": bool((p == p[0]).all()), "expected_steps": expected, "applied_steps": applied,
             "lost": max(0.0, expected - applied), "duplicated": max(0.0, applied - expected),
