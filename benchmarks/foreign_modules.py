@@ -83,6 +83,8 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
     # fedavg with its staleness gate (a delta tau versions old counted 1 / (1 + tau)), the look-ahead start off and on
     "fedavg_gate": (["outer.options.power=1.0"], {}),
     "fedavg_gate_la": (["outer.options.power=1.0"], {"lookahead": True}),
+    # the defaults with the look-ahead start (the plain mean: the simulator's plugin_mean_la gained 0.135 nats)
+    "default_la": ([], {"lookahead": True}),
 }
 
 

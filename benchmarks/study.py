@@ -106,7 +106,18 @@ METHODS: dict[str, Method] = {
     "sgd_rb_la": Method("staleness_sgd", {"momentum": 0.0}, "sgd0", 0,
                         "the rebase with the look-ahead start: each own delta in flight stands for one of every "
                         "worker's (diloco.lookahead)", ("sim.rebase=true", "diloco.lookahead=true")),
+    "sgd_rb_tr": Method("staleness_sgd", {"momentum": 0.0}, "sgd0", 0,
+                        "the rebase with the master's trend look-ahead: the others' deltas a base lacks predicted by "
+                        "the master's mean movement per delta over its last 8 versions (sim.lookahead_trend)",
+                        ("sim.rebase=true", "sim.lookahead_trend=8")),
+    "sgd_rb_tr32": Method("staleness_sgd", {"momentum": 0.0}, "sgd0", 0,
+                          "sgd_rb_tr over the master's last 32 versions", ("sim.rebase=true", "sim.lookahead_trend=32")),
     "sgd_m0.5": Method("staleness_sgd", {"momentum": 0.5}, "sgd0.5", 0, "the same, Nesterov momentum 0.5"),
+    "sgd_m0.5_da": Method("staleness_sgd", {"momentum": 0.5}, "sgd0.5", 0,
+                          "momentum 0.5 with DANA's look-ahead: each phase starts where the momentum will carry the "
+                          "global before its delta lands (sim.lookahead_momentum)", ("sim.lookahead_momentum=true",)),
+    "sgd_m0.9_da": Method("staleness_sgd", {"momentum": 0.9}, "sgd0.9", 0,
+                          "momentum 0.9 with DANA's look-ahead (sim.lookahead_momentum)", ("sim.lookahead_momentum=true",)),
     "sgd_mneg": Method("staleness_sgd", {"momentum": -0.5}, "sgd0", 0, "the same, momentum -0.5 (asynchrony begets momentum)"),
     "sgd_m0.9": Method("staleness_sgd", {"momentum": 0.9}, "sgd0.9", 0, "the same, Nesterov momentum 0.9"),
     "nesterov": Method("nesterov", {"momentum": 0.9}, "sgd0.9", -2, "DiLoCo's outer step (no gate)"),
@@ -131,7 +142,8 @@ PLAN: dict[str, list[str]] = {
     "sync": ["sgd", "sgd_m0.9", "sgd_m0.5"],  # sgd_m0.9 at tau = 0 is DiLoCo's Nesterov step exactly
     "async": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_m0.5"],
     "arr4": ["sgd", "gap", "cgad", "nesterov", "sgd_rb", "sgd_rb_la", "sgd_m0.5"],
-    "arr8": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_rb", "sgd_rb_la", "sgd_p2", "sgd_mneg", "sgd_m0.5"],
+    "arr8": ["sgd", "gap", "dc", "cgad", "nesterov", "sgd_rb", "sgd_rb_la", "sgd_rb_tr", "sgd_rb_tr32", "sgd_m0.5_da",
+             "sgd_m0.9_da", "sgd_p2", "sgd_mneg", "sgd_m0.5"],
     "arr16": ["sgd", "gap", "cgad", "nesterov", "sgd_rb", "sgd_rb_la"],
     "heavy": ["sgd", "sgd_rb"],
     "arr6": ["sgd"],  # 6 deltas missing from a base, as at 8 arrivals after the rebase (MISSING_SETTINGS)

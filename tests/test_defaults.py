@@ -186,3 +186,16 @@ def test_the_library_default_outer_step_is_fedavg_and_nesterov_by_name_keeps_spe
     assert MasterConfig(outer_optimizer="fedavg", outer_lr=0.5).optimizer_options() == {"lr": 0.5, "momentum": 0.0}
     for path in ("configs/train.yaml", "configs/master.yaml"):
         assert "outer: fedavg" in (Path(__file__).resolve().parents[1] / path).read_text()
+
+
+def test_outer_momentum_is_honoured_by_every_step_with_a_momentum_and_ignored_aloud_by_the_others(caplog):
+    """It was silently dropped for staleness_sgd (its momentum stayed 0)."""
+    def opts(name, **kw):
+        return MasterConfig(outer_optimizer=name, outer_lr=0.5, **kw).validate().optimizer_options()
+
+    assert opts("staleness_sgd", outer_momentum=0.5)["momentum"] == 0.5
+    assert "momentum" not in opts("staleness_sgd")  # its own default (0)
+    assert opts("nesterov")["momentum"] == 0.9 and opts("fedavg")["momentum"] == 0.0
+    with caplog.at_level("WARNING", logger="diloco_lightning.master.config"):
+        assert "momentum" not in opts("adam", outer_momentum=0.9)
+    assert "outer_momentum=0.9 is ignored: adam has no momentum" in caplog.text

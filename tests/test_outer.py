@@ -793,3 +793,34 @@ def test_public_kernels_match_the_fused_ones(name):
     assert kernels.fused_kernels_in_use().get("adam" if "adam" in name or "cgad" in name else "sgd") is True
     for k in state0:
         assert torch.allclose(results[0][k], results[1][k], rtol=1e-5, atol=1e-6), k
+
+
+@pytest.mark.parametrize("name,options,gate_tau", [("staleness_sgd", {"lr": 0.7, "momentum": 0.5}, 3),
+                                                   ("poly_nesterov", {"lr": 0.3, "momentum": 0.9}, 2),
+                                                   ("nesterov", {"lr": 0.7, "momentum": 0.9}, 0)])
+def test_lookahead_is_what_the_momentum_adds_over_the_next_steps(name, options, gate_tau):
+    """DANA's look-ahead: ``lookahead(n)`` equals the state's movement over n more steps that apply
+    zero deltas (only the momentum moves it), after gated steps that left a scaled buffer behind."""
+    from diloco_lightning.outer import build_outer_optimizer
+
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(3, generator=g)}
+    opt = build_outer_optimizer(name, state, **options)
+    for tau in (0, gate_tau, 1):
+        opt.step(state, {k: torch.randn(v.shape, generator=g) for k, v in state.items()}, tau)
+    ahead = opt.lookahead(3)
+    before = {k: v.clone() for k, v in state.items()}
+    for _ in range(3):
+        opt.step(state, {k: torch.zeros_like(v) for k, v in state.items()}, 0)
+    for k in state:
+        torch.testing.assert_close(before[k] + ahead[k], state[k], rtol=1e-5, atol=1e-6)
+    assert opt.lookahead(0)["w"].abs().max() == 0
+
+
+def test_lookahead_is_none_without_momentum():
+    from diloco_lightning.outer import build_outer_optimizer
+
+    state = {"w": torch.zeros(3)}
+    assert build_outer_optimizer("staleness_sgd", state, lr=1.0).lookahead(4) is None
+    assert build_outer_optimizer("fedavg", state).lookahead(4) is None
+    assert build_outer_optimizer("adam", state, lr=0.01).lookahead(4) is None

@@ -47,6 +47,12 @@ def test_the_products_rebase_is_the_sims_where_the_product_uses_it():
     assert sim_rebase(_compose(*SMALL, "diloco=lockstep", "sim.rebase=true"))
 
 
+def _sim_master(outer: str = "fedavg", aggregation: str = "round", **config) -> SimMaster:
+    """A simulated master on a 4-vector, its norm checks off (the tests' deltas are not a model's)."""
+    return SimMaster({"w": torch.zeros(4)}, MasterConfig(outer_optimizer=outer, aggregation=aggregation, norm_ratio=None,
+                                                         norm_global_ratio=None, **config))
+
+
 def _adam_workers(k: int, phases: int, h: int) -> list[SimWorker]:
     out = []
     target = torch.linspace(-1.0, 1.0, 4)
@@ -63,10 +69,8 @@ def test_reset_inner_optimizer_clears_the_state_at_each_new_version(reset):
     """Round mode, 3 phases of 2 steps: each phase starts from a new version, so with the reset each
     worker's Adam ends with the last phase's 2 steps (its state cleared twice after the first), without it 6."""
     workers = _adam_workers(2, phases=3, h=2)
-    config = MasterConfig(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0, aggregation="round",
-                          norm_ratio=None, norm_global_ratio=None)
-    sim = Simulator(workers, SimMaster({"w": torch.zeros(4)}, config), sync="lockstep", options=SimOptions(),
-                    reset_inner_optimizer=reset)
+    master = _sim_master("nesterov", "round", outer_lr=1.0, outer_momentum=0.0)
+    sim = Simulator(workers, master, sync="lockstep", options=SimOptions(), reset_inner_optimizer=reset)
     sim.run()
     for w in workers:
         (state,) = w.inner.optimizer.state.values()
@@ -77,15 +81,13 @@ def test_the_products_rebase_runs_with_a_momentum_step_at_the_product_workers_fa
     """``diloco.rebase`` with Nesterov 0.9 (no published scales): the product's worker subtracts each own
     delta not yet in its base times 1 / nodes; the simulator's rebase does the same instead of refusing."""
     workers = _adam_workers(2, phases=4, h=2)
-    config = MasterConfig(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9, aggregation="arrival",
-                          norm_ratio=None, norm_global_ratio=None)
-    sim = Simulator(workers, SimMaster({"w": torch.zeros(4)}, config), sync="lockstep", delay=2, options=SimOptions(),
-                    rebase=True)
+    master = _sim_master("nesterov", "arrival", outer_lr=0.7, outer_momentum=0.9)
+    sim = Simulator(workers, master, sync="lockstep", delay=2, options=SimOptions(), rebase=True)
     assert sim.rebase is not None and sim.rebase.lr is None
     sim.run()
     with pytest.raises(Exception, match="rebase"):  # sim.rebase keeps its strict meaning
-        Simulator(_adam_workers(2, 4, 2), SimMaster({"w": torch.zeros(4)}, config), sync="lockstep",
-                  options=SimOptions(rebase=True))
+        Simulator(_adam_workers(2, 4, 2), _sim_master("nesterov", "arrival", outer_lr=0.7, outer_momentum=0.9),
+                  sync="lockstep", options=SimOptions(rebase=True))
 
 
 def test_lookahead_multiplies_each_missing_own_delta_by_the_workers_with_a_delta_applied():
@@ -149,9 +151,7 @@ def test_one_worker_with_fedavg_is_one_worker_alone():
     ``anchor - (anchor - local)``; the default outer step of the old recipes (lr 0.5) is not."""
     def run(lr: float) -> torch.Tensor:
         (worker,) = _adam_workers(1, phases=3, h=2)
-        config = MasterConfig(outer_optimizer="nesterov", outer_lr=lr, outer_momentum=0.0, aggregation="round",
-                              norm_ratio=None, norm_global_ratio=None)
-        master = SimMaster({"w": torch.zeros(4)}, config)
+        master = _sim_master("nesterov", "round", outer_lr=lr, outer_momentum=0.0)
         Simulator([worker], master, sync="lockstep", options=SimOptions()).run()
         return master.state["w"]
 
@@ -231,18 +231,120 @@ def test_sync_inner_state_starts_each_round_from_the_workers_mean_state(sync_sta
     want = sum(p.detach() for p in ps) / 2
 
     workers = _target_workers(2, phases=2, h=2)
-    config = MasterConfig(outer_optimizer="fedavg", outer_lr=1.0, aggregation="round", norm_ratio=None,
-                          norm_global_ratio=None)
-    master = SimMaster({"w": torch.zeros(4)}, config)
+    master = _sim_master("fedavg", "round", outer_lr=1.0)
     Simulator(workers, master, sync="lockstep", options=SimOptions(sync_inner_state=sync_state), parallel=parallel).run()
     torch.testing.assert_close(master.state["w"], want, rtol=0, atol=1e-6)
 
 
 def test_sync_inner_state_needs_synchronous_rounds():
-    config = MasterConfig(outer_optimizer="fedavg", outer_lr=1.0, aggregation="arrival", norm_ratio=None,
-                          norm_global_ratio=None)
+    master = _sim_master("fedavg", "arrival", outer_lr=1.0)
     with pytest.raises(Exception, match="sync_inner_state"):
-        Simulator(_target_workers(2, 2, 2), SimMaster({"w": torch.zeros(4)}, config), sync="lockstep",
+        Simulator(_target_workers(2, 2, 2), master, sync="lockstep",
                   options=SimOptions(sync_inner_state=True))
     with pytest.raises(Exception, match="sync_inner_state"):
         validate(_compose(*SMALL, "sim.sync_inner_state=maybe"))
+
+
+@pytest.mark.parametrize("warmup", [0, 2, 4])
+def test_sync_warmup_syncs_every_step_of_the_first_steps_then_every_h(warmup):
+    """2 Adam workers pulled to different targets, 6 steps, H = 2, outer SGD lr 1: the simulator's
+    result equals the same steps by hand, where the weights become the workers' mean after each of
+    the first ``warmup`` steps and after every second step from then on."""
+    targets = [torch.linspace(-1.0, 1.0, 4) * (i + 1) for i in range(2)]
+    ps = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    opts = [torch.optim.Adam([p], lr=0.1) for p in ps]
+    step = 0
+    while step < 6:
+        n = 1 if step < warmup else 2
+        for p, o, t in zip(ps, opts, targets):
+            for _ in range(n):
+                o.zero_grad()
+                (0.5 * ((p - t) ** 2).sum()).backward()
+                o.step()
+        step += n
+        with torch.no_grad():
+            mean = sum(p.detach() for p in ps) / 2
+            for p in ps:
+                p.copy_(mean)
+    workers = _target_workers(2, phases=3, h=2)
+    master = _sim_master("fedavg", "round", outer_lr=1.0)
+    result = Simulator(workers, master, sync="lockstep", options=SimOptions(sync_warmup=warmup)).run()
+    torch.testing.assert_close(master.state["w"], ps[0].detach(), rtol=0, atol=1e-6)
+    assert result.outer_steps == warmup + (6 - warmup) // 2
+    assert [w.phase_lengths for w in workers] == [[1] * warmup + [2] * ((6 - warmup) // 2)] * 2
+
+
+def test_sync_warmup_is_refused_where_it_means_nothing():
+    master = _sim_master("fedavg", "round", outer_lr=1.0)
+    with pytest.raises(Exception, match="sync_warmup.*multiple of H = 2"):
+        Simulator(_target_workers(2, 3, 2), master, sync="lockstep", options=SimOptions(sync_warmup=3))
+    with pytest.raises(ConfigError) as ei:
+        validate(_compose(*SMALL, "sim.sync_warmup=-1"))
+    assert ei.value.key == "sim.sync_warmup"
+
+
+def test_the_trend_predicts_the_others_deltas_from_the_masters_mean_movement_per_delta():
+    """sim/trend.py's formula by hand: movement per delta over the last W versions, times the deltas
+    a base lacks (mean staleness x deltas per version), less the worker's own rebased ones."""
+    from diloco_lightning.sim.trend import Trend
+
+    t = Trend(window=2)
+    v = [{"w": torch.tensor([0.0, 0.0])}, {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, 2.0])},
+         {"w": torch.tensor([3.0, 6.0])}]
+    t.published(1, v[0], v[1], [4])  # a round of one delta, tau 4
+    t.published(2, v[1], v[2], [2, 6])  # a round of two
+    t.published(3, v[2], v[3], [8, 8, 2])  # the window (2 versions) now holds versions 2 and 3
+    state = {"w": torch.tensor([10.0, 10.0]), "step": torch.tensor(7)}
+    # window: movement (2, 4) over 5 deltas; mean tau (2 + 6 + 8 + 8 + 2) / 5 = 5.2 versions x 2.5 deltas a version
+    per_delta, lacking = torch.tensor([2.0, 4.0]) / 5, 5.2 * 2.5
+    out = t.start(3, state, own=1)
+    torch.testing.assert_close(out["w"], state["w"] + (lacking - 1) * per_delta)
+    assert out["step"] is state["step"]  # integer keys are left alone
+    torch.testing.assert_close(t.start(1, state, own=0)["w"], state["w"] + 4 * torch.tensor([1.0, 2.0]))
+    assert t.start(0, state, own=0) is state  # nothing is known before the first step
+    assert t.start(1, state, own=9) is state  # the rebase already supplied more than the deltas lacked
+    t.prune(2)
+    with pytest.raises(KeyError):
+        t.start(1, state, own=0)
+
+
+def test_the_look_ahead_predictions_are_refused_where_they_mean_nothing():
+    master = _sim_master("staleness_sgd", "arrival", outer_lr=1.0)
+    with pytest.raises(Exception, match="lookahead_momentum.*needs an outer step with momentum"):
+        Simulator(_target_workers(2, 2, 2), master, sync="lockstep",
+                  options=SimOptions(lookahead_momentum=True))
+    with pytest.raises(ConfigError) as ei:
+        validate(_compose(*SMALL, "sim.lookahead_trend=8", "sim.lookahead_momentum=true"))
+    assert ei.value.key == "sim.lookahead_momentum"
+
+
+@pytest.mark.parametrize("option", ["lookahead_trend", "lookahead_momentum"])
+def test_a_look_ahead_start_moves_the_phases_by_the_masters_prediction(option):
+    """2 workers, 8 arrivals imposed, staleness-scaled SGD with momentum 0.5: the run with the
+    prediction differs from the run without, and the master published a prediction per version."""
+    def run(on: bool):
+        master = _sim_master("staleness_sgd", "arrival", outer_lr=0.5, outer_momentum=0.5)
+        opts = SimOptions(**({option: 4 if option == "lookahead_trend" else True} if on else {}))
+        Simulator(_target_workers(2, phases=6, h=2), master, sync="lockstep", delay=3, options=opts).run()
+        return master
+
+    off, on = run(False), run(True)
+    assert off.trend is None and on.trend is not None
+    assert (off.state["w"] - on.state["w"]).abs().max() > 1e-4
+
+
+def test_the_trend_round_trips_its_state():
+    from diloco_lightning.sim.trend import Trend
+
+    t = Trend(window=2)
+    for v in range(1, 4):
+        t.published(v, {"w": torch.full((2,), float(v - 1))}, {"w": torch.full((2,), float(v * v))}, [v])
+    u = Trend(window=2)
+    u.load_state_dict(t.state_dict())
+    state = {"w": torch.zeros(2)}
+    t.published(4, {"w": torch.full((2,), 9.0)}, {"w": torch.full((2,), 20.0)}, [2, 3])
+    u.published(4, {"w": torch.full((2,), 9.0)}, {"w": torch.full((2,), 20.0)}, [2, 3])
+    for v in (3, 4):
+        torch.testing.assert_close(t.start(v, state, own=1)["w"], u.start(v, state, own=1)["w"], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="window"):
+        Trend(window=3).load_state_dict(t.state_dict())

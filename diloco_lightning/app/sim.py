@@ -136,7 +136,9 @@ def expected_outer_steps(cfg: DictConfig) -> int:
     from diloco_lightning.wire.fragments import fragment_count
 
     # a boundary every H steps, or every H / F with fragments: one round per boundary
-    rounds = cfg.trainer.max_steps // (nominal_inner_steps(cfg) // fragment_count(_fragments(cfg)))
+    phase = nominal_inner_steps(cfg) // fragment_count(_fragments(cfg))
+    warmup = int(cfg.sim.get("sync_warmup") or 0)  # phases of one step, then of H
+    rounds = min(warmup, cfg.trainer.max_steps) + max(0, cfg.trainer.max_steps - warmup) // phase
     return rounds * cfg.workers if cfg.master.aggregation == "arrival" else rounds
 
 

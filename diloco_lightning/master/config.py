@@ -7,6 +7,7 @@ written here, and validate them here. Nothing else lists them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -27,6 +28,8 @@ ARRIVAL_PUBLISH = ("pass", "each")
 WEIGHTINGS = ("equal", "tokens")
 #: ``speedtronic``: also speak Speedtronic 2.0's hub layout (diloco_lightning.master.compat)
 COMPAT_MODES = ("speedtronic",)
+log = logging.getLogger(__name__)
+
 _MOMENTUM_OPTIMIZERS = ("nesterov", "poly_nesterov", "delayed_nesterov", "fedavg")
 #: Speedtronic's Nesterov lr and momentum: what ``outer_lr`` / ``outer_momentum`` left null mean for an
 #: optimizer whose signature has no default of its own (and for the Nesterov family, as before)
@@ -44,6 +47,16 @@ def _own_default(name: str, option: str, otherwise: float) -> float:
     from diloco_lightning.outer import OUTER_OPTIMIZERS
 
     return float(inspect.signature(OUTER_OPTIMIZERS[name]).parameters[option].default)
+
+
+def _takes(name: str, option: str) -> bool:
+    """Whether outer optimizer ``name`` (a registered one) has the option ``option``."""
+    import inspect
+
+    from diloco_lightning.outer import OUTER_OPTIMIZERS
+
+    cls = OUTER_OPTIMIZERS.get(name)
+    return cls is not None and option in inspect.signature(cls).parameters
 
 
 def default_lr(name: str) -> float:
@@ -76,8 +89,9 @@ class MasterConfig:
         "optimizer without a default of its own)"
     )
     outer_momentum: float | None = option(
-        None, "the momentum of the Nesterov family (null: its own default: fedavg 0; Speedtronic's 0.9 for nesterov, "
-        "poly_nesterov and delayed_nesterov)"
+        None, "the momentum of the Nesterov family and of every other outer step with one, e.g. staleness_sgd (null: "
+        "its own default: fedavg and staleness_sgd 0; Speedtronic's 0.9 for nesterov, poly_nesterov and "
+        "delayed_nesterov); ignored, with a warning, by a step without momentum"
     )
     fragments: Any = option(
         None, "Streaming DiLoCo fragments, as the workers' (F, or a list of parameter-name pattern groups; null: "
@@ -173,6 +187,10 @@ class MasterConfig:
             raise OptionError("warm_standby", f"must be True or False, got {self.warm_standby!r}")
         check_number(self, "outer_lr", low=0.0, strict=True, optional=True)
         check_number(self, "outer_momentum", low=0.0, optional=True)
+        if self.outer_momentum is not None and self.outer_optimizer not in _MOMENTUM_OPTIMIZERS \
+                and not _takes(self.outer_optimizer, "momentum"):
+            # a warning, not a refusal: Speedtronic's callers pass outer_momentum whatever the optimizer
+            log.warning("outer_momentum=%s is ignored: %s has no momentum", self.outer_momentum, self.outer_optimizer)
         check_number(self, "poll_interval", low=0.0, strict=True)
         if is_fraction(self.min_deltas):
             if not 0.0 < self.min_deltas <= 1.0:
@@ -231,12 +249,15 @@ class MasterConfig:
             raise OptionError("outer_options", str(e), f"outer_options: {e}") from None
 
     def optimizer_options(self) -> dict[str, Any]:
-        """``outer_lr`` (and ``outer_momentum`` for the Nesterov family), overridden by ``outer_options``;
+        """``outer_lr`` (and ``outer_momentum`` for the Nesterov family and every other step with a
+        momentum), overridden by ``outer_options``;
         a null one is the optimizer's own default (``fedavg``: lr 1, momentum 0), else Speedtronic's (0.7, 0.9)."""
         opts: dict[str, Any] = {"lr": default_lr(self.outer_optimizer) if self.outer_lr is None else self.outer_lr}
         if self.outer_optimizer in _MOMENTUM_OPTIMIZERS:
             momentum = _own_default(self.outer_optimizer, "momentum", SPEEDTRONIC_MOMENTUM)
             opts["momentum"] = momentum if self.outer_momentum is None else self.outer_momentum
+        elif self.outer_momentum is not None and _takes(self.outer_optimizer, "momentum"):  # e.g. staleness_sgd
+            opts["momentum"] = self.outer_momentum
         opts.update(dict(self.outer_options))
         if "lr" in opts:  # lr first, as it always printed
             opts = {"lr": opts.pop("lr"), **opts}

@@ -185,6 +185,12 @@ class OuterOptimizer:
         steps). The master publishes what each node's delta got from it (``master.delta_scales``)."""
         return None
 
+    def lookahead(self, steps: float) -> dict[str, Tensor] | None:
+        """What this optimizer's own state adds to the global over its next ``steps`` outer steps,
+        whatever deltas they apply (DANA's look-ahead, Hakimi et al. 2019), per key; None when
+        nothing of an earlier step carries over (or this optimizer does not say)."""
+        return None
+
     def step(
         self,
         state: dict[str, Tensor],

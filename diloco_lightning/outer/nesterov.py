@@ -81,6 +81,21 @@ class _NesterovBase(OuterOptimizer):
     def linear_rate(self) -> float | None:
         return self.lr if self.momentum == 0.0 else None
 
+    def lookahead(self, steps: float) -> dict[str, Tensor] | None:
+        """The momentum's share of the next ``steps`` outer steps: with no new delta the buffer decays
+        by ``momentum`` a step and step ``k`` moves the state by ``-lr * momentum**(k+1) * buf``, so
+
+            sum_{k=1..n} = -lr * momentum**2 * (1 - momentum**n) / (1 - momentum) * buf
+
+        (a fractional ``n`` continues the geometric sum). None without momentum."""
+        if self.momentum == 0.0 or "momentum" not in self._store.buffers:
+            return None
+        m = self.momentum
+        factor = -self.lr * m * m * (1.0 - m ** max(0.0, float(steps))) / (1.0 - m)
+        scales = self._key_scalars.get("momentum_scales", {}) if "momentum_scales" in self._scalar_kinds else {}
+        return {key: self._store.values("momentum", key) * (factor * float(scales.get(key, 1.0)))
+                for key in self._store.buffers["momentum"]}
+
     def _apply(self, items: list[Item], tau: float, gated: bool, fragment: str | None) -> bool:
         gate = self.gate(tau)
         if gate == 0.0:

@@ -55,6 +55,9 @@ steps between two boundaries and its delta carries one fragment, so every schedu
 boundaries (lockstep: round ``s`` is every worker's ``(s+1)``-th boundary); the staleness the
 master applies is the fragment's own, as the product's master counts it.
 
+A synchronous warm-up (``sync_warmup``): each worker's first ``sync_warmup`` inner steps are
+phases of one step, so every step is synced before the DiLoCo phases of H begin.
+
 Dynamic Local Updates (``dylu``): each worker chooses the H of its next phase when it begins it,
 with the product's rule (:func:`~diloco_lightning.worker.pacing.dylu_inner_steps`), fed by the
 rates a heartbeat would carry (each worker's steps per unit of time over its last finished phase;
@@ -90,6 +93,7 @@ from diloco_lightning.sim.result import SimResult, as_received
 from diloco_lightning.sim.runners import choose_runner
 from diloco_lightning.sim.starts import PhaseStarts
 from diloco_lightning.sim.transfers import Transfers
+from diloco_lightning.sim.trend import Trend
 from diloco_lightning.util.options import OptionError
 from diloco_lightning.worker.options import SYNC_MODES, feedback_of, resolve_encoding
 from diloco_lightning.worker.pacing import dylu_inner_steps
@@ -177,11 +181,24 @@ class Simulator:
             self.dylu = {"max_steps": int(dylu["max_steps"]), "min_steps": dylu.get("min_steps"),
                          "seconds": dylu.get("seconds")}
         check_fragments(self.workers, self.master.plan, self.dylu is not None)
+        self.sync_warmup = int(self.options.sync_warmup)
+        if self.sync_warmup:
+            h = self.workers[0].phase_steps
+            why = [what for what, bad in (("no fragments", master.plan is not None),
+                                          ("a fixed H (not inner_steps=auto)", self.dylu is not None),
+                                          (f"a multiple of H = {h}", self.sync_warmup % h != 0)) if bad]
+            if why:
+                raise OptionError("sync_warmup", f"needs {', '.join(why)}, got {self.sync_warmup}")
         #: sim.rebase: each worker's own deltas, to start its phases from (sim/rebase.py)
         # or the product's diloco.rebase (``rebase``: an async worker's rule, with its fallback scales)
         self.rebase = (SimOwnDeltas.build(master.opt, n, master.plan is not None, fallback=not self.options.rebase,
                                           lookahead=lookahead)
                        if self.options.rebase or rebase else None)
+        if self.options.lookahead_trend or self.options.lookahead_momentum:
+            if self.options.lookahead_momentum and self.master.opt.lookahead(1.0) is None:
+                raise OptionError("lookahead_momentum", f"needs an outer step with momentum; this run's is "
+                                  f"{self.master.opt.name} {dict(self.master.opt.options)}")
+            self.master.trend = Trend(self.options.lookahead_trend or 8, momentum=self.options.lookahead_momentum)
         self.starts = PhaseStarts(self.workers, master, rebase=self.rebase, exact=sync != "async",
                                   reset_inner_optimizer=bool(reset_inner_optimizer),
                                   sync_inner_state=self.options.sync_inner_state)
@@ -304,7 +321,10 @@ class Simulator:
 
     def next_inner_steps(self, k: int) -> int:
         """Inner steps of worker ``k``'s next phase: its ``phase_steps`` (H, or H / F with
-        fragments), or DyLU's rule on the measured rates."""
+        fragments), or DyLU's rule on the measured rates; one step while the worker is in its
+        synchronous warm-up (``sync_warmup``)."""
+        if self.workers[k].planned < self.sync_warmup:
+            return 1
         if self.dylu is None:
             return self.workers[k].phase_steps
         peers = [self._rate[j] for j in range(len(self.workers)) if j != k and self._active[j]]

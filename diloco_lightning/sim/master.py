@@ -52,6 +52,7 @@ from diloco_lightning.master.metrics import RoundMetrics
 from diloco_lightning.master.gating import FragmentView, delta_gates, legacy_pa
 from diloco_lightning.master.validation import DeltaRejected, NormGuard, check_staleness, delta_norm, state_norm
 from diloco_lightning.outer import build_outer_optimizer
+from diloco_lightning.sim.trend import Trend
 
 __all__ = ["SimMaster"]
 
@@ -102,6 +103,9 @@ class SimMaster:
         self._m = self._new_metrics()
         self.null_rounds = 0
         self._prev: dict[str, Tensor] | None = None  # the state before the last outer step
+        #: sim.lookahead_trend: the prediction published with each version (None: off; the simulator sets it)
+        self.trend: Trend | None = None
+        self._taus: list[int] = []  # the staleness of the deltas the last outer step applied
         self._step_seconds = 0.0
 
     def _new_metrics(self) -> RoundMetrics:
@@ -240,6 +244,7 @@ class SimMaster:
         self.norms.set_global(norm, numel)
         for ident, tau, _ in accepted:
             self._m.apply(ident, tau)
+        self._taus = [tau for _, tau, _ in accepted]
         self._updated = list(updated or [])
         return True
 
@@ -250,7 +255,12 @@ class SimMaster:
 
     def _publish(self, now: float, applied: bool) -> dict[str, Any]:
         self.outer_step += 1
+        before = self.versions.get(self.outer_step - 1)
         self.versions[self.outer_step] = _clone(self.state)
+        if self.trend is not None and before is not None:
+            self.trend.published(self.outer_step, before, self.versions[self.outer_step],
+                                 self._taus if applied else [], self.opt)
+        self._taus = []
         updated, self._updated = (self._updated if applied else []), []
         for n in updated:
             self.fragment_steps[n] = (self.fragment_steps[n][0] + 1, self.outer_step)
@@ -297,3 +307,5 @@ class SimMaster:
         for v in [v for v in self.versions if v < keep_from]:
             del self.versions[v]
             self.version_steps.pop(v, None)
+        if self.trend is not None:
+            self.trend.prune(keep_from)

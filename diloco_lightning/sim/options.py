@@ -153,6 +153,22 @@ class SimOptions:
         "average, as the weights do (a simulator lever: the product's workers do not do it; it would send the "
         "optimizer state, 2 model-sized tensors for AdamW, beside each delta, and receive their average)"
     )
+    sync_warmup: int = option(
+        0, "each worker's first this many inner steps are phases of one step (every step synced, as data-parallel "
+        "with the workers' AdamW steps averaged), then phases of H: a synchronous warm-up before the first DiLoCo "
+        "phase (a simulator lever: the product's workers do not do it; a multiple of H; no fragments; 0: off)"
+    )
+    lookahead_trend: int = option(
+        0, "each phase starts where the global is predicted to be when its delta lands: its base plus the master's "
+        "mean movement per delta over its last this many versions, times the deltas a delta lacks on average (its "
+        "mean staleness), less the worker's own ones the rebase subtracts (sim/trend.py; DANA's look-ahead; a "
+        "simulator lever: the product's workers do not do it; 0: off)"
+    )
+    lookahead_momentum: bool = option(
+        False, "each phase starts where the outer step's own momentum will carry the global before its delta lands: "
+        "its base plus what the momentum adds over the versions a delta lacks on average (DANA's look-ahead; "
+        "sim/trend.py; needs an outer step with momentum; a simulator lever)"
+    )
     barrier: bool = option(False, "synchronous rounds with a quorum (diloco.sync=async, aggregation=round): after its "
                                   "delta a worker waits for a version newer than its phase's; rounds close with "
                                   "sim.quorum deltas (or at sim.deadline)")
@@ -193,6 +209,12 @@ class SimOptions:
             raise OptionError("sync_inner_state", f"must be true or false, got {self.sync_inner_state!r}")
         if not isinstance(self.save_weights, bool):
             raise OptionError("save_weights", f"must be True or False, got {self.save_weights!r}")
+        check_number(self, "sync_warmup", low=0, integer=True)
+        check_number(self, "lookahead_trend", low=0, integer=True)
+        if not isinstance(self.lookahead_momentum, bool):
+            raise OptionError("lookahead_momentum", f"must be true or false, got {self.lookahead_momentum!r}")
+        if self.lookahead_momentum and self.lookahead_trend:
+            raise OptionError("lookahead_momentum", "is another prediction than lookahead_trend: choose one")
         check_number(self, "speed_jitter", low=0.0)
         for name in ("join_at", "leave_at"):
             times = getattr(self, name)

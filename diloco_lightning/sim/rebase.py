@@ -133,6 +133,10 @@ class SimOwnDeltas:
         return rebase_start(state, [((o.scale if o.scale is not None else self._last[worker]) * nodes, o.tensors)
                                     for o in missing])
 
+    def missing(self, worker: int, base: int) -> int:
+        """How many of ``worker``'s own deltas version ``base`` lacks (what :meth:`start` subtracts)."""
+        return sum(1 for o in self._own[worker] if o.version is None or o.version > base)
+
     def held(self, worker: int) -> int:
         """How many deltas of ``worker`` are kept (each a model-sized copy)."""
         return len(self._own[worker])

@@ -2,7 +2,8 @@
 
 :class:`PhaseStarts` gives a phase from version ``base`` its starting state (that version, or with
 ``sim.rebase`` / ``diloco.rebase`` that version minus the worker's own deltas it does not contain
-yet: :mod:`~diloco_lightning.sim.rebase`) and its arguments: whether the worker's inner optimizer
+yet: :mod:`~diloco_lightning.sim.rebase`; with ``sim.lookahead_trend`` moved by the master's
+prediction of the others' deltas it lacks: :mod:`~diloco_lightning.sim.trend`) and its arguments: whether the worker's inner optimizer
 is reset (``diloco.reset_inner_optimizer``), with fragments the version's number and fragment
 counts; with ``sim.sync_inner_state`` the first phase of a round averages the workers' inner
 optimizer states.
@@ -44,8 +45,13 @@ class PhaseStarts:
     def state(self, k: int, base: int) -> Mapping[str, Tensor]:
         """What worker ``k``'s phase from version ``base`` starts from: that version, or with
         ``sim.rebase`` that version minus the worker's own deltas it does not contain yet."""
-        state = self.master.versions[base]
-        return state if self.rebase is None else self.rebase.start(k, base, state, min(self.master.versions))
+        state: Mapping[str, Tensor] = self.master.versions[base]
+        if self.rebase is not None:
+            state = self.rebase.start(k, base, state, min(self.master.versions))
+        trend = self.master.trend
+        if trend is not None:  # sim.lookahead_trend: the others' deltas it lacks, predicted (sim/trend.py)
+            state = trend.start(base, state, self.rebase.missing(k, base) if self.rebase is not None else 0)
+        return state
 
     def args(self, k: int, base: int) -> dict[str, Any]:
         """What worker ``k``'s phase starting from version ``base`` is given besides that version,
