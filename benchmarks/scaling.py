@@ -103,6 +103,10 @@ ARMS: dict[str, Arm] = {
                     "synchronous DiLoCo, outer Nesterov 0.9"),
     "nesterov_m": Arm(("workers={k}", "outer=nesterov", "outer.options.momentum=0.6", *SYNC), "outer.lr", 0.7, 0, False,
                       "synchronous DiLoCo, outer Nesterov 0.6"),
+    # DiLoCo's Nesterov 0.9 at the H curve's far point (outer momentum tuned per H, as the scaling-law paper does;
+    # ``sgd`` at H = 16 is the curve's run)
+    "nesterov_h16": Arm(("workers={k}", "outer=nesterov", "outer.options.momentum=0.9", *SYNC, "diloco.inner_steps=16"),
+                        "outer.lr", 0.7, -2, False, "synchronous DiLoCo at H = 16, outer Nesterov 0.9"),
     "async": Arm(("workers={k}", "diloco=async", "master.aggregation=arrival"), "outer.lr", 0.5, 0, False,
                  "asynchronous DiLoCo, K equal workers (the product's async worker, the default outer step)"),
     "async_round": Arm(("workers={k}", "diloco=async", "master.aggregation=round", "outer=fedavg"), "outer.lr", 1.0, 0,

@@ -195,6 +195,9 @@ class Simulator:
                                           lookahead=lookahead)
                        if self.options.rebase or rebase else None)
         if self.options.lookahead_trend or self.options.lookahead_momentum:
+            name = "lookahead_trend" if self.options.lookahead_trend else "lookahead_momentum"
+            if master.plan is not None:
+                raise OptionError(name, "is not composed with fragments (a phase installs one fragment)")
             if self.options.lookahead_momentum and self.master.opt.lookahead(1.0) is None:
                 raise OptionError("lookahead_momentum", f"needs an outer step with momentum; this run's is "
                                   f"{self.master.opt.name} {dict(self.master.opt.options)}")
