@@ -38,25 +38,26 @@ SPEEDTRONIC_LR, SPEEDTRONIC_MOMENTUM = 0.7, 0.9
 _OWN_DEFAULTS = ("fedavg",)
 
 
-def _own_default(name: str, option: str, otherwise: float) -> float:
-    """``option``'s default in the signature of an optimizer with defaults of its own (``fedavg``), else ``otherwise``."""
-    if name not in _OWN_DEFAULTS:
-        return otherwise
-    import inspect
-
-    from diloco_lightning.outer import OUTER_OPTIMIZERS
-
-    return float(inspect.signature(OUTER_OPTIMIZERS[name]).parameters[option].default)
-
-
-def _takes(name: str, option: str) -> bool:
-    """Whether outer optimizer ``name`` (a registered one) has the option ``option``."""
+def _parameters(name: str) -> Mapping[str, Any]:
+    """The parameters of registered outer optimizer ``name``'s signature (none for an unknown name)."""
     import inspect
 
     from diloco_lightning.outer import OUTER_OPTIMIZERS
 
     cls = OUTER_OPTIMIZERS.get(name)
-    return cls is not None and option in inspect.signature(cls).parameters
+    return {} if cls is None else inspect.signature(cls).parameters
+
+
+def _own_default(name: str, option: str, otherwise: float) -> float:
+    """``option``'s default in the signature of an optimizer with defaults of its own (``fedavg``), else ``otherwise``."""
+    if name not in _OWN_DEFAULTS:
+        return otherwise
+    return float(_parameters(name)[option].default)
+
+
+def _takes(name: str, option: str) -> bool:
+    """Whether outer optimizer ``name`` (a registered one) has the option ``option``."""
+    return option in _parameters(name)
 
 
 def default_lr(name: str) -> float:

@@ -92,7 +92,7 @@ class _NesterovBase(OuterOptimizer):
             return None
         m = self.momentum
         factor = -self.lr * m * m * (1.0 - m ** max(0.0, float(steps))) / (1.0 - m)
-        scales = self._key_scalars.get("momentum_scales", {}) if "momentum_scales" in self._scalar_kinds else {}
+        scales = self._key_scalars.get("momentum_scales", {})  # the true buffer is scale * B (module docstring)
         return {key: self._store.values("momentum", key) * (factor * float(scales.get(key, 1.0)))
                 for key in self._store.buffers["momentum"]}
 

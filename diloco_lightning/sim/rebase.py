@@ -126,16 +126,20 @@ class SimOwnDeltas:
         may still start from (a delta applied by it is in every later base, and is forgotten)."""
         own = self._own[worker]
         own[:] = [o for o in own if o.version is None or o.version > floor]
-        missing = [o for o in own if o.version is None or o.version > base]
+        missing = self._missing(worker, base)
         if not missing:
             return state
         nodes = len(self._nodes | {worker}) if self.lookahead else 1
         return rebase_start(state, [((o.scale if o.scale is not None else self._last[worker]) * nodes, o.tensors)
                                     for o in missing])
 
+    def _missing(self, worker: int, base: int) -> list[_Own]:
+        """``worker``'s own deltas that version ``base`` does not contain (applied later, or not yet)."""
+        return [o for o in self._own[worker] if o.version is None or o.version > base]
+
     def missing(self, worker: int, base: int) -> int:
         """How many of ``worker``'s own deltas version ``base`` lacks (what :meth:`start` subtracts)."""
-        return sum(1 for o in self._own[worker] if o.version is None or o.version > base)
+        return len(self._missing(worker, base))
 
     def held(self, worker: int) -> int:
         """How many deltas of ``worker`` are kept (each a model-sized copy)."""

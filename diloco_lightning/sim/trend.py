@@ -57,7 +57,9 @@ class Trend:
                   taus: list[int], opt: OuterOptimizer | None = None) -> None:
         """Version ``version`` (``after``) was made from ``before`` by a step of ``opt`` that applied
         deltas of staleness ``taus`` (none: a null round)."""
-        move = {k: after[k].float() - before[k].float() for k in after if after[k].is_floating_point()}
+        # the movement itself only feeds the trend; DANA's prediction needs the staleness alone
+        move = {} if self.momentum else \
+            {k: after[k].float() - before[k].float() for k in after if after[k].is_floating_point()}
         self._steps.append((move, len(taus), float(sum(taus))))
         if len(self._steps) > self.window:
             self._steps.popleft()
